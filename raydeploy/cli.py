@@ -1,0 +1,102 @@
+"""The `raydeploy` command line: parses arguments and calls into the package; holds no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _add_config_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("config", nargs="?", default=None,
+                       help="deployment YAML (default: the embedded default, configs/local.yaml)")
+    else:
+        p.add_argument("--config", "-c", default=None,
+                       help="deployment YAML (default: the embedded default, configs/local.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set engine.max_slots=4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raydeploy",
+        description="Serve JAX/Flax LLMs across a gang of hosts with Ray.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="start the gang and the HTTP server (OpenAI-compatible API)",
+                       description="Bring up the gang described by CONFIG and serve it over HTTP until Ctrl-C/SIGTERM.")
+    _add_config_args(p, positional=True)
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS, else start a local one)")
+
+    p = sub.add_parser("generate", help="generate text with the engine in this process",
+                       description="Load the model in this process (its mesh over local devices) and generate once.")
+    _add_config_args(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="raw prompt text")
+    g.add_argument("--chat", help="one user message; the model's chat template is applied")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, timings)")
+
+    p = sub.add_parser("convert", help="convert weights into a raydeploy msgpack-sharded checkpoint",
+                       description="Convert a Hugging Face safetensors directory, a GGUF file, or an EasyDeL "
+                                   "msgpack stream into a raydeploy checkpoint directory.")
+    p.add_argument("src", help="source: safetensors directory, .gguf file, or EasyDeL msgpack file")
+    p.add_argument("dst", help="destination checkpoint directory")
+    p.add_argument("--from", dest="src_format", choices=["auto", "safetensors", "gguf", "easydel"], default="auto")
+    p.add_argument("--hf-config", default=None,
+                   help="config.json (and tokenizer files beside it) for formats that do not carry one (easydel)")
+    p.add_argument("--shard-size", default="1GB", help="target shard file size, e.g. 512MB, 2GB (default 1GB)")
+    p.add_argument("--dtype", choices=["keep", "float32", "bfloat16"], default="keep",
+                   help="store tensors in this dtype (default: keep the source's; GGUF quantized -> float32)")
+
+    p = sub.add_parser("plan", help="show what a config would do, without any hardware",
+                       description="Print hosts, devices, mesh, per-host parameter and KV-cache bytes and "
+                                   "placement bundles; exit 1 on an impossible plan.")
+    _add_config_args(p, positional=True)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    p = sub.add_parser("predict", help="offline batch inference over the gang (JSONL in, JSONL out)")
+    _add_config_args(p, positional=True)
+    p.add_argument("--input", required=True, help="prompts.jsonl: one {\"prompt\": ...} or {\"messages\": [...]} per line")
+    p.add_argument("--output", required=True, help="out.jsonl; lines already there are kept and skipped (resume)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default engine.max_new_tokens)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--on-bad-line", choices=["skip", "fail"], default="skip",
+                   help="a malformed input line is reported and skipped (default) or stops the run")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else local)")
+
+    p = sub.add_parser("submit", help="submit `serve` or `predict` to a Ray cluster with the Ray Jobs API")
+    p.add_argument("config", help="deployment YAML to ship with the job")
+    p.add_argument("--address", default=None, help="Ray dashboard address (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
+    p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
+    p.add_argument("entry", nargs=argparse.REMAINDER, help="-- serve | predict ARGS...")
+
+    p = sub.add_parser("status", help="ask a running deployment for its state")
+    p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="base URL (default http://127.0.0.1:8000)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.add_argument("--api-key", default=None, help="API key, if the deployment requires one (default $RAYDEPLOY_API_KEY)")
+
+    p = sub.add_parser("config-reference", help="print the config reference (markdown) generated from the config types")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from raydeploy import commands
+
+    return int(getattr(commands, args.command.replace("-", "_"))(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""What each CLI command does: load the config, call the one module that does the work, report errors.
+
+Each function takes the parsed argparse namespace and returns an exit code. Errors a user can fix
+(config, checkpoint, input) print one clear line to stderr and exit 1; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from functools import wraps
+
+from raydeploy.config import ConfigError, config_reference_markdown, load_config
+
+
+def _user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    @wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ConfigError as e:
+            print(f"raydeploy {args.command}: config error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    return run
+
+
+@_user_errors
+def config_reference(args: argparse.Namespace) -> int:
+    print(config_reference_markdown())
+    return 0
+
+
+@_user_errors
+def generate(args: argparse.Namespace) -> int:
+    from raydeploy.engine.generate import run_generate
+
+    cfg = load_config(args.config, args.overrides)
+    return run_generate(cfg, args)
+
+
+@_user_errors
+def convert(args: argparse.Namespace) -> int:
+    from raydeploy.checkpoint.convert import run_convert
+
+    return run_convert(args)
+
+
+@_user_errors
+def plan(args: argparse.Namespace) -> int:
+    from raydeploy.plan import run_plan
+
+    cfg = load_config(args.config, args.overrides)
+    return run_plan(cfg, args)
+
+
+@_user_errors
+def serve(args: argparse.Namespace) -> int:
+    from raydeploy.serve.run import run_serve
+
+    cfg = load_config(args.config, args.overrides)
+    return run_serve(cfg, args)
+
+
+@_user_errors
+def predict(args: argparse.Namespace) -> int:
+    from raydeploy.predict import run_predict
+
+    cfg = load_config(args.config, args.overrides)
+    return run_predict(cfg, args)
+
+
+@_user_errors
+def submit(args: argparse.Namespace) -> int:
+    from raydeploy.submit import run_submit
+
+    return run_submit(args)
+
+
+@_user_errors
+def status(args: argparse.Namespace) -> int:
+    from raydeploy.status import run_status
+
+    return run_status(args)

@@ -1,0 +1,470 @@
+"""The deployment config: one YAML file, loaded strictly into frozen dataclasses.
+
+Every field has a one-line docstring (the string right below it) that says what it is and its unit; the
+docs' config reference is generated from these. Loading is strict: an unknown key, a wrong type or an
+impossible combination raises :class:`ConfigError` naming the file, the key and the numbers, before
+anything starts. Cross-field checks that need the model's shape (heads vs tensor-parallel size, memory)
+live in :mod:`raydeploy.plan`, which runs before any actor is placed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+MESH_AXES = ("dp", "fsdp", "tp", "sp")
+DEFAULT_CONFIG_PATH = Path(__file__).with_name("default_config.yaml")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used: says which file, which key, what was expected and what was found."""
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None) -> None:
+        where = ", ".join(p for p in (f"file {file}" if file else "", f"key '{key}'" if key else "") if p)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.file = file
+        self.key = key
+
+    def __reduce__(self):  # pickles across Ray intact
+        return (_rebuild_config_error, (str(self), self.file, self.key))
+
+
+def _rebuild_config_error(text: str, file: str | None, key: str | None) -> ConfigError:
+    err = ConfigError.__new__(ConfigError)
+    ValueError.__init__(err, text)
+    err.file, err.key = file, key
+    return err
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the gang runs: how many hosts, what each host is, how long each phase may take."""
+
+    num_hosts: int = 2
+    """Number of hosts in the gang; one Ray actor (one process, one JAX process) per host."""
+    devices_per_host: int = 2
+    """Accelerator devices each host contributes to the mesh (chips, GPUs, or virtual CPU devices)."""
+    platform: Literal["cpu", "tpu", "gpu"] = "cpu"
+    """JAX platform on the hosts; `cpu` with `simulated: true` is the one-machine simulation."""
+    simulated: bool = True
+    """Simulate hosts on one machine: each host actor is a process with `devices_per_host` virtual CPU devices."""
+    host_resources: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources each host bundle asks for, e.g. {TPU: 4} or {GPU: 8} or a custom label resource."""
+    host_num_cpus: float = 0.5
+    """CPUs each host bundle reserves in Ray (the actor's own bookkeeping; JAX threads are not limited by it)."""
+    tpu_slice_head_resource: str | None = None
+    """Resource held only by a TPU slice's first host (e.g. TPU-v5litepod-16-head); rank 0 claims it so a whole slice is taken atomically."""
+    placement_strategy: Literal["STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"] = "STRICT_SPREAD"
+    """Ray placement-group strategy; STRICT_SPREAD puts each host on its own node (simulated mode uses PACK)."""
+    placement_timeout_s: float = 60.0
+    """Seconds to wait for the placement group before failing with what was asked and what the cluster has."""
+    ray_address: str | None = None
+    """Ray cluster to join (like RAY_ADDRESS); null starts a local Ray cluster."""
+    coordinator_bind_address: str | None = None
+    """Address the jax.distributed coordinator (inside rank 0) binds; null means rank 0's node IP."""
+    coordinator_port: int = 0
+    """Port of the jax.distributed coordinator; 0 picks a free port on every (re)start."""
+    init_timeout_s: float = 60.0
+    """Seconds jax.distributed.initialize waits for every host to join before failing."""
+    heartbeat_timeout_s: float = 10.0
+    """Seconds without a heartbeat after which JAX declares a host dead."""
+    step_timeout_s: float = 120.0
+    """Watchdog: seconds a host may go without finishing a step before the gang counts as stuck."""
+    rpc_timeout_s: float = 300.0
+    """Upper bound on any control call to a host actor (load, compile, shutdown)."""
+    max_restarts: int = 3
+    """Gang restarts allowed after a failure before the state becomes `failed`."""
+    restart_backoff_s: float = 2.0
+    """Seconds before the first restart; doubles each time."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every host process."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """The one global mesh every host builds: axis names and sizes, and the sharding rules."""
+
+    axes: dict[str, int] = field(default_factory=lambda: {"dp": 1, "fsdp": 2, "tp": 2, "sp": 1})
+    """Mesh axis sizes in order (subset of dp, fsdp, tp, sp); one may be -1 to take the remaining devices."""
+    rules: dict[str, list[str] | str | None] = field(default_factory=dict)
+    """Overrides of the logical-axis -> mesh-axes table (raydeploy.model.sharding.DEFAULT_RULES); null replicates."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to serve and in which precision."""
+
+    checkpoint: str = "demo:smollm2-135m-instruct"
+    """Path of a raydeploy msgpack-sharded checkpoint directory, or `demo:smollm2-135m-instruct` (converted once, cached)."""
+    name: str | None = None
+    """Model id shown by /v1/models and accepted in requests; null uses the checkpoint's directory name."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Activation / compute dtype."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype weights are held in on the devices (converted at load time if the checkpoint differs)."""
+    max_seq_len: int = 2048
+    """Longest sequence (prompt + generated tokens) a slot holds; sizes the KV cache."""
+    load_threads: int = 8
+    """Reader threads per host when loading the checkpoint."""
+    verify_checksums: bool = True
+    """Verify each tensor's checksum as it is read."""
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling used when a request does not say."""
+
+    temperature: float = 0.7
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    repetition_penalty: float = 1.0
+    """Penalty > 1 discourages tokens already in the sequence (CTRL-style); 1 disables."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The jitted engine: slots, prompt buckets, limits."""
+
+    max_slots: int = 8
+    """Batch slots decoded together (continuous batching); must divide evenly over dp."""
+    prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256, 512, 1024, 2048])
+    """Prompt lengths are padded up to the next bucket so compilations stay bounded; the last must be >= max_seq_len."""
+    max_new_tokens: int = 256
+    """Default and upper bound of tokens generated per request."""
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    """Sampling defaults."""
+    compilation_cache_dir: str | None = "~/.cache/raydeploy/jax-compilation-cache"
+    """Persistent XLA compilation cache shared by host processes; null disables."""
+    warmup: bool = True
+    """Compile every prefill bucket and the decode step before reporting ready."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The HTTP front door (Ray Serve)."""
+
+    host: str = "127.0.0.1"
+    """Bind address of the HTTP proxy; 127.0.0.1 keeps it local, 0.0.0.0 exposes it."""
+    port: int = 8000
+    """HTTP port."""
+    api_keys_env: str | None = None
+    """Environment variable holding comma-separated API keys; when set (or api_keys_file), /v1, /chat, /instruct need one."""
+    api_keys_file: str | None = None
+    """File with one API key per line."""
+    max_queue: int = 64
+    """Requests waiting for a slot beyond which new ones get 503 with Retry-After."""
+    request_timeout_s: float = 300.0
+    """Seconds a request may take end to end before it is aborted with 504 and its slot freed."""
+    max_body_bytes: int = 1_048_576
+    """Largest request body accepted (413 beyond)."""
+    ingress_replicas: int = 1
+    """Serve replicas of the HTTP ingress (light, no JAX)."""
+    cors_origins: list[str] = field(default_factory=list)
+    """Origins allowed by CORS; empty disables CORS headers."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole deployment."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Hosts and Ray placement."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """The global device mesh."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Weights and precision."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Jitted engine."""
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    """HTTP serving."""
+    source: str = "<defaults>"
+    """Where this config came from (set by the loader)."""
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def total_devices(self) -> int:
+        return self.cluster.num_hosts * self.cluster.devices_per_host
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Mesh axes with -1 resolved (validated at load time)."""
+        return resolve_mesh_axes(self.mesh.axes, self.total_devices, self.source)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML file (the embedded default when None), apply `a.b=value` overrides, validate."""
+    p = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    source = str(p)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config: {e.strerror}", file=source) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not valid YAML: {e}", file=source) from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the top level must be a mapping, found {type(raw).__name__}", file=source)
+    for item in overrides or []:
+        _apply_override(raw, item, source)
+    return config_from_dict(raw, source=source)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    raw = dict(raw)
+    raw.pop("source", None)
+    cfg = _build(Config, raw, "", source)
+    cfg = dataclasses.replace(cfg, source=source)
+    validate(cfg)
+    return cfg
+
+
+def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like section.key=value", file=source)
+    dotted, value_text = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else None
+    except yaml.YAMLError:
+        value = value_text
+    node = raw
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override '{item}': '{k}' is not a section", file=source, key=dotted)
+        node = nxt
+    node[keys[-1]] = value
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _check_value(tp: Any, value: Any, key: str, source: str) -> Any:
+    """Check `value` against the annotation `tp` and return it (ints promoted to float where a float is asked)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for alt in get_args(tp):
+            if alt is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _check_value(alt, value, key, source)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"expected {_type_name(tp)}, found {value!r}", file=source, key=key)
+    if origin is Literal:
+        if value not in get_args(tp):
+            choices = ", ".join(repr(a) for a in get_args(tp))
+            raise ConfigError(f"must be one of {choices}, found {value!r}", file=source, key=key)
+        return value
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"expected a list, found {value!r}", file=source, key=key)
+        return [_check_value(item_tp, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, val_tp = get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a mapping, found {value!r}", file=source, key=key)
+        return {
+            _check_value(key_tp, k, f"{key}.{k}", source): _check_value(val_tp, v, f"{key}.{k}", source)
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a mapping (section), found {value!r}", file=source, key=key)
+        return _build(tp, value, key, source)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"expected true or false, found {value!r}", file=source, key=key)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"expected an integer, found {value!r}", file=source, key=key)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"expected a number, found {value!r}", file=source, key=key)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"expected a string, found {value!r}", file=source, key=key)
+        return value
+    raise TypeError(f"config type {tp!r} at {key} is not supported by the loader")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in fields or k == "source":
+            known = ", ".join(n for n in fields if n != "source")
+            raise ConfigError(f"unknown key; known keys here are: {known}", file=source, key=key)
+        kwargs[k] = _check_value(hints[k], v, key, source)
+    return cls(**kwargs)
+
+
+# -- validation of combinations that need no model ------------------------------------------------
+
+
+def resolve_mesh_axes(axes: dict[str, int], total_devices: int, source: str = "<config>") -> dict[str, int]:
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+        raise ConfigError(f"unknown mesh axis {unknown[0]!r}; axes are {', '.join(MESH_AXES)}", file=source, key="mesh.axes")
+    if not axes:
+        raise ConfigError("at least one mesh axis is needed", file=source, key="mesh.axes")
+    wild = [a for a, n in axes.items() if n == -1]
+    bad = [a for a, n in axes.items() if n != -1 and n < 1]
+    if bad:
+        raise ConfigError(f"axis {bad[0]} has size {axes[bad[0]]}; sizes are >= 1 or -1", file=source, key=f"mesh.axes.{bad[0]}")
+    if len(wild) > 1:
+        raise ConfigError(f"only one axis may be -1, found {', '.join(wild)}", file=source, key="mesh.axes")
+    known = math.prod(n for n in axes.values() if n != -1)
+    out = dict(axes)
+    if wild:
+        if total_devices % known:
+            raise ConfigError(
+                f"cannot fill axis {wild[0]}: {total_devices} devices are not divisible by the other axes' product {known}",
+                file=source, key=f"mesh.axes.{wild[0]}")
+        out[wild[0]] = total_devices // known
+    elif known != total_devices:
+        sizes = " x ".join(f"{a}={n}" for a, n in axes.items())
+        raise ConfigError(
+            f"mesh {sizes} has {known} devices but the cluster has {total_devices} "
+            f"(num_hosts x devices_per_host)", file=source, key="mesh.axes")
+    return out
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need nothing but the config itself."""
+    src = cfg.source
+    c, e, m, s = cfg.cluster, cfg.engine, cfg.model, cfg.serving
+    positive = {
+        "cluster.num_hosts": c.num_hosts, "cluster.devices_per_host": c.devices_per_host,
+        "cluster.placement_timeout_s": c.placement_timeout_s, "cluster.init_timeout_s": c.init_timeout_s,
+        "cluster.heartbeat_timeout_s": c.heartbeat_timeout_s, "cluster.step_timeout_s": c.step_timeout_s,
+        "cluster.rpc_timeout_s": c.rpc_timeout_s, "engine.max_slots": e.max_slots,
+        "engine.max_new_tokens": e.max_new_tokens, "model.max_seq_len": m.max_seq_len,
+        "model.load_threads": m.load_threads, "serving.max_queue": s.max_queue,
+        "serving.request_timeout_s": s.request_timeout_s, "serving.max_body_bytes": s.max_body_bytes,
+        "serving.ingress_replicas": s.ingress_replicas,
+    }
+    for key, val in positive.items():
+        if val <= 0:
+            raise ConfigError(f"must be > 0, found {val}", file=src, key=key)
+    for key, val in {"cluster.max_restarts": c.max_restarts, "cluster.restart_backoff_s": c.restart_backoff_s,
+                     "cluster.host_num_cpus": c.host_num_cpus}.items():
+        if val < 0:
+            raise ConfigError(f"must be >= 0, found {val}", file=src, key=key)
+    if not 0 <= s.port <= 65535:
+        raise ConfigError(f"must be a TCP port 0-65535, found {s.port}", file=src, key="serving.port")
+    if not 0 <= c.coordinator_port <= 65535:
+        raise ConfigError(f"must be a TCP port 0-65535, found {c.coordinator_port}", file=src, key="cluster.coordinator_port")
+    if c.simulated and c.platform != "cpu":
+        raise ConfigError(f"simulated hosts run on virtual CPU devices; platform is {c.platform!r}",
+                          file=src, key="cluster.simulated")
+    mesh = resolve_mesh_axes(cfg.mesh.axes, cfg.total_devices, src)
+    buckets = e.prefill_buckets
+    if not buckets or any(b <= 0 for b in buckets) or sorted(set(buckets)) != buckets:
+        raise ConfigError(f"must be a non-empty strictly increasing list of positive lengths, found {buckets}",
+                          file=src, key="engine.prefill_buckets")
+    if buckets[-1] < m.max_seq_len:
+        raise ConfigError(
+            f"largest prefill bucket {buckets[-1]} is smaller than model.max_seq_len {m.max_seq_len}; "
+            f"add a bucket >= {m.max_seq_len} or lower max_seq_len", file=src, key="engine.prefill_buckets")
+    if e.max_new_tokens >= m.max_seq_len:
+        raise ConfigError(f"max_new_tokens {e.max_new_tokens} leaves no room for a prompt in max_seq_len {m.max_seq_len}",
+                          file=src, key="engine.max_new_tokens")
+    dp = mesh.get("dp", 1)
+    if e.max_slots % dp:
+        raise ConfigError(f"max_slots {e.max_slots} is not divisible by mesh dp={dp}", file=src, key="engine.max_slots")
+    sp = e.sampling
+    if sp.temperature < 0:
+        raise ConfigError(f"must be >= 0, found {sp.temperature}", file=src, key="engine.sampling.temperature")
+    if not 0 < sp.top_p <= 1:
+        raise ConfigError(f"must be in (0, 1], found {sp.top_p}", file=src, key="engine.sampling.top_p")
+    if sp.top_k < 0:
+        raise ConfigError(f"must be >= 0, found {sp.top_k}", file=src, key="engine.sampling.top_k")
+    if sp.repetition_penalty <= 0:
+        raise ConfigError(f"must be > 0, found {sp.repetition_penalty}", file=src, key="engine.sampling.repetition_penalty")
+    if c.simulated and c.placement_strategy == "STRICT_SPREAD" and c.ray_address is None and c.num_hosts > 1:
+        pass  # the gang turns STRICT_SPREAD into PACK for simulated hosts on one node
+    if s.api_keys_env and s.api_keys_file:
+        raise ConfigError("set api_keys_env or api_keys_file, not both", file=src, key="serving.api_keys_file")
+
+
+# -- introspection for docs ---------------------------------------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map field name -> the docstring written under it in the class body."""
+    try:
+        tree = ast.parse(inspect.getsource(cls).strip())
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            docs[prev.target.id] = node.value.value.strip()
+    return docs
+
+
+def config_reference_markdown() -> str:
+    """The config reference table for docs/config.md, generated from the dataclasses above."""
+    lines = ["# Config reference", "", "Generated from `raydeploy/config.py` (`raydeploy config-reference`).", ""]
+    hints_cfg = typing.get_type_hints(Config)
+    for section in ("cluster", "mesh", "model", "engine", "serving"):
+        cls = hints_cfg[section]
+        lines += [f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |",
+                  "| --- | --- | --- | --- |"]
+        lines += _rows(cls, section)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _rows(cls: type, prefix: str) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows += _rows(tp, f"{prefix}.{f.name}")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append(f"| `{prefix}.{f.name}` | `{_type_name(tp)}` | `{default!r}` | {docs.get(f.name, '')} |")
+    return rows

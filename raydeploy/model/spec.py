@@ -1,0 +1,135 @@
+"""What a Llama-family model is made of, without allocating anything.
+
+`LlamaConfig` is built from a Hugging Face `config.json`; `param_specs` lists every parameter with its
+shape and logical axes. This table is the contract between the model (whose NNX state paths have exactly
+these names), the checkpoint format (which stores tensors under these names, in these layouts), the
+converters (which map foreign names onto these) and the sharding rules (which map logical axes to mesh
+axes). Layouts are "input dims first": a projection kernel is [in..., out...], so no transposes at run time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    model_type: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        model_type = d.get("model_type", "llama")
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        bias = bool(d.get("attention_bias", model_type == "qwen2"))
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bias,
+            rope_scaling=d.get("rope_scaling"),
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=d.get("pad_token_id"),
+            model_type=model_type,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> LlamaConfig:
+        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter: its name, shape and the logical name of each dimension."""
+
+    name: str
+    shape: tuple[int, ...]
+    logical_axes: tuple[str, ...]
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
+    """Every parameter of the model, in a stable order, keyed by its checkpoint / NNX-state name."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    specs: list[TensorSpec] = [TensorSpec("embed.embedding", (v, d), ("vocab", "embed"))]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}"
+        specs += [
+            TensorSpec(f"{p}.attn_norm.scale", (d,), ("norm",)),
+            TensorSpec(f"{p}.attn.q_proj.kernel", (d, nh, hd), ("embed", "q_heads", "head_dim")),
+            TensorSpec(f"{p}.attn.k_proj.kernel", (d, nkv, hd), ("embed", "kv_heads", "head_dim")),
+            TensorSpec(f"{p}.attn.v_proj.kernel", (d, nkv, hd), ("embed", "kv_heads", "head_dim")),
+        ]
+        if cfg.attention_bias:
+            specs += [
+                TensorSpec(f"{p}.attn.q_proj.bias", (nh, hd), ("q_heads", "head_dim")),
+                TensorSpec(f"{p}.attn.k_proj.bias", (nkv, hd), ("kv_heads", "head_dim")),
+                TensorSpec(f"{p}.attn.v_proj.bias", (nkv, hd), ("kv_heads", "head_dim")),
+            ]
+        specs += [
+            TensorSpec(f"{p}.attn.o_proj.kernel", (nh, hd, d), ("q_heads", "head_dim", "embed")),
+            TensorSpec(f"{p}.mlp_norm.scale", (d,), ("norm",)),
+            TensorSpec(f"{p}.mlp.gate_proj.kernel", (d, f), ("embed", "mlp")),
+            TensorSpec(f"{p}.mlp.up_proj.kernel", (d, f), ("embed", "mlp")),
+            TensorSpec(f"{p}.mlp.down_proj.kernel", (f, d), ("mlp", "embed")),
+        ]
+    specs.append(TensorSpec("final_norm.scale", (d,), ("norm",)))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.kernel", (d, v), ("embed", "vocab")))
+    return {s.name: s for s in specs}
+
+
+def kv_cache_spec(cfg: LlamaConfig, max_slots: int, max_seq_len: int) -> TensorSpec:
+    """Shape and logical axes of one layer's K (or V) cache: [slots, seq, kv_heads, head_dim]."""
+    return TensorSpec("kv_cache", (max_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim),
+                      ("cache_batch", "cache_seq", "cache_kv_heads", "head_dim"))
+
+
+def param_bytes(cfg: LlamaConfig, itemsize: int) -> int:
+    return sum(s.numel for s in param_specs(cfg).values()) * itemsize
+
+
+def kv_cache_bytes(cfg: LlamaConfig, max_slots: int, max_seq_len: int, itemsize: int) -> int:
+    """Bytes of the whole KV cache (K and V, every layer)."""
+    return 2 * cfg.num_layers * kv_cache_spec(cfg, max_slots, max_seq_len).numel * itemsize
