@@ -63,6 +63,10 @@ class ClusterConfig:
     """CPUs each host bundle reserves in Ray (the actor's own bookkeeping; JAX threads are not limited by it)."""
     tpu_slice_head_resource: str | None = None
     """Resource held only by a TPU slice's first host (e.g. TPU-v5litepod-16-head); rank 0 claims it so a whole slice is taken atomically."""
+    accelerator_type: str | None = None
+    """Accelerator model per device (v4, v5e, v5p, v6e, A100-40G, A100-80G, H100, H200, L4); `raydeploy plan` takes device memory from it."""
+    device_memory_gib: float | None = None
+    """Memory of one device in GiB for `raydeploy plan`; null uses the figure known for accelerator_type (CPU: host RAM / devices)."""
     placement_strategy: Literal["STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"] = "STRICT_SPREAD"
     """Ray placement-group strategy; STRICT_SPREAD puts each host on its own node (simulated mode uses PACK)."""
     placement_timeout_s: float = 60.0
@@ -105,6 +109,8 @@ class ModelConfig:
 
     checkpoint: str = "demo:smollm2-135m-instruct"
     """Path of a raydeploy msgpack-sharded checkpoint directory, or `demo:smollm2-135m-instruct` (converted once, cached)."""
+    hf_config: str | None = None
+    """Hugging Face config.json giving the architecture when the checkpoint is not on this machine (relative to the YAML file); null reads the checkpoint's own."""
     name: str | None = None
     """Model id shown by /v1/models and accepted in requests; null uses the checkpoint's directory name."""
     dtype: Literal["float32", "bfloat16"] = "float32"
