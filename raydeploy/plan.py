@@ -1,0 +1,319 @@
+"""What a config implies, computed without any hardware: `raydeploy plan CONFIG`.
+
+From the config and the model's `config.json` alone this works out the hosts and devices, the resolved
+mesh (and which axes cross hosts), the Ray placement bundles, the bytes of parameters and KV cache each
+device and each host holds (shard shapes from :mod:`raydeploy.model.sharding`), and compares them with the
+device's memory. It checks that every sharded dimension divides (attention heads vs tp, every parameter,
+the KV cache, slots vs dp). Problems are collected, not raised one at a time, so one run names them all;
+:meth:`Plan.raise_if_impossible` turns them into a :class:`ConfigError` before anything is placed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raydeploy.config import Config, ConfigError
+from raydeploy.gang.placement import host_bundles, placement_strategy
+from raydeploy.model.sharding import check_divisible, logical_to_mesh_axes, merge_rules
+from raydeploy.model.spec import LlamaConfig, TensorSpec, kv_cache_spec, param_specs
+
+GIB = 1024**3
+
+# Memory of one device (GiB) per accelerator type; keys are matched case-insensitively.
+DEVICE_MEMORY_GIB: dict[str, float] = {
+    "v2": 8, "v3": 16, "v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32,
+    "a100-40g": 40, "a100-80g": 80, "h100": 80, "h200": 141, "b200": 180, "l4": 24, "a10g": 24,
+}
+# Fraction of device memory the plan lets parameters + KV cache use; the rest is for activations,
+# compiled programs and the runtime (on GPU set XLA_PYTHON_CLIENT_MEM_FRACTION accordingly).
+USABLE_FRACTION: dict[str, float] = {"tpu": 0.9, "gpu": 0.85, "cpu": 0.8}
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `raydeploy plan` reports; bytes are per device unless the name says otherwise."""
+
+    source: str
+    model_config_json: str
+    model: dict[str, Any]
+    platform: str
+    accelerator_type: str | None
+    num_hosts: int
+    devices_per_host: int
+    total_devices: int
+    mesh: dict[str, int]
+    mesh_axis_span: dict[str, str]
+    placement_strategy: str
+    bundles: list[dict[str, float]]
+    param_dtype: str
+    kv_dtype: str
+    param_count: int
+    param_bytes_total: int
+    param_bytes_per_device: int
+    param_bytes_per_host: int
+    kv_bytes_total: int
+    kv_bytes_per_device: int
+    kv_bytes_per_host: int
+    slots_per_dp_group: int
+    device_memory_bytes: int
+    device_memory_from: str
+    usable_bytes_per_device: int
+    free_bytes_per_device: int
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ok"] = self.ok
+        return d
+
+    def raise_if_impossible(self) -> None:
+        if self.problems:
+            raise ConfigError("impossible plan: " + "; ".join(self.problems), file=self.source)
+
+
+# -- the model's shape -------------------------------------------------------------------------------
+
+
+def model_config_path(cfg: Config) -> Path:
+    """The config.json that describes the model: `model.hf_config`, else the checkpoint's own."""
+    m = cfg.model
+    base = Path(cfg.source).parent if cfg.source and not cfg.source.startswith("<") else Path.cwd()
+    if m.hf_config:
+        p = Path(os.path.expanduser(m.hf_config))
+        p = p if p.is_absolute() else base / p
+        if not p.is_file():
+            raise ConfigError(f"model config.json {p} does not exist", file=cfg.source, key="model.hf_config")
+        return p
+    if m.checkpoint.startswith("demo:"):
+        from raydeploy.checkpoint.demo import resolve_checkpoint
+
+        return Path(resolve_checkpoint(m.checkpoint)) / "config.json"
+    if "://" in m.checkpoint:
+        raise ConfigError(f"checkpoint {m.checkpoint} is not on this machine; set model.hf_config to its "
+                          f"config.json so the plan knows the model's shape", file=cfg.source, key="model.hf_config")
+    p = Path(os.path.expanduser(m.checkpoint))
+    p = (p if p.is_absolute() else base / p) / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"no config.json at {p} (checkpoint {m.checkpoint!r} not on this machine?); set "
+                          f"model.hf_config to the model's config.json", file=cfg.source, key="model.hf_config")
+    return p
+
+
+# -- memory of one device ----------------------------------------------------------------------------
+
+
+def host_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory(cfg: Config) -> tuple[int, str]:
+    """Bytes of one device and where the figure came from."""
+    c = cfg.cluster
+    if c.device_memory_gib is not None:
+        return int(c.device_memory_gib * GIB), "cluster.device_memory_gib"
+    if c.platform == "cpu":
+        ram = host_ram_bytes()
+        # Simulated hosts all live on this machine; real CPU hosts are assumed to be like this one.
+        share = cfg.total_devices if c.simulated else c.devices_per_host
+        return ram // share, f"host RAM {ram / GIB:.1f} GiB / {share} devices"
+    acc = (c.accelerator_type or "").lower()
+    if acc in DEVICE_MEMORY_GIB:
+        return int(DEVICE_MEMORY_GIB[acc] * GIB), f"{c.accelerator_type} ({DEVICE_MEMORY_GIB[acc]:g} GiB)"
+    known = ", ".join(DEVICE_MEMORY_GIB)
+    raise ConfigError(f"device memory unknown for platform {c.platform!r} with accelerator_type "
+                      f"{c.accelerator_type!r}; set cluster.accelerator_type to one of {known} or set "
+                      f"cluster.device_memory_gib", file=cfg.source, key="cluster.accelerator_type")
+
+
+# -- sharding arithmetic -----------------------------------------------------------------------------
+
+
+def axis_span(mesh: dict[str, int], devices_per_host: int) -> dict[str, str]:
+    """Per mesh axis: `in-host`, `across hosts`, `both` or `size 1`. Devices are ordered by (host, local id), so
+    the outermost axes cross hosts (see raydeploy.model.sharding.build_mesh)."""
+    out: dict[str, str] = {}
+    names = list(mesh)
+    for i, a in enumerate(names):
+        stride = math.prod(mesh[b] for b in names[i + 1:])
+        if mesh[a] == 1:
+            out[a] = "size 1"
+        elif (stride * mesh[a] <= devices_per_host and devices_per_host % (stride * mesh[a]) == 0):
+            out[a] = "in-host"
+        elif stride % devices_per_host == 0:
+            out[a] = "across hosts"
+        else:
+            out[a] = "both"
+    return out
+
+
+def _shard_numel(spec: TensorSpec, rules: dict, mesh: dict[str, int]) -> int:
+    """Elements in one device's shard (rounded up where a dimension does not divide)."""
+    dims = logical_to_mesh_axes(spec.logical_axes, rules, mesh, spec.name)
+    return math.prod(-(-s // (math.prod(mesh[a] for a in d) if d else 1)) for s, d in zip(spec.shape, dims, strict=True))
+
+
+def _generic(name: str) -> str:
+    return re.sub(r"layers\.\d+\.", "layers.*.", name)
+
+
+def _heads_problems(model: LlamaConfig, rules: dict, mesh: dict[str, int]) -> list[str]:
+    out = []
+    for logical, count, what in (("q_heads", model.num_heads, "attention heads"),
+                                 ("kv_heads", model.num_kv_heads, "KV heads"),
+                                 ("cache_kv_heads", model.num_kv_heads, "KV heads in the KV cache")):
+        axes = logical_to_mesh_axes((logical,), rules, mesh, logical)[0]
+        if axes is None:
+            continue
+        n = math.prod(mesh[a] for a in axes)
+        if count % n:
+            sizes = " x ".join(f"{a}={mesh[a]}" for a in axes)
+            out.append(f"the model has {count} {what}, not divisible by {sizes} (mesh.rules.{logical}); "
+                       f"use a size dividing {count} or set mesh.rules.{logical}: null to replicate")
+    return out
+
+
+# -- the plan ------------------------------------------------------------------------------------------
+
+
+def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
+    """Work out what `cfg` needs. Raises ConfigError only when the model's shape or memory is unknown;
+    every other impossibility is listed in `Plan.problems`."""
+    json_path = "<given>"
+    if model is None:
+        path = model_config_path(cfg)
+        try:
+            model = LlamaConfig.from_json(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"cannot read model config {path}: {e!r}", file=cfg.source, key="model.hf_config") from None
+        json_path = str(path)
+    c, e = cfg.cluster, cfg.engine
+    mesh = cfg.mesh_shape
+    problems: list[str] = []
+    warnings: list[str] = []
+    try:
+        rules = merge_rules(cfg.mesh.rules)
+    except ConfigError as err:
+        raise ConfigError(str(err), file=cfg.source, key=err.key) from None
+
+    problems += _heads_problems(model, rules, mesh)
+    specs = param_specs(model)
+    kv_spec = kv_cache_spec(model, e.max_slots, cfg.model.max_seq_len)
+    seen: set[str] = set()
+    for spec in [*specs.values(), kv_spec]:
+        try:
+            check_divisible(spec, rules, mesh)
+        except ConfigError as err:
+            msg = _generic(str(err))
+            if msg not in seen:
+                seen.add(msg)
+                problems.append(msg)
+    dp = mesh.get("dp", 1)
+    if e.max_slots % dp:
+        problems.append(f"engine.max_slots {e.max_slots} is not divisible by mesh dp={dp}")
+
+    p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[cfg.model.dtype]
+    param_count = sum(s.numel for s in specs.values())
+    p_dev = sum(_shard_numel(s, rules, mesh) for s in specs.values()) * p_item
+    kv_total = 2 * model.num_layers * kv_spec.numel * kv_item
+    kv_dev = 2 * model.num_layers * _shard_numel(kv_spec, rules, mesh) * kv_item
+
+    mem, mem_from = device_memory(cfg)
+    usable = int(mem * USABLE_FRACTION[c.platform])
+    need = p_dev + kv_dev
+    if need > usable:
+        problems.append(
+            f"per device: parameters {_gib(p_dev)} + KV cache {_gib(kv_dev)} = {_gib(need)} exceeds the usable "
+            f"{_gib(usable)} ({USABLE_FRACTION[c.platform]:.0%} of {_gib(mem)}, {mem_from}); shard over more "
+            f"devices (fsdp/tp) or lower engine.max_slots ({e.max_slots}) or model.max_seq_len "
+            f"({cfg.model.max_seq_len})" + ("" if p_item == kv_item == 2 else " or use bfloat16"))
+    if cfg.model.max_seq_len > model.max_position_embeddings:
+        warnings.append(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
+                        f"{model.max_position_embeddings}")
+    if c.platform in ("tpu", "gpu"):
+        res = "TPU" if c.platform == "tpu" else "GPU"
+        have = c.host_resources.get(res)
+        if have is None:
+            problems.append(f"cluster.host_resources has no {res}: host actors would not be placed on "
+                            f"{c.platform.upper()} nodes; set host_resources: {{{res}: {c.devices_per_host}}}")
+        elif have != c.devices_per_host:
+            problems.append(f"cluster.host_resources.{res} is {have:g} but cluster.devices_per_host is "
+                            f"{c.devices_per_host}; each host actor must own all its devices")
+    if c.platform == "tpu" and c.num_hosts > 1 and not c.tpu_slice_head_resource:
+        warnings.append("multi-host TPU without cluster.tpu_slice_head_resource: hosts of different slices "
+                        "could be mixed")
+
+    return Plan(
+        source=cfg.source, model_config_json=json_path,
+        model={"model_type": model.model_type, "layers": model.num_layers, "hidden": model.hidden_size,
+               "heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
+               "ffn": model.intermediate_size, "vocab": model.vocab_size,
+               "tied_embeddings": model.tie_word_embeddings},
+        platform=c.platform, accelerator_type=c.accelerator_type, num_hosts=c.num_hosts,
+        devices_per_host=c.devices_per_host, total_devices=cfg.total_devices, mesh=mesh,
+        mesh_axis_span=axis_span(mesh, c.devices_per_host), placement_strategy=placement_strategy(c),
+        bundles=host_bundles(c), param_dtype=cfg.model.param_dtype, kv_dtype=cfg.model.dtype,
+        param_count=param_count, param_bytes_total=param_count * p_item, param_bytes_per_device=p_dev,
+        param_bytes_per_host=p_dev * c.devices_per_host, kv_bytes_total=kv_total, kv_bytes_per_device=kv_dev,
+        kv_bytes_per_host=kv_dev * c.devices_per_host, slots_per_dp_group=e.max_slots // dp if dp else 0,
+        device_memory_bytes=mem, device_memory_from=mem_from, usable_bytes_per_device=usable,
+        free_bytes_per_device=usable - need, problems=problems, warnings=warnings,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    m = plan.model
+    mesh = " x ".join(f"{a}={n} ({plan.mesh_axis_span[a]})" for a, n in plan.mesh.items())
+    lines = [
+        f"config        {plan.source}",
+        f"model         {m['model_type']}: {plan.param_count / 1e9:.3f}B params, {m['layers']} layers, hidden "
+        f"{m['hidden']}, heads {m['heads']}/{m['kv_heads']} kv, head_dim {m['head_dim']}, ffn {m['ffn']}, "
+        f"vocab {m['vocab']}  ({plan.model_config_json})",
+        f"hosts         {plan.num_hosts} x {plan.devices_per_host} {plan.platform} device(s)"
+        f"{' ' + plan.accelerator_type if plan.accelerator_type else ''} = {plan.total_devices} devices",
+        f"mesh          {mesh}",
+        f"placement     {plan.placement_strategy}, bundles {plan.bundles}",
+        f"parameters    {plan.param_dtype}: total {_gib(plan.param_bytes_total)}, per device "
+        f"{_gib(plan.param_bytes_per_device)}, per host {_gib(plan.param_bytes_per_host)}",
+        f"KV cache      {plan.kv_dtype}: total {_gib(plan.kv_bytes_total)}, per device "
+        f"{_gib(plan.kv_bytes_per_device)}, per host {_gib(plan.kv_bytes_per_host)} "
+        f"({plan.slots_per_dp_group} slots per dp group)",
+        f"device memory {_gib(plan.device_memory_bytes)} ({plan.device_memory_from}); usable "
+        f"{_gib(plan.usable_bytes_per_device)}; free after params + KV {_gib(plan.free_bytes_per_device)}",
+    ]
+    lines += [f"warning       {w}" for w in plan.warnings]
+    lines += [f"PROBLEM       {p}" for p in plan.problems]
+    lines.append("plan OK" if plan.ok else f"plan IMPOSSIBLE ({len(plan.problems)} problem(s))")
+    return "\n".join(lines)
+
+
+def run_plan(cfg: Config, args: argparse.Namespace) -> int:
+    """`raydeploy plan`: print the plan (text or --json); exit 1 when it is impossible."""
+    plan = make_plan(cfg)
+    if getattr(args, "json", False):
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(format_plan(plan))
+    if not plan.ok:
+        for p in plan.problems:
+            print(f"raydeploy plan: {p}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,162 @@
+"""`raydeploy plan`: every shipped config plans; impossible plans fail naming the numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from raydeploy.cli import main
+from raydeploy.config import ConfigError, load_config
+from raydeploy.model.spec import LlamaConfig
+from raydeploy.plan import GIB, axis_span, make_plan
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+# SmolLM2-135M-Instruct, the demo model (values of its config.json).
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
+                      tie_word_embeddings=True)
+DEMO_CONFIGS = ["local.yaml", "cpu-fsdp.yaml", "predict-small.yaml"]
+BUNDLED_CONFIGS = ["tpu-v5e-16.yaml", "tpu-v6e-16.yaml", "gpu-2x8-h100.yaml"]
+
+
+def test_every_config_is_covered() -> None:
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(DEMO_CONFIGS + BUNDLED_CONFIGS)
+
+
+@pytest.mark.parametrize("name", BUNDLED_CONFIGS)
+def test_accelerator_configs_plan(name: str) -> None:
+    plan = make_plan(load_config(CONFIGS / name))
+    assert plan.ok, plan.problems
+    assert plan.total_devices == plan.num_hosts * plan.devices_per_host == 16
+    assert plan.platform in ("tpu", "gpu")
+    res = "TPU" if plan.platform == "tpu" else "GPU"
+    assert all(b[res] == plan.devices_per_host for b in plan.bundles)
+    assert plan.param_bytes_per_device + plan.kv_bytes_per_device <= plan.usable_bytes_per_device
+    assert plan.param_bytes_per_host == plan.param_bytes_per_device * plan.devices_per_host
+    if plan.platform == "tpu":
+        assert len([b for b in plan.bundles if any(k.endswith("-head") for k in b)]) == 1
+
+
+def test_v5e_numbers() -> None:
+    """Llama-3-8B bf16 over dp=4 x tp=4: each chip holds a quarter of the weights (vocab, heads, MLP over tp)."""
+    plan = make_plan(load_config(CONFIGS / "tpu-v5e-16.yaml"))
+    assert plan.param_count == 8_030_261_248
+    assert plan.param_bytes_total == 2 * plan.param_count
+    # everything but the 2 norms/layer + final norm is split 4 ways
+    norms = (2 * 32 + 1) * 4096
+    assert plan.param_bytes_per_device == 2 * ((plan.param_count - norms) // 4 + norms)
+    # 64 slots / dp 4 = 16 per host; 8 KV heads / tp 4 = 2 per chip; 8192 x 128 x 32 layers x K,V x 2 bytes
+    assert plan.kv_bytes_per_device == 16 * 8192 * 2 * 128 * 32 * 2 * 2 == 4 * GIB
+    assert plan.mesh_axis_span == {"dp": "across hosts", "tp": "in-host"}
+
+
+@pytest.mark.parametrize("name", DEMO_CONFIGS)
+def test_demo_configs_plan(name: str) -> None:
+    plan = make_plan(load_config(CONFIGS / name), model=SMOLLM2)
+    assert plan.ok, plan.problems
+    assert plan.platform == "cpu" and plan.placement_strategy == "PACK"
+    assert plan.param_count == 134_515_008
+
+
+def test_cpu_fsdp_shards_weights_across_hosts() -> None:
+    plan = make_plan(load_config(CONFIGS / "cpu-fsdp.yaml"), model=SMOLLM2)
+    local = make_plan(load_config(CONFIGS / "local.yaml"), model=SMOLLM2)
+    assert plan.mesh_axis_span["fsdp"] == "across hosts"
+    # fsdp splits the hidden dimension across hosts: a host holds about half of what local.yaml's host holds
+    assert plan.param_bytes_per_host < 0.6 * local.param_bytes_per_host
+
+
+@pytest.mark.model
+def test_local_plan_reads_the_demo_checkpoint(demo_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", str(CONFIGS / "local.yaml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["model"]["heads"] == 9 and out["mesh"] == {"dp": 2, "tp": 2}
+    assert out["model_config_json"].endswith("config.json")
+
+
+def test_axis_span() -> None:
+    assert axis_span({"dp": 2, "tp": 2}, 2) == {"dp": "across hosts", "tp": "in-host"}
+    assert axis_span({"fsdp": 2, "tp": 8}, 4) == {"fsdp": "across hosts", "tp": "both"}
+    assert axis_span({"dp": 1, "tp": 4}, 4) == {"dp": "size 1", "tp": "in-host"}
+
+
+# -- impossible plans ---------------------------------------------------------------------------------
+
+
+def _write(tmp_path: Path, base: str, text: str) -> Path:
+    """A config that includes a shipped one's values with some replaced (YAML-level merge)."""
+    import yaml
+
+    raw = yaml.safe_load((CONFIGS / base).read_text())
+    for section, values in yaml.safe_load(text).items():
+        raw.setdefault(section, {}).update(values)
+    if base != "local.yaml" and raw["model"].get("hf_config"):
+        raw["model"]["hf_config"] = str(CONFIGS / raw["model"]["hf_config"])
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def test_heads_not_divisible_by_tp(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, "local.yaml", "mesh: {rules: {q_heads: tp}}"))
+    plan = make_plan(cfg, model=SMOLLM2)
+    assert not plan.ok
+    text = "; ".join(plan.problems)
+    assert "9 attention heads, not divisible by tp=2 (mesh.rules.q_heads)" in text
+    # the per-tensor check names one generic tensor, not 30 copies of it
+    assert "tensor layers.*.attn.q_proj.kernel: dimension 'q_heads' of size 9 is not divisible by mesh tp=2" in text
+    assert sum("q_proj" in p for p in plan.problems) == 1
+    with pytest.raises(ConfigError, match="impossible plan: .*9 attention heads"):
+        plan.raise_if_impossible()
+
+
+def test_kv_cache_not_divisible(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {max_slots: 6}\nmesh: {axes: {fsdp: 4, tp: 4}, "
+                                                          "rules: {cache_batch: fsdp}}"))
+    plan = make_plan(cfg)
+    assert any("tensor kv_cache: dimension 'cache_batch' of size 6 is not divisible by mesh fsdp=4" in p
+               for p in plan.problems), plan.problems
+
+
+def test_max_slots_vs_dp_fails_at_load(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="max_slots 6 is not divisible by mesh dp=4"):
+        load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {max_slots: 6}"))
+
+
+def test_out_of_memory_names_the_numbers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # Llama-3-70B on a v5e-16 slice: 141 GB of bf16 weights over 16 x 16 GiB chips with 64 long slots
+    p = _write(tmp_path, "tpu-v5e-16.yaml", "model: {hf_config: models/llama-3-70b-instruct/config.json}")
+    assert main(["plan", str(p)]) == 1
+    cap = capsys.readouterr()
+    assert "plan IMPOSSIBLE" in cap.out
+    assert ("per device: parameters 32.86 GiB + KV cache 10.00 GiB = 42.86 GiB exceeds the usable 14.40 GiB "
+            "(90% of 16.00 GiB, v5e (16 GiB))") in cap.err
+
+
+def test_host_resources_must_match_devices(tmp_path: Path) -> None:
+    plan = make_plan(load_config(_write(tmp_path, "gpu-2x8-h100.yaml", "cluster: {host_resources: {GPU: 4}}")))
+    assert "cluster.host_resources.GPU is 4 but cluster.devices_per_host is 8" in " ".join(plan.problems)
+
+
+def test_remote_checkpoint_needs_hf_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    p = _write(tmp_path, "tpu-v5e-16.yaml", "model: {checkpoint: 'gs://bucket/llama', hf_config: null}")
+    assert main(["plan", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert "key 'model.hf_config'" in err and "gs://bucket/llama is not on this machine" in err
+
+
+def test_missing_hf_config_file(tmp_path: Path) -> None:
+    p = _write(tmp_path, "tpu-v5e-16.yaml", "model: {hf_config: nowhere/config.json}")
+    with pytest.raises(ConfigError, match=r"model config.json .*nowhere/config.json does not exist"):
+        make_plan(load_config(p))
+
+
+def test_unknown_accelerator(tmp_path: Path) -> None:
+    p = _write(tmp_path, "tpu-v5e-16.yaml", "cluster: {accelerator_type: v99}")
+    with pytest.raises(ConfigError, match="device memory unknown .* 'v99'.*cluster.device_memory_gib"):
+        make_plan(load_config(p))
+    p = _write(tmp_path, "tpu-v5e-16.yaml", "cluster: {accelerator_type: v99, device_memory_gib: 16}")
+    assert make_plan(load_config(p)).device_memory_bytes == 16 * GIB
