@@ -49,6 +49,8 @@ class LlamaConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         bias = bool(d.get("attention_bias", model_type == "qwen2"))
+        # transformers >= 5 writes rope settings under "rope_parameters" instead of rope_theta/rope_scaling
+        rope_params = d.get("rope_parameters") or {}
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
@@ -57,12 +59,12 @@ class LlamaConfig:
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(d.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            rope_scaling=d.get("rope_scaling"),
+            rope_scaling=d.get("rope_scaling") or _rope_scaling(rope_params),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -73,6 +75,11 @@ class LlamaConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> LlamaConfig:
         return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+
+def _rope_scaling(rope_params: dict[str, Any]) -> dict[str, Any] | None:
+    kind = rope_params.get("rope_type", rope_params.get("type", "default"))
+    return None if kind in (None, "default") else dict(rope_params)
 
 
 @dataclass(frozen=True)
