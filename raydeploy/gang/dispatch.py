@@ -1,0 +1,170 @@
+"""The one place that fans out per-step work to every host.
+
+Every host must issue the same jitted calls in the same order (different programs abort the collectives;
+the same program with different data gives silently wrong answers). So exactly one component decides
+the order: rank 0's :class:`Dispatcher` publishes each `StepPlan.to_bytes()` once, under a key that
+carries the gang generation and step number, in the jax.distributed coordination service's key-value
+store (already running inside rank 0, already connected to every host); then it runs the step itself.
+Followers (:class:`FollowerLoop`) fetch plan n with a bounded blocking get, re-checking their stop flag
+between waits, and run the same step. A step costs one small key-value write on rank 0 and one read per
+follower, not a Ray round trip per host per token.
+
+Old keys are deleted two steps behind: when rank 0 publishes plan n, every follower has already taken
+part in step n-1's collectives, so it has read plan n-2 long ago.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from raydeploy.engine.step import StepPlan, StepResult
+
+KEY_PREFIX = "raydeploy/plan"
+
+
+class KeyValueClient(Protocol):
+    """The subset of jax's DistributedRuntimeClient the dispatcher uses."""
+
+    def key_value_set_bytes(self, key: str, value: bytes) -> None: ...
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes: ...
+    def key_value_delete(self, key: str) -> None: ...
+
+
+class StepRunner(Protocol):
+    def step(self, plan: StepPlan) -> StepResult: ...
+
+
+def jax_kv_client() -> KeyValueClient:
+    """The coordination-service client of this process (after jax.distributed.initialize)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialised in this process; no key-value client")
+    return client
+
+
+def plan_key(generation: int, step_id: int) -> str:
+    return f"{KEY_PREFIX}/{generation}/{step_id}"
+
+
+@dataclass
+class StepClock:
+    """What a watchdog reads: steps done, and since when the current step has been running (None when idle)."""
+
+    steps_done: int = 0
+    step_started_s: float | None = None
+    last_step_s: float = 0.0
+    total_step_s: float = 0.0
+    broadcast_s_total: float = 0.0
+    broadcasts: int = 0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+
+    def begin(self) -> None:
+        self.step_started_s = self.clock()
+
+    def end(self) -> None:
+        if self.step_started_s is not None:
+            self.last_step_s = self.clock() - self.step_started_s
+            self.total_step_s += self.last_step_s
+        self.step_started_s = None
+        self.steps_done += 1
+
+    def stuck_for_s(self) -> float:
+        """Seconds the current step has been running (0 when idle)."""
+        return 0.0 if self.step_started_s is None else self.clock() - self.step_started_s
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"steps_done": self.steps_done, "in_step_s": round(self.stuck_for_s(), 3),
+                "last_step_ms": round(self.last_step_s * 1e3, 3),
+                "mean_step_ms": round(self.total_step_s / self.steps_done * 1e3, 3) if self.steps_done else None,
+                "mean_broadcast_us": (round(self.broadcast_s_total / self.broadcasts * 1e6, 1)
+                                      if self.broadcasts else None)}
+
+
+class Dispatcher:
+    """Rank 0: publish each plan, then run it locally. The only caller of `engine.step` on rank 0."""
+
+    def __init__(self, engine: StepRunner, client: KeyValueClient, generation: int,
+                 clock: StepClock | None = None) -> None:
+        self.engine = engine
+        self.client = client
+        self.generation = generation
+        self.clock = clock or StepClock()
+        self._published: list[int] = []
+        self.seq = 0
+        """Sequence number of the next plan: keys use it, not plan.step_id, so they are always contiguous."""
+
+    def publish(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
+        self.client.key_value_set_bytes(plan_key(self.generation, self.seq), plan.to_bytes())
+        self._published.append(self.seq)
+        self.seq += 1
+        while len(self._published) > 2:
+            self.client.key_value_delete(plan_key(self.generation, self._published.pop(0)))
+        self.clock.broadcast_s_total += time.perf_counter() - t0
+        self.clock.broadcasts += 1
+
+    def run(self, plan: StepPlan) -> StepResult | None:
+        """Broadcast `plan` and execute it here; returns None for a shutdown plan."""
+        self.clock.begin()
+        try:
+            self.publish(plan)
+            if plan.shutdown:
+                return None
+            return self.engine.step(plan)
+        finally:
+            self.clock.end()
+
+
+class FollowerLoop:
+    """Ranks > 0: fetch plan n, run it, n += 1, until a shutdown plan or `stop()`.
+
+    `poll_ms` bounds each wait so the stop flag is re-checked; while the gang is idle there are simply no
+    plans. A dead rank 0 takes the coordination service with it and JAX ends this process, which the
+    supervisor sees as an actor death.
+    """
+
+    def __init__(self, engine: StepRunner, client: KeyValueClient, generation: int, poll_ms: int = 500,
+                 clock: StepClock | None = None) -> None:
+        self.engine = engine
+        self.client = client
+        self.generation = generation
+        self.poll_ms = poll_ms
+        self.clock = clock or StepClock()
+        self._stop = threading.Event()
+        self.next_step = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _fetch(self, step_id: int) -> bytes | None:
+        key = plan_key(self.generation, step_id)
+        while not self._stop.is_set():
+            try:
+                return self.client.blocking_key_value_get_bytes(key, self.poll_ms)
+            except Exception as e:  # the client raises a generic error on timeout; anything else is real
+                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                    raise
+        return None
+
+    def run(self, first_step: int = 0) -> int:
+        """Run steps until shutdown; returns the number of steps executed."""
+        self.next_step = first_step
+        while True:
+            data = self._fetch(self.next_step)
+            if data is None:
+                return self.clock.steps_done
+            plan = StepPlan.from_bytes(data)
+            if plan.shutdown:
+                return self.clock.steps_done
+            self.clock.begin()
+            try:
+                self.engine.step(plan)
+            finally:
+                self.clock.end()
+            self.next_step += 1

@@ -1,0 +1,134 @@
+"""The plain-Python entry to a gang, for the CLI driver, the Serve app and tests.
+
+`start_gang(cfg)` starts (or replaces) the named GangSupervisor actor and returns a :class:`Gang` handle;
+`Gang.wait_ready()` waits (bounded) until the state is `ready` or `failed`. `stream_events` is how any
+caller should consume a coordinator's streaming `generate`: a coordinator that dies mid-stream becomes a
+final retriable error event, so callers handle one failure shape. Requires `ray.init` to have run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from raydeploy.config import Config
+from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.gang.bringup import GangError
+from raydeploy.gang.supervisor import NAMESPACE, SUPERVISOR_NAME, GangSupervisor
+
+
+def resolve_checkpoint_path(cfg: Config) -> str:
+    """The checkpoint directory the hosts read (a `demo:` reference is converted once, here, before hosts start)."""
+    ref = cfg.model.checkpoint
+    if ref.startswith("demo:"):
+        from raydeploy.checkpoint.demo import resolve_checkpoint
+
+        return str(resolve_checkpoint(ref))
+    return ref
+
+
+class Gang:
+    """Driver-side handle of a supervised gang."""
+
+    def __init__(self, supervisor: Any, cfg: Config) -> None:
+        self.supervisor = supervisor
+        self.cfg = cfg
+
+    def state(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.supervisor.get_state.remote(), timeout=timeout_s)
+
+    def status(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.supervisor.get_status.remote(), timeout=timeout_s)
+
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.2) -> dict[str, Any]:
+        """Wait until `ready`; raise GangError on `failed` or when `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.state()
+            if st["state"] == "ready":
+                return st
+            if st["state"] in ("failed", "stopped"):
+                raise GangError(f"gang {st['state']}: {st['last_error']}", phase="bring-up", retriable=False)
+            if time.monotonic() > deadline:
+                raise GangError(f"gang not ready within {timeout_s:g}s (state {st['state']}, "
+                                f"last error {st['last_error']})", phase="bring-up")
+            time.sleep(poll_s)
+
+    def coordinator(self, timeout_s: float = 30.0) -> Any:
+        import ray
+
+        coord = ray.get(self.supervisor.get_coordinator.remote(), timeout=timeout_s)
+        if coord is None:
+            st = self.state()
+            raise GangError(f"gang is not ready (state {st['state']})", phase="serve")
+        return coord
+
+    def generate(self, req: GenerationRequest, timeout_s: float) -> list[TokenEvent]:
+        """Run one request to completion (blocking; for tests and batch jobs). Bounded by `timeout_s`."""
+        import asyncio
+
+        async def collect() -> list[TokenEvent]:
+            out: list[TokenEvent] = []
+            async for batch in stream_events(self.coordinator(), req):
+                out.extend(batch)
+            return out
+
+        return asyncio.run(asyncio.wait_for(collect(), timeout_s))
+
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        import ray
+
+        try:
+            ray.get(self.supervisor.shutdown.remote(), timeout=timeout_s)
+        finally:
+            ray.kill(self.supervisor, no_restart=True)
+
+
+async def stream_events(coordinator: Any, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
+    """Yield lists of TokenEvents from rank 0; a dead coordinator becomes one final retriable error event."""
+    import ray
+
+    last_index = -1
+    try:
+        async for ref in coordinator.generate.remote(req):
+            batch = await ref
+            if batch:
+                last_index = batch[-1].index
+            yield batch
+    except ray.exceptions.RayActorError as e:
+        yield [TokenEvent(req.request_id, None, index=last_index + 1, finish_reason="error", retriable=True,
+                          error=f"gang failure, retry: the coordinator host died ({type(e).__name__})")]
+
+
+def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None = None,
+               faults: dict[int, dict[str, Any]] | None = None, host_configs: dict[int, Config] | None = None,
+               poll_s: float = 0.5) -> Gang:
+    """Start the named supervisor (replacing a stale one) and its gang; returns at once (see wait_ready).
+
+    engine "toy" runs the stand-in engine without a checkpoint (tests, control benchmarks); `faults` and
+    `host_configs` inject per-rank failures and configs for tests.
+    """
+    import ray
+
+    if engine not in ("real", "toy"):
+        raise ValueError(f"engine must be 'real' or 'toy', found {engine!r}")
+    path = None if engine == "toy" else (checkpoint_path or resolve_checkpoint_path(cfg))
+    try:
+        old = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        old = None
+    if old is not None:
+        try:
+            ray.get(old.shutdown.remote(), timeout=cfg.cluster.rpc_timeout_s)
+        finally:
+            ray.kill(old, no_restart=True)
+    sup = ray.remote(GangSupervisor).options(name=SUPERVISOR_NAME, namespace=NAMESPACE, num_cpus=0,
+                                             max_concurrency=64).remote(
+        cfg, path, faults=faults, host_configs=host_configs, poll_s=poll_s)
+    ray.get(sup.start.remote(), timeout=cfg.cluster.rpc_timeout_s)
+    return Gang(sup, cfg)

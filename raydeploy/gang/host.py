@@ -1,0 +1,250 @@
+"""HostActor: one per host, its own process, where JAX lives.
+
+The driver (and the supervisor) import this module without importing JAX: the actor's JAX environment
+(platform, virtual device count, thread pool) is passed in the actor's runtime_env, and JAX is imported
+only inside the methods, so it initialises with that environment. The actor is async so that status,
+heartbeat and the coordinator's entry points stay responsive while a phase or the step loop runs in a
+worker thread.
+
+Bring-up phases (called by raydeploy.gang.bringup in this order, on every host concurrently):
+`fingerprint` -> `init_distributed` -> `load` -> `compile` -> `serve` (the long-lived call: rank 0 runs
+the coordinator loop, followers the step loop; it returns on shutdown and raises on failure, which is
+how the supervisor notices a dead or broken host). Rank 0 also answers `generate`/`abort`/`stats`.
+`faults` injects failures for tests (never join, hang in a step, a different config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from raydeploy.config import Config
+from raydeploy.engine.request import GenerationRequest, TokenEvent
+
+FAULT_KEYS = ("never_join", "hang_at_step", "fail_load")
+
+
+def host_env(cfg: Config) -> dict[str, str]:
+    """Environment of a host process, set before JAX is imported there."""
+    c = cfg.cluster
+    env = {"JAX_PLATFORMS": c.platform, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if c.simulated:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={c.devices_per_host}"
+        # more virtual devices than cores: a larger CPU thread pool avoids a deadlock in the first all-reduce
+        env["PJRT_NPROC"] = str(max(8, 4 * c.devices_per_host))
+    env.update(c.env)
+    return env
+
+
+def actor_options(cfg: Config, rank: int, bundle: dict[str, float], scheduling_strategy: Any,
+                  generation: int) -> dict[str, Any]:
+    """Ray options of host `rank`: its bundle's resources, its placement, its environment."""
+    resources = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    return {
+        "num_cpus": bundle.get("CPU", 0.0),
+        "num_gpus": bundle.get("GPU", 0.0),
+        "resources": resources,
+        "scheduling_strategy": scheduling_strategy,
+        "runtime_env": {"env_vars": host_env(cfg)},
+        "name": None,
+        "max_restarts": 0,
+        "max_concurrency": 64,
+    }
+
+
+class HostActor:
+    """One host of the gang. Create with `ray.remote(HostActor).options(**actor_options(...))`."""
+
+    def __init__(self, cfg: Config, rank: int, generation: int, checkpoint_path: str | None,
+                 faults: dict[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.generation = generation
+        self.checkpoint_path = checkpoint_path
+        self.faults = dict(faults or {})
+        unknown = set(self.faults) - set(FAULT_KEYS)
+        if unknown:
+            raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {FAULT_KEYS}")
+        self.phase = "created"
+        self.phase_times_s: dict[str, float] = {}
+        self.init_info: dict[str, Any] = {}
+        self.load_stats: dict[str, Any] = {}
+        self.mesh = None
+        self.engine = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.loop = None  # FollowerLoop on followers, Coordinator on rank 0
+        self.clock = None
+
+    # -- bring-up phases ----------------------------------------------------------------------------
+    async def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    async def coordinator_address(self) -> str:
+        """Rank 0: `ip:port` of the jax.distributed coordinator it will run (a fresh free port when 0)."""
+        import socket
+
+        import ray
+
+        c = self.cfg.cluster
+        ip = c.coordinator_bind_address or ray.util.get_node_ip_address()
+        port = c.coordinator_port
+        if port == 0:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((ip, 0))
+                port = s.getsockname()[1]
+        return f"{ip}:{port}"
+
+    async def fingerprint(self) -> dict[str, str]:
+        from raydeploy.gang.fingerprint import host_fingerprint, library_versions
+        from raydeploy.gang.runtime import checkpoint_fingerprint
+
+        ckpt = await asyncio.to_thread(checkpoint_fingerprint, self.checkpoint_path)
+        return host_fingerprint(self.cfg, ckpt, library_versions())
+
+    async def init_distributed(self, coordinator_address: str) -> dict[str, Any]:
+        if self.faults.get("never_join"):
+            await asyncio.sleep(float(self.faults["never_join"]))
+            raise RuntimeError(f"host {self.rank}: fault injected, did not join")
+        return await self._phase("init", self._init_sync, coordinator_address)
+
+    def _init_sync(self, coordinator_address: str) -> dict[str, Any]:
+        from raydeploy.gang.runtime import build_mesh_for, join_distributed
+
+        self.init_info = join_distributed(self.cfg, self.rank, coordinator_address)
+        self.mesh = build_mesh_for(self.cfg)
+        self.init_info["mesh"] = {str(k): int(v) for k, v in self.mesh.shape.items()}
+        return self.init_info
+
+    async def load(self) -> dict[str, Any]:
+        return await self._phase("load", self._load_sync)
+
+    def _load_sync(self) -> dict[str, Any]:
+        from raydeploy.gang.runtime import load_engine
+
+        if self.faults.get("fail_load"):
+            raise RuntimeError(f"host {self.rank}: fault injected in load")
+        self.engine, self.load_stats, self.eos_token_ids = load_engine(self.cfg, self.mesh, self.checkpoint_path)
+        return self.load_stats
+
+    async def compile(self) -> dict[str, Any]:
+        return await self._phase("compile", self._compile_sync)
+
+    def _compile_sync(self) -> dict[str, Any]:
+        if self.cfg.engine.warmup and hasattr(self.engine, "warmup"):
+            info = self.engine.warmup()
+            return dict(info) if isinstance(info, dict) else {}
+        return {}
+
+    async def _phase(self, name: str, fn: Any, *args: Any) -> dict[str, Any]:
+        self.phase = name
+        t0 = time.perf_counter()
+        out = await asyncio.to_thread(fn, *args)
+        self.phase_times_s[name] = time.perf_counter() - t0
+        self.phase = f"{name}-done"
+        return {**(out or {}), "phase_s": self.phase_times_s[name], "rank": self.rank}
+
+    # -- the long-lived call ------------------------------------------------------------------------------
+    async def serve(self) -> dict[str, Any]:
+        """Run this host's loop until shutdown; raises if the loop fails (the supervisor watches this call)."""
+        from raydeploy.gang.dispatch import Dispatcher, FollowerLoop, StepClock, jax_kv_client
+
+        self.clock = StepClock()
+        client = jax_kv_client()
+        engine = _FaultyEngine(self.engine, self.faults.get("hang_at_step")) if "hang_at_step" in self.faults \
+            else self.engine
+        self.phase = "serving"
+        if self.rank == 0:
+            from raydeploy.gang.coordinator import Coordinator
+
+            self.loop = Coordinator(self._make_scheduler(), Dispatcher(engine, client, self.generation, self.clock))
+            self.loop.start()
+            await asyncio.to_thread(self.loop.join)
+            if self.loop.error:
+                raise RuntimeError(self.loop.error)
+        else:
+            self.loop = FollowerLoop(engine, client, self.generation, clock=self.clock)
+            await asyncio.to_thread(self.loop.run)
+        self.phase = "stopped"
+        return {"rank": self.rank, "steps": self.clock.steps_done}
+
+    def _make_scheduler(self) -> Any:
+        if self.checkpoint_path is None:
+            from raydeploy.gang.toy import ToyScheduler
+
+            return ToyScheduler(self.cfg.engine.max_slots, self.eos_token_ids)
+        from raydeploy.engine.scheduler import Scheduler
+
+        return Scheduler.for_engine(self.engine, self.cfg) if hasattr(Scheduler, "for_engine") \
+            else Scheduler(self.cfg.engine, self.cfg.model, self.eos_token_ids)
+
+    async def stop(self) -> None:
+        """Graceful stop: rank 0 broadcasts a shutdown plan, followers leave their loop."""
+        if self.loop is not None:
+            await asyncio.to_thread(self.loop.stop)
+
+    # -- watchdog and status -------------------------------------------------------------------------------
+    async def heartbeat(self) -> dict[str, Any]:
+        snap = self.clock.snapshot() if self.clock is not None else {"steps_done": 0, "in_step_s": 0.0}
+        return {"rank": self.rank, "phase": self.phase, **snap}
+
+    async def status(self) -> dict[str, Any]:
+        from raydeploy.gang.runtime import device_memory, process_rss_bytes
+
+        out: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "phase": self.phase,
+                               "node_ip": await self.node_ip(), "rss_bytes": process_rss_bytes(),
+                               "phase_s": {k: round(v, 3) for k, v in self.phase_times_s.items()},
+                               "init": self.init_info, "load": self.load_stats}
+        if self.mesh is not None:
+            out["device_memory"] = device_memory()
+        if self.clock is not None:
+            out["steps"] = self.clock.snapshot()
+        return out
+
+    # -- rank 0: the coordinator's entry points --------------------------------------------------------
+    def _coordinator(self) -> Any:
+        from raydeploy.gang.coordinator import Coordinator, GangUnavailableError
+
+        if self.rank != 0:
+            raise GangUnavailableError(f"host {self.rank} is not the coordinator (rank 0 is)", retriable=False)
+        if not isinstance(self.loop, Coordinator):
+            raise GangUnavailableError(f"the gang is not ready (rank 0 is in phase {self.phase})")
+        return self.loop
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
+        """Stream lists of TokenEvents for `req` (call as a Ray streaming generator)."""
+        async for batch in self._coordinator().generate(req):
+            yield batch
+
+    async def abort(self, request_id: str) -> bool:
+        return self._coordinator().abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self._coordinator().stats()
+
+    async def fail_all(self, error: str, retriable: bool = True) -> None:
+        """The supervisor declares the gang failed: end in-flight requests with an error event."""
+        from raydeploy.gang.coordinator import Coordinator
+
+        if isinstance(self.loop, Coordinator):
+            await asyncio.to_thread(self.loop.fail_all, error, retriable)
+
+
+class _FaultyEngine:
+    """Test fault: blocks forever (like a host stuck in a collective) when asked to run step n."""
+
+    def __init__(self, engine: Any, hang_at_step: int) -> None:
+        self.engine = engine
+        self.hang_at_step = int(hang_at_step)
+        self.n = 0
+
+    def step(self, plan: Any) -> Any:
+        if self.n == self.hang_at_step:
+            while True:
+                time.sleep(3600)
+        self.n += 1
+        return self.engine.step(plan)

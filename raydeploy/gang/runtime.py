@@ -1,0 +1,123 @@
+"""What one host holds once it is in the gang: its JAX runtime, mesh, weights and engine.
+
+Runs inside a host actor's process only (it imports JAX lazily, after the actor's environment is set).
+Phases, each called by the host actor on behalf of the bring-up sequence:
+`init_distributed` (join jax.distributed, check process count, build the global mesh), `load` (read this
+host's part of the checkpoint into sharded arrays, build the engine), `compile` (warm every program).
+The engine is either the real one (raydeploy.engine.engine.Engine over the checkpoint) or, when the gang
+is started with `engine="toy"`, the tiny stand-in of raydeploy.gang.toy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from raydeploy.config import Config
+
+
+def join_distributed(cfg: Config, rank: int, coordinator_address: str) -> dict[str, Any]:
+    """`jax.distributed.initialize` (every rank concurrently), then check the gang and build the mesh."""
+    import jax
+
+    c = cfg.cluster
+    if cfg.engine.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.engine.compilation_cache_dir))
+    bind = None
+    if rank == 0:
+        port = coordinator_address.rsplit(":", 1)[1]
+        bind = f"{c.coordinator_bind_address or '0.0.0.0'}:{port}"
+    t0 = time.perf_counter()
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=c.num_hosts, process_id=rank,
+        coordinator_bind_address=bind, initialization_timeout=max(1, math.ceil(c.init_timeout_s)),
+        heartbeat_timeout_seconds=max(1, math.ceil(c.heartbeat_timeout_s)))
+    init_s = time.perf_counter() - t0
+    if jax.process_count() != c.num_hosts:
+        raise RuntimeError(f"host {rank}: jax.process_count() is {jax.process_count()}, "
+                           f"cluster.num_hosts is {c.num_hosts}")
+    local = jax.local_devices()
+    if len(local) != c.devices_per_host:
+        raise RuntimeError(f"host {rank}: JAX sees {len(local)} local device(s) ({local[0].platform}), "
+                           f"cluster.devices_per_host is {c.devices_per_host}")
+    return {"init_s": init_s, "process_index": jax.process_index(), "process_count": jax.process_count(),
+            "local_devices": [str(d) for d in local], "global_devices": len(jax.devices()),
+            "platform": local[0].platform}
+
+
+def build_mesh_for(cfg: Config) -> Any:
+    from raydeploy.model.sharding import build_mesh
+
+    return build_mesh(cfg.mesh_shape)
+
+
+def checkpoint_fingerprint(checkpoint_path: str | None) -> str:
+    """The checkpoint index fingerprint as this host sees it ("toy" for the stand-in engine)."""
+    if checkpoint_path is None:
+        return "toy"
+    from raydeploy.checkpoint.reader import CheckpointReader
+
+    return str(CheckpointReader(checkpoint_path).fingerprint())
+
+
+def load_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) -> tuple[Any, dict[str, Any], tuple[int, ...]]:
+    """Read this host's shards and build the engine: (engine, load stats, eos token ids)."""
+    if checkpoint_path is None:
+        from raydeploy.gang.toy import ToyEngine
+
+        return ToyEngine(mesh, cfg.engine.max_slots), {"bytes_read": 0, "seconds": 0.0, "gbps": 0.0}, (2,)
+
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.engine.engine import Engine
+    from raydeploy.model.sharding import merge_rules
+    from raydeploy.model.spec import param_specs
+
+    rules = merge_rules(cfg.mesh.rules)
+    reader = CheckpointReader(checkpoint_path)
+    llama_cfg = reader.llama_config
+    t0 = time.perf_counter()
+    params, stats = reader.load(param_specs(llama_cfg), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads)
+    seconds = time.perf_counter() - t0
+    engine = Engine(llama_cfg, params, mesh, rules, cfg.model, cfg.engine)
+    return engine, _stats_dict(stats, seconds), tuple(llama_cfg.eos_token_ids)
+
+
+def _stats_dict(stats: Any, seconds: float) -> dict[str, Any]:
+    if hasattr(stats, "__dataclass_fields__"):
+        import dataclasses
+
+        d = dataclasses.asdict(stats)
+    elif isinstance(stats, dict):
+        d = dict(stats)
+    else:
+        d = {"stats": repr(stats)}
+    nbytes = int(d.get("bytes_read", 0) or 0)
+    d.setdefault("seconds", seconds)
+    d["wall_s"] = seconds
+    d["gbps"] = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    return d
+
+
+def process_rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def device_memory() -> list[dict[str, Any]]:
+    """Per local device: bytes in use / limit when the backend reports them (CPU does not)."""
+    import jax
+
+    out = []
+    for d in jax.local_devices():
+        stats = d.memory_stats() or {}
+        out.append({"device": str(d), "bytes_in_use": stats.get("bytes_in_use"),
+                    "bytes_limit": stats.get("bytes_limit")})
+    return out

@@ -1,0 +1,168 @@
+"""A tiny stand-in engine with the real engine's step interface, for gang tests and control benchmarks.
+
+It runs one small jitted step per `StepPlan` over the global mesh, with a weight sharded over every
+device so each step does a cross-host reduction like a real decode step, and produces deterministic
+tokens (`next = f(last)`) that a test can predict. It loads no checkpoint and compiles in about a second,
+so bring-up, dispatch and failure handling can be exercised without the model. Imported only inside host
+processes (it imports JAX).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from raydeploy.engine.step import StepPlan, StepResult
+
+TOY_VOCAB = 256
+
+
+def toy_next_token(last: np.ndarray | int) -> np.ndarray:
+    """What the toy step returns for a slot whose previous token is `last` (the test oracle)."""
+    return (np.asarray(last, np.int64) * 7 + 3) % TOY_VOCAB
+
+
+class ToyEngine:
+    """Slots hold their last token; decode maps it through a sharded one-hot matmul to `toy_next_token`."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, max_slots: int, eos_token_ids: tuple[int, ...] = (2,)) -> None:
+        self.mesh = mesh
+        self.max_slots = max_slots
+        self.eos_token_ids = eos_token_ids
+        axes = tuple(mesh.axis_names)
+        # transition table T[v, next(v)] = 1, with the vocabulary dimension split over every device
+        table = np.zeros((TOY_VOCAB, TOY_VOCAB), np.float32)
+        table[np.arange(TOY_VOCAB), toy_next_token(np.arange(TOY_VOCAB))] = 1.0
+        self._table = jax.make_array_from_callback(table.shape, NamedSharding(mesh, P(axes, None)),
+                                                   lambda idx: table[idx])
+        self._replicated = NamedSharding(mesh, P())
+        self._last = np.zeros((max_slots,), np.int32)
+        self._step = jax.jit(self._decode, out_shardings=self._replicated)
+
+    @staticmethod
+    def _decode(table: jax.Array, last: jax.Array) -> jax.Array:
+        onehot = jax.nn.one_hot(last, TOY_VOCAB, dtype=jnp.float32)  # [slots, vocab]
+        return jnp.argmax(onehot @ table, axis=-1).astype(jnp.int32)  # contraction over the sharded vocab
+
+    def _run(self, last: np.ndarray) -> np.ndarray:
+        arr = jax.make_array_from_callback(last.shape, self._replicated, lambda idx: last[idx])
+        return np.asarray(self._step(self._table, arr))
+
+    def warmup(self) -> dict[str, Any]:
+        self._run(np.zeros((self.max_slots,), np.int32))
+        return {"programs": 1}
+
+    def step(self, plan: StepPlan) -> StepResult:
+        for s in plan.release:
+            self._last[s] = 0
+        prefill_tokens = []
+        for item in plan.prefills:
+            self._last[item.slot] = int(item.tokens[-1]) if len(item.tokens) else 0
+            nxt = int(toy_next_token(self._last[item.slot]))
+            self._last[item.slot] = nxt
+            prefill_tokens.append(nxt)
+        out = StepResult(step_id=plan.step_id, prefill_tokens=np.asarray(prefill_tokens, np.int32),
+                         prefill_logprobs=np.zeros((len(prefill_tokens),), np.float32))
+        if plan.decode:
+            nxt = self._run(self._last)
+            fresh = {item.slot: self._last[item.slot] for item in plan.prefills}
+            self._last = nxt.astype(np.int32).copy()
+            for slot, tok in fresh.items():  # a slot prefilled in this step decodes from the next step on
+                self._last[slot] = tok
+            out.decode_tokens = nxt
+            out.decode_logprobs = np.zeros((self.max_slots,), np.float32)
+        return out
+
+
+class ToyScheduler:
+    """A minimal FIFO scheduler with the real scheduler's interface (submit/abort/next_plan/on_result/fail_all).
+
+    One prefill per step, then decode of every active slot; finishes on max_tokens or eos. Host-agnostic and
+    JAX-free in behaviour; used with the toy engine to test the gang without the model.
+    """
+
+    def __init__(self, max_slots: int, eos_token_ids: tuple[int, ...] = (2,)) -> None:
+        from collections import deque
+
+        self.max_slots = max_slots
+        self.eos = set(eos_token_ids)
+        self.queue: deque = deque()
+        self.active: dict[int, list] = {}  # slot -> [req, sink, n_generated]
+        self.release: list[int] = []
+        self.step_id = 0
+
+    def submit(self, req: Any, sink: Any) -> None:
+        self.queue.append((req, sink))
+
+    def abort(self, request_id: str) -> bool:
+        for i, (req, _) in enumerate(self.queue):
+            if req.request_id == request_id:
+                del self.queue[i]
+                return True
+        for slot, (req, _, _) in list(self.active.items()):
+            if req.request_id == request_id:
+                del self.active[slot]
+                self.release.append(slot)
+                return True
+        return False
+
+    def next_plan(self) -> StepPlan | None:
+        from raydeploy.engine.step import PrefillItem
+
+        prefills = []
+        free = [s for s in range(self.max_slots) if s not in self.active]
+        if self.queue and free:
+            req, sink = self.queue.popleft()
+            self.active[free[0]] = [req, sink, 0]
+            prefills.append(PrefillItem(free[0], np.asarray(req.prompt_token_ids, np.int32), req.sampling))
+        decode = any(v[2] > 0 for v in self.active.values())
+        if not prefills and not decode and not self.release:
+            return None
+        plan = StepPlan(self.step_id, tuple(prefills), decode, tuple(self.release))
+        self.release = []
+        self.step_id += 1
+        return plan
+
+    def _emit(self, slot: int, token: int) -> None:
+        from raydeploy.engine.request import TokenEvent
+
+        req, sink, n = self.active[slot]
+        done = None
+        if token in self.eos and not req.ignore_eos:
+            done = "stop"
+        elif n + 1 >= req.max_tokens:
+            done = "length"
+        sink([TokenEvent(req.request_id, int(token), 0.0, n, done)])
+        self.active[slot][2] = n + 1
+        if done:
+            del self.active[slot]
+            self.release.append(slot)
+
+    def on_result(self, plan: StepPlan, result: StepResult) -> None:
+        decoding = [s for s, v in self.active.items() if v[2] > 0]
+        for item, tok in zip(plan.prefills, result.prefill_tokens, strict=True):
+            if item.slot in self.active:
+                self._emit(item.slot, int(tok))
+        if plan.decode and result.decode_tokens is not None:
+            for s in decoding:
+                if s in self.active:
+                    self._emit(s, int(result.decode_tokens[s]))
+
+    def fail_all(self, error: str, retriable: bool) -> None:
+        from raydeploy.engine.request import TokenEvent
+
+        for req, sink in list(self.queue):
+            sink([TokenEvent(req.request_id, None, finish_reason="error", error=error, retriable=retriable)])
+        for req, sink, n in self.active.values():
+            sink([TokenEvent(req.request_id, None, index=n, finish_reason="error", error=error,
+                             retriable=retriable)])
+        self.queue.clear()
+        self.active.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"queue_depth": len(self.queue), "slots_in_use": len(self.active), "max_slots": self.max_slots}
