@@ -1,0 +1,254 @@
+"""The raydeploy checkpoint format: the index schema, its validation, and the msgpack byte layout.
+
+A checkpoint is a directory (specified in docs/checkpoint-format.md):
+
+    index.json            format name + version, checksum scheme, every tensor's dtype, shape, shard file,
+                          byte offset/length of its raw row-major bytes and a crc32 per fixed-size block
+    shard-00000.msgpack   a msgpack map {tensor name: flax ndarray ext}; readable by `msgpack.unpackb` and by
+    shard-00001.msgpack   `flax.serialization.msgpack_restore`, and by `os.pread` of exactly the rows needed
+    config.json           the Hugging Face config of the model (`LlamaConfig.from_json`)
+    tokenizer files       tokenizer.json, tokenizer_config.json (chat template), special tokens, ...
+
+The writer (writer.py) produces it, the reader (reader.py) validates it here before reading any tensor
+byte. Everything a user can get wrong raises `CheckpointError` naming the file, key or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_NAME = "raydeploy-checkpoint"
+FORMAT_VERSION = 1
+INDEX_FILE = "index.json"
+CONFIG_FILE = "config.json"
+DEFAULT_BLOCK_BYTES = 1 << 20
+# flax.serialization.MAX_CHUNK_SIZE: arrays bigger than this are stored as flax "chunked arrays".
+FLAX_MAX_CHUNK_BYTES = 1 << 30
+# msgpack ext type code flax uses for ndarrays (flax.serialization._MsgpackExtType.ndarray).
+FLAX_NDARRAY_EXT = 1
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "generation_config.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or a conversion source) is missing, malformed or does not match the model."""
+
+    def __init__(self, message: str, path: str | None = None, tensor: str | None = None):
+        self.message = message
+        self.path = path
+        self.tensor = tensor
+        where = ", ".join(x for x in (f"file {path}" if path else "", f"tensor {tensor}" if tensor else "") if x)
+        super().__init__(f"{where}: {message}" if where else message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CheckpointError, (self.message, self.path, self.tensor))
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a stored dtype name (bfloat16 comes from ml_dtypes, as in JAX and flax)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if name not in STORABLE_DTYPES:
+        raise CheckpointError(f"dtype {name!r} is not supported; supported: {', '.join(sorted(STORABLE_DTYPES))}")
+    return np.dtype(name)
+
+
+STORABLE_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"})
+FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's raw bytes live. `segments` are (file offset, length) pieces in order; one piece
+    unless the tensor was bigger than flax's chunk limit. `crc32[i]` covers raw bytes
+    [i*block_bytes, (i+1)*block_bytes) of the tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    segments: tuple[tuple[int, int], ...]
+    crc32: tuple[int, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return numpy_dtype(self.dtype).itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one index along dim 0 (the whole tensor for a scalar)."""
+        return self.itemsize * (math.prod(self.shape[1:]) if self.shape else 1)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "file": self.file,
+                             "offset": self.offset, "length": self.length, "crc32": list(self.crc32)}
+        if len(self.segments) > 1:
+            d["segments"] = [list(s) for s in self.segments]
+        return d
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """The parsed index.json."""
+
+    tensors: dict[str, TensorEntry]
+    files: dict[str, int]          # shard file name -> size in bytes
+    block_bytes: int
+    total_bytes: int               # sum of all tensors' raw bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                "checksum": {"algorithm": "crc32", "block_bytes": self.block_bytes},
+                "total_bytes": self.total_bytes, "files": dict(self.files),
+                "tensors": {n: e.to_json() for n, e in self.tensors.items()}}
+
+
+def _need(d: dict[str, Any], key: str, types: type | tuple[type, ...], where: str, path: str) -> Any:
+    if key not in d:
+        raise CheckpointError(f"{where}: missing key {key!r}", path)
+    v = d[key]
+    if not isinstance(v, types) or isinstance(v, bool):
+        raise CheckpointError(f"{where}: key {key!r} has type {type(v).__name__}", path)
+    return v
+
+
+def _plain_name(name: str, where: str, path: str) -> str:
+    """A shard file name must stay inside the checkpoint directory."""
+    p = Path(name)
+    if not name or p.is_absolute() or len(p.parts) != 1 or name in (".", "..") or "\\" in name:
+        raise CheckpointError(f"{where}: file name {name!r} escapes the checkpoint directory", path)
+    return name
+
+
+def parse_index(data: dict[str, Any], path: str, check_files_in: Path | None = None) -> CheckpointIndex:
+    """Validate an index dict completely. With `check_files_in`, shard files must exist with the declared
+    sizes and every tensor's bytes must lie inside its file."""
+    if not isinstance(data, dict):
+        raise CheckpointError("index is not a JSON object", path)
+    fmt = data.get("format")
+    if fmt != FORMAT_NAME:
+        raise CheckpointError(f"format is {fmt!r}, expected {FORMAT_NAME!r}", path)
+    version = data.get("version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"format version {version!r} is not supported (this reader reads {FORMAT_VERSION})",
+                              path)
+    checksum = _need(data, "checksum", dict, "index", path)
+    if checksum.get("algorithm") != "crc32":
+        raise CheckpointError(f"checksum algorithm {checksum.get('algorithm')!r} is not supported (crc32)", path)
+    block_bytes = _need(checksum, "block_bytes", int, "checksum", path)
+    if block_bytes <= 0:
+        raise CheckpointError(f"checksum.block_bytes must be > 0, got {block_bytes}", path)
+    files_raw = _need(data, "files", dict, "index", path)
+    files: dict[str, int] = {}
+    for fname, size in files_raw.items():
+        _plain_name(fname, "files", path)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise CheckpointError(f"files: size of {fname!r} must be a non-negative integer", path)
+        files[fname] = size
+    tensors_raw = _need(data, "tensors", dict, "index", path)
+    tensors: dict[str, TensorEntry] = {}
+    total = 0
+    for name, e in tensors_raw.items():
+        tensors[name] = _parse_entry(name, e, files, block_bytes, path)
+        total += tensors[name].length
+    declared_total = _need(data, "total_bytes", int, "index", path)
+    if declared_total != total:
+        raise CheckpointError(f"total_bytes is {declared_total} but the tensors add up to {total}", path)
+    if check_files_in is not None:
+        for fname, size in files.items():
+            fp = check_files_in / fname
+            if not fp.is_file():
+                raise CheckpointError(f"shard file {fname} listed in the index does not exist", str(fp))
+            actual = fp.stat().st_size
+            if actual != size:
+                raise CheckpointError(f"shard file is {actual} bytes, the index declares {size} (truncated or "
+                                      "replaced?)", str(fp))
+    return CheckpointIndex(tensors=tensors, files=files, block_bytes=block_bytes, total_bytes=total)
+
+
+def _parse_entry(name: str, e: Any, files: dict[str, int], block_bytes: int, path: str) -> TensorEntry:
+    def fail(msg: str) -> CheckpointError:
+        return CheckpointError(msg, path, tensor=name)
+
+    if not isinstance(e, dict):
+        raise fail("index entry is not an object")
+    for key, types in (("dtype", str), ("shape", list), ("file", str), ("offset", int), ("length", int),
+                       ("crc32", list)):
+        if key not in e:
+            raise fail(f"index entry is missing {key!r}")
+        if not isinstance(e[key], types) or isinstance(e[key], bool):
+            raise fail(f"index entry {key!r} has type {type(e[key]).__name__}")
+    dtype = e["dtype"]
+    if dtype not in STORABLE_DTYPES:
+        raise fail(f"dtype {dtype!r} is not supported; supported: {', '.join(sorted(STORABLE_DTYPES))}")
+    shape = tuple(e["shape"])
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise fail(f"shape {list(shape)} must be a list of non-negative integers")
+    fname = _plain_name(e["file"], f"tensor {name}", path)
+    if fname not in files:
+        raise fail(f"shard file {fname!r} is not listed in the index's files")
+    length = e["length"]
+    expected = math.prod(shape) * numpy_dtype(dtype).itemsize
+    if length != expected:
+        raise fail(f"length is {length} bytes but shape {list(shape)} x {dtype} needs {expected}")
+    segs_raw = e.get("segments", [[e["offset"], length]])
+    segments: list[tuple[int, int]] = []
+    for s in segs_raw:
+        if (not isinstance(s, list) or len(s) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s)):
+            raise fail(f"segment {s!r} must be [offset, length] with non-negative integers")
+        segments.append((s[0], s[1]))
+    if sum(n for _, n in segments) != length:
+        raise fail(f"segments add up to {sum(n for _, n in segments)} bytes, length is {length}")
+    if segments and segments[0][0] != e["offset"]:
+        raise fail("offset does not match the first segment")
+    fsize = files[fname]
+    for off, n in segments:
+        if off + n > fsize:
+            raise fail(f"bytes [{off}, {off + n}) lie beyond the end of {fname} ({fsize} bytes)")
+    crcs = e["crc32"]
+    n_blocks = -(-length // block_bytes)
+    if len(crcs) != n_blocks or not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs):
+        raise fail(f"crc32 must list {n_blocks} block checksums (32-bit integers), found {len(crcs)}")
+    return TensorEntry(name=name, dtype=dtype, shape=shape, file=fname, offset=e["offset"], length=length,
+                       segments=tuple(segments), crc32=tuple(crcs))
+
+
+def read_index(ckpt_dir: Path) -> CheckpointIndex:
+    """Parse and fully validate `ckpt_dir/index.json` against the shard files on disk."""
+    p = ckpt_dir / INDEX_FILE
+    if not p.is_file():
+        raise CheckpointError(f"not a raydeploy checkpoint: {INDEX_FILE} is missing (convert weights with "
+                              "`raydeploy convert`)", str(ckpt_dir))
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"index is not valid JSON: {e}", str(p)) from e
+    return parse_index(data, str(p), check_files_in=ckpt_dir)
+
+
+# ---- msgpack byte layout (shared by the writer and the tests) ----
+
+def map32_header(count: int) -> bytes:
+    return b"\xdf" + struct.pack(">I", count)
+
+
+def ext32_header(length: int, code: int = FLAX_NDARRAY_EXT) -> bytes:
+    return b"\xc9" + struct.pack(">Ib", length, code)
+
+
+def bin32_header(length: int) -> bytes:
+    return b"\xc6" + struct.pack(">I", length)

@@ -1,0 +1,179 @@
+"""Foreign parameter names and layouts -> ours (`raydeploy.model.spec.param_specs`), as tables of data.
+
+Each converter maps a source name to (our name, layout kind) with one of the tables below, then calls
+`to_ours(kind, array, cfg)`. Hugging Face PyTorch `nn.Linear` weights are [out, in]; GGUF tensors, once
+dequantized (and Q/K un-permuted), have the same [out, in] layout; EasyDeL/Flax kernels are already
+[in, out]. Ours are input-dims-first with attention heads split out: q_proj.kernel [hidden, heads, head_dim],
+o_proj.kernel [heads, head_dim, hidden].
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from raydeploy.checkpoint.format import CheckpointError
+from raydeploy.model.spec import LlamaConfig
+
+# Layout kinds. "_oi" sources are [out, in] (PyTorch / GGUF), "_io" sources are [in, out] (Flax).
+COPY = "copy"
+LINEAR_OI = "linear_oi"        # [out, in] -> [in, out]
+Q_OI = "q_oi"                  # [nh*hd, d] -> [d, nh, hd]
+KV_OI = "kv_oi"                # [nkv*hd, d] -> [d, nkv, hd]
+O_OI = "o_oi"                  # [d, nh*hd] -> [nh, hd, d]
+Q_IO = "q_io"                  # [d, nh*hd] -> [d, nh, hd]
+KV_IO = "kv_io"                # [d, nkv*hd] -> [d, nkv, hd]
+O_IO = "o_io"                  # [nh*hd, d] -> [nh, hd, d]
+Q_BIAS = "q_bias"              # [nh*hd] -> [nh, hd]
+KV_BIAS = "kv_bias"            # [nkv*hd] -> [nkv, hd]
+
+_L = r"(?P<layer>\d+)"
+
+# Hugging Face transformers names (Llama, Mistral, Qwen2, SmolLM2 share them).
+HF_NAMES: Sequence[tuple[str, str, str]] = (
+    (r"model\.embed_tokens\.weight", "embed.embedding", COPY),
+    (rf"model\.layers\.{_L}\.input_layernorm\.weight", "layers.{layer}.attn_norm.scale", COPY),
+    (rf"model\.layers\.{_L}\.self_attn\.q_proj\.weight", "layers.{layer}.attn.q_proj.kernel", Q_OI),
+    (rf"model\.layers\.{_L}\.self_attn\.k_proj\.weight", "layers.{layer}.attn.k_proj.kernel", KV_OI),
+    (rf"model\.layers\.{_L}\.self_attn\.v_proj\.weight", "layers.{layer}.attn.v_proj.kernel", KV_OI),
+    (rf"model\.layers\.{_L}\.self_attn\.q_proj\.bias", "layers.{layer}.attn.q_proj.bias", Q_BIAS),
+    (rf"model\.layers\.{_L}\.self_attn\.k_proj\.bias", "layers.{layer}.attn.k_proj.bias", KV_BIAS),
+    (rf"model\.layers\.{_L}\.self_attn\.v_proj\.bias", "layers.{layer}.attn.v_proj.bias", KV_BIAS),
+    (rf"model\.layers\.{_L}\.self_attn\.o_proj\.weight", "layers.{layer}.attn.o_proj.kernel", O_OI),
+    (rf"model\.layers\.{_L}\.post_attention_layernorm\.weight", "layers.{layer}.mlp_norm.scale", COPY),
+    (rf"model\.layers\.{_L}\.mlp\.gate_proj\.weight", "layers.{layer}.mlp.gate_proj.kernel", LINEAR_OI),
+    (rf"model\.layers\.{_L}\.mlp\.up_proj\.weight", "layers.{layer}.mlp.up_proj.kernel", LINEAR_OI),
+    (rf"model\.layers\.{_L}\.mlp\.down_proj\.weight", "layers.{layer}.mlp.down_proj.kernel", LINEAR_OI),
+    (r"model\.norm\.weight", "final_norm.scale", COPY),
+    (r"lm_head\.weight", "lm_head.kernel", LINEAR_OI),
+)
+# Buffers some exports carry that are not parameters.
+HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
+
+# llama.cpp GGUF names (after dequantization: [out, in] like PyTorch; Q/K still rope-permuted).
+GGUF_NAMES: Sequence[tuple[str, str, str]] = (
+    (r"token_embd\.weight", "embed.embedding", COPY),
+    (rf"blk\.{_L}\.attn_norm\.weight", "layers.{layer}.attn_norm.scale", COPY),
+    (rf"blk\.{_L}\.attn_q\.weight", "layers.{layer}.attn.q_proj.kernel", Q_OI),
+    (rf"blk\.{_L}\.attn_k\.weight", "layers.{layer}.attn.k_proj.kernel", KV_OI),
+    (rf"blk\.{_L}\.attn_v\.weight", "layers.{layer}.attn.v_proj.kernel", KV_OI),
+    (rf"blk\.{_L}\.attn_q\.bias", "layers.{layer}.attn.q_proj.bias", Q_BIAS),
+    (rf"blk\.{_L}\.attn_k\.bias", "layers.{layer}.attn.k_proj.bias", KV_BIAS),
+    (rf"blk\.{_L}\.attn_v\.bias", "layers.{layer}.attn.v_proj.bias", KV_BIAS),
+    (rf"blk\.{_L}\.attn_output\.weight", "layers.{layer}.attn.o_proj.kernel", O_OI),
+    (rf"blk\.{_L}\.ffn_norm\.weight", "layers.{layer}.mlp_norm.scale", COPY),
+    (rf"blk\.{_L}\.ffn_gate\.weight", "layers.{layer}.mlp.gate_proj.kernel", LINEAR_OI),
+    (rf"blk\.{_L}\.ffn_up\.weight", "layers.{layer}.mlp.up_proj.kernel", LINEAR_OI),
+    (rf"blk\.{_L}\.ffn_down\.weight", "layers.{layer}.mlp.down_proj.kernel", LINEAR_OI),
+    (r"output_norm\.weight", "final_norm.scale", COPY),
+    (r"output\.weight", "lm_head.kernel", LINEAR_OI),
+)
+GGUF_IGNORED = (r"rope_freqs\.weight",)
+
+# EasyDeL / flax Llama parameter paths joined with "/" (a leading "params/" is stripped first).
+EASYDEL_NAMES: Sequence[tuple[str, str, str]] = (
+    (r"model/embed_tokens/embedding", "embed.embedding", COPY),
+    (rf"model/layers/{_L}/input_layernorm/(kernel|weight|scale)", "layers.{layer}.attn_norm.scale", COPY),
+    (rf"model/layers/{_L}/self_attn/q_proj/kernel", "layers.{layer}.attn.q_proj.kernel", Q_IO),
+    (rf"model/layers/{_L}/self_attn/k_proj/kernel", "layers.{layer}.attn.k_proj.kernel", KV_IO),
+    (rf"model/layers/{_L}/self_attn/v_proj/kernel", "layers.{layer}.attn.v_proj.kernel", KV_IO),
+    (rf"model/layers/{_L}/self_attn/q_proj/bias", "layers.{layer}.attn.q_proj.bias", Q_BIAS),
+    (rf"model/layers/{_L}/self_attn/k_proj/bias", "layers.{layer}.attn.k_proj.bias", KV_BIAS),
+    (rf"model/layers/{_L}/self_attn/v_proj/bias", "layers.{layer}.attn.v_proj.bias", KV_BIAS),
+    (rf"model/layers/{_L}/self_attn/o_proj/kernel", "layers.{layer}.attn.o_proj.kernel", O_IO),
+    (rf"model/layers/{_L}/post_attention_layernorm/(kernel|weight|scale)", "layers.{layer}.mlp_norm.scale", COPY),
+    (rf"model/layers/{_L}/mlp/gate_proj/kernel", "layers.{layer}.mlp.gate_proj.kernel", COPY),
+    (rf"model/layers/{_L}/mlp/up_proj/kernel", "layers.{layer}.mlp.up_proj.kernel", COPY),
+    (rf"model/layers/{_L}/mlp/down_proj/kernel", "layers.{layer}.mlp.down_proj.kernel", COPY),
+    (r"model/norm/(kernel|weight|scale)", "final_norm.scale", COPY),
+    (r"lm_head/kernel", "lm_head.kernel", COPY),
+)
+
+
+class NameMap:
+    """Compiled form of one table: `lookup(source_name) -> (our_name, kind)`, or None for ignored names."""
+
+    def __init__(self, table: Sequence[tuple[str, str, str]], ignored: Sequence[str] = (), source: str = "source"):
+        self._rules = [(re.compile(p + r"\Z"), out, kind) for p, out, kind in table]
+        self._ignored = [re.compile(p + r"\Z") for p in ignored]
+        self.source = source
+
+    def lookup(self, name: str) -> tuple[str, str] | None:
+        for rx, out, kind in self._rules:
+            m = rx.match(name)
+            if m:
+                return out.format(**m.groupdict()), kind
+        if any(rx.match(name) for rx in self._ignored):
+            return None
+        raise CheckpointError(f"{self.source} tensor {name!r} is not a known Llama-family parameter", tensor=name)
+
+
+def to_ours(kind: str, x: np.ndarray, cfg: LlamaConfig, name: str = "") -> np.ndarray:
+    """Rearrange one source array into our layout (a view where possible; the writer makes it contiguous)."""
+    nh, nkv, hd, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+
+    def need(shape: tuple[int, ...]) -> None:
+        if tuple(x.shape) != shape:
+            raise CheckpointError(f"source shape {list(x.shape)} does not match the config (expected "
+                                  f"{list(shape)})", tensor=name)
+
+    if kind == COPY:
+        return x
+    if kind == LINEAR_OI:
+        if x.ndim != 2:
+            raise CheckpointError(f"expected a 2-d weight, found shape {list(x.shape)}", tensor=name)
+        return x.T
+    if kind == Q_OI:
+        need((nh * hd, d))
+        return x.T.reshape(d, nh, hd)
+    if kind == KV_OI:
+        need((nkv * hd, d))
+        return x.T.reshape(d, nkv, hd)
+    if kind == O_OI:
+        need((d, nh * hd))
+        return x.T.reshape(nh, hd, d)
+    if kind == Q_IO:
+        need((d, nh * hd))
+        return x.reshape(d, nh, hd)
+    if kind == KV_IO:
+        need((d, nkv * hd))
+        return x.reshape(d, nkv, hd)
+    if kind == O_IO:
+        need((nh * hd, d))
+        return x.reshape(nh, hd, d)
+    if kind == Q_BIAS:
+        need((nh * hd,))
+        return x.reshape(nh, hd)
+    if kind == KV_BIAS:
+        need((nkv * hd,))
+        return x.reshape(nkv, hd)
+    raise ValueError(f"unknown layout kind {kind!r}")
+
+
+def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Cast to a storage dtype name ('keep' leaves it)."""
+    if dtype == "keep" or x.dtype.name == dtype:
+        return x
+    from raydeploy.checkpoint.format import numpy_dtype
+
+    return x.astype(numpy_dtype(dtype))
+
+
+def check_against_specs(shapes: dict[str, tuple[int, ...]], cfg: LlamaConfig, source: str) -> None:
+    """The converted tensor set must be exactly `param_specs(cfg)`, with the same shapes."""
+    from raydeploy.model.spec import param_specs
+
+    specs = param_specs(cfg)
+    missing = [n for n in specs if n not in shapes]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"source lacks tensors the model needs: {', '.join(missing[:5])}{more}", source)
+    extra = [n for n in shapes if n not in specs]
+    if extra:
+        raise CheckpointError(f"source has tensors the config does not describe: {', '.join(extra[:5])}", source)
+    for n, s in specs.items():
+        if tuple(shapes[n]) != s.shape:
+            raise CheckpointError(f"converted shape {list(shapes[n])} != expected {list(s.shape)} from the config",
+                                  source, tensor=n)
