@@ -18,7 +18,7 @@ MAX_N = 8
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -154,7 +154,7 @@ class ChatCompletionRequest(_SamplingFields):
 class LegacyChatRequest(BaseModel):
     """POST /chat of EasyDeL's JAXServer: a prompt, the history as [[user, assistant], ...], greedy or not."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     prompt: str
     history: list[Annotated[list[str], Field(min_length=2, max_length=2)]] = Field(default_factory=list)
     greedy: bool = False
@@ -168,7 +168,7 @@ class LegacyChatRequest(BaseModel):
 class LegacyInstructRequest(BaseModel):
     """POST /instruct of EasyDeL's JAXServer: an instruction with an optional system prompt."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     instruction: str
     system: str | None = None
     greedy: bool = False

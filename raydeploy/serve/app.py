@@ -1,0 +1,392 @@
+"""The HTTP routes: OpenAI-compatible /v1, the old EasyDeL JAXServer /chat and /instruct, probes, status,
+metrics and the chat page.
+
+`create_app(server)` builds a FastAPI app over a `ServingCore` (which talks to the gang through a
+`Backend`); the Ray Serve deployment and the unit tests (with an in-process fake backend) both use it.
+Bodies are read here with a size limit and a content-type check, parsed with the pydantic models of
+:mod:`raydeploy.serve.protocol`, and every failure goes through :mod:`raydeploy.serve.errors`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from raydeploy.serve.auth import ApiKeyCheck
+from raydeploy.serve.errors import (
+    APIError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+    error_response,
+    pydantic_error,
+)
+from raydeploy.serve.generation import Job, Piece, ServingCore, new_id
+from raydeploy.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LegacyChatRequest,
+    LegacyInstructRequest,
+)
+from raydeploy.serve.responses import SSE_DONE, ChatBuilder, CompletionBuilder, sse
+
+STATIC_DIR = Path(__file__).with_name("static")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServerInfo:
+    """What /status and /v1/models show beside the live figures."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    devices: int = 0
+    process_count: int = 0
+    mesh: dict[str, int] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+
+
+def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_body_bytes: int = 1_048_576,
+               info: ServerInfo | None = None, cors_origins: list[str] | None = None) -> FastAPI:
+    app = FastAPI(title="raydeploy", docs_url=None, redoc_url=None, openapi_url=None)
+    keys = api_keys or ApiKeyCheck(())
+    info = info or ServerInfo()
+    codec, limits, metrics = core.codec, core.limits, core.metrics
+    vocab_size = len(codec.tokenizer)
+
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-API-Key"])
+
+    # -- plumbing --------------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(NotFound("no such route", code="not_found"))
+        err = APIError(str(exc.detail), status=exc.status_code, code="http_error")
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    class _CountResponses:
+        """Pure ASGI (no body buffering, so streaming and disconnects pass straight through)."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+            if scope["type"] != "http":
+                await self.inner(scope, receive, send)
+                return
+            status = [500]
+
+            async def send_and_note(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            try:
+                await self.inner(scope, receive, send_and_note)
+            finally:
+                metrics.count_response(getattr(scope.get("route"), "path", "other"), status[0])
+
+    app.add_middleware(_CountResponses)
+
+    def authorize(request: Request) -> None:
+        if not keys.allows(request.headers.get("authorization"), request.headers.get("x-api-key")):
+            raise Unauthorized()
+
+    async def read_body(request: Request, model: type[BaseModel]) -> Any:
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            raise UnsupportedMediaType(ctype or None)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            raise PayloadTooLarge(max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise PayloadTooLarge(max_body_bytes)
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks))
+        except UnicodeDecodeError:
+            raise InvalidRequest("the body is not UTF-8 text", code="invalid_json") from None
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                                 code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise InvalidRequest(f"the body must be a JSON object, found {type(data).__name__}",
+                                 code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+
+    def check_ids(ids: list[int], param: str) -> None:
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"'{param}' holds token id {bad[0]}, outside the vocabulary of {vocab_size}",
+                                 param=param, code="invalid_value")
+
+    def make_jobs(prompts: list[list[int]], n: int, *, max_tokens: int | None, prompt_param: str,
+                  max_param: str, default_max: int | None, sampling_args: dict[str, Any], stop: list[str] | None,
+                  stop_token_ids: list[int] | None, ignore_eos: bool, timeout_s: float | None,
+                  request_id: str) -> list[Job]:
+        jobs = []
+        seed = sampling_args.pop("seed", None)
+        for p, ids in enumerate(prompts):
+            mt = core.max_tokens_for(len(ids), max_tokens, prompt_param=prompt_param, max_param=max_param,
+                                     default=default_max)
+            for k in range(n):
+                sp = core.sampling(**sampling_args, seed=None if seed is None else seed + k)
+                jobs.append(Job(index=p * n + k, prompt_ids=ids, max_tokens=mt, sampling=sp, stop=stop or [],
+                                stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+                                timeout_s=core.timeout_for(timeout_s), request_id=f"{request_id}-{p * n + k}"))
+        return jobs
+
+    async def respond(jobs: list[Job], builder: CompletionBuilder | ChatBuilder, prompt_tokens: int,
+                      stream: bool, include_usage: bool, arrived: float) -> Response:
+        core.admit(len(jobs))
+        if not stream:
+            try:
+                choices = await core.run_all(jobs, arrived)
+            finally:
+                core.release(len(jobs))
+            return JSONResponse(builder.whole(choices, prompt_tokens))
+        pieces = core.merged(jobs, arrived)
+        try:
+            first = await anext(pieces)  # errors before the first token still get their HTTP status
+        except BaseException:
+            core.release(len(jobs))
+            await pieces.aclose()
+            raise
+        return StreamingResponse(_sse_body(first, pieces, builder, prompt_tokens, include_usage,
+                                           lambda: core.release(len(jobs))),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # -- OpenAI API ------------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrived = time.perf_counter()
+        authorize(request)
+        body: CompletionRequest = await read_body(request, CompletionRequest)
+        core.check_model(body.model)
+        prompts = _prompt_ids(body.prompt, codec)
+        for ids in prompts:
+            check_ids(ids, "prompt")
+        jobs = make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt", max_param="max_tokens",
+                         default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_args=_sampling_args(body),
+                         stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                         timeout_s=body.timeout_s, request_id=new_id("cmpl"))
+        builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], limits.model_name, codec,
+                                    body.logprobs is not None)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(jobs, builder, sum(len(p) for p in prompts), body.stream, include_usage, arrived)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrived = time.perf_counter()
+        authorize(request)
+        body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
+        core.check_model(body.model)
+        if not body.messages:
+            raise InvalidRequest("'messages' must hold at least one message", param="messages", code="empty_prompt")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        if not any(m["content"].strip() for m in messages):
+            raise InvalidRequest("'messages' has no text in any message", param="messages", code="empty_prompt")
+        ids = codec.encode_chat(codec.chat_prompt(messages, body.add_generation_prompt))
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        jobs = make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages", max_param=param,
+                         default_max=None, sampling_args=_sampling_args(body), stop=body.stop,
+                         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                         timeout_s=body.timeout_s, request_id=new_id("chatcmpl"))
+        builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], limits.model_name, codec, body.logprobs)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(jobs, builder, len(ids), body.stream, include_usage, arrived)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [_model_card(limits.model_name, limits.max_seq_len, info)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        authorize(request)
+        core.check_model(model_id)
+        return JSONResponse(_model_card(limits.model_name, limits.max_seq_len, info))
+
+    # -- the old EasyDeL JAXServer API -----------------------------------------------------------------
+    async def legacy(messages: list[dict[str, str]], body: LegacyChatRequest | LegacyInstructRequest,
+                     prompt_param: str, arrived: float) -> Response:
+        text = codec.chat_prompt(messages)
+        ids = codec.encode_chat(text)
+        sampling_args = {"temperature": 0.0 if body.greedy else body.temperature, "top_p": body.top_p,
+                         "top_k": body.top_k, "repetition_penalty": None}
+        jobs = make_jobs([ids], 1, max_tokens=body.max_new_tokens, prompt_param=prompt_param,
+                         max_param="max_new_tokens", default_max=None, sampling_args=sampling_args, stop=None,
+                         stop_token_ids=None, ignore_eos=False, timeout_s=None, request_id=new_id("legacy"))
+        core.admit(1)
+        try:
+            (choice,) = await core.run_all(jobs, arrived)
+        finally:
+            core.release(1)
+        return JSONResponse({"input": text, "response": choice.text, "tokens_used": len(choice.token_ids)})
+
+    @app.post("/chat")
+    async def legacy_chat(request: Request) -> Response:
+        arrived = time.perf_counter()
+        authorize(request)
+        body: LegacyChatRequest = await read_body(request, LegacyChatRequest)
+        if not body.prompt.strip():
+            raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        for user, assistant in body.history:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        messages.append({"role": "user", "content": body.prompt})
+        return await legacy(messages, body, "prompt", arrived)
+
+    @app.post("/instruct")
+    async def legacy_instruct(request: Request) -> Response:
+        arrived = time.perf_counter()
+        authorize(request)
+        body: LegacyInstructRequest = await read_body(request, LegacyInstructRequest)
+        if not body.instruction.strip():
+            raise InvalidRequest("'instruction' must not be empty", param="instruction", code="empty_prompt")
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        messages.append({"role": "user", "content": body.instruction})
+        return await legacy(messages, body, "instruction", arrived)
+
+    # -- probes, status, metrics, page -----------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        st = await core.backend.state()
+        state = st.get("state", "unknown")
+        if state == "ready":
+            return JSONResponse({"ready": True, "state": state})
+        headers = {} if state == "failed" else {"Retry-After": "5"}
+        return JSONResponse({"ready": False, "state": state, "restarts": st.get("restarts"),
+                             "error": {"message": f"the model gang is {state}", "type": "server_error",
+                                       "param": None, "code": "not_ready"}},
+                            status_code=503, headers=headers)
+
+    @app.get("/status")
+    async def status(request: Request) -> Response:
+        authorize(request)
+        st = await core.backend.state()
+        gang = await core.backend.status()
+        stats = await core.backend.stats() if st.get("state") == "ready" else {}
+        served = metrics.requests_served
+        return JSONResponse({
+            "status": "Ready" if st.get("state") == "ready" else str(st.get("state", "unknown")).capitalize(),
+            "state": st.get("state"), "restarts": st.get("restarts"), "last_error": st.get("last_error"),
+            "model": limits.model_name, "config": info.config, "devices": info.devices,
+            "process_count": info.process_count, "mesh": info.mesh,
+            "uptime_s": round(time.time() - info.started_at, 3),
+            "number_of_served_request_until_last_up_time": served, "requests_served": served,
+            "serving": metrics.snapshot() | {"queue_capacity": limits.max_queue, "admitted": core.in_flight},
+            "engine": stats, "gang": gang,
+        })
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        st = await core.backend.state()
+        stats = await core.backend.stats() if st.get("state") == "ready" else {}
+        return PlainTextResponse(metrics.render(st, stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/")
+    async def page() -> Response:
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    return app
+
+
+async def _sse_body(first: tuple[int, Piece], pieces: AsyncIterator[tuple[int, Piece]],
+                    builder: CompletionBuilder | ChatBuilder, prompt_tokens: int, include_usage: bool,
+                    release: Callable[[], None]) -> AsyncIterator[str]:
+    n_tokens = 0
+    try:
+        index, piece = first
+        n_tokens += piece.token_id is not None
+        yield sse(builder.chunk(index, piece, include_usage))
+        try:
+            async for index, piece in pieces:
+                n_tokens += piece.token_id is not None
+                yield sse(builder.chunk(index, piece, include_usage))
+        except APIError as e:  # the status line is gone: the error travels as an SSE event
+            yield sse(e.body())
+            yield SSE_DONE
+            return
+        if include_usage:
+            yield sse(builder.usage_chunk(prompt_tokens, n_tokens))
+        yield SSE_DONE
+    finally:
+        release()
+        await pieces.aclose()
+
+
+def _validation_error(e: ValidationError) -> InvalidRequest:
+    for err in e.errors(include_url=False, include_input=False):
+        cause = (err.get("ctx") or {}).get("error")
+        param = getattr(cause, "param", None)
+        if param:
+            return InvalidRequest(str(cause), param=param, code="unsupported_value")
+    return pydantic_error(e)
+
+
+def _sampling_args(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    return {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+            "repetition_penalty": body.repetition_penalty, "seed": body.seed}
+
+
+def _prompt_ids(prompt: Any, codec: Any) -> list[list[int]]:
+    """A completions `prompt` (text, texts, ids, or lists of ids) as lists of ids; empty ones are an error."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
+            out.append(codec.encode(item))
+        else:
+            if not item:
+                raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
+            out.append([int(t) for t in item])
+    return out
+
+
+def _model_card(name: str, max_seq_len: int, info: ServerInfo) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(info.started_at), "owned_by": "raydeploy",
+            "max_model_len": max_seq_len}

@@ -1,0 +1,330 @@
+"""From a validated HTTP body to generated text: limits, admission, per-choice streams, stop strings, timeouts.
+
+`ServingCore` turns prompts into `Job`s (token ids, max_tokens, sampling, stops), checked against the
+model's context and the server's limits with errors naming the offending field; admits them against the
+bounded queue; and runs each job as a stream of `Piece`s (text delta, token, logprob, finish reason)
+over the `Backend`. A job that ends early for any reason (stop string, timeout, client gone, error) is
+aborted on the gang so its slot is freed on every host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from raydeploy.config import Config
+from raydeploy.engine.request import GenerationRequest
+from raydeploy.engine.step import SamplingParams
+from raydeploy.serve.backend import Backend
+from raydeploy.serve.errors import (
+    APIError,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+    RequestTimeout,
+    ServiceUnavailable,
+)
+from raydeploy.serve.metrics import ServingMetrics
+from raydeploy.serve.text import StopMatcher, TextCodec
+
+log = logging.getLogger("raydeploy.serve")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server accepts, from the config."""
+
+    model_name: str
+    max_seq_len: int
+    max_new_tokens: int
+    max_slots: int
+    max_queue: int
+    request_timeout_s: float
+    default_sampling: SamplingParams
+
+    @classmethod
+    def from_config(cls, cfg: Config, model_name: str) -> Limits:
+        s = cfg.engine.sampling
+        return cls(model_name=model_name, max_seq_len=cfg.model.max_seq_len,
+                   max_new_tokens=cfg.engine.max_new_tokens, max_slots=cfg.engine.max_slots,
+                   max_queue=cfg.serving.max_queue, request_timeout_s=cfg.serving.request_timeout_s,
+                   default_sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.repetition_penalty, 0))
+
+
+@dataclass
+class Job:
+    """One choice of one request, ready for the gang."""
+
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    timeout_s: float = 300.0
+    request_id: str = ""
+
+
+@dataclass
+class Piece:
+    """What a job produced at one event: text to emit (may be empty), the token, and the end if it ended."""
+
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    """A finished job (for non-streaming answers)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None]
+    finish_reason: str
+    prompt_tokens: int
+
+
+class ServingCore:
+    def __init__(self, backend: Backend, codec: TextCodec, limits: Limits,
+                 metrics: ServingMetrics | None = None) -> None:
+        self.backend = backend
+        self.codec = codec
+        self.limits = limits
+        self.metrics = metrics or ServingMetrics()
+        self._in_flight = 0
+        self._background: set[asyncio.Task] = set()
+
+    # -- building jobs ---------------------------------------------------------------------------------
+    def sampling(self, *, temperature: float | None, top_p: float | None, top_k: int | None,
+                 repetition_penalty: float | None, seed: int | None) -> SamplingParams:
+        d = self.limits.default_sampling
+        return SamplingParams(
+            temperature=d.temperature if temperature is None else float(temperature),
+            top_p=d.top_p if top_p is None else float(top_p),
+            top_k=d.top_k if top_k is None else max(0, int(top_k)),
+            repetition_penalty=d.repetition_penalty if repetition_penalty is None else float(repetition_penalty),
+            seed=random.randrange(2**31) if seed is None else int(seed),
+        )
+
+    def check_model(self, model: str | None) -> None:
+        from raydeploy.serve.errors import ModelNotFound
+
+        if model is not None and model != self.limits.model_name:
+            raise ModelNotFound(model, self.limits.model_name)
+
+    def max_tokens_for(self, prompt_len: int, max_tokens: int | None, *, prompt_param: str,
+                       max_param: str = "max_tokens", default: int | None = None) -> int:
+        """Check a prompt's length and a max_tokens against the context and the server's limit."""
+        lim = self.limits
+        if prompt_len == 0:
+            raise InvalidRequest(f"'{prompt_param}' must not be empty", param=prompt_param, code="empty_prompt")
+        if prompt_len >= lim.max_seq_len:
+            raise InvalidRequest(
+                f"'{prompt_param}' is {prompt_len} tokens; this model's context is {lim.max_seq_len} tokens "
+                f"and at least one must be left for the answer", param=prompt_param, code="context_length_exceeded")
+        room = lim.max_seq_len - prompt_len
+        if max_tokens is None:
+            return min(default or lim.max_new_tokens, lim.max_new_tokens, room)
+        if max_tokens > lim.max_new_tokens:
+            raise InvalidRequest(
+                f"'{max_param}' is {max_tokens}; this server generates at most {lim.max_new_tokens} tokens "
+                f"per request", param=max_param, code="invalid_value")
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"the prompt ({prompt_len} tokens) plus '{max_param}' ({max_tokens}) is "
+                f"{prompt_len + max_tokens} tokens, over this model's context of {lim.max_seq_len} tokens",
+                param=max_param, code="context_length_exceeded")
+        return max_tokens
+
+    def timeout_for(self, timeout_s: float | None) -> float:
+        t = self.limits.request_timeout_s
+        return t if timeout_s is None else min(t, float(timeout_s))
+
+    # -- admission -----------------------------------------------------------------------------------
+    def admit(self, n_jobs: int) -> None:
+        """Reserve room for `n_jobs` (slots + bounded queue) or answer 503 with Retry-After."""
+        capacity = self.limits.max_slots + self.limits.max_queue
+        if self._in_flight + n_jobs > capacity:
+            raise Overloaded(f"the server is at capacity ({self.limits.max_slots} slots busy and "
+                             f"{self.limits.max_queue} requests queued); retry shortly", retry_after_s=1.0)
+        self._in_flight += n_jobs
+
+    def release(self, n_jobs: int) -> None:
+        self._in_flight -= n_jobs
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    # -- running ---------------------------------------------------------------------------------------
+    async def pieces(self, job: Job, arrived_s: float) -> AsyncIterator[Piece]:
+        """Stream one job. Raises APIError subclasses only; always frees the gang slot if it ends early."""
+        req = GenerationRequest(request_id=job.request_id, prompt_token_ids=tuple(job.prompt_ids),
+                                max_tokens=job.max_tokens, sampling=job.sampling,
+                                stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos)
+        end_ids = set(job.stop_token_ids) | (set() if job.ignore_eos else set(self.codec.eos_token_ids))
+        detok = self.codec.detokenizer()
+        stopper = StopMatcher(job.stop)
+        self.metrics.started()
+        n_out, first_at, finished, done_in_gang = 0, None, False, False
+        deadline = arrived_s + job.timeout_s
+        stream = self.backend.generate(req)
+        try:
+            while True:
+                remaining_s = deadline - time.perf_counter()
+                if remaining_s <= 0:
+                    raise RequestTimeout(job.timeout_s)
+                try:
+                    # A deadline per wait, not around the yields: the consumer's own awaits stay its own.
+                    events = await asyncio.wait_for(anext(stream), remaining_s)
+                except StopAsyncIteration:
+                    done_in_gang = True
+                    raise ServiceUnavailable("the model gang ended the stream early; retry shortly", 1.0) from None
+                except TimeoutError:
+                    raise RequestTimeout(job.timeout_s) from None
+                for ev in events:
+                    if ev.finish_reason == "error":
+                        done_in_gang = True
+                        raise _event_error(ev)
+                    text = ""
+                    if ev.token_id is not None:
+                        n_out += 1
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                            self.metrics.first_token(first_at - arrived_s)
+                        is_end_token = ev.finish_reason == "stop" and ev.token_id in end_ids
+                        text = "" if is_end_token else stopper.feed(detok.add(ev.token_id))
+                        if stopper.stopped:
+                            finished = True
+                            yield Piece(text, ev.token_id, ev.logprob, "stop")
+                            return
+                        if ev.finish_reason is None:
+                            yield Piece(text, ev.token_id, ev.logprob)
+                            continue
+                    if ev.finish_reason is not None:
+                        done_in_gang = finished = True
+                        if ev.finish_reason == "abort":
+                            raise ServiceUnavailable("the request was aborted by the server; retry shortly", 1.0)
+                        tail = stopper.feed(detok.flush())
+                        tail += "" if stopper.stopped else stopper.finish()
+                        reason = "stop" if (stopper.stopped or ev.finish_reason == "stop") else ev.finish_reason
+                        yield Piece(text + tail, ev.token_id, ev.logprob, reason)
+                        return
+        except APIError:
+            raise
+        except Exception as e:  # anything else from the gang: logged in full, answered as a generic 500
+            log.error("request %s failed", job.request_id, exc_info=e)
+            raise InternalError() from None
+        finally:
+            now = time.perf_counter()
+            self.metrics.finished(got_first_token=first_at is not None, prompt_tokens=len(job.prompt_ids),
+                                  output_tokens=n_out, duration_s=now - arrived_s,
+                                  decode_s=(now - first_at) if first_at is not None else 0.0)
+            if not (finished and done_in_gang):
+                self._abort_soon(job.request_id)
+            await _close(stream)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Free the request's slot on the gang, even from a cancelled task (client disconnect)."""
+
+        async def _abort() -> None:
+            try:
+                await self.backend.abort(request_id)
+            except Exception as e:  # the gang may be restarting; its slots are gone then anyway
+                log.warning("abort of %s failed: %s", request_id, type(e).__name__)
+
+        task = asyncio.get_running_loop().create_task(_abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def run(self, job: Job, arrived_s: float) -> Choice:
+        text, ids, lps, reason = [], [], [], "length"
+        async for p in self.pieces(job, arrived_s):
+            text.append(p.text)
+            if p.token_id is not None:
+                ids.append(p.token_id)
+                lps.append(p.logprob)
+            if p.finish_reason:
+                reason = p.finish_reason
+        return Choice(job.index, "".join(text), ids, lps, reason, len(job.prompt_ids))
+
+    async def run_all(self, jobs: Sequence[Job], arrived_s: float) -> list[Choice]:
+        """All jobs concurrently (they batch together on the gang); the first failure cancels the rest."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.run(j, arrived_s)) for j in jobs]
+        except BaseExceptionGroup as eg:
+            raise _first_error(eg) from None
+        return [t.result() for t in tasks]
+
+    async def merged(self, jobs: Sequence[Job], arrived_s: float) -> AsyncIterator[tuple[int, Piece]]:
+        """Pieces of several jobs as they come, tagged with the job's index."""
+        if len(jobs) == 1:
+            one = self.pieces(jobs[0], arrived_s)
+            try:
+                async for p in one:
+                    yield jobs[0].index, p
+            finally:
+                await one.aclose()  # now, not at garbage collection: a client gone frees its slot at once
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(job: Job) -> None:
+            try:
+                async for p in self.pieces(job, arrived_s):
+                    await queue.put((job.index, p))
+            except APIError as e:
+                await queue.put(e)
+            finally:
+                await queue.put(done)
+
+        tasks = [asyncio.get_running_loop().create_task(pump(j)) for j in jobs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, APIError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+async def _close(stream: AsyncIterator) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _event_error(ev) -> APIError:
+    if ev.retriable:
+        return ServiceUnavailable("the model gang failed during the request and is restarting; retry shortly")
+    log.error("request %s failed in the gang: %s", ev.request_id, ev.error)
+    return InternalError()
+
+
+def _first_error(eg: BaseExceptionGroup) -> BaseException:
+    for e in eg.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            return _first_error(e)
+        if isinstance(e, APIError):
+            return e
+    return eg.exceptions[0]
