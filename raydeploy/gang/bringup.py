@@ -49,9 +49,13 @@ def _root(e: BaseException) -> str:
 
 
 async def gather_phase(phase: str, refs: Sequence[Any], timeout_s: float) -> list[Any]:
-    """Await one call per host; raise GangError naming failed and unfinished hosts if any fails or times out."""
+    """Await one call per host; raise GangError naming failed and unfinished hosts if any fails or times out.
+
+    The first failure ends the wait: a gang that cannot form is reported at once, not after the others'
+    timeouts.
+    """
     futures = [asyncio.ensure_future(_await_ref(r)) for r in refs]
-    done, pending = await asyncio.wait(futures, timeout=timeout_s, return_when=asyncio.ALL_COMPLETED)
+    done, pending = await asyncio.wait(futures, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
     problems: list[str] = []
     for rank, fut in enumerate(futures):
         if fut in done and fut.exception() is not None:
@@ -60,7 +64,8 @@ async def gather_phase(phase: str, refs: Sequence[Any], timeout_s: float) -> lis
     for fut in pending:
         fut.cancel()
     if missing:
-        problems.insert(0, f"host(s) {missing} did not finish {phase} within {timeout_s:g}s")
+        when = "before another host failed" if problems else f"within {timeout_s:g}s"
+        problems.insert(0, f"host(s) {missing} did not finish {phase} {when}")
     if problems:
         raise GangError(f"bring-up phase '{phase}' failed: " + "; ".join(problems), phase=phase)
     return [f.result() for f in futures]

@@ -84,6 +84,11 @@ class HostActor:
 
         return ray.util.get_node_ip_address()
 
+    async def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def coordinator_address(self) -> str:
         """Rank 0: `ip:port` of the jax.distributed coordinator it will run (a fresh free port when 0)."""
         import socket
@@ -113,9 +118,13 @@ class HostActor:
         return await self._phase("init", self._init_sync, coordinator_address)
 
     def _init_sync(self, coordinator_address: str) -> dict[str, Any]:
+        import ray
+
         from raydeploy.gang.runtime import build_mesh_for, join_distributed
 
         self.init_info = join_distributed(self.cfg, self.rank, coordinator_address)
+        self.init_info["pid"] = os.getpid()
+        self.init_info["node_id"] = ray.get_runtime_context().get_node_id()
         self.mesh = build_mesh_for(self.cfg)
         self.init_info["mesh"] = {str(k): int(v) for k, v in self.mesh.shape.items()}
         return self.init_info

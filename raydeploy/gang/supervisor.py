@@ -80,7 +80,9 @@ class GangSupervisor:
 
     def get_state(self) -> dict[str, Any]:
         return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error,
-                "generation": self.generation, "phase_s": {k: round(v, 3) for k, v in self.phase_s.items()},
+                "generation": self.generation,
+                "coordinator_address": (self.bringup_info or {}).get("coordinator_address"),
+                "phase_s": {k: round(v, 3) for k, v in self.phase_s.items()},
                 "hosts": self._host_rows(), "history": list(self.history)}
 
     def get_coordinator(self) -> Any:
@@ -134,6 +136,7 @@ class GangSupervisor:
             except Exception as e:  # noqa: BLE001 - any failure ends in a defined state
                 traceback.print_exc()
                 cause = f"supervisor error: {_root(e)}"
+            self.state = "restarting"  # before teardown: nobody gets the old coordinator from now on
             self.last_error = cause
             self.history.append({"generation": self.generation, "error": cause, "at": time.time()})
             await self._teardown(cause)
@@ -155,6 +158,7 @@ class GangSupervisor:
         self.generation += 1
         self.state = "starting"
         self.phase_s = {}
+        self.bringup_info = {}
         t0 = time.perf_counter()
         self.group = await asyncio.to_thread(place_hosts, self.cfg.cluster, f"raydeploy-gang-{self.generation}")
         self.phase_s["placement_s"] = time.perf_counter() - t0
@@ -166,8 +170,9 @@ class GangSupervisor:
                                  self.generation)
             opts.pop("name")
             cfg = self.host_configs.get(rank, self.cfg)
+            faults = self.faults.get(rank) if self.generation == 1 else None  # injected into the first gang only
             self.hosts.append(remote_cls.options(**opts).remote(cfg, rank, self.generation, self.checkpoint_path,
-                                                                self.faults.get(rank)))
+                                                                faults))
         self.phase_s["actors_s"] = time.perf_counter() - t0
         self.bringup_info = await bring_up(self.cfg, self.hosts, self.phase_s, on_phase=self._on_phase)
         self.serve_refs = [h.serve.remote() for h in self.hosts]
@@ -216,8 +221,11 @@ class GangSupervisor:
         for h in hosts:
             ray.kill(h, no_restart=True)
         self.serve_refs = []
-        # wait until the processes are really gone (ports, devices freed): calls then fail at once
-        await asyncio.gather(*[_wait_dead(h, 30.0) for h in hosts])
+        # wait until the processes are really gone (ports, devices freed)
+        inits = (self.bringup_info or {}).get("init") or []
+        here = ray.get_runtime_context().get_node_id()
+        local_pids = [i.get("pid") if i.get("node_id") == here else None for i in inits] + [None] * len(hosts)
+        await asyncio.gather(*[_wait_dead(h, pid, 30.0) for h, pid in zip(hosts, local_pids, strict=False)])
         if self.group is not None:
             self.group.remove()
             self.group = None
@@ -244,7 +252,8 @@ async def _await(ref: Any) -> Any:
     return await ref
 
 
-async def _wait_dead(handle: Any, timeout_s: float) -> None:
+async def _wait_dead(handle: Any, pid: int | None, timeout_s: float) -> None:
+    """Wait until Ray reports the actor dead and, when it ran on this node, its process has exited."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -252,8 +261,19 @@ async def _wait_dead(handle: Any, timeout_s: float) -> None:
         try:
             await asyncio.wait_for(_await(handle.node_ip.remote()), 2.0)
         except ray.exceptions.RayActorError:
-            return
+            break
         except TimeoutError:
             pass
         await asyncio.sleep(0.1)
-    print(f"raydeploy supervisor: a killed host actor still answers after {timeout_s:g}s")
+    while pid is not None and _process_running(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if time.monotonic() >= deadline:
+        print(f"raydeploy supervisor: a killed host actor (pid {pid}) is still running after {timeout_s:g}s")
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

@@ -1,0 +1,184 @@
+"""The gang's failure handling on a real local Ray cluster with real jax.distributed between 2 host
+processes (2 virtual CPU devices each), using the stand-in engine so each bring-up takes seconds.
+
+Covered: a host killed mid-generation (rank 1, then rank 0) fails the request with a retriable error
+event within the heartbeat timeout and the gang restarts and serves again; a rank that never joins;
+a fingerprint mismatch; a host stuck in a step (watchdog); no leaked processes or ports after shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from raydeploy.config import load_config
+from raydeploy.engine.request import GenerationRequest
+from raydeploy.gang.gang import start_gang, stream_events
+from raydeploy.gang.toy import toy_next_token
+
+pytestmark = pytest.mark.ray
+
+HEARTBEAT_S = 4
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    import ray
+
+    tmp = f"/tmp/rdg-{os.getpid()}"
+    ray.init(num_cpus=2, _temp_dir=tmp, include_dashboard=False, namespace="raydeploy-tests",
+             configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _cfg(*extra: str):
+    return load_config(None, [f"cluster.heartbeat_timeout_s={HEARTBEAT_S}", "cluster.init_timeout_s=6",
+                              "cluster.step_timeout_s=4", "cluster.restart_backoff_s=0.2",
+                              "cluster.max_restarts=2", "engine.max_slots=2", *extra])
+
+
+def _pid_alive(pid: int) -> bool:
+    """Running (a zombie awaiting its parent's reaping has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _pids(gang) -> list[int]:
+    return [h["pid"] for h in gang.status()["host_status"]]
+
+
+def _long_request(rid: str) -> GenerationRequest:
+    return GenerationRequest(rid, (5, 6, 7), max_tokens=1_000_000, ignore_eos=True)
+
+
+def _stream_until_end(gang, req, started: threading.Event, out: dict) -> None:
+    async def run() -> None:
+        events = []
+        async for batch in stream_events(gang.coordinator(), req):
+            events.extend(batch)
+            if len(events) >= 5:
+                started.set()
+        out["events"] = events
+        out["ended_s"] = time.monotonic()
+
+    asyncio.run(run())
+
+
+def _check_generation(gang, rid: str, n: int = 6) -> None:
+    events = gang.generate(GenerationRequest(rid, (5, 6, 7), max_tokens=n, ignore_eos=True), timeout_s=60)
+    want, last = [], 7
+    for _ in range(n):
+        last = int(toy_next_token(last))
+        want.append(last)
+    assert [e.token_id for e in events] == want
+    assert events[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster, victim):
+    gang = start_gang(_cfg(), engine="toy")
+    try:
+        gang.wait_ready(120)
+        _check_generation(gang, "before")
+        pids = _pids(gang)
+        started, out = threading.Event(), {}
+        t = threading.Thread(target=_stream_until_end, args=(gang, _long_request("long"), started, out))
+        t.start()
+        assert started.wait(60), "the long request produced no tokens"
+        killed_s = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        t.join(HEARTBEAT_S + 30)
+        assert not t.is_alive(), "the request did not end after a host died"
+        last = out["events"][-1]
+        assert last.finish_reason == "error" and last.retriable, last
+        assert "gang failure" in last.error
+        assert out["ended_s"] - killed_s < HEARTBEAT_S + 5
+        st = gang.wait_ready(120)
+        assert st["restarts"] == 1 and f"host {victim}" in (st["last_error"] or "") or st["history"], st
+        _check_generation(gang, "after")
+        assert not any(_pid_alive(p) for p in pids), "old host processes still alive"
+    finally:
+        gang.shutdown()
+
+
+def test_rank_that_never_joins_fails_within_init_timeout(ray_cluster):
+    gang = start_gang(_cfg("cluster.max_restarts=0"), engine="toy", faults={1: {"never_join": 120}})
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Exception) as info:
+            gang.wait_ready(120)
+        elapsed = time.monotonic() - t0
+        msg = str(info.value)
+        assert "init" in msg and "host(s) [1] did not finish init" in msg, msg
+        assert elapsed < 6 + 15, elapsed
+        assert gang.state()["state"] == "failed"
+    finally:
+        gang.shutdown()
+
+
+def test_fingerprint_mismatch_is_refused_without_restart(ray_cluster):
+    cfg = _cfg()
+    other = load_config(None, [f"cluster.heartbeat_timeout_s={HEARTBEAT_S}", "cluster.init_timeout_s=6",
+                               "cluster.step_timeout_s=4", "cluster.restart_backoff_s=0.2",
+                               "cluster.max_restarts=2", "engine.max_slots=2", "model.max_seq_len=1024",
+                               "engine.prefill_buckets=[32,1024]"])
+    gang = start_gang(cfg, engine="toy", host_configs={1: other})
+    try:
+        with pytest.raises(Exception) as info:
+            gang.wait_ready(120)
+        msg = str(info.value)
+        assert "gang refused" in msg and "host 1 differs from host 0 in config.engine" in msg, msg
+        assert "config.model" in msg
+        st = gang.state()
+        assert st["state"] == "failed" and st["restarts"] == 0
+    finally:
+        gang.shutdown()
+
+
+def test_stuck_host_is_caught_by_the_watchdog(ray_cluster):
+    gang = start_gang(_cfg(), engine="toy", faults={1: {"hang_at_step": 3}})
+    try:
+        gang.wait_ready(120)
+        events = gang.generate(_long_request("stuck"), timeout_s=60)
+        assert events[-1].finish_reason == "error" and events[-1].retriable
+        assert "stuck" in events[-1].error and "step_timeout_s" in events[-1].error, events[-1].error
+        gang.wait_ready(120)
+        _check_generation(gang, "after-stuck")
+    finally:
+        gang.shutdown()
+
+
+def test_shutdown_leaves_no_processes_or_ports(ray_cluster):
+    gang = start_gang(_cfg(), engine="toy")
+    gang.wait_ready(120)
+    _check_generation(gang, "x")
+    pids = _pids(gang)
+    address = gang.state()["coordinator_address"]
+    gang.shutdown()
+    assert not any(_pid_alive(p) for p in pids)
+    host, port = address.rsplit(":", 1)
+    assert int(port) not in _listening_ports(), "the coordinator port is still listening"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new coordinator would
+        s.bind((host, int(port)))
+
+
+def _listening_ports() -> set[int]:
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A":  # LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
