@@ -1,0 +1,98 @@
+"""`raydeploy predict` input and resume handling (no Ray): bad lines name their line number, are skipped
+or fatal per --on-bad-line, and an interrupted output file is resumed from its last complete line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from raydeploy.cli import main
+from raydeploy.config import load_config
+from raydeploy.predict import PredictInputError, load_done, read_examples
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def codec(demo_checkpoint: Path):
+    from raydeploy.serve.text import TextCodec
+
+    return TextCodec.from_dir(demo_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(REPO / "configs" / "predict-small.yaml")
+
+
+BAD = [
+    ('{"prompt": "Hello"', "not valid JSON"),
+    ('["Hello"]', "expected a JSON object, found list"),
+    ('{"text": "Hello"}', 'needs exactly one of "prompt"'),
+    ('{"prompt": "a", "messages": []}', 'needs exactly one of "prompt"'),
+    ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+    ('{"messages": [{"role": "user"}]}', '"messages" must be a non-empty list'),
+    ('{"prompt": "Hi", "max_tokens": 0}', '"max_tokens" must be a positive integer, found 0'),
+    ('{"prompt": "Hi", "max_tokens": 65}', '"max_tokens" 65 exceeds engine.max_new_tokens 64'),
+    (json.dumps({"prompt": "word " * 400}), "tokens; model.max_seq_len 256 with max_tokens 64 leaves room for 192"),
+]
+
+
+def _write(tmp_path: Path, lines: list[str]) -> Path:
+    p = tmp_path / "in.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_good_lines(tmp_path: Path, codec, cfg) -> None:
+    p = _write(tmp_path, ['{"prompt": "The capital of France is", "id": "a"}', "",
+                          '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}'])
+    examples, bad = read_examples(p, codec, cfg, 16)
+    assert bad == []
+    assert [(e.index, e.id, e.max_tokens) for e in examples] == [(1, "a", 16), (3, 3, 5)]
+    assert list(examples[0].prompt_token_ids) == codec.encode("The capital of France is")
+    assert codec.decode(examples[1].prompt_token_ids).rstrip().endswith("assistant")
+
+
+@pytest.mark.parametrize(("line", "reason"), BAD, ids=[r for _, r in BAD])
+def test_bad_line_skipped_with_line_number(tmp_path: Path, codec, cfg, line: str, reason: str) -> None:
+    p = _write(tmp_path, ['{"prompt": "ok"}', line, '{"prompt": "also ok"}'])
+    examples, bad = read_examples(p, codec, cfg, 64, "skip")
+    assert [e.index for e in examples] == [1, 3]
+    assert len(bad) == 1 and bad[0].index == 2 and reason in bad[0].reason
+    with pytest.raises(PredictInputError, match=rf"in.jsonl:2: .*{reason[:20]}"):
+        read_examples(p, codec, cfg, 64, "fail")
+
+
+def test_cli_fails_on_bad_line_before_starting_anything(tmp_path: Path, demo_checkpoint: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    p = _write(tmp_path, ['{"prompt": "ok"}', "{oops"])
+    rc = main(["predict", str(REPO / "configs" / "predict-small.yaml"), "--input", str(p),
+               "--output", str(tmp_path / "out.jsonl"), "--on-bad-line", "fail"])
+    assert rc == 1
+    assert "in.jsonl:2: not valid JSON" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_missing_input(tmp_path: Path, demo_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = main(["predict", str(REPO / "configs" / "predict-small.yaml"), "--input", str(tmp_path / "nope.jsonl"),
+               "--output", str(tmp_path / "out.jsonl")])
+    assert rc == 1 and "cannot read input" in capsys.readouterr().err
+
+
+def test_resume_drops_torn_last_line(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 1, "text": "a"}\n{"index": 3, "text": "b"}\n{"index": 4, "te')
+    assert load_done(out) == {1, 3}
+    assert out.read_text() == '{"index": 1, "text": "a"}\n{"index": 3, "text": "b"}\n'
+    assert load_done(tmp_path / "absent.jsonl") == set()
+
+
+def test_resume_refuses_foreign_output(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 1}\n{"something": "else"}\n')
+    with pytest.raises(PredictInputError, match="out.jsonl:2: not a raydeploy predict output line"):
+        load_done(out)
