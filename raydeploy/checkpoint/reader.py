@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import threading
 import time
-import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -35,6 +35,8 @@ from raydeploy.checkpoint.format import (
     CheckpointError,
     CheckpointIndex,
     TensorEntry,
+    aligned_empty,
+    crc32,
     numpy_dtype,
     read_index,
 )
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     import jax
 
 PIECE_BYTES = 16 << 20  # read granularity for the thread pool (rounded to checksum blocks)
+PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class _TensorPlan:
     buffers: list[np.ndarray]                      # one uint8 buffer per interval (block-widened)
     buf_starts: list[int]                          # tensor byte offset where each buffer starts
     pending: int = 0
+    mapped: bool = False
 
 
 def merge_intervals(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -137,9 +141,14 @@ class CheckpointReader:
 
     # ---- loading ----
     def load(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
-             dtype: str = "float32", threads: int = 8, progress: bool = True, verify: bool = True
-             ) -> tuple[dict[str, jax.Array], LoadStats]:
-        """Read this process's part of every tensor in `specs` and return sharded arrays (see module doc)."""
+             dtype: str = "float32", threads: int = 8, progress: bool = True, verify: bool = True,
+             use_mmap: bool = True) -> tuple[dict[str, jax.Array], LoadStats]:
+        """Read this process's part of every tensor in `specs` and return sharded arrays (see module doc).
+
+        With `use_mmap` (default) the needed byte ranges are mapped copy-on-write and touched (checksummed)
+        in the thread pool: no copy through a read buffer, and on CPU the arrays alias the page cache when
+        no dtype cast or column slice is needed. Without it (or for tensors stored in several segments)
+        the ranges are `os.preadv`-ed into aligned buffers."""
         import jax
         from jax.sharding import NamedSharding
         from tqdm import tqdm
@@ -167,18 +176,26 @@ class CheckpointReader:
         bb = self.index.block_bytes
         piece = max(bb, (PIECE_BYTES // bb) * bb)
         pieces: list[tuple[_TensorPlan, int, int, int]] = []
+        fds = {f: os.open(self.path / f, os.O_RDONLY) for f in {p.entry.file for p in plans.values()}}
+        maps: dict[str, mmap.mmap] = {}
         for p in plans.values():
+            e = p.entry
+            p.mapped = use_mmap and len(e.segments) == 1 and e.length > 0
+            if p.mapped and e.file not in maps:
+                maps[e.file] = mmap.mmap(fds[e.file], 0, access=mmap.ACCESS_COPY)
             for a, b in p.intervals:
-                start = (a * p.entry.row_bytes // bb) * bb
-                stop = min(-(-(b * p.entry.row_bytes) // bb) * bb, p.entry.length)
-                p.buffers.append(np.empty(stop - start, dtype=np.uint8))
+                start = (a * e.row_bytes // bb) * bb
+                stop = min(-(-(b * e.row_bytes) // bb) * bb, e.length)
+                if p.mapped:
+                    p.buffers.append(np.frombuffer(maps[e.file], np.uint8, stop - start, e.offset + start))
+                else:
+                    p.buffers.append(aligned_empty(stop - start))
                 p.buf_starts.append(start)
                 for s in range(start, stop, piece):
                     pieces.append((p, len(p.buffers) - 1, s, min(s + piece, stop)))
                     p.pending += 1
         total_read = sum(e - s for _, _, s, e in pieces)
 
-        fds = {f: os.open(self.path / f, os.O_RDONLY) for f in {p.entry.file for p in plans.values()}}
         out: dict[str, jax.Array] = {}
         lock = threading.Lock()
         bar = tqdm(total=total_read, unit="B", unit_scale=True, desc="load checkpoint", disable=not progress)
@@ -208,11 +225,14 @@ class CheckpointReader:
         def read_piece(p: _TensorPlan, k: int, s: int, e_: int) -> None:
             entry = p.entry
             view = memoryview(p.buffers[k])[s - p.buf_starts[k]: e_ - p.buf_starts[k]]
-            _pread_tensor_bytes(fds[entry.file], entry, s, view, self.path)
+            if not p.mapped:
+                _pread_tensor_bytes(fds[entry.file], entry, s, view, self.path)
+            elif not verify:  # fault the mapped pages in now, so the load really reads them
+                int(p.buffers[k][s - p.buf_starts[k]: e_ - p.buf_starts[k]: PAGE_BYTES].max(initial=0))
             if verify:
                 for blk in range(s // bb, -(-e_ // bb)):
                     b0 = blk * bb - s
-                    got = zlib.crc32(view[b0: b0 + bb])
+                    got = crc32(view[b0: b0 + bb])
                     if got != entry.crc32[blk]:
                         raise CheckpointError(
                             f"checksum mismatch in block {blk} (tensor bytes [{blk * bb}, "
@@ -255,7 +275,7 @@ class CheckpointReader:
         if name not in self.index.tensors:
             raise CheckpointError("no such tensor in the checkpoint", str(self.path / INDEX_FILE), tensor=name)
         e = self.index.tensors[name]
-        buf = np.empty(e.length, dtype=np.uint8)
+        buf = aligned_empty(e.length)
         fd = os.open(self.path / e.file, os.O_RDONLY)
         try:
             _pread_tensor_bytes(fd, e, 0, memoryview(buf), self.path)
@@ -264,7 +284,7 @@ class CheckpointReader:
         if verify:
             bb = self.index.block_bytes
             for blk, want in enumerate(e.crc32):
-                if zlib.crc32(buf[blk * bb:(blk + 1) * bb]) != want:
+                if crc32(buf[blk * bb:(blk + 1) * bb]) != want:
                     raise CheckpointError(f"checksum mismatch in block {blk}: the file is corrupt",
                                           str(self.path / e.file), tensor=name)
         return buf.view(numpy_dtype(e.dtype)).reshape(e.shape)

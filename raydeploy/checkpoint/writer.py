@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import struct
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -24,15 +23,18 @@ import numpy as np
 
 from raydeploy.checkpoint.format import (
     CONFIG_FILE,
+    DATA_ALIGNMENT,
     DEFAULT_BLOCK_BYTES,
     FLAX_MAX_CHUNK_BYTES,
     INDEX_FILE,
+    PAD_KEY,
     STORABLE_DTYPES,
     TOKENIZER_FILES,
     CheckpointError,
     CheckpointIndex,
     TensorEntry,
     bin32_header,
+    crc32,
     ext32_header,
     map32_header,
 )
@@ -60,7 +62,7 @@ def parse_size(text: str | int) -> int:
 
 
 def block_crcs(raw: memoryview, block_bytes: int) -> list[int]:
-    return [zlib.crc32(raw[i:i + block_bytes]) for i in range(0, len(raw), block_bytes)]
+    return [crc32(raw[i:i + block_bytes]) for i in range(0, len(raw), block_bytes)]
 
 
 def _ndarray_prefix(shape: tuple[int, ...], dtype: str, nbytes: int) -> bytes:
@@ -111,6 +113,18 @@ class CheckpointWriter:
         self._files[self._fname] = size
         self._f = None
 
+    def _pad_for(self, head_bytes: int) -> None:
+        """Insert a {PAD_KEY: bin} map entry so that the raw bytes after `head_bytes` more bytes start at a
+        multiple of DATA_ALIGNMENT. The entry is 10 + k bytes (k = 0..63), which reaches every residue."""
+        assert self._f is not None
+        pad_key = msgpack.packb(PAD_KEY)
+        misalign = (self._f.tell() + head_bytes) % DATA_ALIGNMENT
+        if misalign == 0:
+            return
+        k = (DATA_ALIGNMENT - misalign - len(pad_key) - 2) % DATA_ALIGNMENT
+        self._f.write(pad_key + b"\xc4" + bytes([k]) + bytes(k))
+        self._count += 1
+
     def add(self, name: str, array: np.ndarray) -> None:
         """Append one tensor; starts a new shard first if this one would grow past shard_size_bytes."""
         if name in self._entries:
@@ -125,18 +139,22 @@ class CheckpointWriter:
             self._open_shard()
         assert self._f is not None
         f = self._f
+        if name == PAD_KEY:
+            raise CheckpointError(f"{PAD_KEY!r} is reserved for padding entries", tensor=name)
         raw = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
-        f.write(msgpack.packb(name))
         segments: list[tuple[int, int]] = []
         if arr.nbytes <= self.max_chunk_bytes:
             prefix = _ndarray_prefix(arr.shape, dtype, arr.nbytes)
-            f.write(ext32_header(len(prefix) + arr.nbytes) + prefix)
+            head = msgpack.packb(name) + ext32_header(len(prefix) + arr.nbytes) + prefix
+            self._pad_for(len(head))
+            f.write(head)
             segments.append((f.tell(), arr.nbytes))
             f.write(raw)
         else:
             # flax.serialization._chunk: a map with the flat array cut into chunks of max_chunk_bytes/itemsize
             chunk_items = max(1, self.max_chunk_bytes // arr.itemsize)
             starts = list(range(0, arr.size, chunk_items))
+            f.write(msgpack.packb(name))
             f.write(b"\x83" + msgpack.packb("__msgpack_chunked_array__") + msgpack.packb(True))
             f.write(msgpack.packb("shape") + msgpack.packb({str(i): s for i, s in enumerate(arr.shape)}))
             f.write(msgpack.packb("chunks") + map32_header(len(starts)))
