@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="base URL (default http://127.0.0.1:8000)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--api-key", default=None, help="API key, if the deployment requires one (default $RAYDEPLOY_API_KEY)")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="bound on each HTTP request (default 10)")
 
     p = sub.add_parser("config-reference", help="print the config reference (markdown) generated from the config types")
     return parser

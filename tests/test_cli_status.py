@@ -1,0 +1,103 @@
+"""`raydeploy status`: readable output of /ready and /status, API key passed, clear errors.
+
+A small local HTTP server stands in for the deployment here (fast); the real Serve app answers the same
+routes in tests/test_submit.py's cluster run and in the serving tests.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from raydeploy.cli import main
+
+STATUS = {"status": "Ready", "state": "ready", "restarts": 1, "last_error": None, "model": "smollm2-135m-instruct",
+          "config": {"num_hosts": 2, "devices_per_host": 2}, "devices": 4, "process_count": 2,
+          "mesh": {"dp": 2, "tp": 2}, "uptime_s": 12.5, "requests_served": 7,
+          "serving": {"queue_capacity": 64, "admitted": 0}, "engine": {"steps": 120},
+          "gang": {"host_status": [{"rank": 0, "pid": 101}, {"rank": 1, "pid": 102}]}}
+
+
+def _server(ready: bool, key: str | None):
+    seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(self.headers.get("Authorization"))
+            if self.path == "/ready":
+                code, body = (200, {"ready": True, "state": "ready"}) if ready else \
+                    (503, {"ready": False, "state": "loading"})
+            elif self.path == "/status" and key and self.headers.get("Authorization") != f"Bearer {key}":
+                code, body = 401, {"error": {"message": "missing or invalid API key", "type": "authentication_error"}}
+            elif self.path == "/status":
+                code, body = 200, STATUS
+            else:
+                code, body = 404, {"error": {"message": "no such route"}}
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}", seen
+
+
+def test_ready_deployment(capsys: pytest.CaptureFixture) -> None:
+    srv, url, _ = _server(ready=True, key=None)
+    try:
+        assert main(["status", url]) == 0
+    finally:
+        srv.shutdown()
+    out = capsys.readouterr().out
+    assert "ready         yes (gang state ready)" in out
+    assert "state         ready, restarts 1" in out
+    assert "{'dp': 2, 'tp': 2} over 4 device(s) in 2 process(es)" in out
+    assert "host          rank=1, pid=102" in out
+
+
+def test_not_ready_and_json(capsys: pytest.CaptureFixture) -> None:
+    srv, url, _ = _server(ready=False, key=None)
+    try:
+        assert main(["status", url, "--json"]) == 3
+    finally:
+        srv.shutdown()
+    info = json.loads(capsys.readouterr().out)
+    assert info["ready"] is False and info["ready_body"]["state"] == "loading" and info["status"]["restarts"] == 1
+
+
+def test_api_key(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    srv, url, seen = _server(ready=True, key="s3cret")
+    try:
+        monkeypatch.delenv("RAYDEPLOY_API_KEY", raising=False)
+        assert main(["status", url]) == 1
+        assert "/status needs an API key: pass --api-key or set RAYDEPLOY_API_KEY" in capsys.readouterr().out
+        monkeypatch.setenv("RAYDEPLOY_API_KEY", "s3cret")
+        assert main(["status", url]) == 0
+        assert "Bearer s3cret" in seen
+        assert seen[0] is None  # /ready is asked without the key
+    finally:
+        srv.shutdown()
+
+
+def test_unreachable(capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["status", f"http://127.0.0.1:{port}", "--timeout-s", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach http://127.0.0.1:{port}/ready" in err and "Connection refused" in err
+
+
+def test_bad_url(capsys: pytest.CaptureFixture) -> None:
+    assert main(["status", "localhost:8000"]) == 1
+    assert "URL must start with http:// or https://, found 'localhost:8000'" in capsys.readouterr().err
