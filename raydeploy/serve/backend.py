@@ -57,8 +57,13 @@ def _is_queue_full(exc: BaseException) -> bool:
 def _is_gang_failure(exc: BaseException) -> bool:
     import ray.exceptions as rex
 
-    return isinstance(exc, (rex.RayActorError, rex.ActorUnavailableError, rex.ObjectLostError,
-                            rex.WorkerCrashedError, rex.GetTimeoutError))
+    if isinstance(exc, (rex.RayActorError, rex.ActorUnavailableError, rex.ObjectLostError,
+                        rex.WorkerCrashedError, rex.GetTimeoutError)):
+        return True
+    # the coordinator refuses work while the gang is not serving (GangUnavailableError, raised remotely)
+    cause = getattr(exc, "cause", None)
+    return any(type(e).__name__ == "GangUnavailableError" for e in (exc, cause) if e is not None) or \
+        any(c.__name__ == "GangUnavailableError" for c in type(exc).__mro__)
 
 
 class GangBackend:

@@ -1,0 +1,154 @@
+"""`raydeploy serve`: join or start Ray, start the gang, serve it over HTTP, drain and tear down on a signal.
+
+`start_serving(cfg)` is the reusable part (the CLI, tests and benchmarks use it): it starts the gang
+supervisor and the Serve ingress and returns a `Serving` handle. HTTP answers at once (/health 200,
+/ready 503) while the gang starts, loads and compiles; `/ready` turns 200 when the gang is ready.
+`run_serve(cfg, args)` adds the driver around it: prints where it listens and when it is ready, waits for
+Ctrl-C / SIGTERM, then drains in-flight requests (Serve's graceful shutdown), shuts the gang down and
+stops Serve (and Ray, if it started Ray itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from raydeploy.config import Config
+
+DRAIN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Serving:
+    """A running deployment: the gang and the HTTP ingress."""
+
+    cfg: Config
+    gang: Any
+    url: str
+
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        return self.gang.wait_ready(timeout_s)
+
+    def shutdown(self) -> None:
+        """Drain the ingress (in-flight requests finish), then stop the gang, then Serve."""
+        from ray import serve
+
+        from raydeploy.serve.deployment import APP_NAME
+
+        try:
+            serve.delete(APP_NAME, _blocking=True)
+        finally:
+            try:
+                self.gang.shutdown(timeout_s=self.cfg.cluster.rpc_timeout_s)
+            finally:
+                serve.shutdown()
+
+
+def connect_ray(address: str | None, *, temp_dir: str | None = None, num_cpus: int | None = None) -> bool:
+    """Join `address` (or $RAY_ADDRESS) or start a local Ray; returns True when Ray was started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace="raydeploy", log_to_driver=False)
+        return False
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "namespace": "raydeploy", "log_to_driver": False}
+    if temp_dir:
+        kwargs["_temp_dir"] = temp_dir
+    if num_cpus is not None:
+        kwargs["num_cpus"] = num_cpus
+    ray.init(**kwargs)
+    return True
+
+
+def start_serving(cfg: Config, *, checkpoint_path: str | None = None, engine: str = "real") -> Serving:
+    """Start the gang and the HTTP ingress on cfg.serving.host:port (Ray must be initialised).
+
+    engine "toy" runs the gang's stand-in engine (no weights) behind the real HTTP stack; the checkpoint
+    still provides the tokenizer.
+    """
+    from ray import serve
+
+    from raydeploy.gang.gang import resolve_checkpoint_path, start_gang
+    from raydeploy.serve.deployment import APP_NAME, build_serve_app
+
+    path = checkpoint_path or resolve_checkpoint_path(cfg)
+    app = build_serve_app(cfg, path)  # checks the API key source before anything starts
+    gang = start_gang(cfg, checkpoint_path=path, engine=engine)
+    try:
+        serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except BaseException:
+        gang.shutdown(timeout_s=cfg.cluster.rpc_timeout_s)
+        raise
+    host = "127.0.0.1" if cfg.serving.host in ("0.0.0.0", "::") else cfg.serving.host
+    return Serving(cfg, gang, f"http://{host}:{cfg.serving.port}")
+
+
+def _bringup_timeout_s(cfg: Config) -> float:
+    c = cfg.cluster
+    per_try = c.placement_timeout_s + c.init_timeout_s + 2 * c.rpc_timeout_s
+    return per_try * (c.max_restarts + 1) + c.restart_backoff_s * (2 ** c.max_restarts)
+
+
+def run_serve(cfg: Config, args: argparse.Namespace) -> int:
+    import ray
+
+    from raydeploy.gang.bringup import GangError
+
+    stop = threading.Event()
+    signals = {}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        print(f"raydeploy serve: {signal.Signals(signum).name} received; draining", flush=True)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signals[sig] = signal.signal(sig, on_signal)
+    started_ray = connect_ray(getattr(args, "address", None) or cfg.cluster.ray_address)
+    serving: Serving | None = None
+    try:
+        t0 = time.monotonic()
+        serving = start_serving(cfg)
+        print(f"raydeploy serve: listening on {serving.url} (model {cfg.model.name or cfg.model.checkpoint}, "
+              f"{cfg.cluster.num_hosts} host(s) x {cfg.cluster.devices_per_host} device(s)); "
+              f"{serving.url}/ready turns 200 when the gang is ready", flush=True)
+        last = None
+        deadline = t0 + _bringup_timeout_s(cfg)
+        while not stop.is_set():
+            st = serving.gang.state()
+            if st["state"] != last:
+                last = st["state"]
+                extra = f" ({st['last_error']})" if st.get("last_error") and last != "ready" else ""
+                print(f"raydeploy serve: gang {last}{extra} after {time.monotonic() - t0:.1f}s", flush=True)
+                if last == "ready":
+                    print(f"raydeploy serve: ready: {serving.url}/v1 (OpenAI API), {serving.url}/ (chat page)",
+                          flush=True)
+            if last == "failed":
+                print(f"raydeploy serve: the gang failed: {st.get('last_error')}", file=sys.stderr, flush=True)
+                return 1
+            if last != "ready" and time.monotonic() > deadline:
+                raise GangError(f"gang not ready after {time.monotonic() - t0:.0f}s (state {last})", phase="serve")
+            stop.wait(1.0)
+        return 0
+    except GangError as e:
+        print(f"raydeploy serve: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if serving is not None:
+            print("raydeploy serve: shutting down (in-flight requests drain first)", flush=True)
+            serving.shutdown()
+        if started_ray:
+            ray.shutdown()
+        for sig, handler in signals.items():
+            signal.signal(sig, handler)
+        print("raydeploy serve: stopped", flush=True)
