@@ -78,7 +78,8 @@ def load_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) -> tuple[An
     reader = CheckpointReader(checkpoint_path)
     llama_cfg = reader.llama_config
     t0 = time.perf_counter()
-    params, stats = reader.load(param_specs(llama_cfg), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads)
+    params, stats = reader.load(param_specs(llama_cfg), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads,
+                                progress=False, verify=cfg.model.verify_checksums)
     seconds = time.perf_counter() - t0
     engine = Engine(llama_cfg, params, mesh, rules, cfg.model, cfg.engine)
     return engine, _stats_dict(stats, seconds), tuple(llama_cfg.eos_token_ids)
