@@ -383,3 +383,18 @@ def test_status_metrics_and_page(served):
         assert name in text, name
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and "/v1/chat/completions" in page.text
+
+
+def test_chat_page_streams_an_answer_in_headless_chromium(served, codec):
+    from headless_chromium import chat_in_page, chromium_path
+
+    if chromium_path() is None:
+        pytest.skip("chromium is not installed (make browser)")
+    server, backend, _ = served
+    backend.step_s = 0.01
+    shown = chat_in_page(server.url, KEY, "Hello there", timeout_s=60)
+    assert not shown["error"], shown
+    assert shown["user"] == "Hello there" and shown["model"] == "model: smollm2-135m-instruct"
+    assert shown["answer"] == codec.decode(codec.encode(SCRIPT))
+    pieces = int(shown["stats"].split(" pieces")[0].rsplit(" ", 1)[1])
+    assert pieces > 5, shown["stats"]  # it arrived piece by piece, not in one block
