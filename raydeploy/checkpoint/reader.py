@@ -139,6 +139,44 @@ class CheckpointReader:
                 raise CheckpointError(f"dtype {e.dtype} is not a float type; parameters must be one of "
                                       f"{', '.join(sorted(FLOAT_DTYPES))}", idx_path, tensor=name)
 
+    # ---- planning ----
+    def _plan(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
+              devices: Any = None) -> dict[str, _TensorPlan]:
+        """Validate everything, then per tensor: its sharding, the slices `devices` (default: this process's
+        devices in the mesh) hold, and the merged dim-0 row ranges to read."""
+        from jax.sharding import NamedSharding
+
+        from raydeploy.model.sharding import check_divisible, partition_spec
+
+        self.check_specs(specs)
+        mesh_shape = dict(mesh.shape)
+        plans: dict[str, _TensorPlan] = {}
+        for name, spec in specs.items():
+            check_divisible(spec, rules, mesh_shape)
+            sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules, mesh_shape, name))
+            if devices is None:
+                dev_idx = dict(sharding.addressable_devices_indices_map(tuple(spec.shape)))
+            else:
+                wanted = set(devices)
+                dev_idx = {d: i for d, i in sharding.devices_indices_map(tuple(spec.shape)).items() if d in wanted}
+            e = self.index.tensors[name]
+            rows = e.shape[0] if e.shape else 1
+            ranges = [_norm_slice(idx[0], rows) if e.shape else (0, 1) for idx in dev_idx.values()]
+            plans[name] = _TensorPlan(entry=e, sharding=sharding, device_slices=dev_idx,
+                                      intervals=merge_intervals(ranges), buffers=[], buf_starts=[])
+        return plans
+
+    def byte_ranges(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
+                    devices: Any = None) -> dict[str, list[tuple[int, int]]]:
+        """Per tensor, the [start, stop) byte ranges (of its raw bytes, widened to checksum blocks) that a
+        process holding `devices` (default: this process's) reads in `load`."""
+        bb = self.index.block_bytes
+        out: dict[str, list[tuple[int, int]]] = {}
+        for name, p in self._plan(specs, mesh, rules, devices).items():
+            rb, n = p.entry.row_bytes, p.entry.length
+            out[name] = [((a * rb // bb) * bb, min(-(-(b * rb) // bb) * bb, n)) for a, b in p.intervals]
+        return out
+
     # ---- loading ----
     def load(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
              dtype: str = "float32", threads: int = 8, progress: bool = True, verify: bool = True,
@@ -150,28 +188,11 @@ class CheckpointReader:
         no dtype cast or column slice is needed. Without it (or for tensors stored in several segments)
         the ranges are `os.preadv`-ed into aligned buffers."""
         import jax
-        from jax.sharding import NamedSharding
         from tqdm import tqdm
-
-        from raydeploy.model.sharding import check_divisible, partition_spec
 
         t0 = time.perf_counter()
         target = numpy_dtype(dtype)
-        self.check_specs(specs)
-        mesh_shape = dict(mesh.shape)
-        plans: dict[str, _TensorPlan] = {}
-        for name, spec in specs.items():
-            check_divisible(spec, rules, mesh_shape)
-            sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules, mesh_shape, name))
-            dev_idx = sharding.addressable_devices_indices_map(tuple(spec.shape))
-            e = self.index.tensors[name]
-            rows = e.shape[0] if e.shape else 1
-            ranges = []
-            for idx in dev_idx.values():
-                ranges.append(_norm_slice(idx[0], rows) if e.shape else (0, 1))
-            plans[name] = _TensorPlan(entry=e, sharding=sharding, device_slices=dict(dev_idx),
-                                      intervals=merge_intervals(ranges), buffers=[], buf_starts=[])
-
+        plans = self._plan(specs, mesh, rules)
         # pieces: (plan, buffer number, byte start within tensor, byte end) aligned to checksum blocks
         bb = self.index.block_bytes
         piece = max(bb, (PIECE_BYTES // bb) * bb)

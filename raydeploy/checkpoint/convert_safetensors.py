@@ -1,0 +1,134 @@
+"""Hugging Face safetensors directory -> raydeploy checkpoint (Llama, Mistral, Qwen2, SmolLM2).
+
+The source directory holds config.json, one `model.safetensors` or several shards listed in
+`model.safetensors.index.json`, and tokenizer files (copied along). Tensors are memory-mapped straight
+from the safetensors files (the header is parsed here, so bfloat16 works without torch), renamed and
+re-laid-out with `layout.HF_NAMES`, and streamed into the writer one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raydeploy.checkpoint.format import CONFIG_FILE, CheckpointError, numpy_dtype
+from raydeploy.checkpoint.layout import HF_IGNORED, HF_NAMES, NameMap, cast, check_against_specs, to_ours
+from raydeploy.checkpoint.writer import CheckpointWriter
+from raydeploy.model.spec import LlamaConfig
+
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+                      "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64"}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def safetensors_files(src: Path) -> list[Path]:
+    """The weight files of a Hugging Face model directory, in index order."""
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"safetensors index has no usable weight_map: {e!r}", str(index)) from e
+        files = []
+        for fname in dict.fromkeys(weight_map.values()):
+            p = src / fname
+            if Path(fname).name != fname or not p.is_file():
+                raise CheckpointError(f"safetensors shard {fname!r} listed in the index is missing", str(index))
+            files.append(p)
+        return files
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError("no *.safetensors files (and no model.safetensors.index.json)", str(src))
+    return files
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, read-only memory-mapped array) for each tensor of one safetensors file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointError("not a safetensors file (too short)", str(path))
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 << 20:
+            raise CheckpointError(f"not a safetensors file (header length {n})", str(path))
+        try:
+            header: dict[str, Any] = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"safetensors header is not JSON: {e}", str(path)) from e
+    data_start = 8 + n
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        st_dtype = meta.get("dtype")
+        if st_dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"safetensors dtype {st_dtype!r} is not supported", str(path), tensor=name)
+        dt = numpy_dtype(SAFETENSORS_DTYPES[st_dtype])
+        a, b = meta["data_offsets"]
+        shape = tuple(meta["shape"])
+        if data_start + b > size or (b - a) != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
+            raise CheckpointError(f"tensor bytes [{a}, {b}) do not match shape {list(shape)} x {st_dtype} or "
+                                  "the file size", str(path), tensor=name)
+        yield name, mm[data_start + a: data_start + b].view(dt).reshape(shape)
+
+
+def read_hf_config(src: Path) -> dict[str, Any]:
+    p = src / CONFIG_FILE
+    if not p.is_file():
+        raise CheckpointError(f"{CONFIG_FILE} is missing (a Hugging Face model directory has one)", str(src))
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"not valid JSON: {e}", str(p)) from e
+    mt = cfg.get("model_type", "llama")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})",
+                              str(p))
+    return cfg
+
+
+def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", shard_size_bytes: int = 1 << 30,
+                        progress: bool = True) -> dict[str, Any]:
+    """Convert a Hugging Face safetensors model directory. Returns {'bytes': ..., 'tensors': ...}."""
+    from tqdm import tqdm
+
+    src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError("source is not a directory (a Hugging Face model directory is expected)", str(src))
+    hf_cfg = read_hf_config(src)
+    cfg = LlamaConfig.from_hf_dict(hf_cfg)
+    name_map = NameMap(HF_NAMES, HF_IGNORED, source="safetensors")
+    files = safetensors_files(src)
+    shapes: dict[str, tuple[int, ...]] = {}
+    writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
+    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="convert safetensors",
+               disable=not progress)
+    try:
+        for fp in files:
+            for name, arr in iter_safetensors(fp):
+                mapped = name_map.lookup(name)
+                bar.update(arr.nbytes)
+                if mapped is None:
+                    continue
+                ours, kind = mapped
+                if ours == "lm_head.kernel" and cfg.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+                if ours in shapes:
+                    raise CheckpointError(f"tensor {name} appears twice (as {ours})", str(fp), tensor=name)
+                out = cast(to_ours(kind, arr, cfg, name=name), dtype)
+                shapes[ours] = tuple(out.shape)
+                writer.add(ours, out)
+        check_against_specs(shapes, cfg, str(src))
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    writer.close(config=src / CONFIG_FILE, tokenizer_dir=src)
+    return {"bytes": writer.bytes_written, "tensors": len(shapes)}

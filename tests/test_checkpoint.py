@@ -1,0 +1,448 @@
+"""Checkpoint format, writer and reader: round trips, partial reads, sharded loads and every bad-input path.
+
+Uses a tiny random Llama (a few KB) written with `CheckpointWriter`; the demo checkpoint only where the
+real model matters (1-device vs 2x2 mesh equality).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import threading
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from raydeploy.checkpoint.format import INDEX_FILE, PAD_KEY, CheckpointError
+from raydeploy.checkpoint.reader import CheckpointReader, LoadStats, merge_intervals
+from raydeploy.checkpoint.writer import CheckpointWriter, parse_size
+from raydeploy.model.sharding import build_mesh, merge_rules
+from raydeploy.model.spec import LlamaConfig, param_specs
+
+TINY_HF = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+           "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+
+
+def tiny_params(seed: int = 0, dtype: str = "float32") -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    cfg = LlamaConfig.from_hf_dict(TINY_HF)
+    return {n: rng.standard_normal(s.shape).astype(dtype) for n, s in param_specs(cfg).items()}
+
+
+def write_tiny(dst: Path, params: dict[str, np.ndarray] | None = None, **writer_kw) -> Path:
+    params = tiny_params() if params is None else params
+    with CheckpointWriter(dst, **writer_kw) as w:
+        for n, a in params.items():
+            w.add(n, a)
+        w.close(config=TINY_HF, extra_files={"tokenizer.json": b"{}"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    # small shards and checksum blocks so that several files and partial blocks are exercised
+    return write_tiny(tmp_path_factory.mktemp("ckpt") / "tiny", shard_size_bytes=4096, block_bytes=256)
+
+
+def tiny_specs():
+    return param_specs(LlamaConfig.from_hf_dict(TINY_HF))
+
+
+def unpack_shard(path: Path) -> dict:
+    from flax.serialization import msgpack_restore
+
+    return msgpack_restore(path.read_bytes())
+
+
+# ---------------------------------------------------------------- format and round trip
+
+def test_round_trip_files_are_flax_msgpack_and_aligned(tiny_ckpt):
+    params = tiny_params()
+    r = CheckpointReader(tiny_ckpt)
+    assert len(r.index.files) > 1  # 4 KB shards
+    seen = {}
+    for fname in r.index.files:
+        d = unpack_shard(tiny_ckpt / fname)
+        d.pop(PAD_KEY, None)
+        seen.update(d)
+        # plain msgpack reads it too (flax ndarrays are ext type 1)
+        raw = msgpack.unpackb((tiny_ckpt / fname).read_bytes(), strict_map_key=False)
+        assert all(isinstance(v, msgpack.ExtType) and v.code == 1 for k, v in raw.items() if k != PAD_KEY)
+    assert set(seen) == set(params)
+    for n, a in params.items():
+        np.testing.assert_array_equal(seen[n], a)
+        np.testing.assert_array_equal(r.read_tensor(n), a)
+        e = r.index.tensors[n]
+        assert e.offset % 64 == 0
+        # the index's offset/length point at exactly the raw bytes
+        with open(tiny_ckpt / e.file, "rb") as f:
+            f.seek(e.offset)
+            assert f.read(e.length) == a.tobytes()
+    assert r.llama_config.num_layers == 2
+    assert r.index.total_bytes == sum(a.nbytes for a in params.values())
+
+
+def test_chunked_array_matches_flax_layout(tmp_path):
+    """Arrays above the chunk limit are written the way flax chunks them; both readers agree."""
+    params = tiny_params(1)
+    d = write_tiny(tmp_path / "c", params, max_chunk_bytes=1000, block_bytes=128)
+    r = CheckpointReader(d)
+    emb = r.index.tensors["embed.embedding"]
+    assert len(emb.segments) > 1
+    flax_view = unpack_shard(d / emb.file)
+    np.testing.assert_array_equal(flax_view["embed.embedding"], params["embed.embedding"])
+    np.testing.assert_array_equal(r.read_tensor("embed.embedding"), params["embed.embedding"])
+    mesh = build_mesh({"fsdp": 2, "tp": 2})
+    loaded, _ = r.load(tiny_specs(), mesh, merge_rules({}), progress=False)
+    for n, a in params.items():
+        np.testing.assert_array_equal(np.asarray(loaded[n]), a)
+
+
+def test_bfloat16_round_trip_and_cast(tmp_path):
+    import ml_dtypes
+
+    params = tiny_params(2, dtype="float32")
+    bf = {n: a.astype(ml_dtypes.bfloat16) for n, a in params.items()}
+    r = CheckpointReader(write_tiny(tmp_path / "bf", bf))
+    assert r.index.tensors["final_norm.scale"].dtype == "bfloat16"
+    loaded, _ = r.load(tiny_specs(), build_mesh({"tp": 1}, devices=_devices()[:1]), merge_rules({}),
+                       dtype="float32", progress=False)
+    assert loaded["final_norm.scale"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(loaded["layers.1.mlp.up_proj.kernel"]),
+                                  bf["layers.1.mlp.up_proj.kernel"].astype(np.float32))
+
+
+def _devices():
+    import jax
+
+    return jax.devices()
+
+
+def test_fingerprint_stable_and_sensitive(tiny_ckpt, tmp_path):
+    a = CheckpointReader(tiny_ckpt).fingerprint()
+    assert a == CheckpointReader(tiny_ckpt).fingerprint()
+    other = write_tiny(tmp_path / "o", tiny_params(5), shard_size_bytes=4096, block_bytes=256)
+    assert CheckpointReader(other).fingerprint() != a
+
+
+def test_parse_size():
+    assert parse_size("1GB") == 10**9
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("4096") == 4096
+    with pytest.raises(CheckpointError, match="'lots'"):
+        parse_size("lots")
+
+
+# ---------------------------------------------------------------- sharded loads and byte accounting
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_load_sharded_equals_single_device(tiny_ckpt, use_mmap):
+    params = tiny_params()
+    r = CheckpointReader(tiny_ckpt)
+    rules = merge_rules({})
+    mesh = build_mesh({"fsdp": 2, "tp": 2})
+    loaded, stats = r.load(tiny_specs(), mesh, rules, threads=3, progress=False, use_mmap=use_mmap)
+    assert isinstance(stats, LoadStats) and stats.tensors == len(params)
+    assert stats.to_dict()["bytes_read"] == r.index.total_bytes  # one process holds every device
+    for n, a in params.items():
+        arr = loaded[n]
+        np.testing.assert_array_equal(np.asarray(arr), a)
+        assert tuple(arr.sharding.mesh.shape.values()) == (2, 2)
+    # vocab over tp, embed over fsdp: each device holds a quarter of the embedding
+    emb = loaded["embed.embedding"]
+    assert {s.data.shape for s in emb.addressable_shards} == {(32, 8)}
+    for s in emb.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), params["embed.embedding"][s.index])
+
+
+def test_partial_reads_cover_exactly_the_needed_rows(tiny_ckpt):
+    """A process holding one of 4 devices reads only its blocks: less than the total, and exactly the
+    block-widened union of its devices' row ranges."""
+    r = CheckpointReader(tiny_ckpt)
+    specs = tiny_specs()
+    # only tp sharding: vocab and mlp dims over tp=4 (2 KV heads cannot split 4 ways: replicate heads)
+    rules = merge_rules({"embed": None, "q_heads": None, "kv_heads": None})
+    mesh = build_mesh({"tp": 4})
+    dev = mesh.devices.flat[1]
+    ranges = r.byte_ranges(specs, mesh, rules, devices=[dev])
+    bb = r.index.block_bytes
+    expected = 0
+    for name, spec in specs.items():
+        e = r.index.tensors[name]
+        if spec.logical_axes[0] in ("vocab", "mlp"):  # dim 0 sharded over tp=4: rows of device 1
+            rows = spec.shape[0] // 4
+            a, b = 1 * rows * e.row_bytes, 2 * rows * e.row_bytes
+        else:
+            a, b = 0, e.length
+        a, b = (a // bb) * bb, min(-(-b // bb) * bb, e.length)
+        assert ranges[name] == [(a, b)], name
+        expected += b - a
+    got = sum(b - a for rs in ranges.values() for a, b in rs)
+    assert got == expected
+    assert got < r.index.total_bytes
+    # all four devices together need everything once
+    assert sum(b - a for rs in r.byte_ranges(specs, mesh, rules).values() for a, b in rs) == r.index.total_bytes
+
+
+def test_merge_intervals():
+    assert merge_intervals([(4, 8), (0, 4), (10, 12), (11, 13)]) == [(0, 8), (10, 13)]
+    assert merge_intervals([(0, 5), (0, 5)]) == [(0, 5)]
+
+
+@pytest.mark.model
+def test_demo_one_device_equals_2x2_mesh(demo_checkpoint):
+    import jax
+
+    r = CheckpointReader(demo_checkpoint)
+    specs = param_specs(r.llama_config)
+    rules = merge_rules({"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
+    one, s1 = r.load(specs, build_mesh({"tp": 1}, devices=jax.devices()[:1]), rules, progress=False)
+    four, s4 = r.load(specs, build_mesh({"dp": 2, "tp": 2}), rules, progress=False, use_mmap=False)
+    assert s1.bytes_read == s4.bytes_read == r.index.total_bytes
+    for n in ("embed.embedding", "layers.0.attn.q_proj.kernel", "layers.29.mlp.gate_proj.kernel",
+              "layers.7.mlp.down_proj.kernel", "final_norm.scale"):
+        np.testing.assert_array_equal(np.asarray(one[n]), np.asarray(four[n]))
+    assert four["layers.3.mlp.gate_proj.kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    assert len(one) == len(four) == len(specs)
+
+
+# ---------------------------------------------------------------- bad input
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_index(d: Path, fn) -> None:
+    idx = json.loads((d / INDEX_FILE).read_text())
+    fn(idx)
+    (d / INDEX_FILE).write_text(json.dumps(idx))
+
+
+def test_error_is_picklable_and_names_things():
+    e = CheckpointError("checksum mismatch", "/x/shard-00000.msgpack", tensor="layers.0.mlp.up_proj.kernel")
+    e2 = pickle.loads(pickle.dumps(e))
+    assert isinstance(e2, ValueError) and str(e2) == str(e)
+    assert "shard-00000.msgpack" in str(e2) and "layers.0.mlp.up_proj.kernel" in str(e2)
+
+
+def test_missing_dir_index_and_config(tmp_path, tiny_ckpt):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        CheckpointReader(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="index.json is missing"):
+        CheckpointReader(tmp_path / "empty")
+    d = _copy(tiny_ckpt, tmp_path / "nocfg")
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        CheckpointReader(d)
+
+
+def test_bad_index_json_and_version(tmp_path, tiny_ckpt):
+    d = _copy(tiny_ckpt, tmp_path / "badjson")
+    (d / INDEX_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match="index.json.*not valid JSON"):
+        CheckpointReader(d)
+    d = _copy(tiny_ckpt, tmp_path / "ver")
+    _edit_index(d, lambda i: i.update(version=99))
+    with pytest.raises(CheckpointError, match="version 99 is not supported"):
+        CheckpointReader(d)
+
+
+def test_index_path_escaping_checkpoint_dir(tmp_path, tiny_ckpt):
+    d = _copy(tiny_ckpt, tmp_path / "esc")
+
+    def escape(i):
+        i["tensors"]["final_norm.scale"]["file"] = "../evil.msgpack"
+    _edit_index(d, escape)
+    with pytest.raises(CheckpointError, match=r"tensor final_norm.scale.*'\.\./evil\.msgpack' escapes"):
+        CheckpointReader(d)
+    d2 = _copy(tiny_ckpt, tmp_path / "esc2")
+    _edit_index(d2, lambda i: i["files"].update({"/etc/passwd": 10}))
+    with pytest.raises(CheckpointError, match="escapes the checkpoint directory"):
+        CheckpointReader(d2)
+
+
+def test_offset_beyond_file_size(tmp_path, tiny_ckpt):
+    d = _copy(tiny_ckpt, tmp_path / "off")
+
+    def push(i):
+        e = i["tensors"]["layers.1.mlp.down_proj.kernel"]
+        e["offset"] = i["files"][e["file"]] - 8
+    _edit_index(d, push)
+    with pytest.raises(CheckpointError, match=r"tensor layers\.1\.mlp\.down_proj\.kernel: bytes .* beyond the end"):
+        CheckpointReader(d)
+
+
+def test_truncated_shard_file(tmp_path, tiny_ckpt):
+    d = _copy(tiny_ckpt, tmp_path / "trunc")
+    shard = d / "shard-00001.msgpack"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"shard-00001\.msgpack.*index declares"):
+        CheckpointReader(d)
+
+
+def test_checksum_mismatch_names_file_and_tensor(tmp_path, tiny_ckpt):
+    d = _copy(tiny_ckpt, tmp_path / "crc")
+    r0 = CheckpointReader(d)
+    e = r0.index.tensors["layers.1.attn.k_proj.kernel"]
+    data = bytearray((d / e.file).read_bytes())
+    data[e.offset + e.length - 1] ^= 0xFF  # last block of the tensor
+    (d / e.file).write_bytes(bytes(data))
+    r = CheckpointReader(d)  # sizes still match: only reading finds it
+    mesh = build_mesh({"tp": 1}, devices=_devices()[:1])
+    for use_mmap in (True, False):
+        with pytest.raises(CheckpointError, match=rf"file .*{e.file}, tensor layers\.1\.attn\.k_proj\.kernel: "
+                                                  r"checksum mismatch in block \d+"):
+            r.load(tiny_specs(), mesh, merge_rules({}), progress=False, use_mmap=use_mmap)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        r.read_tensor("layers.1.attn.k_proj.kernel")
+    # verify=False skips the check (the caller asked for it)
+    r.load(tiny_specs(), mesh, merge_rules({}), progress=False, verify=False)
+
+
+def test_missing_extra_shape_and_dtype_against_specs(tmp_path):
+    mesh = build_mesh({"tp": 1}, devices=_devices()[:1])
+    rules = merge_rules({})
+    params = tiny_params()
+    missing = dict(params)
+    missing.pop("layers.1.mlp_norm.scale")
+    r = CheckpointReader(write_tiny(tmp_path / "miss", missing))
+    with pytest.raises(CheckpointError, match=r"lacks tensor\(s\) the model needs: layers\.1\.mlp_norm\.scale"):
+        r.load(tiny_specs(), mesh, rules, progress=False)
+
+    extra = dict(params, **{"layers.2.mlp_norm.scale": np.ones(16, np.float32)})
+    r = CheckpointReader(write_tiny(tmp_path / "extra", extra))
+    with pytest.raises(CheckpointError, match=r"does not use: layers\.2\.mlp_norm\.scale"):
+        r.load(tiny_specs(), mesh, rules, progress=False)
+
+    shaped = dict(params, **{"layers.0.attn.o_proj.kernel": np.zeros((4, 4, 8), np.float32)})
+    r = CheckpointReader(write_tiny(tmp_path / "shape", shaped))
+    with pytest.raises(CheckpointError, match=r"tensor layers\.0\.attn\.o_proj\.kernel: shape \[4, 4, 8\] in the "
+                                              r"checkpoint, the model expects \[4, 4, 16\]"):
+        r.load(tiny_specs(), mesh, rules, progress=False)
+
+    ints = dict(params, **{"final_norm.scale": np.ones(16, np.int8)})
+    r = CheckpointReader(write_tiny(tmp_path / "int", ints))
+    with pytest.raises(CheckpointError, match=r"tensor final_norm\.scale: dtype int8 is not a float type"):
+        r.load(tiny_specs(), mesh, rules, progress=False)
+
+
+def test_index_entry_inconsistent_length_and_crc_count(tmp_path, tiny_ckpt):
+    d = _copy(tiny_ckpt, tmp_path / "len")
+    _edit_index(d, lambda i: i["tensors"]["final_norm.scale"].update(shape=[17]))
+    with pytest.raises(CheckpointError, match=r"final_norm\.scale: length is 64 bytes but shape \[17\]"):
+        CheckpointReader(d)
+    d = _copy(tiny_ckpt, tmp_path / "crcn")
+    _edit_index(d, lambda i: i["tensors"]["final_norm.scale"].update(crc32=[]))
+    with pytest.raises(CheckpointError, match=r"final_norm\.scale: crc32 must list 1 block checksums"):
+        CheckpointReader(d)
+
+
+def test_writer_refuses_existing_checkpoint_and_duplicates(tiny_ckpt, tmp_path):
+    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+        CheckpointWriter(tiny_ckpt)
+    w = CheckpointWriter(tmp_path / "dup")
+    w.add("a", np.zeros(3, np.float32))
+    with pytest.raises(CheckpointError, match="tensor written twice: a"):
+        w.add("a", np.zeros(3, np.float32))
+    with pytest.raises(CheckpointError, match="reserved"):
+        w.add(PAD_KEY, np.zeros(3, np.float32))
+    w.abort()
+    assert not (tmp_path / "dup" / INDEX_FILE).exists()
+
+
+def test_unsharded_divisibility_error_before_reading(tiny_ckpt):
+    r = CheckpointReader(tiny_ckpt)
+    from raydeploy.config import ConfigError
+
+    # 4 q heads over tp=... a mesh of 3 is not available; 2 kv heads over tp=4 is not divisible
+    with pytest.raises(ConfigError, match=r"layers\.0\.attn\.k_proj\.kernel.*kv_heads.*not divisible"):
+        r.load(tiny_specs(), build_mesh({"tp": 4}), merge_rules({}), progress=False)
+
+
+# ---------------------------------------------------------------- checkpoint references and the demo cache
+
+def test_resolve_checkpoint_errors(tmp_path, tiny_ckpt):
+    from raydeploy.checkpoint.demo import resolve_checkpoint
+
+    assert resolve_checkpoint(str(tiny_ckpt)) == tiny_ckpt
+    with pytest.raises(CheckpointError, match="'/no/such/ckpt' does not exist"):
+        resolve_checkpoint("/no/such/ckpt")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(CheckpointError, match="index.json is missing"):
+        resolve_checkpoint(str(tmp_path / "plain"))
+    with pytest.raises(CheckpointError, match="unknown demo model 'gpt-5'"):
+        resolve_checkpoint("demo:gpt-5")
+
+
+def test_demo_cache_converts_once_under_lock(tmp_path, monkeypatch):
+    """Concurrent resolvers: one converts (into a temp dir, renamed when complete), the others wait."""
+    import raydeploy.checkpoint.convert_gguf as cg
+    from raydeploy.checkpoint import demo
+
+    monkeypatch.setenv("RAYDEPLOY_CACHE", str(tmp_path / "cache"))
+    calls = []
+    started = threading.Event()
+
+    def fake_convert(src, dst, **kw):
+        calls.append(dst)
+        started.set()
+        threading.Event().wait(0.3)  # hold the lock while the others arrive
+        write_tiny(Path(dst))
+
+    monkeypatch.setattr(cg, "convert_gguf", fake_convert)
+    results, errors = [], []
+
+    def resolve():
+        try:
+            results.append(demo.resolve_checkpoint("demo:smollm2-135m-instruct", lock_timeout_s=30))
+        except Exception as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=resolve) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and len(calls) == 1
+    final = tmp_path / "cache" / "smollm2-135m-instruct"
+    assert results == [final] * 3 and (final / INDEX_FILE).is_file()
+    assert calls[0] != final  # converted elsewhere, then renamed into place
+    assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name]
+
+
+def test_demo_cache_lock_timeout(tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from raydeploy.checkpoint import demo
+
+    monkeypatch.setenv("RAYDEPLOY_CACHE", str(tmp_path))
+    fd = os.open(tmp_path / ".smollm2-135m-instruct.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(CheckpointError, match="timed out after 0 s waiting for another process"):
+            demo.resolve_checkpoint("demo:smollm2-135m-instruct", lock_timeout_s=0.3)
+    finally:
+        os.close(fd)
+
+
+def test_demo_failed_conversion_leaves_no_checkpoint(tmp_path, monkeypatch):
+    import raydeploy.checkpoint.convert_gguf as cg
+    from raydeploy.checkpoint import demo
+
+    monkeypatch.setenv("RAYDEPLOY_CACHE", str(tmp_path))
+
+    def broken(src, dst, **kw):
+        (Path(dst) / "shard-00000.msgpack").write_bytes(b"partial")
+        raise CheckpointError("disk full", str(dst))
+
+    monkeypatch.setattr(cg, "convert_gguf", broken)
+    with pytest.raises(CheckpointError, match="disk full"):
+        demo.resolve_checkpoint("demo:smollm2-135m-instruct")
+    assert [p.name for p in tmp_path.iterdir()] == [".smollm2-135m-instruct.lock"]
