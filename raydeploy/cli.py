@@ -70,12 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--on-bad-line", choices=["skip", "fail"], default="skip",
                    help="a malformed input line is reported and skipped (default) or stops the run")
+    p.add_argument("--engine", choices=["real", "toy"], default="real",
+                   help="toy: a stand-in engine that loads no weights, to smoke-test a cluster's placement, "
+                        "jax.distributed and job plumbing (default real)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else local)")
 
     p = sub.add_parser("submit", help="submit `serve` or `predict` to a Ray cluster with the Ray Jobs API")
     p.add_argument("config", help="deployment YAML to ship with the job")
     p.add_argument("--address", default=None, help="Ray dashboard address (default: $RAY_ADDRESS or http://127.0.0.1:8265)")
     p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="stop following the job after this many seconds (it keeps running; default: until it ends)")
     p.add_argument("entry", nargs=argparse.REMAINDER, help="-- serve | predict ARGS...")
 
     p = sub.add_parser("status", help="ask a running deployment for its state")

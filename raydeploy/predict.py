@@ -233,9 +233,11 @@ def _codec_for(cfg: Config, checkpoint_path: str) -> Any:
     return TextCodec.from_dir(checkpoint_path)
 
 
-def run_predict(cfg: Config, args: argparse.Namespace, *, engine: str = "real") -> int:
+def run_predict(cfg: Config, args: argparse.Namespace, *, engine: str | None = None) -> int:
     """`raydeploy predict`: read, skip what is done, generate the rest over the gang, append in order."""
     from raydeploy.gang.gang import resolve_checkpoint_path, start_gang
+
+    engine = engine or getattr(args, "engine", None) or "real"
 
     t0 = time.perf_counter()
     in_path, out_path = Path(args.input), Path(args.output)
