@@ -1,0 +1,329 @@
+"""The whole stack end to end: a real local Ray cluster, the embedded default gang shape (2 host processes
+x 2 virtual CPU devices, real jax.distributed), the real SmolLM2 demo model, Ray Serve HTTP, and the
+official `openai` client, the chat page in headless Chromium, and a host killed mid-service.
+
+One deployment (small max_seq_len and buckets) is shared by every test in this module; the host-kill test
+runs last because it restarts the gang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from raydeploy.config import load_config
+from raydeploy.engine.request import GenerationRequest
+from raydeploy.engine.step import SamplingParams
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
+
+KEY = "sk-e2e-5b0c9d"
+KEYS_ENV = "RAYDEPLOY_E2E_API_KEYS"
+MODEL = "smollm2-135m-instruct"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+READY_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live(demo_checkpoint):
+    import ray
+
+    from raydeploy.serve.run import connect_ray, start_serving
+
+    os.environ[KEYS_ENV] = f"sk-other,{KEY}"  # before Ray starts: the ingress replica reads it
+    cfg = load_config(None, [
+        "model.max_seq_len=256", "engine.prefill_buckets=[64,256]", "engine.max_new_tokens=128",
+        "engine.max_slots=8", "serving.max_queue=8", f"serving.port={_free_port()}",
+        f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=120", "serving.max_body_bytes=65536",
+        "cluster.heartbeat_timeout_s=5", "cluster.restart_backoff_s=0.5", "cluster.max_restarts=2"])
+    assert connect_ray(None, temp_dir=f"/tmp/rds-{os.getpid()}", num_cpus=2)
+    serving = None
+    try:
+        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint))
+        serving.wait_ready(READY_TIMEOUT_S)
+        _wait_http_ready(serving.url, READY_TIMEOUT_S)
+        yield serving
+    finally:
+        if serving is not None:
+            serving.shutdown()
+        ray.shutdown()
+
+
+def _wait_http_ready(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the HTTP ingress did not become ready"
+        time.sleep(0.5)
+
+
+def _stats(live) -> dict:
+    return live.gang.status()["stats"] or {}
+
+
+def _slots_in_use(stats: dict) -> int:
+    for key in ("slots_in_use", "active_slots", "active"):
+        if key in stats:
+            return int(stats[key])
+    raise AssertionError(f"no slot occupancy in the coordinator's stats: {sorted(stats)}")
+
+
+def _wait_idle(live, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _slots_in_use(_stats(live)) != 0:
+        assert time.monotonic() < deadline, f"slots still busy: {_stats(live)}"
+        time.sleep(0.1)
+
+
+def _err(resp, status, param=None, contains=""):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and contains.lower() in err["message"].lower(), err
+    assert "Traceback" not in resp.text and "/work" not in resp.text and KEY not in resp.text
+    return err
+
+
+def _post(live, path, body, **kw):
+    return httpx.post(live.url + path, json=body, headers=AUTH, timeout=120, **kw)
+
+
+# -- the API with the official client -------------------------------------------------------------------------
+
+
+def test_openai_client_greedy_matches_the_engine(live):
+    from openai import OpenAI
+
+    from raydeploy.serve.text import TextCodec
+
+    client = OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    codec = TextCodec.from_dir(_ckpt(live))
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    text = chat.choices[0].message.content
+    ids = codec.encode_chat(codec.chat_prompt(messages))
+    events = live.gang.generate(GenerationRequest("e2e-ref-chat", tuple(ids), 24, SamplingParams(0.0)), 120)
+    want = codec.decode([e.token_id for e in events if e.token_id is not None])
+    assert text == want and "Paris" in text, (text, want)
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.usage.completion_tokens == sum(e.token_id is not None for e in events)
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+    prompt = "The three primary colors are"
+    comp = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16, logprobs=0)
+    events = live.gang.generate(GenerationRequest("e2e-ref-comp", tuple(codec.encode(prompt)), 16,
+                                                  SamplingParams(0.0)), 120)
+    assert comp.choices[0].text == codec.decode([e.token_id for e in events if e.token_id is not None])
+    lps = comp.choices[0].logprobs.token_logprobs
+    assert len(lps) == comp.usage.completion_tokens and all(lp <= 0 for lp in lps)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=16, stream=True))
+    assert streamed == comp.choices[0].text
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def _ckpt(live) -> str:
+    from raydeploy.gang.gang import resolve_checkpoint_path
+
+    return resolve_checkpoint_path(live.cfg)
+
+
+def test_sixteen_concurrent_streams_are_batched(live):
+    from openai import AsyncOpenAI
+
+    _wait_idle(live)
+    topics = ["the sea", "a cat", "rain", "the moon", "bread", "trains", "winter", "a garden", "music",
+              "mountains", "coffee", "a library", "the wind", "bicycles", "fire", "a river"]
+    settings = [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9, "seed": 1},
+                {"temperature": 1.0, "extra_body": {"top_k": 20}, "seed": 2}, {"temperature": 0.5, "top_p": 0.5}]
+    before = _stats(live)
+    peak = {"slots": 0}
+
+    async def one(client, i):
+        kw = dict(settings[i % len(settings)])
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Write two sentences about {topics[i]}."}],
+            max_tokens=24 + i, stream=True, stream_options={"include_usage": True}, **kw)
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        return text, finish, usage
+
+    async def watch(stop):
+        while not stop.is_set():
+            st = await asyncio.to_thread(_stats, live)
+            peak["slots"] = max(peak["slots"], _slots_in_use(st))
+            await asyncio.sleep(0.2)
+
+    async def main():
+        client = AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        try:
+            return await asyncio.gather(*[one(client, i) for i in range(16)])
+        finally:
+            stop.set()
+            await watcher
+
+    results = asyncio.run(main())
+    after = _stats(live)
+    for i, (text, finish, usage) in enumerate(results):
+        assert finish in ("stop", "length") and text.strip(), (i, text, finish)
+        assert 1 <= usage.completion_tokens <= 24 + i
+        if finish == "length":
+            assert usage.completion_tokens == 24 + i
+    tokens = sum(u.completion_tokens for _, _, u in results)
+    steps = after["steps_done"] - before["steps_done"]
+    assert steps > 0 and tokens / steps >= 3, (tokens, steps)  # several requests decoded per step
+    assert peak["slots"] >= 6, peak
+
+
+def test_legacy_chat_and_instruct(live):
+    r = _post(live, "/chat", {"prompt": "And what is 2 + 3?", "history": [["What is 1 + 1?", "1 + 1 = 2."]],
+                              "greedy": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"input", "response", "tokens_used"} and "5" in out["response"]
+    assert "What is 1 + 1?" in out["input"] and out["tokens_used"] >= 1
+    r = _post(live, "/instruct", {"instruction": "Name a color of the sky.", "system": "Answer in one word.",
+                                  "greedy": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["response"].strip() and r.json()["input"].startswith("<|im_start|>system\nAnswer in one word.")
+
+
+def test_input_limits_and_security(live):
+    long_prompt = "word " * 300
+    _err(_post(live, "/v1/completions", {"prompt": long_prompt}), 400, "prompt", "context is 256 tokens")
+    _err(_post(live, "/v1/completions", {"prompt": "word " * 200, "max_tokens": 100}), 400, "max_tokens",
+         "over this model's context of 256")
+    _err(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 129}), 400, "max_tokens", "at most 128")
+    _err(_post(live, "/v1/completions", {"prompt": "x", "temperature": 3}), 400, "temperature", "less than or equal")
+    _err(_post(live, "/v1/completions", {"prompt": "x", "top_p": -1}), 400, "top_p", "greater than 0")
+    _err(_post(live, "/v1/completions", {"prompt": "x", "n": 99}), 400, "n", "less than or equal to 8")
+    _err(_post(live, "/v1/completions", {"prompt": ""}), 400, "prompt", "must not be empty")
+    _err(_post(live, "/v1/chat/completions", {"messages": []}), 400, "messages", "at least one")
+    assert _err(_post(live, "/v1/completions", {"model": "gpt-4o", "prompt": "x"}), 404, "model",
+                "does not exist")["code"] == "model_not_found"
+    r = httpx.post(live.url + "/v1/completions", content=b'{"prompt": ', timeout=30,
+                   headers=AUTH | {"Content-Type": "application/json"})
+    _err(r, 400, None, "not valid JSON")
+    r = httpx.post(live.url + "/v1/completions", content=b"prompt=x", timeout=30,
+                   headers=AUTH | {"Content-Type": "text/plain"})
+    _err(r, 415, None, "application/json")
+    _err(_post(live, "/v1/completions", {"prompt": "x" * 70000}), 413, None, "65536 bytes")
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert _err(r, 401, None, "API key")["type"] == "authentication_error"
+    r = httpx.post(live.url + "/chat", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}, timeout=30)
+    _err(r, 401, None, "API key")
+    assert httpx.get(live.url + "/health", timeout=30).status_code == 200
+    assert httpx.get(live.url + "/ready", timeout=30).status_code == 200
+    st = httpx.get(live.url + "/status", headers=AUTH, timeout=60)
+    assert st.status_code == 200 and KEY not in st.text and "sk-other" not in st.text
+    body = st.json()
+    assert body["devices"] == 4 and body["process_count"] == 2 and body["mesh"] == {"dp": 2, "tp": 2}
+    assert len(body["gang"]["host_status"]) == 2 and body["requests_served"] >= 1
+    assert all(h.get("rss_bytes") for h in body["gang"]["host_status"])
+
+
+def test_timeout_and_disconnect_free_the_slot(live):
+    _wait_idle(live)
+    r = _post(live, "/v1/completions", {"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True,
+                                        "timeout_s": 1.0})
+    assert _err(r, 504, None, "within 1 s")["code"] == "timeout"
+    _wait_idle(live)
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
+        assert resp.status_code == 200
+        seen = 0
+        for line in resp.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+        assert _slots_in_use(_stats(live)) == 1
+    _wait_idle(live, timeout_s=30)  # the client went away mid-stream: its slot is free again
+
+
+def test_queue_limit_answers_503_with_retry_after(live):
+    _wait_idle(live)
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
+            body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+            return await asyncio.gather(*[c.post(live.url + "/v1/completions", json=body) for _ in range(24)])
+
+    results = asyncio.run(burst())
+    codes = [r.status_code for r in results]
+    # 8 slots + 8 queued are admitted; the rest are turned away at once
+    assert set(codes) <= {200, 503} and codes.count(503) >= 8 and codes.count(200) >= 8, codes
+    rejected = next(r for r in results if r.status_code == 503)
+    assert int(rejected.headers["Retry-After"]) >= 1
+    assert _err(rejected, 503, None, "capacity")["code"] == "overloaded"
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in results if r.status_code == 200)
+
+
+def test_chat_page_streams_an_answer_in_headless_chromium(live):
+    from headless_chromium import chat_in_page, chromium_path
+
+    if chromium_path() is None:
+        pytest.skip("chromium is not installed (make browser)")
+    shown = chat_in_page(live.url, KEY, "Say hello in three words.", timeout_s=120)
+    assert not shown["error"], shown
+    assert shown["answer"].strip() and shown["model"] == f"model: {MODEL}"
+    pieces = int(shown["stats"].split(" pieces")[0].rsplit(" ", 1)[1])
+    assert pieces > 1, shown["stats"]
+
+
+def test_host_kill_flips_readiness_and_service_resumes(live):
+    """Runs last: kills host 1's process; /ready goes 503, requests get a retriable 503, then it all recovers."""
+    pid = next(h["pid"] for h in live.gang.status()["host_status"] if h["rank"] == 1)
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        os.kill(pid, signal.SIGKILL)
+        rest = [ln for ln in lines if ln.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    err = json.loads(rest[-2][6:])["error"]
+    assert err["code"] == "service_unavailable" and "retry" in err["message"]
+
+    deadline = time.monotonic() + 60
+    while (ready := httpx.get(live.url + "/ready", timeout=30)).status_code == 200:
+        assert time.monotonic() < deadline, "readiness never flipped after a host died"
+        time.sleep(0.1)
+    assert ready.status_code == 503 and ready.json()["state"] != "ready" and "Retry-After" in ready.headers
+    r = _post(live, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    if r.status_code != 200:  # the gang may already be back; while it is not, the answer is a retriable 503
+        assert _err(r, 503, None, "retry")["code"] == "service_unavailable" and "Retry-After" in r.headers
+
+    _wait_http_ready(live.url, READY_TIMEOUT_S)
+    r = _post(live, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].strip(), r.text
+    assert live.gang.state()["restarts"] >= 1
+    metrics = httpx.get(live.url + "/metrics", timeout=30).text
+    assert "raydeploy_gang_restarts_total 1" in metrics and "raydeploy_gang_ready 1" in metrics
