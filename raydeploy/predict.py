@@ -212,21 +212,6 @@ async def generate_all(gang: Any, examples: list[Example], temperature: float, c
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def connect_ray(cfg: Config, address: str | None) -> bool:
-    """Join the Ray cluster named by --address, cluster.ray_address or RAY_ADDRESS, else start a local one.
-    Returns whether this process started Ray (and so must shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    addr = address or cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
-    if addr:
-        ray.init(address=addr, log_to_driver=False)
-    else:
-        ray.init(log_to_driver=False)
-    return True
-
-
 def _codec_for(cfg: Config, checkpoint_path: str) -> Any:
     from raydeploy.serve.text import TextCodec
 
@@ -258,7 +243,9 @@ def run_predict(cfg: Config, args: argparse.Namespace, *, engine: str | None = N
     if not todo:
         return 0
 
-    started_ray = connect_ray(cfg, getattr(args, "address", None))
+    from raydeploy.serve.run import connect_ray
+
+    started_ray = connect_ray(getattr(args, "address", None) or cfg.cluster.ray_address)
     gang = None
     try:
         gang = start_gang(cfg, engine=engine, checkpoint_path=None if engine == "toy" else checkpoint_path)
