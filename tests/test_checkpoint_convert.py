@@ -1,0 +1,258 @@
+"""Converters: Hugging Face safetensors (Llama; Qwen2 with qkv bias and tied embeddings), EasyDeL streaming
+msgpack, the demo GGUF against transformers' own GGUF loader, and the `raydeploy convert` command.
+
+Each comparison re-derives the expected layout here, independently of raydeploy.checkpoint.layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from raydeploy.checkpoint.convert import convert, detect_format
+from raydeploy.checkpoint.format import CheckpointError
+from raydeploy.checkpoint.reader import CheckpointReader
+from raydeploy.model.sharding import build_mesh, merge_rules
+from raydeploy.model.spec import param_specs
+
+torch = pytest.importorskip("torch")
+
+TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=4, max_position_embeddings=64)
+
+
+def _save_tiny(kind: str, dst: Path, dtype=None) -> dict[str, np.ndarray]:
+    """A tiny random HF model saved as safetensors (sharded), plus a tokenizer file. Returns its weights."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    with torch.no_grad():  # norms are ones at init: make them distinguishable
+        for n, p in model.named_parameters():
+            if "norm" in n or "bias" in n:
+                p.copy_(torch.randn_like(p))
+    model.save_pretrained(dst, max_shard_size="20KB")
+    (dst / "tokenizer.json").write_text('{"version": "1.0"}')
+    (dst / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    return {n: t.detach().float().numpy() if t.dtype == torch.bfloat16 else t.detach().numpy()
+            for n, t in model.state_dict().items()}
+
+
+def expected_ours(sd: dict[str, np.ndarray], nh: int = 4, nkv: int = 2, hd: int = 4, d: int = 16,
+                  layers: int | tuple[int, ...] = 2, tied: bool = False) -> dict[str, np.ndarray]:
+    out = {"embed.embedding": sd["model.embed_tokens.weight"], "final_norm.scale": sd["model.norm.weight"]}
+    if not tied:
+        out["lm_head.kernel"] = sd["lm_head.weight"].T
+    for i in range(layers) if isinstance(layers, int) else layers:
+        h, o = f"model.layers.{i}.", f"layers.{i}."
+        out[o + "attn_norm.scale"] = sd[h + "input_layernorm.weight"]
+        out[o + "mlp_norm.scale"] = sd[h + "post_attention_layernorm.weight"]
+        out[o + "attn.q_proj.kernel"] = sd[h + "self_attn.q_proj.weight"].T.reshape(d, nh, hd)
+        out[o + "attn.k_proj.kernel"] = sd[h + "self_attn.k_proj.weight"].T.reshape(d, nkv, hd)
+        out[o + "attn.v_proj.kernel"] = sd[h + "self_attn.v_proj.weight"].T.reshape(d, nkv, hd)
+        out[o + "attn.o_proj.kernel"] = sd[h + "self_attn.o_proj.weight"].T.reshape(nh, hd, d)
+        if h + "self_attn.q_proj.bias" in sd:
+            out[o + "attn.q_proj.bias"] = sd[h + "self_attn.q_proj.bias"].reshape(nh, hd)
+            out[o + "attn.k_proj.bias"] = sd[h + "self_attn.k_proj.bias"].reshape(nkv, hd)
+            out[o + "attn.v_proj.bias"] = sd[h + "self_attn.v_proj.bias"].reshape(nkv, hd)
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            out[o + f"mlp.{m}.kernel"] = sd[h + f"mlp.{m}.weight"].T
+    return out
+
+
+def assert_checkpoint_equals(ckpt: Path, expected: dict[str, np.ndarray]) -> CheckpointReader:
+    r = CheckpointReader(ckpt)
+    specs = param_specs(r.llama_config)
+    assert set(specs) == set(expected)
+    for n, a in expected.items():
+        got = r.read_tensor(n)
+        assert got.shape == a.shape, n
+        np.testing.assert_array_equal(got.astype(np.float32), a.astype(np.float32), err_msg=n)
+    loaded, _ = r.load(specs, build_mesh({"fsdp": 2, "tp": 2}), merge_rules({}), progress=False)
+    np.testing.assert_array_equal(np.asarray(loaded["embed.embedding"]).astype(np.float32),
+                                  expected["embed.embedding"].astype(np.float32))
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    src = tmp_path_factory.mktemp("hf") / "llama"
+    return src, _save_tiny("llama", src)
+
+
+def test_safetensors_llama_sharded_round_trip(tiny_llama, tmp_path):
+    src, sd = tiny_llama
+    assert (src / "model.safetensors.index.json").is_file()  # really sharded
+    result = convert(src, tmp_path / "out", shard_size_bytes=8192, progress=False)
+    assert result["format"] == "safetensors" and result["tensors"] == 2 * 9 + 3
+    r = assert_checkpoint_equals(tmp_path / "out", expected_ours(sd))
+    assert len(r.index.files) > 1
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    assert r.llama_config.num_kv_heads == 2 and not r.llama_config.tie_word_embeddings
+
+
+def test_safetensors_qwen2_bias_tied_bf16(tmp_path):
+    src = tmp_path / "qwen"
+    sd = _save_tiny("qwen2", src, dtype=torch.bfloat16)
+    convert(src, tmp_path / "out", progress=False)
+    r = assert_checkpoint_equals(tmp_path / "out", expected_ours(sd, tied=True))
+    assert r.llama_config.attention_bias and r.llama_config.tie_word_embeddings
+    assert r.index.tensors["layers.1.attn.k_proj.bias"].dtype == "bfloat16"
+    assert "lm_head.kernel" not in r.index.tensors
+    convert(src, tmp_path / "f32", dtype="float32", progress=False)
+    assert CheckpointReader(tmp_path / "f32").index.tensors["layers.1.attn.k_proj.bias"].dtype == "float32"
+
+
+def _easydel_params(sd: dict[str, np.ndarray]) -> dict:
+    """The flax Llama parameter tree the EasyDeL/fjformer checkpointer saved (kernels [in, out])."""
+    layers = {}
+    for i in range(2):
+        h = f"model.layers.{i}."
+        layers[str(i)] = {
+            "self_attn": {p: {"kernel": sd[h + f"self_attn.{p}.weight"].T} for p in
+                          ("q_proj", "k_proj", "v_proj", "o_proj")},
+            "mlp": {p: {"kernel": sd[h + f"mlp.{p}.weight"].T} for p in ("gate_proj", "up_proj", "down_proj")},
+            "input_layernorm": {"kernel": sd[h + "input_layernorm.weight"]},
+            "post_attention_layernorm": {"kernel": sd[h + "post_attention_layernorm.weight"]},
+        }
+    return {"model": {"embed_tokens": {"embedding": sd["model.embed_tokens.weight"]}, "layers": layers,
+                      "norm": {"kernel": sd["model.norm.weight"]}},
+            "lm_head": {"kernel": sd["lm_head.weight"].T}}
+
+
+def write_easydel_stream(path: Path, tree: dict) -> None:
+    """Exactly how the streaming checkpointer wrote: packer.pack((key, flax to_bytes(value))) per leaf."""
+    from flax.serialization import to_bytes, to_state_dict
+    from flax.traverse_util import flatten_dict
+
+    packer = msgpack.Packer()
+    with open(path, "wb") as f:
+        for key, value in flatten_dict(to_state_dict(tree)).items():
+            f.write(packer.pack((key, to_bytes(np.ascontiguousarray(value)))))
+
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["params-prefix", "bare"])
+def test_easydel_stream_converts_like_safetensors(tiny_llama, tmp_path, wrapped):
+    src, sd = tiny_llama
+    tree = _easydel_params(sd)
+    stream = tmp_path / "streaming_params"
+    write_easydel_stream(stream, {"params": tree} if wrapped else tree)
+    assert detect_format(stream) == "easydel"
+    convert(stream, tmp_path / "out", hf_config=str(src / "config.json"), progress=False)
+    assert_checkpoint_equals(tmp_path / "out", expected_ours(sd))
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_easydel_errors(tiny_llama, tmp_path):
+    src, sd = tiny_llama
+    stream = tmp_path / "streaming_params"
+    write_easydel_stream(stream, {"params": _easydel_params(sd)})
+    with pytest.raises(CheckpointError, match="pass --hf-config"):
+        convert(stream, tmp_path / "a", src_format="easydel", progress=False)
+    tree = _easydel_params(sd)
+    tree["model"]["layers"]["0"]["self_attn"]["rotary"] = {"kernel": np.zeros(3, np.float32)}
+    write_easydel_stream(stream, tree)
+    with pytest.raises(CheckpointError, match="'model/layers/0/self_attn/rotary/kernel' is not a known"):
+        convert(stream, tmp_path / "b", src_format="easydel", hf_config=str(src), progress=False)
+    tree = _easydel_params(sd)
+    del tree["model"]["layers"]["1"]["mlp"]["up_proj"]
+    write_easydel_stream(stream, tree)
+    with pytest.raises(CheckpointError, match=r"lacks tensors the model needs: layers\.1\.mlp\.up_proj\.kernel"):
+        convert(stream, tmp_path / "c", src_format="easydel", hf_config=str(src), progress=False)
+    assert not (tmp_path / "c" / "index.json").exists()  # never a half-written checkpoint
+
+
+def test_safetensors_errors(tiny_llama, tmp_path):
+    src, _ = tiny_llama
+    import shutil
+
+    bad = tmp_path / "nocfg"
+    shutil.copytree(src, bad)
+    (bad / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        convert(bad, tmp_path / "o1", progress=False)
+    wrong = tmp_path / "wrongcfg"
+    shutil.copytree(src, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["num_key_value_heads"] = 4
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.self_attn\.k_proj\.weight: source shape "
+                                              r"\[8, 16\] does not match the config \(expected \[16, 16\]\)"):
+        convert(wrong, tmp_path / "o2", progress=False)
+    with pytest.raises(CheckpointError, match="destination already holds a checkpoint"):
+        convert(src, _done(tmp_path, src), progress=False)
+    (tmp_path / "junk.xyz").write_bytes(b"\x00\x01")
+    with pytest.raises(CheckpointError, match="cannot tell the source format"):
+        detect_format(tmp_path / "junk.xyz")
+    with pytest.raises(CheckpointError, match="GGUF file does not exist"):
+        convert(tmp_path / "missing.gguf", tmp_path / "o3", src_format="gguf", progress=False)
+
+
+def _done(tmp_path: Path, src: Path) -> Path:
+    out = tmp_path / "done"
+    convert(src, out, progress=False)
+    return out
+
+
+def test_convert_command(tiny_llama, tmp_path, capsys):
+    from raydeploy.cli import main
+
+    src, sd = tiny_llama
+    assert main(["convert", str(src), str(tmp_path / "c"), "--shard-size", "10KB", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "converted safetensors" in out and "21 tensors" in out and "bytes" in out
+    r = CheckpointReader(tmp_path / "c")
+    assert r.index.tensors["embed.embedding"].dtype == "bfloat16" and len(r.index.files) > 1
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "raydeploy convert:" in err and "nothing" in err and "does not exist" in err
+    assert main(["convert", str(src), str(tmp_path / "e"), "--shard-size", "huge"]) == 1
+    assert "'huge' is not a number" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_demo_gguf_matches_transformers(demo_checkpoint, demo_gguf):
+    """Our GGUF conversion (dequantize + Q/K un-permute + layout) equals what transformers' GGUF loader makes
+    of the same tensors (its LlamaTensorProcessor un-permutes), for a sample of tensors."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    r = CheckpointReader(demo_checkpoint)
+    cfg = r.llama_config
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers) == (9, 3, 64, 30)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    gguf_to_hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    for i in (0, 29):
+        for g, h in (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                     ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                     ("ffn_down", "mlp.down_proj"), ("attn_norm", "input_layernorm"),
+                     ("ffn_norm", "post_attention_layernorm")):
+            gguf_to_hf[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
+    sd = {}
+    for t in GGUFReader(str(demo_gguf)).tensors:
+        if t.name in gguf_to_hf:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            sd[gguf_to_hf[t.name]] = processor.process(w, t.name).weights
+    assert len(sd) == len(gguf_to_hf)
+    exp = expected_ours(sd, nh=9, nkv=3, hd=64, d=576, layers=(0, 29), tied=True)
+    for n, a in exp.items():
+        np.testing.assert_array_equal(r.read_tensor(n), a, err_msg=n)
+    tok_cfg = demo_checkpoint / "tokenizer_config.json"
+    assert (demo_checkpoint / "tokenizer.json").is_file() and tok_cfg.is_file()
+    template = (demo_checkpoint / "chat_template.jinja")
+    assert "<|im_start|>" in (template.read_text() if template.is_file() else tok_cfg.read_text())
+
