@@ -1,0 +1,239 @@
+"""The jitted engine: prefill-and-insert and decode over a slot KV cache, one `StepPlan` at a time.
+
+The same `Engine` runs on every host of a gang. `step(plan)` issues the same jitted calls with the same
+shapes on every host, in plan order (releases, then each prefill, then one decode), and is deterministic
+given the plan: sampling randomness comes from each request's seed and token position, never from host
+state. Inputs are replicated global arrays built with `make_array_from_callback` and outputs (tokens,
+logprobs) are replicated, so the code never assumes one process and any host can read the results.
+
+Programs (each compiled once, on `warmup()` or first use):
+- `prefill[bucket]`: one prompt padded to a prefill bucket, with its true length carried explicitly (the pad
+  id is also the eos id in chat prompts, so padding is never inferred from tokens); writes the prompt's K/V
+  into its slot of the donated cache, resets the slot's repetition-penalty token set, samples token 0.
+- `decode[window]`: every slot one token (inactive slots are computed but ignored); attends over the first
+  `window` cache positions, the smallest window holding the longest active sequence, so short sequences do
+  not pay for reading the whole max_seq_len cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from raydeploy.config import EngineConfig, ModelConfig
+from raydeploy.engine.kv_slots import DecodeSlots, allocate_kv_cache
+from raydeploy.engine.sampling import SlotSampling, sample
+from raydeploy.engine.step import StepPlan, StepResult
+from raydeploy.model.llama import DTYPES, ActivationSharding, build_model
+from raydeploy.model.sharding import partition_spec
+from raydeploy.model.spec import LlamaConfig
+
+
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """Use the persistent XLA compilation cache (shared by processes on a machine); None leaves it off."""
+    if not cache_dir:
+        return
+    path = os.path.expanduser(cache_dir)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def default_decode_windows(max_seq_len: int, prefill_buckets: Sequence[int]) -> list[int]:
+    """Decode attention windows: every fourth power of two from the smallest bucket, capped by max_seq_len.
+
+    Fewer windows compile faster; a window at most 4x the live length keeps the cache read small.
+    """
+    w = max(16, min(prefill_buckets)) if prefill_buckets else max_seq_len
+    out = []
+    while w < max_seq_len:
+        out.append(w)
+        w *= 4
+    return out + [max_seq_len]
+
+
+class Engine:
+    """One model replica over one mesh (possibly spanning several processes), with `max_slots` KV slots."""
+
+    def __init__(self, llama_cfg: LlamaConfig, params: Mapping[str, jax.Array], mesh: jax.sharding.Mesh,
+                 rules: Mapping[str, Any], model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                 decode_windows: Sequence[int] | None = None) -> None:
+        enable_compilation_cache(engine_cfg.compilation_cache_dir)
+        self.cfg = llama_cfg
+        self.mesh = mesh
+        self.rules = dict(rules)
+        self._max_slots = engine_cfg.max_slots
+        self._max_seq_len = model_cfg.max_seq_len
+        self.buckets = sorted({min(b, self._max_seq_len) for b in engine_cfg.prefill_buckets})
+        windows = decode_windows or default_decode_windows(self._max_seq_len, self.buckets)
+        self.windows = sorted({min(w, self._max_seq_len) for w in windows} | {self._max_seq_len})
+        self.dtype = DTYPES[model_cfg.dtype]
+        self.graphdef, state = build_model(llama_cfg, params, model_cfg.dtype, model_cfg.param_dtype)
+        self._param_leaves, self._param_treedef = jax.tree.flatten(state)
+        self._shard = ActivationSharding.create(mesh, self.rules)
+        self.k_cache, self.v_cache = allocate_kv_cache(llama_cfg, self._max_slots, self._max_seq_len,
+                                                       DTYPES[model_cfg.dtype], mesh, self.rules)
+        mesh_shape = dict(mesh.shape)
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._presence_sharding = NamedSharding(
+            mesh, partition_spec(("cache_batch", "act_vocab"), self.rules, mesh_shape, "presence"))
+        self.presence = jax.jit(lambda: jnp.zeros((self._max_slots, llama_cfg.vocab_size), bool),
+                                out_shardings=self._presence_sharding)()
+        self.slots = DecodeSlots(self._max_slots, self._max_seq_len)
+        cache_sh = [self.k_cache[0].sharding] * llama_cfg.num_layers
+        out_sh = (cache_sh, cache_sh, self._presence_sharding, self._replicated, self._replicated)
+        self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2, 3), out_shardings=out_sh)
+        self._decode_jit = jax.jit(self._decode_fn, static_argnums=(6,), donate_argnums=(1, 2, 3),
+                                   out_shardings=out_sh)
+        self.compile_s: dict[str, float] = {}
+
+    # -- properties
+    @property
+    def max_slots(self) -> int:
+        return self._max_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return tuple(self.cfg.eos_token_ids)
+
+    # -- jitted bodies
+    def _model(self, leaves: list[jax.Array]) -> nnx.Module:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._param_treedef, leaves))
+
+    def _prefill_fn(self, leaves, k_cache, v_cache, presence, ints, floats):
+        """ints: [tokens (bucket)..., length, slot, top_k, seed]; floats: [temperature, top_p, penalty]."""
+        model = self._model(leaves)
+        t = ints.shape[0] - 4
+        tokens = ints[:t][None]
+        length, slot, top_k = ints[t], ints[t + 1], ints[t + 2]
+        seed = jax.lax.bitcast_convert_type(ints[t + 3], jnp.uint32)
+        h, ks, vs = model.prefill(tokens, jnp.arange(t)[None], self._shard)
+        last = jax.lax.dynamic_index_in_dim(h[0], length - 1, axis=0, keepdims=True)  # [1, D]
+        logits = model.logits(last)
+        valid = jnp.arange(t) < length
+        row = jnp.zeros((self.cfg.vocab_size,), bool).at[tokens[0]].max(valid)
+        tok, lp = sample(logits, row[None], floats[0:1], floats[1:2], top_k[None], floats[2:3], seed[None],
+                         length[None])
+        row = row.at[tok[0]].set(True)
+        presence = jax.lax.dynamic_update_slice(presence, row[None], (slot, 0))
+        zero = jnp.zeros((), jnp.int32)
+        k_cache = [jax.lax.dynamic_update_slice(c, k.astype(c.dtype), (slot, zero, zero, zero))
+                   for c, k in zip(k_cache, ks, strict=True)]
+        v_cache = [jax.lax.dynamic_update_slice(c, v.astype(c.dtype), (slot, zero, zero, zero))
+                   for c, v in zip(v_cache, vs, strict=True)]
+        return k_cache, v_cache, presence, tok, lp
+
+    def _decode_fn(self, leaves, k_cache, v_cache, presence, ints, floats, window):
+        """ints: [5, B] = tokens, positions, active, top_k, seed; floats: [3, B] = temperature, top_p, penalty."""
+        model = self._model(leaves)
+        tokens, positions, active, top_k = ints[0], ints[1], ints[2].astype(bool), ints[3]
+        seed = jax.lax.bitcast_convert_type(ints[4], jnp.uint32)
+        h, k_cache, v_cache = model.decode(tokens, positions, k_cache, v_cache, window, self._shard)
+        logits = model.logits(h, self._shard)
+        tok, lp = sample(logits, presence, floats[0], floats[1], top_k, floats[2], seed, positions + 1)
+        presence = presence.at[jnp.arange(tokens.shape[0]), tok].max(active)
+        return k_cache, v_cache, presence, tok, lp
+
+    # -- host side
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A replicated global array from host data that is identical on every host."""
+        return jax.make_array_from_callback(x.shape, self._replicated, lambda idx: x[idx])
+
+    def bucket_for(self, n: int) -> int:
+        i = bisect.bisect_left(self.buckets, n)
+        if n < 1 or i == len(self.buckets):
+            raise ValueError(f"prompt of {n} tokens does not fit: prompts need 1..{self.buckets[-1]} tokens "
+                             f"(largest prefill bucket, max_seq_len {self._max_seq_len})")
+        return self.buckets[i]
+
+    def window_for(self, longest: int) -> int:
+        """Smallest decode window holding positions [0, longest]."""
+        i = bisect.bisect_left(self.windows, longest + 1)
+        return self.windows[min(i, len(self.windows) - 1)]
+
+    def _run_prefill(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> tuple[jax.Array, jax.Array]:
+        n = int(tokens.shape[0])
+        bucket = self.bucket_for(n)
+        if n >= self._max_seq_len:
+            raise ValueError(f"prompt of {n} tokens leaves no room to generate in max_seq_len {self._max_seq_len}")
+        ints = np.zeros(bucket + 4, np.int32)
+        ints[:n] = tokens
+        ints[bucket:] = [n, slot, sp.top_k[0], sp.seed.view(np.int32)[0]]
+        floats = np.asarray([sp.temperature[0], sp.top_p[0], sp.repetition_penalty[0]], np.float32)
+        self.k_cache, self.v_cache, self.presence, tok, lp = self._prefill_jit(
+            self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats))
+        return tok, lp
+
+    def _run_decode(self, window: int) -> tuple[jax.Array, jax.Array]:
+        s = self.slots
+        sp = s.slot_sampling()
+        positions = np.where(s.active, s.lengths, 0)
+        ints = np.stack([s.last_token, positions, s.active.astype(np.int32), sp.top_k,
+                         sp.seed.view(np.int32)]).astype(np.int32)
+        floats = np.stack([sp.temperature, sp.top_p, sp.repetition_penalty]).astype(np.float32)
+        self.k_cache, self.v_cache, self.presence, tok, lp = self._decode_jit(
+            self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats),
+            window)
+        return tok, lp
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Apply one plan: release slots, prefill each item into its slot, then decode every active slot."""
+        for slot in plan.release:
+            self.slots.release(slot)
+        p_tok, p_lp = [], []
+        for item in plan.prefills:
+            self.slots.check_slot(item.slot)
+            tokens = np.asarray(item.tokens, np.int32).reshape(-1)
+            tok, lp = self._run_prefill(tokens, item.slot, SlotSampling.from_params([item.sampling]))
+            t, logp = int(np.asarray(tok)[0]), float(np.asarray(lp)[0])
+            self.slots.start(item.slot, tokens.shape[0], t, item.sampling)
+            p_tok.append(t)
+            p_lp.append(logp)
+        result = StepResult(plan.step_id, np.asarray(p_tok, np.int32), np.asarray(p_lp, np.float32))
+        if plan.decode and self.slots.active.any():
+            self.slots.check_room()
+            active = self.slots.active.copy()
+            tok, lp = self._run_decode(self.window_for(self.slots.longest_active()))
+            tokens, logprobs = np.asarray(tok), np.asarray(lp)
+            self.slots.advance(active, tokens)
+            result.decode_tokens = np.where(active, tokens, 0).astype(np.int32)
+            result.decode_logprobs = np.where(active, logprobs, 0.0).astype(np.float32)
+        elif plan.decode:
+            result.decode_tokens = np.zeros(self._max_slots, np.int32)
+            result.decode_logprobs = np.zeros(self._max_slots, np.float32)
+        return result
+
+    def warmup(self) -> dict[str, float]:
+        """Compile (or load from the persistent cache) every prefill bucket and decode window.
+
+        Runs each program once on idle slots, so it must be called before any request is in a slot.
+        Returns seconds per program, e.g. {"prefill_64": 9.8, "decode_256": 10.4}.
+        """
+        if self.slots.active.any():
+            raise RuntimeError("warmup() must run before any slot is active")
+        greedy = SlotSampling.from_params([self.slots.sampling[0]])
+        for b in self.buckets:
+            t0 = time.perf_counter()
+            tok, _ = self._run_prefill(np.zeros(min(b, self._max_seq_len - 1), np.int32), 0, greedy)
+            jax.block_until_ready(tok)
+            self.compile_s[f"prefill_{b}"] = time.perf_counter() - t0
+        for w in self.windows:
+            t0 = time.perf_counter()
+            tok, _ = self._run_decode(w)
+            jax.block_until_ready(tok)
+            self.compile_s[f"decode_{w}"] = time.perf_counter() - t0
+        return dict(self.compile_s)
+

@@ -1,0 +1,91 @@
+"""The slot KV cache: device buffers [slots, max_seq_len, kv_heads, head_dim] per layer, and host bookkeeping.
+
+`allocate_kv_cache` creates the per-layer K and V buffers directly on the mesh with the `kv_cache_spec`
+shardings (one jitted zeros, so nothing passes through host memory and it works across processes).
+`DecodeSlots` is the host-side table the engine keeps in step with the device cache: per slot, whether it is
+active, how many tokens its cache holds, the last sampled token (the next decode input) and its sampling
+parameters. Every host keeps an identical table because every host applies the same `StepPlan`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from raydeploy.engine.sampling import SlotSampling
+from raydeploy.engine.step import SamplingParams
+from raydeploy.model.spec import LlamaConfig, kv_cache_spec
+
+
+def kv_cache_sharding(cfg: LlamaConfig, max_slots: int, max_seq_len: int, mesh: Any,
+                      rules: Mapping[str, Any]) -> Any:
+    from jax.sharding import NamedSharding
+
+    from raydeploy.model.sharding import check_divisible, partition_spec
+
+    spec = kv_cache_spec(cfg, max_slots, max_seq_len)
+    mesh_shape = dict(mesh.shape)
+    check_divisible(spec, rules, mesh_shape)
+    return NamedSharding(mesh, partition_spec(spec.logical_axes, rules, mesh_shape, "kv_cache"))
+
+
+def allocate_kv_cache(cfg: LlamaConfig, max_slots: int, max_seq_len: int, dtype: Any, mesh: Any,
+                      rules: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+    """Zeroed K and V caches, one [slots, seq, kv_heads, head_dim] array per layer, sharded on the mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    sharding = kv_cache_sharding(cfg, max_slots, max_seq_len, mesh, rules)
+    shape = kv_cache_spec(cfg, max_slots, max_seq_len).shape
+    n = cfg.num_layers
+    zeros = jax.jit(lambda: [jnp.zeros(shape, dtype) for _ in range(2 * n)], out_shardings=[sharding] * (2 * n))
+    bufs = zeros()
+    return bufs[:n], bufs[n:]
+
+
+class DecodeSlots:
+    """Host-side state of every slot, mirrored on all hosts."""
+
+    def __init__(self, max_slots: int, max_seq_len: int) -> None:
+        self.max_slots = max_slots
+        self.max_seq_len = max_seq_len
+        self.active = np.zeros(max_slots, bool)
+        self.lengths = np.zeros(max_slots, np.int32)
+        """Tokens held in the slot's cache; also the position the next decode input is written at."""
+        self.last_token = np.zeros(max_slots, np.int32)
+        self.sampling: list[SamplingParams] = [SamplingParams() for _ in range(max_slots)]
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is out of range: the engine has {self.max_slots} slots (0..{self.max_slots - 1})")
+
+    def start(self, slot: int, prompt_len: int, first_token: int, sampling: SamplingParams) -> None:
+        self.check_slot(slot)
+        self.active[slot] = True
+        self.lengths[slot] = prompt_len
+        self.last_token[slot] = first_token
+        self.sampling[slot] = sampling
+
+    def release(self, slot: int) -> None:
+        self.check_slot(slot)
+        self.active[slot] = False
+        self.lengths[slot] = 0
+
+    def advance(self, mask: np.ndarray, tokens: np.ndarray) -> None:
+        """After a decode: slots in `mask` hold one more token and `tokens` are their next inputs."""
+        self.lengths = np.where(mask, self.lengths + 1, self.lengths).astype(np.int32)
+        self.last_token = np.where(mask, tokens, self.last_token).astype(np.int32)
+
+    def longest_active(self) -> int:
+        return int(self.lengths[self.active].max()) if self.active.any() else 0
+
+    def check_room(self) -> None:
+        full = np.nonzero(self.active & (self.lengths >= self.max_seq_len))[0]
+        if full.size:
+            raise ValueError(f"slot {int(full[0])} is full: its cache holds max_seq_len={self.max_seq_len} tokens; "
+                             f"the scheduler must stop it before decoding again")
+
+    def slot_sampling(self) -> SlotSampling:
+        return SlotSampling.from_params(self.sampling)

@@ -1,0 +1,107 @@
+"""Per-slot token sampling, vectorised over slots, inside the engine's jitted programs.
+
+Every sampling knob is a per-slot array (`SlotSampling`), so one compiled program serves any mix of greedy
+and sampled requests. Order follows Hugging Face: repetition penalty, temperature, top-k, top-p. Randomness
+is a pure function of the request's seed and the token's position (`fold_in(key(seed), position)`), so every
+host of a gang draws the same token and a request replays identically whatever else shares the batch.
+The reported logprob is the chosen token's log-probability under the raw model distribution
+(temperature 1, no filters, no penalty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from raydeploy.engine.step import SamplingParams
+
+SEED_MODULUS = 2**32
+
+
+@dataclass(frozen=True)
+class SlotSampling:
+    """Sampling parameters of each slot as host arrays [slots] (the jitted programs take them as inputs)."""
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    repetition_penalty: np.ndarray
+    seed: np.ndarray
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> SlotSampling:
+        return cls(
+            np.asarray([p.temperature for p in params], np.float32),
+            np.asarray([p.top_p for p in params], np.float32),
+            np.asarray([p.top_k for p in params], np.int32),
+            np.asarray([p.repetition_penalty for p in params], np.float32),
+            np.asarray([p.seed % SEED_MODULUS for p in params], np.uint32),
+        )
+
+    def as_tuple(self) -> tuple[np.ndarray, ...]:
+        return (self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed)
+
+
+def apply_repetition_penalty(logits_bv: jax.Array, presence_bv: jax.Array, penalty_b: jax.Array) -> jax.Array:
+    """CTRL-style penalty on tokens already in the sequence: positive logits / p, negative logits * p."""
+    p = penalty_b[:, None]
+    penalised = jnp.where(logits_bv > 0, logits_bv / p, logits_bv * p)
+    return jnp.where(presence_bv, penalised, logits_bv)
+
+
+def top_k_top_p_mask(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
+    """Boolean mask of the tokens kept by top-k (0 = off) then top-p (1 = off), per row.
+
+    Implemented with one descending sort per row and a threshold, so ties at the threshold are all kept.
+    """
+    v = logits_bv.shape[-1]
+    sorted_desc = -jnp.sort(-logits_bv, axis=-1)
+    k = jnp.where((top_k_b <= 0) | (top_k_b > v), v, top_k_b).astype(jnp.int32)
+    ranks = jnp.arange(v)[None, :]
+    in_top_k = ranks < k[:, None]
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = in_top_k & (cum_before < top_p_b[:, None])
+    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
+    return logits_bv >= jnp.maximum(kth, pth)
+
+
+def row_keys(seed_b: jax.Array, position_b: jax.Array) -> jax.Array:
+    """One PRNG key per row from (seed, position): no state, same on every host."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_b, position_b)
+
+
+def _sample_filtered(logits_bv: jax.Array, temperature_b: jax.Array, top_p_b: jax.Array, top_k_b: jax.Array,
+                     seed_b: jax.Array, position_b: jax.Array) -> jax.Array:
+    scaled = logits_bv / jnp.maximum(temperature_b, 1e-6)[:, None]
+    mask = top_k_top_p_mask(scaled, top_k_b, top_p_b)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits_bv.shape[-1],), jnp.float32))(
+        row_keys(seed_b, position_b))
+    return jnp.argmax(jnp.where(mask, scaled + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+def sample(logits_bv: jax.Array, presence_bv: jax.Array, temperature_b: jax.Array, top_p_b: jax.Array,
+           top_k_b: jax.Array, repetition_penalty_b: jax.Array, seed_b: jax.Array, position_b: jax.Array
+           ) -> tuple[jax.Array, jax.Array]:
+    """Next token [B] int32 and its raw logprob [B] float32. temperature 0 is greedy (argmax after penalty).
+
+    The sort-based filters run only when some row samples (lax.cond), so all-greedy batches stay cheap.
+    """
+    logits_bv = logits_bv.astype(jnp.float32)
+    penalised = apply_repetition_penalty(logits_bv, presence_bv, repetition_penalty_b)
+    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    sampling = temperature_b > 0
+    tokens = jax.lax.cond(
+        jnp.any(sampling),
+        lambda: jnp.where(sampling, _sample_filtered(penalised, temperature_b, top_p_b, top_k_b, seed_b,
+                                                     position_b), greedy),
+        lambda: greedy,
+    )
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs

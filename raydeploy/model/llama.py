@@ -1,0 +1,368 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) as a Flax NNX decoder, built from `LlamaConfig`.
+
+The module's NNX state paths are exactly the names of `raydeploy.model.spec.param_specs` (for example
+`layers.3.attn.q_proj.kernel`), in the same "input dims first" layouts, so a flat {name: jax.Array} dict from
+the checkpoint reader goes straight in: build the module abstractly (`abstract_model`, no allocation), then
+`params_to_state` fills it with the loaded (already sharded) arrays. The engine keeps `(graphdef, state)` and
+merges them inside its jitted programs, so no Python runs per layer at serving time.
+
+Two forward paths, both pure and jittable:
+- `Llama.prefill(tokens_bt, positions_bt)`: causal attention within a prompt chunk; returns the hidden states
+  and each layer's new K/V, which the engine writes into a slot of its KV cache.
+- `Llama.decode(tokens_b, positions_b, k_caches, v_caches, window)`: one token per slot; writes its K/V at
+  `positions_b` and attends over the first `window` cache positions (a static size, so the engine compiles one
+  decode per window and reads only as much cache as the longest active sequence needs).
+RoPE follows the Hugging Face convention (rotate_half over [first half | second half] of head_dim).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from raydeploy.model.spec import LlamaConfig, param_specs
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# -- activation sharding --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationSharding:
+    """Pins activations to the mesh by logical axis names (act_batch, act_seq, act_embed, act_vocab)."""
+
+    mesh: Any
+    rules: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def create(cls, mesh: jax.sharding.Mesh, rules: Mapping[str, Any]) -> ActivationSharding:
+        return cls(mesh, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules.items()))
+
+    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from raydeploy.model.sharding import partition_spec
+
+        rules = dict(self.rules)
+        rules["_none"] = None
+        mesh_shape = dict(self.mesh.shape)
+        axes = [a if a is not None else "_none" for a in logical_axes]
+        spec = partition_spec(axes, rules, mesh_shape, "activation")
+        # A dimension that does not divide its mesh axes (batch 1 in a prefill over dp=2) stays replicated.
+        dims = []
+        for size, d in zip(x.shape, spec, strict=True):
+            names = () if d is None else ((d,) if isinstance(d, str) else tuple(d))
+            n = math.prod(mesh_shape[a] for a in names)
+            dims.append(d if n <= 1 or size % n == 0 else None)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*dims)))
+
+
+def _constrain(shard: ActivationSharding | None, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    return x if shard is None else shard.constrain(x, axes)
+
+
+# -- rotary embeddings ------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2] with the config's rope scaling (none, linear, llama3)."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return inv.astype(np.float32)
+    if kind == "linear":
+        return (inv / float(scaling["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [..., heads, head_dim] at integer positions [...] (broadcast over heads); HF rotate_half layout."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., hd/2]
+    cos = jnp.cos(freqs)[..., None, :]
+    sin = jnp.sin(freqs)[..., None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# -- layers -------------------------------------------------------------------------------------------------
+
+
+def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> nnx.Param:
+    if rngs is None:
+        return nnx.Param(jnp.zeros(shape, dtype))
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype: Any, rngs: nnx.Rngs | None = None) -> None:
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class HeadsProj(nnx.Module):
+    """[.., embed] -> [.., heads, head_dim]; kernel [embed, heads, head_dim], optional bias [heads, head_dim]."""
+
+    def __init__(self, d: int, heads: int, hd: int, bias: bool, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+        self.kernel = _param(rngs, (d, heads, hd), param_dtype)
+        self.bias = _param(rngs, (heads, hd), param_dtype) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d, n, h = self.kernel.shape
+        # A 2-D matmul over the flattened heads is about 2x faster than the 3-D einsum on XLA CPU.
+        y = (x @ self.kernel[...].reshape(d, n * h).astype(x.dtype)).reshape(*x.shape[:-1], n, h)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class OutProj(nnx.Module):
+    """[.., heads, head_dim] -> [.., embed]; kernel [heads, head_dim, embed]."""
+
+    def __init__(self, heads: int, hd: int, d: int, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+        self.kernel = _param(rngs, (heads, hd, d), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n, h, d = self.kernel.shape
+        return x.reshape(*x.shape[:-2], n * h) @ self.kernel[...].reshape(n * h, d).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+    def __init__(self, din: int, dout: int, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+        self.kernel = _param(rngs, (din, dout), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.kernel[...].astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+        d, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs)
+        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs)
+        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs)
+        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs)
+
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, ...]:
+        q = apply_rope(self.q_proj(x), positions, inv_freq)
+        k = apply_rope(self.k_proj(x), positions, inv_freq)
+        return q, k, self.v_proj(x)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Dense(d, f, param_dtype, rngs)
+        self.up_proj = Dense(d, f, param_dtype, rngs)
+        self.down_proj = Dense(f, d, param_dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
+        self.attn = Attention(cfg, param_dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
+        self.mlp = MLP(cfg, param_dtype, rngs)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, d: int, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+        self.embedding = _param(rngs, (vocab, d), param_dtype)
+
+
+# -- attention kernels (plain XLA; masks from explicit positions, never from token ids) ----------------------
+
+
+def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    """Grouped-query attention: q [B,T,N,H], k/v [B,S,K,H], boolean mask [B,T,S] -> [B,T,N,H]."""
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    q = q_btnh.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh).astype(jnp.float32) / math.sqrt(h)
+    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def _window_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, sliding_window: int | None) -> jax.Array:
+    mask = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+    if sliding_window:
+        mask &= k_pos_bs[:, None, :] > q_pos_bt[:, :, None] - sliding_window
+    return mask
+
+
+# -- the model -------------------------------------------------------------------------------------------------
+
+
+class Llama(nnx.Module):
+    """Llama-family decoder; state paths = `param_specs(cfg)` names."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32",
+                 rngs: nnx.Rngs | None = None) -> None:
+        pdt = DTYPES[param_dtype]
+        self.cfg = cfg
+        self.dtype = DTYPES[dtype]
+        self.inv_freq = rope_inv_freq(cfg).tolist()  # a plain list: static, hashable graph metadata
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, pdt, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, pdt, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
+        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, pdt, rngs)
+
+    # -- pieces
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.dtype)
+
+    def logits(self, h: jax.Array, shard: ActivationSharding | None = None) -> jax.Array:
+        """Final norm + LM head: h [..., D] -> float32 logits [..., V]."""
+        h = self.final_norm(h)
+        if self.lm_head is not None:
+            out = self.lm_head(h)
+        else:
+            out = jnp.einsum("...d,vd->...v", h, self.embed.embedding[...].astype(h.dtype))
+        out = out.astype(jnp.float32)
+        if out.ndim == 2:
+            out = _constrain(shard, out, ("act_batch", "act_vocab"))
+        return out
+
+    # -- prefill: attention within one chunk starting at position 0 of each row
+    def prefill(self, tokens_bt: jax.Array, positions_bt: jax.Array,
+                shard: ActivationSharding | None = None) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+        """Causal forward over [B, T] tokens; returns hidden [B,T,D] and each layer's K and V [B,T,K,H]."""
+        inv = np.asarray(self.inv_freq, np.float32)
+        x = _constrain(shard, self._embed(tokens_bt), ("act_batch", "act_seq", "act_embed"))
+        mask = _window_mask(positions_bt, positions_bt, self.cfg.sliding_window)
+        ks, vs = [], []
+        for layer in self.layers:
+            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_bt, inv)
+            x = x + layer.attn.o_proj(_attend(q, k, v, mask))
+            x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
+            ks.append(k)
+            vs.append(v)
+        return x, ks, vs
+
+    # -- decode: one token per row against the slot KV cache
+    def decode(self, tokens_b: jax.Array, positions_b: jax.Array, k_caches: Sequence[jax.Array],
+               v_caches: Sequence[jax.Array], window: int, shard: ActivationSharding | None = None
+               ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+        """tokens [B] at positions [B]; caches [B, S, K, H] per layer. Writes K/V at positions_b, attends over
+        cache positions [0, window). Returns hidden [B, D] and the updated caches."""
+        inv = np.asarray(self.inv_freq, np.float32)
+        b = tokens_b.shape[0]
+        rows = jnp.arange(b)
+        x = _constrain(shard, self._embed(tokens_b)[:, None, :], ("act_batch", "act_seq", "act_embed"))
+        pos_bt = positions_b[:, None]
+        k_pos = jnp.broadcast_to(jnp.arange(window)[None, :], (b, window))
+        mask = _window_mask(pos_bt, k_pos, self.cfg.sliding_window)
+        new_k, new_v = [], []
+        for layer, kc, vc in zip(self.layers, k_caches, v_caches, strict=True):
+            q, k, v = layer.attn.qkv(layer.attn_norm(x), pos_bt, inv)
+            kc = kc.at[rows, positions_b].set(k[:, 0].astype(kc.dtype), mode="drop")
+            vc = vc.at[rows, positions_b].set(v[:, 0].astype(vc.dtype), mode="drop")
+            kw = jax.lax.slice_in_dim(kc, 0, window, axis=1).astype(q.dtype)
+            vw = jax.lax.slice_in_dim(vc, 0, window, axis=1).astype(q.dtype)
+            x = x + layer.attn.o_proj(_attend(q, kw, vw, mask))
+            x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
+            new_k.append(kc)
+            new_v.append(vc)
+        return x[:, 0], new_k, new_v
+
+    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+        """Plain causal forward from position 0: float32 logits [B, T, V] (for tests and scoring)."""
+        positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1])[None], tokens_bt.shape)
+        h, _, _ = self.prefill(tokens_bt, positions)
+        return self.logits(h)
+
+
+# -- building the model from a flat {name: array} dict -----------------------------------------------------
+
+
+def abstract_model(cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32"
+                   ) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graphdef and abstract state (ShapeDtypeStructs); nothing is allocated."""
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype, param_dtype))
+    return nnx.split(model)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def params_to_state(params: Mapping[str, jax.Array], abstract_state: nnx.State, what: str = "params"
+                    ) -> nnx.State:
+    """Fill the abstract state with arrays named like `param_specs`. Every name must be present once, with the
+    right shape; extra names are an error (they mean the checkpoint and the config disagree)."""
+    flat = nnx.to_flat_state(abstract_state)
+    expected = {_path_name(p) for p, _ in flat}
+    missing = sorted(expected - set(params))
+    extra = sorted(set(params) - expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+        if extra:
+            parts.append(f"unexpected {len(extra)} tensor(s), e.g. {', '.join(extra[:3])}")
+        raise ValueError(f"{what} do not match the model: " + "; ".join(parts))
+    items = []
+    for path, var in flat:
+        name = _path_name(path)
+        arr = params[name]
+        if tuple(arr.shape) != tuple(var.shape):
+            raise ValueError(f"{what}: tensor {name} has shape {tuple(arr.shape)}, the model expects "
+                             f"{tuple(var.shape)}")
+        if arr.dtype != var.dtype:
+            arr = arr.astype(var.dtype)
+        items.append((path, var.replace(arr)))
+    return nnx.from_flat_state(items)
+
+
+def state_to_params(state: nnx.State) -> dict[str, jax.Array]:
+    """The inverse of `params_to_state`: {name: array}."""
+    return {_path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
+
+
+def check_state_names(cfg: LlamaConfig) -> None:
+    """Assert that the NNX state paths are exactly `param_specs(cfg)` with the same shapes (a self-check)."""
+    _, abstract = abstract_model(cfg)
+    got = {_path_name(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
+    want = {n: s.shape for n, s in param_specs(cfg).items()}
+    if got != want:
+        diff = sorted(set(got.items()) ^ set(want.items()))[:5]
+        raise AssertionError(f"model state and param_specs disagree: {diff}")
+
+
+def build_model(cfg: LlamaConfig, params: Mapping[str, jax.Array], dtype: str = "float32",
+                param_dtype: str = "float32") -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of a model holding `params` (already placed/sharded arrays are kept as they are)."""
+    graphdef, abstract = abstract_model(cfg, dtype, param_dtype)
+    return graphdef, params_to_state(params, abstract)
