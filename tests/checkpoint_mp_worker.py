@@ -1,0 +1,48 @@
+"""One process of the multi-process checkpoint load test (tests/test_checkpoint.py).
+
+Run as: python checkpoint_mp_worker.py CKPT COORDINATOR_ADDR NUM_PROCESSES PROCESS_ID
+Joins jax.distributed (2 CPU devices per process), builds one tp=4 mesh over all processes' devices, loads
+the checkpoint, checks every local shard against the whole tensor read directly, and prints JSON stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+
+def main() -> int:
+    ckpt, addr, nproc, pid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    import jax
+    import numpy as np
+
+    jax.distributed.initialize(addr, nproc, pid, initialization_timeout=60, coordinator_bind_address=addr)
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.model.sharding import build_mesh, merge_rules
+    from raydeploy.model.spec import param_specs
+
+    r = CheckpointReader(ckpt)
+    specs = param_specs(r.llama_config)
+    rules = merge_rules({"embed": None, "q_heads": None, "kv_heads": None})
+    mesh = build_mesh({"tp": 4})
+    params, stats = r.load(specs, mesh, rules, progress=False)
+    checked = 0
+    for name, arr in params.items():
+        full = r.read_tensor(name)
+        for shard in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index], err_msg=name)
+            checked += 1
+    expected = sum(b - a for rs in r.byte_ranges(specs, mesh, rules).values() for a, b in rs)
+    print(json.dumps({"process": pid, "bytes_read": stats.bytes_read, "expected_bytes": expected,
+                      "total_bytes": r.index.total_bytes, "shards_checked": checked,
+                      "local_devices": len(jax.local_devices()), "fingerprint": r.fingerprint()}))
+    jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
