@@ -8,6 +8,7 @@ config embedded in each manifest must load and plan.
 from __future__ import annotations
 
 import copy
+import importlib
 import re
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,8 @@ def test_rayservice_serves_raydeploy(path: Path) -> None:
     (doc,) = _ray_docs(path)
     serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
     (app,) = serve["applications"]
-    assert app["import_path"].startswith("raydeploy.serve.")
+    module, _, attr = app["import_path"].partition(":")
+    assert callable(getattr(importlib.import_module(module), attr)), app["import_path"]
     config_path = app["args"]["config"]
     for role, pod in _pods(doc):
         mounts = [m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", [])]

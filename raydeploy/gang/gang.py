@@ -107,8 +107,10 @@ async def stream_events(coordinator: Any, req: GenerationRequest) -> AsyncIterat
 
 def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None = None,
                faults: dict[int, dict[str, Any]] | None = None, host_configs: dict[int, Config] | None = None,
-               poll_s: float = 0.5) -> Gang:
+               poll_s: float = 0.5, detached: bool = False) -> Gang:
     """Start the named supervisor (replacing a stale one) and its gang; returns at once (see wait_ready).
+
+    `detached` makes the supervisor outlive the process that starts it (a Serve app builder task).
 
     engine "toy" runs the stand-in engine without a checkpoint (tests, control benchmarks); `faults` and
     `host_configs` inject per-rank failures and configs for tests.
@@ -127,8 +129,9 @@ def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None
             ray.get(old.shutdown.remote(), timeout=cfg.cluster.rpc_timeout_s)
         finally:
             ray.kill(old, no_restart=True)
+    lifetime = {"lifetime": "detached"} if detached else {}
     sup = ray.remote(GangSupervisor).options(name=SUPERVISOR_NAME, namespace=NAMESPACE, num_cpus=0,
-                                             max_concurrency=64).remote(
+                                             max_concurrency=64, **lifetime).remote(
         cfg, path, faults=faults, host_configs=host_configs, poll_s=poll_s)
     ray.get(sup.start.remote(), timeout=cfg.cluster.rpc_timeout_s)
     return Gang(sup, cfg)
