@@ -185,7 +185,8 @@ class ServingCore:
                     raise RequestTimeout(job.timeout_s)
                 try:
                     # A deadline per wait, not around the yields: the consumer's own awaits stay its own.
-                    events = await asyncio.wait_for(anext(stream), remaining_s)
+                    async with asyncio.timeout(remaining_s):
+                        events = await anext(stream)
                 except StopAsyncIteration:
                     done_in_gang = True
                     raise ServiceUnavailable("the model gang ended the stream early; retry shortly", 1.0) from None
