@@ -46,7 +46,8 @@ def gguf_metadata(reader: Any, path: str) -> dict[str, Any]:
     return meta
 
 
-def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str, Any]:
+def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str, dtype: str = "keep"
+                        ) -> dict[str, Any]:
     """A Hugging Face LlamaForCausalLM config.json built from GGUF metadata."""
     arch = meta.get("general.architecture")
     if arch != "llama":
@@ -81,7 +82,7 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str)
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "hidden_act": "silu",
-        "torch_dtype": "float32",
+        "torch_dtype": "float32" if dtype in ("keep", "float32") else dtype,
     }
     for ours, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
@@ -114,7 +115,7 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_si
     except (ValueError, OSError) as e:
         raise CheckpointError(f"not a readable GGUF file: {e}", str(src)) from e
     names = {t.name for t in reader.tensors}
-    hf_cfg = hf_config_from_gguf(gguf_metadata(reader, str(src)), names, str(src))
+    hf_cfg = hf_config_from_gguf(gguf_metadata(reader, str(src)), names, str(src), dtype)
     cfg = LlamaConfig.from_hf_dict(hf_cfg)
     name_map = NameMap(GGUF_NAMES, GGUF_IGNORED, source="GGUF")
     plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
