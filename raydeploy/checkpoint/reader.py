@@ -197,24 +197,31 @@ class CheckpointReader:
         bb = self.index.block_bytes
         piece = max(bb, (PIECE_BYTES // bb) * bb)
         pieces: list[tuple[_TensorPlan, int, int, int]] = []
-        fds = {f: os.open(self.path / f, os.O_RDONLY) for f in {p.entry.file for p in plans.values()}}
-        maps: dict[str, mmap.mmap] = {}
-        for p in plans.values():
-            e = p.entry
-            p.mapped = use_mmap and len(e.segments) == 1 and e.length > 0
-            if p.mapped and e.file not in maps:
-                maps[e.file] = mmap.mmap(fds[e.file], 0, access=mmap.ACCESS_COPY)
-            for a, b in p.intervals:
-                start = (a * e.row_bytes // bb) * bb
-                stop = min(-(-(b * e.row_bytes) // bb) * bb, e.length)
-                if p.mapped:
-                    p.buffers.append(np.frombuffer(maps[e.file], np.uint8, stop - start, e.offset + start))
-                else:
-                    p.buffers.append(aligned_empty(stop - start))
-                p.buf_starts.append(start)
-                for s in range(start, stop, piece):
-                    pieces.append((p, len(p.buffers) - 1, s, min(s + piece, stop)))
-                    p.pending += 1
+        fds: dict[str, int] = {}
+        try:
+            for fname in sorted({p.entry.file for p in plans.values()}):
+                fds[fname] = os.open(self.path / fname, os.O_RDONLY)
+            maps: dict[str, mmap.mmap] = {}
+            for p in plans.values():
+                e = p.entry
+                p.mapped = use_mmap and len(e.segments) == 1 and e.length > 0
+                if p.mapped and e.file not in maps:
+                    maps[e.file] = mmap.mmap(fds[e.file], 0, access=mmap.ACCESS_COPY)
+                for a, b in p.intervals:
+                    start = (a * e.row_bytes // bb) * bb
+                    stop = min(-(-(b * e.row_bytes) // bb) * bb, e.length)
+                    if p.mapped:
+                        p.buffers.append(np.frombuffer(maps[e.file], np.uint8, stop - start, e.offset + start))
+                    else:
+                        p.buffers.append(aligned_empty(stop - start))
+                    p.buf_starts.append(start)
+                    for s in range(start, stop, piece):
+                        pieces.append((p, len(p.buffers) - 1, s, min(s + piece, stop)))
+                        p.pending += 1
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
         total_read = sum(e - s for _, _, s, e in pieces)
 
         out: dict[str, jax.Array] = {}
