@@ -54,21 +54,22 @@ class RequestStream:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._q: queue.Queue[TokenEvent] = queue.Queue()
+        self._q: queue.Queue[tuple[TokenEvent, float]] = queue.Queue()
         self._t0 = time.perf_counter()
         self.output = GenerationOutput(request_id)
 
     def put(self, ev: TokenEvent) -> None:
-        self._q.put(ev)
+        """The scheduler's sink: timestamps each event as it is produced."""
+        self._q.put((ev, time.perf_counter() - self._t0))
 
     def events(self, timeout_s: float) -> Iterator[TokenEvent]:
         """Yield events until the final one; raises TimeoutError if none arrives within timeout_s."""
         while True:
             try:
-                ev = self._q.get(timeout=timeout_s)
+                ev, elapsed_s = self._q.get(timeout=timeout_s)
             except queue.Empty:
                 raise TimeoutError(f"request {self.request_id}: no token within {timeout_s} s") from None
-            self.output.add(ev, time.perf_counter() - self._t0)
+            self.output.add(ev, elapsed_s)
             yield ev
             if ev.finish_reason is not None:
                 return
