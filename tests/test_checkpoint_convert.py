@@ -256,3 +256,90 @@ def test_demo_gguf_matches_transformers(demo_checkpoint, demo_gguf):
     template = (demo_checkpoint / "chat_template.jinja")
     assert "<|im_start|>" in (template.read_text() if template.is_file() else tok_cfg.read_text())
 
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's rope permutation of Q/K rows (what GGUF files store)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_gguf_tiny_round_trip_unpermutes_and_dequantizes(tmp_path):
+    """A tiny Llama GGUF written with gguf.GGUFWriter the way llama.cpp does (permuted Q/K, mixed F32/F16/Q8_0)
+    converts back to the original [out, in] weights in our layout."""
+    import gguf
+
+    v, d, f, nh, nkv, hd = 96, 64, 128, 4, 2, 16
+    rng = np.random.default_rng(3)
+    hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((v, d)).astype(np.float32),
+                                 "model.norm.weight": rng.standard_normal(d).astype(np.float32),
+                                 "lm_head.weight": rng.standard_normal((v, d)).astype(np.float32)}
+    for i in range(2):
+        h = f"model.layers.{i}."
+        for n, shape in (("self_attn.q_proj", (nh * hd, d)), ("self_attn.k_proj", (nkv * hd, d)),
+                         ("self_attn.v_proj", (nkv * hd, d)), ("self_attn.o_proj", (d, nh * hd)),
+                         ("mlp.gate_proj", (f, d)), ("mlp.up_proj", (f, d)), ("mlp.down_proj", (d, f)),
+                         ("input_layernorm", (d,)), ("post_attention_layernorm", (d,))):
+            hf[h + n + ".weight"] = rng.standard_normal(shape).astype(np.float32)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    # the embedding and K are stored Q8_0: expected values are what Q8_0 keeps
+    hf["model.embed_tokens.weight"] = gguf.quants.dequantize(gguf.quants.quantize(hf["model.embed_tokens.weight"], q8), q8)
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(128)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(f)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(hd)
+    w.add_vocab_size(v)
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(hf["model.embed_tokens.weight"], q8), raw_dtype=q8)
+    w.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    w.add_tensor("output.weight", hf["lm_head.weight"])
+    for i in range(2):
+        h = f"model.layers.{i}."
+        k_perm = _llamacpp_permute(hf[h + "self_attn.k_proj.weight"], nkv)
+        k_q8 = gguf.quants.quantize(k_perm, q8)
+        # the original K as Q8_0 keeps it (quantization commutes with the row permutation)
+        hf[h + "self_attn.k_proj.weight"] = gguf.quants.dequantize(
+            gguf.quants.quantize(hf[h + "self_attn.k_proj.weight"], q8), q8)
+        w.add_tensor(f"blk.{i}.attn_q.weight", _llamacpp_permute(hf[h + "self_attn.q_proj.weight"], nh))
+        w.add_tensor(f"blk.{i}.attn_k.weight", k_q8, raw_dtype=q8)
+        w.add_tensor(f"blk.{i}.attn_v.weight", hf[h + "self_attn.v_proj.weight"].astype(np.float16))
+        w.add_tensor(f"blk.{i}.attn_output.weight", hf[h + "self_attn.o_proj.weight"])
+        for g, n in (("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
+                     ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+            w.add_tensor(f"blk.{i}.{g}.weight", hf[h + n + ".weight"])
+        hf[h + "self_attn.v_proj.weight"] = hf[h + "self_attn.v_proj.weight"].astype(np.float16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    assert detect_format(path) == "gguf"
+    convert(path, tmp_path / "out", dtype="float32", progress=False)
+    r = assert_checkpoint_equals(tmp_path / "out", expected_ours(hf, nh=nh, nkv=nkv, hd=hd, d=d))
+    cfg = r.llama_config
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps) == (4, 2, 16, 500000.0, 1e-6)
+    assert not cfg.tie_word_embeddings
+    assert not (tmp_path / "out" / "tokenizer.json").exists()  # none embedded in this file
+
+
+def test_gguf_rejects_other_architectures(tmp_path):
+    import gguf
+
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"mamba\.gguf: GGUF architecture 'mamba' is not supported"):
+        convert(path, tmp_path / "out", progress=False)
+    (tmp_path / "fake.gguf").write_bytes(b"GGUF" + b"\x00" * 8)
+    with pytest.raises(CheckpointError, match="fake.gguf: not a readable GGUF file"):
+        convert(tmp_path / "fake.gguf", tmp_path / "out2", progress=False)

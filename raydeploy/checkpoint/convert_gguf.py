@@ -115,7 +115,10 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_si
     except (ValueError, OSError) as e:
         raise CheckpointError(f"not a readable GGUF file: {e}", str(src)) from e
     names = {t.name for t in reader.tensors}
-    hf_cfg = hf_config_from_gguf(gguf_metadata(reader, str(src)), names, str(src), dtype)
+    meta = gguf_metadata(reader, str(src))
+    hf_cfg = hf_config_from_gguf(meta, names, str(src), dtype)
+    # a GGUF without an embedded tokenizer (tests, some exports) converts weights and config only
+    save_tokenizer = save_tokenizer and "tokenizer.ggml.model" in meta
     cfg = LlamaConfig.from_hf_dict(hf_cfg)
     name_map = NameMap(GGUF_NAMES, GGUF_IGNORED, source="GGUF")
     plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
