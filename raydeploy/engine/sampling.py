@@ -66,7 +66,7 @@ def top_k_top_p_mask(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Arra
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = in_top_k & (cum_before < top_p_b[:, None])
+    keep_sorted = in_top_k & ((cum_before < top_p_b[:, None]) | (top_p_b[:, None] >= 1.0))
     n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
     pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
     return logits_bv >= jnp.maximum(kth, pth)
