@@ -36,7 +36,7 @@ class GangUnavailableError(RuntimeError):
 class Coordinator:
     """Owns the scheduler and drives the dispatcher from one thread."""
 
-    def __init__(self, scheduler: Any, dispatcher: Dispatcher, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, scheduler: Any, dispatcher: Dispatcher, idle_wait_s: float = 0.1) -> None:
         self.scheduler = scheduler
         self.dispatcher = dispatcher
         self.idle_wait_s = idle_wait_s
@@ -61,8 +61,11 @@ class Coordinator:
                 with self._lock:
                     plan = self.scheduler.next_plan()
                 if plan is None:
-                    self._wake.wait(self.idle_wait_s)
-                    self._wake.clear()
+                    if hasattr(self.scheduler, "wait_for_work"):  # wakes on submit/abort
+                        self.scheduler.wait_for_work(self.idle_wait_s)
+                    else:
+                        self._wake.wait(self.idle_wait_s)
+                        self._wake.clear()
                     continue
                 result = self.dispatcher.run(plan)
                 with self._lock:

@@ -9,8 +9,10 @@ Followers (:class:`FollowerLoop`) fetch plan n with a bounded blocking get, re-c
 between waits, and run the same step. A step costs one small key-value write on rank 0 and one read per
 follower, not a Ray round trip per host per token.
 
-Old keys are deleted two steps behind: when rank 0 publishes plan n, every follower has already taken
-part in step n-1's collectives, so it has read plan n-2 long ago.
+Old plans are deleted once every follower has acknowledged them: each follower writes its progress to
+one key every `ACK_EVERY` steps, and rank 0 reads those keys as often, deleting every plan below the
+slowest follower's mark. Steps without device work (release-only plans) do not synchronise the hosts,
+so the dispatcher never assumes a follower has kept up.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any, Protocol
 from raydeploy.engine.step import StepPlan, StepResult
 
 KEY_PREFIX = "raydeploy/plan"
+ACK_PREFIX = "raydeploy/ack"
+ACK_EVERY = 16
 
 
 class KeyValueClient(Protocol):
@@ -32,6 +36,8 @@ class KeyValueClient(Protocol):
     def key_value_set_bytes(self, key: str, value: bytes) -> None: ...
     def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes: ...
     def key_value_delete(self, key: str) -> None: ...
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None: ...
+    def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
 
 
 class StepRunner(Protocol):
@@ -50,6 +56,10 @@ def jax_kv_client() -> KeyValueClient:
 
 def plan_key(generation: int, step_id: int) -> str:
     return f"{KEY_PREFIX}/{generation}/{step_id}"
+
+
+def ack_dir(generation: int) -> str:
+    return f"{ACK_PREFIX}/{generation}/"
 
 
 @dataclass
@@ -89,25 +99,37 @@ class StepClock:
 class Dispatcher:
     """Rank 0: publish each plan, then run it locally. The only caller of `engine.step` on rank 0."""
 
-    def __init__(self, engine: StepRunner, client: KeyValueClient, generation: int,
+    def __init__(self, engine: StepRunner, client: KeyValueClient, generation: int, num_followers: int,
                  clock: StepClock | None = None) -> None:
         self.engine = engine
         self.client = client
         self.generation = generation
+        self.num_followers = num_followers
         self.clock = clock or StepClock()
-        self._published: list[int] = []
         self.seq = 0
         """Sequence number of the next plan: keys use it, not plan.step_id, so they are always contiguous."""
+        self._oldest_kept = 0
 
     def publish(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
         self.client.key_value_set_bytes(plan_key(self.generation, self.seq), plan.to_bytes())
-        self._published.append(self.seq)
         self.seq += 1
-        while len(self._published) > 2:
-            self.client.key_value_delete(plan_key(self.generation, self._published.pop(0)))
+        if self.seq % ACK_EVERY == 0:
+            self._delete_acknowledged()
         self.clock.broadcast_s_total += time.perf_counter() - t0
         self.clock.broadcasts += 1
+
+    def _delete_acknowledged(self) -> None:
+        if self.num_followers == 0:
+            done = self.seq
+        else:
+            acks = self.client.key_value_dir_get(ack_dir(self.generation))
+            if len(acks) < self.num_followers:
+                return
+            done = min(int(v) for _, v in acks) + 1  # every follower has run steps < done
+        for seq in range(self._oldest_kept, done):
+            self.client.key_value_delete(plan_key(self.generation, seq))
+        self._oldest_kept = max(self._oldest_kept, done)
 
     def run(self, plan: StepPlan) -> StepResult | None:
         """Broadcast `plan` and execute it here; returns None for a shutdown plan."""
@@ -129,9 +151,10 @@ class FollowerLoop:
     supervisor sees as an actor death.
     """
 
-    def __init__(self, engine: StepRunner, client: KeyValueClient, generation: int, poll_ms: int = 500,
-                 clock: StepClock | None = None) -> None:
+    def __init__(self, engine: StepRunner, client: KeyValueClient, generation: int, rank: int,
+                 poll_ms: int = 500, clock: StepClock | None = None) -> None:
         self.engine = engine
+        self.rank = rank
         self.client = client
         self.generation = generation
         self.poll_ms = poll_ms
@@ -167,4 +190,7 @@ class FollowerLoop:
                 self.engine.step(plan)
             finally:
                 self.clock.end()
+            if self.next_step % ACK_EVERY == ACK_EVERY - 1:
+                self.client.key_value_set(f"{ack_dir(self.generation)}{self.rank}", str(self.next_step),
+                                          allow_overwrite=True)
             self.next_step += 1

@@ -170,13 +170,14 @@ class HostActor:
         if self.rank == 0:
             from raydeploy.gang.coordinator import Coordinator
 
-            self.loop = Coordinator(self._make_scheduler(), Dispatcher(engine, client, self.generation, self.clock))
+            self.loop = Coordinator(self._make_scheduler(), Dispatcher(engine, client, self.generation,
+                                                                      self.cfg.cluster.num_hosts - 1, self.clock))
             self.loop.start()
             await asyncio.to_thread(self.loop.join)
             if self.loop.error:
                 raise RuntimeError(self.loop.error)
         else:
-            self.loop = FollowerLoop(engine, client, self.generation, clock=self.clock)
+            self.loop = FollowerLoop(engine, client, self.generation, self.rank, clock=self.clock)
             await asyncio.to_thread(self.loop.run)
         self.phase = "stopped"
         return {"rank": self.rank, "steps": self.clock.steps_done}
@@ -188,8 +189,7 @@ class HostActor:
             return ToyScheduler(self.cfg.engine.max_slots, self.eos_token_ids)
         from raydeploy.engine.scheduler import Scheduler
 
-        return Scheduler.for_engine(self.engine, self.cfg) if hasattr(Scheduler, "for_engine") \
-            else Scheduler(self.cfg.engine, self.cfg.model, self.eos_token_ids)
+        return Scheduler.for_engine(self.engine, self.cfg)
 
     async def stop(self) -> None:
         """Graceful stop: rank 0 broadcasts a shutdown plan, followers leave their loop."""

@@ -1,0 +1,224 @@
+"""Fast, one-process tests of the gang's pieces that need no cluster: the plan broadcast protocol (over an
+in-memory key-value store standing in for the jax.distributed coordination service, which the Ray tests
+use for real), fingerprint comparison, restart backoff with an injected sleep, the coordinator's request
+path with the stand-in scheduler, bring-up phase errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from raydeploy.config import load_config
+from raydeploy.engine.request import GenerationRequest
+from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan, StepResult
+from raydeploy.gang.bringup import GangError, gather_phase
+from raydeploy.gang.dispatch import Dispatcher, FollowerLoop, plan_key
+from raydeploy.gang.fingerprint import FingerprintMismatchError, check_fingerprints, host_fingerprint
+from raydeploy.gang.supervisor import GangSupervisor, RestartPolicy
+
+
+class MemoryKV:
+    """In-memory stand-in for the coordination service's key-value store (same timeout behaviour)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.cond = threading.Condition()
+        self.deleted: list[str] = []
+
+    def key_value_set_bytes(self, key: str, value: bytes) -> None:
+        with self.cond:
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout_in_ms / 1e3):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: key {key} not found")
+            return self.data[key]
+
+    def key_value_delete(self, key: str) -> None:
+        with self.cond:
+            self.data.pop(key, None)
+            self.deleted.append(key)
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        with self.cond:
+            assert allow_overwrite or key not in self.data
+            self.data[key] = value.encode()
+
+    def key_value_dir_get(self, key: str) -> list[tuple[str, str]]:
+        with self.cond:
+            return [(k, v.decode()) for k, v in self.data.items() if k.startswith(key)]
+
+
+class RecordingEngine:
+    def __init__(self) -> None:
+        self.plans: list[StepPlan] = []
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        return StepResult(plan.step_id)
+
+
+def _plan(i: int) -> StepPlan:
+    return StepPlan(step_id=100 + i, prefills=(PrefillItem(i % 4, np.arange(i + 1, dtype=np.int32),
+                                                           SamplingParams(0.5, 0.9, 3, 1.1, i)),),
+                    decode=True, release=(i % 4,) if i % 3 == 0 else ())
+
+
+def test_follower_runs_exactly_the_published_plans_in_order_and_old_keys_are_deleted():
+    kv = MemoryKV()
+    lead, follower_engine = RecordingEngine(), RecordingEngine()
+    dispatcher = Dispatcher(lead, kv, generation=7, num_followers=1)
+    follower = FollowerLoop(follower_engine, kv, generation=7, rank=1, poll_ms=20)
+    # publish 40 plans before the follower starts: nothing it has not run may be deleted
+    for i in range(40):
+        dispatcher.run(_plan(i))
+    assert not kv.deleted
+    t = threading.Thread(target=follower.run)
+    t.start()
+    for i in range(40, 70):
+        dispatcher.run(_plan(i))
+    dispatcher.run(StepPlan(step_id=-1, shutdown=True))
+    t.join(10)
+    assert not t.is_alive()
+    assert [p.to_bytes() for p in follower_engine.plans] == [p.to_bytes() for p in lead.plans]
+    assert len(lead.plans) == 70 and follower.clock.steps_done == 70
+    assert plan_key(7, 0) in kv.deleted and plan_key(7, 70) not in kv.deleted
+    assert all(int(k.rsplit("/", 1)[1]) >= 16 for k in kv.data if k.startswith("raydeploy/plan/"))
+    assert dispatcher.clock.broadcasts == 71
+
+
+def test_follower_stop_flag_ends_an_idle_wait():
+    kv = MemoryKV()
+    follower = FollowerLoop(RecordingEngine(), kv, generation=1, rank=1, poll_ms=20)
+    t = threading.Thread(target=follower.run)
+    t.start()
+    follower.stop()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_follower_raises_real_kv_errors():
+    class BrokenKV(MemoryKV):
+        def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
+            raise RuntimeError("UNAVAILABLE: coordination service is gone")
+
+    with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+        FollowerLoop(RecordingEngine(), BrokenKV(), generation=1, rank=1).run()
+
+
+def test_fingerprint_mismatch_names_host_and_part():
+    cfg = load_config(None)
+    other = load_config(None, ["model.dtype=bfloat16"])
+    versions = {"jax": "0.10.2"}
+    same = host_fingerprint(cfg, "abc", versions)
+    check_fingerprints([same, host_fingerprint(load_config(None, ["cluster.env={A: b}"]), "abc", versions)])
+    with pytest.raises(FingerprintMismatchError, match=r"host 1 differs from host 0 in config.model"):
+        check_fingerprints([same, host_fingerprint(other, "abc", versions)])
+    with pytest.raises(FingerprintMismatchError, match=r"host 2 differs from host 0 in checkpoint \(xyz != abc\)"):
+        check_fingerprints([same, same, host_fingerprint(cfg, "xyz", versions)])
+    with pytest.raises(FingerprintMismatchError, match=r"in version.jax"):
+        check_fingerprints([same, host_fingerprint(cfg, "abc", {"jax": "0.9"})])
+
+
+def test_restart_policy_backoff_doubles_and_is_bounded():
+    p = RestartPolicy(max_restarts=3, backoff_s=2.0)
+    assert [p.delay_s(n) for n in (1, 2, 3)] == [2.0, 4.0, 8.0]
+    assert p.allows(0) and p.allows(2) and not p.allows(3)
+
+
+def test_supervisor_restarts_with_backoff_then_fails_with_root_cause(monkeypatch):
+    """The lifecycle loop with bring-up replaced by a failing stub and an injected sleep."""
+    cfg = load_config(None, ["cluster.max_restarts=2", "cluster.restart_backoff_s=1.5"])
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+
+    sup = GangSupervisor(cfg, None, sleep=fake_sleep)
+
+    async def failing_start() -> None:
+        sup.generation += 1
+        raise GangError(f"bring-up phase 'init' failed: host(s) [1] did not finish init (gen {sup.generation})",
+                        phase="init")
+
+    async def no_teardown(cause: str, graceful: bool = False) -> None:
+        return None
+
+    monkeypatch.setattr(sup, "_start_gang", failing_start)
+    monkeypatch.setattr(sup, "_teardown", no_teardown)
+    asyncio.run(sup._run())
+    st = sup.get_state()
+    assert st["state"] == "failed" and st["restarts"] == 2
+    assert slept == [1.5, 3.0]
+    assert "did not finish init (gen 3)" in st["last_error"] and "after 2 restart(s)" in st["last_error"]
+    assert len(st["history"]) == 3
+
+
+def test_gather_phase_names_failed_and_missing_hosts():
+    async def ok() -> int:
+        return 1
+
+    async def boom() -> int:
+        raise ValueError("disk on fire")
+
+    async def never() -> int:
+        await asyncio.sleep(3600)
+        return 0
+
+    async def run(coros, timeout_s):
+        return await gather_phase("load", [asyncio.ensure_future(c) for c in coros], timeout_s)
+
+    assert asyncio.run(run([ok(), ok()], 1.0)) == [1, 1]
+    with pytest.raises(GangError, match=r"host\(s\) \[2\] did not finish load before another host failed; "
+                                        r"host 1 failed: ValueError: disk on fire"):
+        asyncio.run(run([ok(), boom(), never()], 5.0))
+    with pytest.raises(GangError, match=r"host\(s\) \[1\] did not finish load within 0.2s"):
+        asyncio.run(run([ok(), never()], 0.2))
+
+
+def test_coordinator_streams_events_and_fail_all_ends_requests():
+    from raydeploy.gang.coordinator import Coordinator, GangUnavailableError
+    from raydeploy.gang.toy import ToyScheduler
+
+    class BlockingEngine:
+        """Steps normally until `block` is set, then hangs like a host stuck in a collective."""
+
+        def __init__(self) -> None:
+            self.block = threading.Event()
+            self.release = threading.Event()
+
+        def step(self, plan: StepPlan) -> StepResult:
+            if self.block.is_set():
+                self.release.wait(30)
+            n = 4
+            return StepResult(plan.step_id, np.full(len(plan.prefills), 9, np.int32),
+                              np.zeros(len(plan.prefills), np.float32), np.full(n, 9, np.int32), np.zeros(n, np.float32))
+
+    engine = BlockingEngine()
+    coord = Coordinator(ToyScheduler(4), Dispatcher(engine, MemoryKV(), 1, num_followers=0))
+    coord.start()
+
+    async def run() -> None:
+        events = [e async for batch in coord.generate(GenerationRequest("a", (1, 2), 5, ignore_eos=True))
+                  for e in batch]
+        assert [e.token_id for e in events] == [9] * 5 and events[-1].finish_reason == "length"
+        gen = coord.generate(GenerationRequest("b", (1, 2), 1000, ignore_eos=True))
+        first = await gen.__anext__()
+        assert first
+        engine.block.set()  # the next step hangs; failing the gang must still end the request
+        coord.fail_all("gang failure, retry: host 1 died", retriable=True)
+        rest = [e async for batch in gen for e in batch]
+        assert rest[-1].finish_reason == "error" and rest[-1].retriable and "host 1 died" in rest[-1].error
+        with pytest.raises(GangUnavailableError, match="host 1 died"):
+            async for _ in coord.generate(GenerationRequest("c", (1,), 3)):
+                pass
+
+    asyncio.run(run())
+    engine.release.set()
+    coord.join(10)
