@@ -2,7 +2,8 @@
 
 Both run in the same process and the same run, alternating, with a warm page cache (the files are read
 once before timing). The peer is `cat <shard files> > /dev/null`: the fastest a plain sequential reader
-gets here. Reported: GB/s of each (best and median of --repeat runs) and the ratio load/cat.
+gets here. Reported: GB/s of each (best and median of --repeat runs) and the ratio load/cat, for the
+default load (mmap + crc32 per block), without checksums, and with `use_mmap=False` (preadv into buffers).
 
     python benchmarks/checkpoint_load.py [--checkpoint DIR|demo:smollm2-135m-instruct] [--mesh dp=1,tp=4]
 """
@@ -58,9 +59,10 @@ def main() -> int:
         subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
         return time.perf_counter() - t
 
-    def load_s(verify: bool) -> tuple[float, int]:
+    def load_s(verify: bool, use_mmap: bool = True) -> tuple[float, int]:
         t = time.perf_counter()
-        params, stats = reader.load(specs, mesh, rules, threads=args.threads, progress=False, verify=verify)
+        params, stats = reader.load(specs, mesh, rules, threads=args.threads, progress=False, verify=verify,
+                                    use_mmap=use_mmap)
         jax.block_until_ready(params)
         seconds = time.perf_counter() - t
         del params
@@ -68,7 +70,7 @@ def main() -> int:
 
     cat_s()  # warm the page cache
     load_s(True)
-    cats, loads, loads_noverify = [], [], []
+    cats, loads, loads_noverify, loads_pread = [], [], [], []
     bytes_read = 0
     for _ in range(args.repeat):
         cats.append(cat_s())
@@ -76,6 +78,7 @@ def main() -> int:
         loads.append(s)
         if not args.no_verify:
             loads_noverify.append(load_s(False)[0])
+        loads_pread.append(load_s(not args.no_verify, use_mmap=False)[0])
 
     def gbps(nbytes: int, secs: list[float]) -> dict[str, float]:
         return {"best_gbps": round(nbytes / min(secs) / 1e9, 3), "median_gbps": round(nbytes / statistics.median(secs) / 1e9, 3)}
@@ -88,6 +91,7 @@ def main() -> int:
     }
     if loads_noverify:
         out["load_no_verify"] = gbps(bytes_read, loads_noverify)
+    out["load_pread"] = gbps(bytes_read, loads_pread)
     out["ratio_best"] = round(out["load"]["best_gbps"] / out["cat"]["best_gbps"], 3)
     out["ratio_median"] = round(out["load"]["median_gbps"] / out["cat"]["median_gbps"], 3)
     if args.json:
@@ -100,6 +104,8 @@ def main() -> int:
         if loads_noverify:
             nv = out["load_no_verify"]
             print(f"  reader.load noverify best {nv['best_gbps']:.2f} GB/s  median {nv['median_gbps']:.2f} GB/s")
+        pr = out["load_pread"]
+        print(f"  reader.load pread    best {pr['best_gbps']:.2f} GB/s  median {pr['median_gbps']:.2f} GB/s")
         print(f"  ratio load/cat       best {out['ratio_best']:.2f}x  median {out['ratio_median']:.2f}x (target >= 0.8x)")
     return 0
 
