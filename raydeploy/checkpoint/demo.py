@@ -57,7 +57,7 @@ def resolve_checkpoint(ref: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S)
     p = Path(ref).expanduser()
     if not p.exists():
         raise CheckpointError(f"checkpoint {ref!r} does not exist (give a checkpoint directory made by "
-                              f"`raydeploy convert`, or {DEMO_PREFIX}{next(iter(DEMO_MODELS))})", ref)
+                              f"`raydeploy convert`, or {DEMO_PREFIX}{next(iter(DEMO_MODELS))})")
     if not (p / INDEX_FILE).is_file():
         raise CheckpointError(f"{INDEX_FILE} is missing: not a raydeploy checkpoint (convert weights with "
                               "`raydeploy convert`)", str(p))
