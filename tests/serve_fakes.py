@@ -26,6 +26,8 @@ class FakeBackend:
         self.gang_state = "ready"
         self.fail_after_tokens: int | None = None
         self.queue_full = False
+        self.refuse_next = 0
+        """Refuse this many submits with a full queue (a transient race), then accept."""
         self.active: dict[str, int] = {}
         self.aborted: list[str] = []
         self.requests: list[GenerationRequest] = []
@@ -37,7 +39,8 @@ class FakeBackend:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
         if self.gang_state != "ready":
             raise ServiceUnavailable(f"the model gang is {self.gang_state}; retry shortly")
-        if self.queue_full:
+        if self.queue_full or self.refuse_next > 0:
+            self.refuse_next = max(0, self.refuse_next - 1)
             raise Overloaded("the request queue is full; retry shortly")
         self.requests.append(req)
         self.active[req.request_id] = 0

@@ -310,9 +310,19 @@ def test_queue_limit_answers_503_with_retry_after(served):
     assert rejected.headers["Retry-After"] == "1"
     assert _err(rejected, 503, None, "capacity")["code"] == "overloaded"
     assert core.in_flight == 0
-    backend.queue_full = True
+
+
+def test_coordinator_queue_full_is_retried_then_503(served, monkeypatch):
+    import raydeploy.serve.generation as generation
+
+    server, backend, _ = served
+    backend.refuse_next = 3  # a transient race with the step loop: retried, the client never sees it
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert backend.refuse_next == 0
+    monkeypatch.setattr(generation, "QUEUE_FULL_RETRY_S", 0.3)
+    backend.queue_full = True  # persistently full: a 503 with Retry-After after the bounded retries
     r = _post(server, "/v1/completions", {"prompt": "x"})
-    assert _err(r, 503, None, "queue is full") and "Retry-After" in r.headers
+    assert _err(r, 503, None, "queue is full")["code"] == "overloaded" and "Retry-After" in r.headers
 
 
 def test_request_timeout_gives_504_and_frees_the_slot(served):

@@ -34,6 +34,9 @@ from raydeploy.serve.text import StopMatcher, TextCodec
 
 log = logging.getLogger("raydeploy.serve")
 
+QUEUE_FULL_RETRY_S = 10.0
+"""How long an admitted request keeps re-submitting while the coordinator reports a full queue."""
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -178,6 +181,8 @@ class ServingCore:
         n_out, first_at, finished, done_in_gang = 0, None, False, False
         deadline = arrived_s + job.timeout_s
         stream = self.backend.generate(req)
+        first_refusal_s: float | None = None
+        backoff_s = 0.02
         try:
             while True:
                 remaining_s = deadline - time.perf_counter()
@@ -192,6 +197,19 @@ class ServingCore:
                     raise ServiceUnavailable("the model gang ended the stream early; retry shortly", 1.0) from None
                 except TimeoutError:
                     raise RequestTimeout(job.timeout_s) from None
+                except Overloaded:
+                    # The coordinator's queue was full when this admitted request arrived: a race with the
+                    # step that moves queued requests into slots (admission here already bounds the total).
+                    # Submit again shortly, for a bounded time; then it is a real 503.
+                    waited_s = time.perf_counter() - (first_refusal_s or time.perf_counter())
+                    if n_out or waited_s > QUEUE_FULL_RETRY_S or remaining_s < backoff_s:
+                        raise
+                    first_refusal_s = first_refusal_s or time.perf_counter()
+                    await _close(stream)
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(2 * backoff_s, 0.5)
+                    stream = self.backend.generate(req)
+                    continue
                 for ev in events:
                     if ev.finish_reason == "error":
                         done_in_gang = True
