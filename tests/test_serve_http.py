@@ -408,3 +408,23 @@ def test_chat_page_streams_an_answer_in_headless_chromium(served, codec):
     assert shown["answer"] == codec.decode(codec.encode(SCRIPT))
     pieces = int(shown["stats"].split(" pieces")[0].rsplit(" ", 1)[1])
     assert pieces > 5, shown["stats"]  # it arrived piece by piece, not in one block
+
+
+def test_api_key_sources_fail_clearly(tmp_path, cfg):
+    import dataclasses
+
+    from raydeploy.config import ConfigError
+    from raydeploy.serve.auth import load_api_keys
+
+    s = dataclasses.replace(cfg.serving, api_keys_env="RD_TEST_KEYS")
+    assert load_api_keys(s, {"RD_TEST_KEYS": " a , b ,"}) == ("a", "b")
+    with pytest.raises(ConfigError, match="serving.api_keys_env.*RD_TEST_KEYS is not set"):
+        load_api_keys(s, {})
+    with pytest.raises(ConfigError, match="holds no API key"):
+        load_api_keys(s, {"RD_TEST_KEYS": " , "})
+    f = tmp_path / "keys.txt"
+    f.write_text("# comment\nk1\n\nk2\n")
+    assert load_api_keys(dataclasses.replace(cfg.serving, api_keys_file=str(f)), {}) == ("k1", "k2")
+    with pytest.raises(ConfigError, match="serving.api_keys_file.*cannot read"):
+        load_api_keys(dataclasses.replace(cfg.serving, api_keys_file=str(tmp_path / "missing")), {})
+    assert load_api_keys(cfg.serving, {}) == ()
