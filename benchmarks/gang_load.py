@@ -1,0 +1,125 @@
+"""Checkpoint loading in the gang: per-host throughput and whole-gang load time, against peers in the same run.
+
+- per host: each host's bytes read, seconds and GB/s during bring-up, versus a raw sequential read of
+  the same number of bytes from the same shard files (`os.read` in 16 MiB blocks, warm page cache);
+- whole gang: the bring-up's load phase (all hosts in parallel) versus one process with 4 devices loading
+  the whole checkpoint for the same mesh shape.
+The mesh shards weights across hosts (fsdp=2 outermost) so each host reads only its part.
+
+    python benchmarks/gang_load.py [--mesh fsdp=2,tp=2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 16 << 20
+
+
+def overrides(mesh: str) -> list[str]:
+    axes = ", ".join(f"{k}: {v}" for k, v in (kv.split("=") for kv in mesh.split(",")))
+    return [f"mesh.axes={{{axes}}}", "model.max_seq_len=256", "engine.prefill_buckets=[256]",
+            "engine.max_new_tokens=64", "engine.max_slots=2", "engine.warmup=false", "cluster.init_timeout_s=120"]
+
+
+def raw_read_gbps(files: list[str], nbytes: int) -> float:
+    """Sequentially read `nbytes` from the start of the files (in order), warm cache; GB/s."""
+    for f in files:  # warm
+        with open(f, "rb") as fh:
+            while fh.read(BLOCK):
+                pass
+    left, t0 = nbytes, time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            while left > 0:
+                chunk = os.read(fd, min(BLOCK, left))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        finally:
+            os.close(fd)
+        if left <= 0:
+            break
+    return (nbytes - max(left, 0)) / (time.perf_counter() - t0) / 1e9
+
+
+def peer(mesh: str) -> dict:
+    import jax
+
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.config import load_config
+    from raydeploy.gang.gang import resolve_checkpoint_path
+    from raydeploy.model.sharding import build_mesh, merge_rules
+    from raydeploy.model.spec import param_specs
+
+    cfg = load_config(None, overrides(mesh))
+    m = build_mesh(cfg.mesh_shape, jax.local_devices()[:4])
+    reader = CheckpointReader(resolve_checkpoint_path(cfg))
+    t0 = time.perf_counter()
+    _, stats = reader.load(param_specs(reader.llama_config), m, merge_rules(cfg.mesh.rules), cfg.model.param_dtype,
+                           cfg.model.load_threads, progress=False)
+    return {"seconds": time.perf_counter() - t0, "bytes_read": stats.bytes_read, "gbps": stats.gbps}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mesh", default="fsdp=2,tp=2")
+    ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.peer:
+        print(json.dumps(peer(args.mesh)))
+        return 0
+
+    import ray
+
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.config import load_config
+    from raydeploy.gang.gang import resolve_checkpoint_path, start_gang
+
+    cfg = load_config(None, overrides(args.mesh))
+    path = resolve_checkpoint_path(cfg)
+    files = [str(Path(path) / f) for f in sorted(CheckpointReader(path).index.files)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, __file__, "--peer", "--mesh", args.mesh], env=env, check=True,
+                          capture_output=True, text=True, cwd=REPO)
+    one = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(num_cpus=2, _temp_dir=f"/tmp/rdl-{os.getpid()}", include_dashboard=False, log_to_driver=False)
+    try:
+        g = start_gang(cfg, checkpoint_path=path)
+        st = g.wait_ready(1800)
+        g.shutdown()
+    finally:
+        ray.shutdown()
+    hosts = []
+    for h in st["hosts"]:
+        ld = h["load"]
+        hosts.append({"rank": h["rank"], "bytes_read": ld["bytes_read"], "seconds": ld["seconds"], "gbps": ld["gbps"],
+                      "raw_read_gbps": raw_read_gbps(files, int(ld["bytes_read"]))})
+    total = sum(os.path.getsize(f) for f in files)
+    out = {"mesh": args.mesh, "checkpoint_bytes": total, "hosts": hosts, "gang_load_phase_s": st["phase_s"]["load_s"],
+           "one_process": one}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"checkpoint {total / 1e6:.0f} MB, mesh {args.mesh}")
+    for h in hosts:
+        print(f"host {h['rank']}: read {h['bytes_read'] / 1e6:.0f} MB in {h['seconds']:.2f} s = {h['gbps']:.2f} GB/s "
+              f"(raw sequential read of the same bytes: {h['raw_read_gbps']:.2f} GB/s)")
+    print(f"whole gang load phase {out['gang_load_phase_s']:.2f} s; one process loading everything "
+          f"{one['seconds']:.2f} s ({one['bytes_read'] / 1e6:.0f} MB, {one['gbps']:.2f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
