@@ -165,5 +165,8 @@ def save_gguf_tokenizer(src: Path, out_dir: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except (ValueError, KeyError, OSError, ImportError) as e:
+        raise CheckpointError(f"cannot build the tokenizer from the GGUF metadata: {e!r}", str(src)) from e
     tok.save_pretrained(str(out_dir))
