@@ -222,3 +222,39 @@ def test_coordinator_streams_events_and_fail_all_ends_requests():
     asyncio.run(run())
     engine.release.set()
     coord.join(10)
+
+
+def test_gang_errors_cross_ray_intact():
+    import pickle
+
+    from raydeploy.gang.coordinator import GangUnavailableError
+    from raydeploy.gang.placement import PlacementError
+
+    for err in (GangError("phase 'init' failed", phase="init", retriable=False), PlacementError("cannot place"),
+                FingerprintMismatchError("gang refused"), GangUnavailableError("restarting", retriable=True)):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert getattr(back, "retriable", None) == getattr(err, "retriable", None)
+        assert getattr(back, "phase", None) == getattr(err, "phase", None)
+
+
+def test_host_env_sets_jax_before_import_and_actor_options_follow_the_bundle():
+    from raydeploy.gang.host import actor_options, host_env
+
+    cfg = load_config(None, ["cluster.env={FOO: bar}"])
+    env = host_env(cfg)
+    assert env["JAX_PLATFORMS"] == "cpu" and env["FOO"] == "bar"
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2" and int(env["PJRT_NPROC"]) >= 8
+    opts = actor_options(cfg, 0, {"CPU": 0.5, "TPU": 4.0, "slice-head": 1.0}, None, 1)
+    assert opts["num_cpus"] == 0.5 and opts["resources"] == {"TPU": 4.0, "slice-head": 1.0}
+    assert opts["runtime_env"]["env_vars"] == env and opts["max_restarts"] == 0
+
+
+def test_host_module_does_not_import_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys; import raydeploy.gang.host, raydeploy.gang.supervisor, raydeploy.gang.gang; "
+            "print('jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
