@@ -218,8 +218,10 @@ def _codec_for(cfg: Config, checkpoint_path: str) -> Any:
     return TextCodec.from_dir(checkpoint_path)
 
 
-def run_predict(cfg: Config, args: argparse.Namespace, *, engine: str | None = None) -> int:
-    """`raydeploy predict`: read, skip what is done, generate the rest over the gang, append in order."""
+def run_predict(cfg: Config, args: argparse.Namespace, *, engine: str | None = None, gang: Any = None) -> int:
+    """`raydeploy predict`: read, skip what is done, generate the rest over the gang, append in order.
+
+    `gang`: a ready gang to use (and leave running) instead of starting one (Ray must be initialised)."""
     from raydeploy.gang.gang import resolve_checkpoint_path, start_gang
 
     engine = engine or getattr(args, "engine", None) or "real"
@@ -245,10 +247,11 @@ def run_predict(cfg: Config, args: argparse.Namespace, *, engine: str | None = N
 
     from raydeploy.serve.run import connect_ray
 
-    started_ray = connect_ray(getattr(args, "address", None) or cfg.cluster.ray_address)
-    gang = None
+    own_gang = gang is None
+    started_ray = connect_ray(getattr(args, "address", None) or cfg.cluster.ray_address) if own_gang else False
     try:
-        gang = start_gang(cfg, engine=engine, checkpoint_path=None if engine == "toy" else checkpoint_path)
+        if own_gang:
+            gang = start_gang(cfg, engine=engine, checkpoint_path=None if engine == "toy" else checkpoint_path)
         c = cfg.cluster
         gang.wait_ready(c.placement_timeout_s + c.init_timeout_s + c.rpc_timeout_s)
         in_flight = cfg.engine.max_slots + min(cfg.serving.max_queue, cfg.engine.max_slots)
@@ -272,7 +275,7 @@ def run_predict(cfg: Config, args: argparse.Namespace, *, engine: str | None = N
         print(f"raydeploy predict: {e}", file=sys.stderr)
         return 1
     finally:
-        if gang is not None:
+        if own_gang and gang is not None:
             gang.shutdown(cfg.cluster.rpc_timeout_s)
         if started_ray:
             import ray
