@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from functools import wraps
 
+from raydeploy.checkpoint.format import CheckpointError
 from raydeploy.config import ConfigError, config_reference_markdown, load_config
 
 
@@ -21,6 +22,9 @@ def _user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
             return fn(args)
         except ConfigError as e:
             print(f"raydeploy {args.command}: config error: {e}", file=sys.stderr)
+            return 1
+        except CheckpointError as e:
+            print(f"raydeploy {args.command}: checkpoint error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 130
