@@ -150,6 +150,6 @@ class Coordinator:
             with self._lock:
                 sched = dict(self.scheduler.stats())
         clock = self.dispatcher.clock.snapshot()
-        return {**sched, **clock, "requests_submitted": self.requests_submitted,
-                "requests_done": self.requests_done, "tokens_generated": self.tokens_generated,
+        return {"tokens_generated": self.tokens_generated, **sched, **clock,
+                "requests_submitted": self.requests_submitted, "requests_done": self.requests_done,
                 "uptime_s": round(time.monotonic() - self.started_s, 1), "error": self.error}
