@@ -47,7 +47,7 @@ def live(demo_checkpoint):
     cfg = load_config(None, [
         "model.max_seq_len=256", "engine.prefill_buckets=[64,256]", "engine.max_new_tokens=128",
         "engine.max_slots=8", "serving.max_queue=8", f"serving.port={_free_port()}",
-        f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=120", "serving.max_body_bytes=65536",
+        f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=600", "serving.max_body_bytes=65536",
         "cluster.heartbeat_timeout_s=5", "cluster.restart_backoff_s=0.5", "cluster.max_restarts=2"])
     assert connect_ray(None, temp_dir=f"/tmp/rds-{os.getpid()}", num_cpus=2)
     serving = None
@@ -164,7 +164,7 @@ def test_sixteen_concurrent_streams_are_batched(live):
         kw = dict(settings[i % len(settings)])
         stream = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Write two sentences about {topics[i]}."}],
-            max_tokens=24 + i, stream=True, stream_options={"include_usage": True}, **kw)
+            max_tokens=12 + i, stream=True, stream_options={"include_usage": True}, **kw)
         text, finish, usage = "", None, None
         async for chunk in stream:
             if chunk.choices:
@@ -181,7 +181,7 @@ def test_sixteen_concurrent_streams_are_batched(live):
             await asyncio.sleep(0.2)
 
     async def main():
-        client = AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        client = AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=900)
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch(stop))
         try:
@@ -194,9 +194,9 @@ def test_sixteen_concurrent_streams_are_batched(live):
     after = _stats(live)
     for i, (text, finish, usage) in enumerate(results):
         assert finish in ("stop", "length") and text.strip(), (i, text, finish)
-        assert 1 <= usage.completion_tokens <= 24 + i
+        assert 1 <= usage.completion_tokens <= 12 + i
         if finish == "length":
-            assert usage.completion_tokens == 24 + i
+            assert usage.completion_tokens == 12 + i
     tokens = sum(u.completion_tokens for _, _, u in results)
     steps = after["steps_done"] - before["steps_done"]
     assert steps > 0 and tokens / steps >= 3, (tokens, steps)  # several requests decoded per step
@@ -259,12 +259,14 @@ def test_timeout_and_disconnect_free_the_slot(live):
     body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
         assert resp.status_code == 200
-        seen = 0
+        seen = []
         for line in resp.iter_lines():
-            seen += line.startswith("data: ")
-            if seen >= 3:
+            if line.startswith("data: "):
+                seen.append(line)
+            if len(seen) >= 3:
                 break
-        assert _slots_in_use(_stats(live)) == 1
+        stats = _stats(live)
+        assert _slots_in_use(stats) == 1, (seen, stats)
     _wait_idle(live, timeout_s=30)  # the client went away mid-stream: its slot is free again
 
 
@@ -272,8 +274,8 @@ def test_queue_limit_answers_503_with_retry_after(live):
     _wait_idle(live)
 
     async def burst():
-        async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
-            body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=900, headers=AUTH) as c:
+            body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
             return await asyncio.gather(*[c.post(live.url + "/v1/completions", json=body) for _ in range(24)])
 
     results = asyncio.run(burst())
@@ -283,7 +285,7 @@ def test_queue_limit_answers_503_with_retry_after(live):
     rejected = next(r for r in results if r.status_code == 503)
     assert int(rejected.headers["Retry-After"]) >= 1
     assert _err(rejected, 503, None, "capacity")["code"] == "overloaded"
-    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in results if r.status_code == 200)
+    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in results if r.status_code == 200)
 
 
 def test_chat_page_streams_an_answer_in_headless_chromium(live):
