@@ -428,3 +428,18 @@ def test_api_key_sources_fail_clearly(tmp_path, cfg):
     with pytest.raises(ConfigError, match="serving.api_keys_file.*cannot read"):
         load_api_keys(dataclasses.replace(cfg.serving, api_keys_file=str(tmp_path / "missing")), {})
     assert load_api_keys(cfg.serving, {}) == ()
+
+
+def test_gang_errors_map_to_retriable_503s():
+    import ray.exceptions as rex
+
+    from raydeploy.engine.scheduler import QueueFullError
+    from raydeploy.gang.coordinator import GangUnavailableError
+    from raydeploy.serve.backend import _is_gang_failure, _is_queue_full
+
+    full = rex.RayTaskError("generate", "tb", QueueFullError(8, 8)).as_instanceof_cause()
+    assert _is_queue_full(full) and not _is_gang_failure(full)
+    gone = rex.RayTaskError("generate", "tb", GangUnavailableError("restarting")).as_instanceof_cause()
+    assert _is_gang_failure(gone) and not _is_queue_full(gone)
+    assert _is_gang_failure(rex.ActorDiedError())
+    assert not _is_gang_failure(rex.RayTaskError("generate", "tb", ValueError("bad")).as_instanceof_cause())
