@@ -151,10 +151,10 @@ def run_submit(args: argparse.Namespace) -> int:
     try:
         cmd, argv = split_entry(_options_before_dashes(args))
         address = dashboard_address(args.address)
-        client = _client(address)
         with tempfile.TemporaryDirectory(prefix="raydeploy-submit-") as tmp:
-            stage_working_dir(Path(args.config), Path(tmp))
+            stage_working_dir(Path(args.config), Path(tmp))  # a bad config fails here, before any connection
             ep = entrypoint(cmd, _absolute_paths(cmd, argv))
+            client = _client(address)
             runtime_env = {"working_dir": tmp, "env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}
             job_id = client.submit_job(entrypoint=ep, runtime_env=runtime_env,
                                        submission_id=f"raydeploy-{cmd}-{time.strftime('%Y%m%d-%H%M%S')}"
