@@ -1,0 +1,247 @@
+"""Decode speed of our engine vs transformers PyTorch (and llama.cpp if installed), same model, same machine.
+
+Each backend runs in its own subprocess (so peak RSS is per backend and thread pools do not fight), one
+after another in the same run. Per backend: time to first token (TTFT) at batch 1, decode tokens/s at
+batch 1 and with 8 concurrent sequences (128 new tokens each, eos ignored), peak RSS. Quality: the greedy
+tokens of our engine and of transformers on the batch-1 prompt, compared position by position.
+
+    .venv/bin/python benchmarks/engine_decode.py            # writes benchmarks/results/engine_decode.json
+    .venv/bin/python benchmarks/engine_decode.py --new-tokens 64 --backends ours,hf
+
+Our engine runs the serving configuration (max_slots 8: at batch 1 the other 7 slots are idle but computed),
+float32 unless --dtype bfloat16. Torch uses 2 threads (the machine's cores), float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "engine_decode.json"
+PROMPTS = [
+    "Explain how a bicycle works.", "Write a short poem about autumn leaves.", "What is machine learning?",
+    "Describe the water cycle.", "List three uses of copper.", "Why is the sky blue?",
+    "How do vaccines work?", "Summarize the plot of Hamlet.",
+]
+
+
+def _env() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO))
+
+
+def _tokenized(tok, n: int) -> list[list[int]]:
+    out = []
+    for p in PROMPTS[:n]:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        out.append([int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    return out
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- backends (each runs in its own process) ----------------------------------------------------------------
+
+
+def bench_ours(new_tokens: int, dtype: str) -> dict:
+    import jax
+    from transformers import AutoTokenizer
+
+    from raydeploy.checkpoint.demo import resolve_checkpoint
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.engine.engine import Engine
+    from raydeploy.engine.local import LocalRunner
+    from raydeploy.engine.request import GenerationRequest
+    from raydeploy.engine.scheduler import Scheduler
+    from raydeploy.model.sharding import build_mesh, merge_rules
+    from raydeploy.model.spec import param_specs
+
+    path = resolve_checkpoint("demo:smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    mesh = build_mesh({"dp": 1}, jax.devices()[:1])
+    rules = merge_rules({})
+    reader = CheckpointReader(path)
+    t0 = time.perf_counter()
+    params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, dtype, 4, progress=False)
+    model_cfg = ModelConfig(dtype=dtype, param_dtype=dtype, max_seq_len=512)
+    engine_cfg = EngineConfig(max_slots=8, prefill_buckets=[64, 512], max_new_tokens=256)
+    engine = Engine(reader.llama_config, params, mesh, rules, model_cfg, engine_cfg)
+    load_s = time.perf_counter() - t0
+    compile_s = engine.warmup()
+    prompts = _tokenized(tok, 8)
+
+    def run(batch: int) -> tuple[list, float, float]:
+        sched = Scheduler(8, 512, (), 16, [64, 512])
+        runner = LocalRunner(engine, sched)
+        reqs = [GenerationRequest(f"b{batch}-{i}", tuple(prompts[i]), new_tokens) for i in range(batch)]
+        t = time.perf_counter()
+        outs = runner.generate(reqs)
+        total = time.perf_counter() - t
+        ttft = max(o.first_token_s for o in outs)
+        decoded = sum(len(o.token_ids) - 1 for o in outs)
+        return outs, ttft, decoded / (total - ttft)
+
+    run(1)  # one untimed pass: first calls after warmup still page in buffers
+    outs1, ttft1, tps1 = run(1)
+    _, ttft8, tps8 = run(8)
+    return {"backend": f"raydeploy engine (JAX, {dtype}, max_slots 8)", "ttft_s": ttft1, "decode_tok_s_b1": tps1,
+            "decode_tok_s_b8": tps8, "ttft_b8_s": ttft8, "load_s": load_s,
+            "compile_s": sum(compile_s.values()), "peak_rss_mb": _peak_rss_mb(), "greedy_tokens": outs1[0].token_ids}
+
+
+def bench_hf(new_tokens: int) -> dict:
+    import torch
+    from hf_reference import load_hf
+
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    model, tok = load_hf("float32")
+    load_s = time.perf_counter() - t0
+    prompts = _tokenized(tok, 8)
+
+    def gen(batch: int, n: int) -> tuple[float, list[int]]:
+        ids = prompts[:batch]
+        width = max(len(i) for i in ids)
+        input_ids = torch.tensor([[2] * (width - len(i)) + i for i in ids])
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=2)
+        return time.perf_counter() - t, out[0, width:].tolist()
+
+    from hf_reference import hf_greedy
+
+    gen(1, 4)  # warm up
+    ttft1, _ = gen(1, 1)
+    t1, _ = gen(1, new_tokens)
+    tokens, _ = hf_greedy(model, prompts[0], new_tokens)  # quality reference: the model's own forward
+    ttft8, _ = gen(8, 1)
+    t8, _ = gen(8, new_tokens)
+    return {"backend": "transformers PyTorch (float32, 2 threads)", "ttft_s": ttft1,
+            "decode_tok_s_b1": (new_tokens - 1) / (t1 - ttft1), "decode_tok_s_b8": 8 * (new_tokens - 1) / (t8 - ttft8),
+            "ttft_b8_s": ttft8, "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "greedy_tokens": tokens}
+
+
+def bench_llamacpp(new_tokens: int) -> dict:
+    from hf_reference import gguf_path
+    from llama_cpp import Llama
+    from transformers import AutoTokenizer
+
+    p = gguf_path()
+    tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    prompt = _tokenized(tok, 1)[0]
+    t0 = time.perf_counter()
+    llm = Llama(model_path=str(p), n_threads=2, n_ctx=512, verbose=False)
+    load_s = time.perf_counter() - t0
+
+    def gen(n: int) -> float:
+        llm.reset()
+        t = time.perf_counter()
+        count = 0
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            count += 1
+            if count >= n:
+                break
+        return time.perf_counter() - t
+
+    gen(4)
+    ttft = gen(1)
+    t = gen(new_tokens)
+    return {"backend": "llama.cpp (llama-cpp-python, Q4_1 GGUF, 2 threads)", "ttft_s": ttft,
+            "decode_tok_s_b1": (new_tokens - 1) / (t - ttft), "decode_tok_s_b8": None, "load_s": load_s,
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+# -- orchestration --------------------------------------------------------------------------------------------
+
+
+def _child(backend: str, new_tokens: int, dtype: str) -> None:
+    _env()
+    if backend == "ours":
+        res = bench_ours(new_tokens, dtype)
+    elif backend == "hf":
+        res = bench_hf(new_tokens)
+    else:
+        res = bench_llamacpp(new_tokens)
+    print("RESULT " + json.dumps(res))
+
+
+def _run_child(backend: str, new_tokens: int, dtype: str, timeout_s: float) -> dict | None:
+    cmd = [sys.executable, __file__, "--child", backend, "--new-tokens", str(new_tokens), "--dtype", dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or "").strip().splitlines()[-3:]
+    print(f"[{backend}] failed (exit {proc.returncode}): {' | '.join(tail)}", file=sys.stderr)
+    return None
+
+
+def _matching_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--backends", default="ours,hf,llamacpp")
+    ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child, args.new_tokens, args.dtype)
+        return 0
+    results = {}
+    for b in args.backends.split(","):
+        if b == "llamacpp":
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                print("[llamacpp] llama-cpp-python is not installed; skipped", file=sys.stderr)
+                continue
+        r = _run_child(b, args.new_tokens, args.dtype, args.timeout_s)
+        if r is not None:
+            results[b] = r
+    report = {"new_tokens": args.new_tokens, "prompts": "chat template, 30-40 tokens", "load_avg_1m": os.getloadavg()[0],
+              "results": results}
+    if "ours" in results and "hf" in results:
+        ours, hf = results["ours"], results["hf"]
+        report["speedup_vs_hf_b1"] = ours["decode_tok_s_b1"] / hf["decode_tok_s_b1"]
+        report["speedup_vs_hf_b8"] = ours["decode_tok_s_b8"] / hf["decode_tok_s_b8"]
+        report["greedy_match_prefix"] = _matching_prefix(ours["greedy_tokens"], hf["greedy_tokens"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'backend':58s} {'TTFT s':>7s} {'b1 tok/s':>9s} {'b8 tok/s':>9s} {'RSS MB':>7s}")
+    for r in results.values():
+        b8 = f"{r['decode_tok_s_b8']:9.1f}" if r.get("decode_tok_s_b8") else f"{'-':>9s}"
+        print(f"{r['backend']:58s} {r['ttft_s']:7.3f} {r['decode_tok_s_b1']:9.1f} {b8} {r['peak_rss_mb']:7.0f}")
+    for k in ("speedup_vs_hf_b1", "speedup_vs_hf_b8", "greedy_match_prefix"):
+        if k in report:
+            print(f"{k}: {report[k]:.2f}" if isinstance(report[k], float) else f"{k}: {report[k]}")
+    print(f"load average during run: {report['load_avg_1m']:.1f}; written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
