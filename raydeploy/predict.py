@@ -185,6 +185,8 @@ async def generate_all(gang: Any, examples: list[Example], temperature: float, c
     ready_timeout_s = cfg.cluster.placement_timeout_s + cfg.cluster.init_timeout_s + cfg.cluster.rpc_timeout_s
 
     async def run(ex: Example) -> Outcome:
+        from raydeploy.gang.bringup import GangError
+
         async with sem:
             for attempt in range(max_attempts):
                 try:
@@ -193,10 +195,15 @@ async def generate_all(gang: Any, examples: list[Example], temperature: float, c
                 except TimeoutError:
                     raise PredictInputError(f"input line {ex.index}: no result within serving.request_timeout_s="
                                             f"{timeout_s:g}s") from None
+                except GangError as e:  # the gang is restarting: not ready to take the request
+                    if not e.retriable or attempt + 1 == max_attempts:
+                        raise
+                    out = Outcome(finish_reason="error", error=str(e), retriable=True)
                 if out.finish_reason != "error":
                     return out
                 if not out.retriable or attempt + 1 == max_attempts:
-                    raise RuntimeError(f"input line {ex.index}: generation failed: {out.error}")
+                    raise RuntimeError(f"input line {ex.index}: generation failed after {attempt + 1} attempt(s): "
+                                       f"{out.error}")
                 await asyncio.to_thread(gang.wait_ready, ready_timeout_s)
             raise AssertionError("unreachable")
 

@@ -96,3 +96,74 @@ def test_resume_refuses_foreign_output(tmp_path: Path) -> None:
     out.write_text('{"index": 1}\n{"something": "else"}\n')
     with pytest.raises(PredictInputError, match="out.jsonl:2: not a raydeploy predict output line"):
         load_done(out)
+
+
+class _FakeCoordinator:
+    """Streams each request's tokens like the rank-0 coordinator: prompt's last id + 1, + 2, ... (fast stand-in)."""
+
+    def __init__(self, fail_first: set[int]) -> None:
+        self.fail_first = fail_first
+        self.generate = self
+
+    def remote(self, req):
+        from raydeploy.engine.request import TokenEvent
+
+        index = int(req.request_id.split("-")[1])
+
+        async def one(ev):
+            return [ev]
+
+        async def stream():
+            if index in self.fail_first and req.request_id.endswith("-0"):
+                yield one(TokenEvent(req.request_id, None, finish_reason="error", error="host died", retriable=True))
+                return
+            for i in range(req.max_tokens):
+                done = "length" if i + 1 == req.max_tokens else None
+                yield one(TokenEvent(req.request_id, req.prompt_token_ids[-1] + i + 1, 0.0, i, done))
+
+        return stream()
+
+
+class _FakeGang:
+    def __init__(self, restarting_calls: int, fail_first: set[int]) -> None:
+        self.restarting_calls = restarting_calls
+        self.coord = _FakeCoordinator(fail_first)
+        self.waits = 0
+
+    def coordinator(self):
+        from raydeploy.gang.bringup import GangError
+
+        if self.restarting_calls > 0:
+            self.restarting_calls -= 1
+            raise GangError("gang is not ready (state restarting)", phase="serve")
+        return self.coord
+
+    def wait_ready(self, timeout_s: float):
+        self.waits += 1
+        return {"state": "ready"}
+
+
+def test_generate_all_retries_gang_restarts_and_keeps_order(cfg) -> None:
+    import asyncio
+
+    from raydeploy.predict import Example, generate_all
+
+    examples = [Example(i, i, (100 * i, 10 * i), max_tokens=1 + i % 3) for i in range(1, 8)]
+    gang = _FakeGang(restarting_calls=2, fail_first={3, 5})
+    written = []
+    asyncio.run(generate_all(gang, examples, 0.0, cfg, lambda ex, out: written.append((ex.index, out)), in_flight=3))
+    assert [i for i, _ in written] == list(range(1, 8))
+    for i, out in written:
+        assert out.token_ids == [10 * i + k + 1 for k in range(1 + i % 3)] and out.finish_reason == "length"
+    assert gang.waits == 4  # two "restarting" refusals and two retriable error events, each retried once ready
+
+
+def test_generate_all_gives_up_after_max_restarts(cfg) -> None:
+    import asyncio
+
+    from raydeploy.predict import Example, generate_all
+
+    gang = _FakeGang(restarting_calls=100, fail_first=set())
+    with pytest.raises(RuntimeError, match="gang is not ready"):
+        asyncio.run(generate_all(gang, [Example(1, 1, (5,), 2)], 0.0, cfg, lambda ex, out: None, in_flight=1))
+    assert gang.waits == cfg.cluster.max_restarts
