@@ -110,6 +110,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 # -- layers -------------------------------------------------------------------------------------------------
 
 
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w in x's dtype. Lower-precision weights (bfloat16 params, float32 activations) multiply natively
+    with float32 accumulation: casting the weight up instead would rewrite it every step on XLA CPU."""
+    if w.dtype == x.dtype:
+        return x @ w
+    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=x.dtype)
+
+
 def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> nnx.Param:
     if rngs is None:
         return nnx.Param(jnp.zeros(shape, dtype))
@@ -137,7 +145,7 @@ class HeadsProj(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         d, n, h = self.kernel.shape
         # A 2-D matmul over the flattened heads is about 2x faster than the 3-D einsum on XLA CPU.
-        y = (x @ self.kernel[...].reshape(d, n * h).astype(x.dtype)).reshape(*x.shape[:-1], n, h)
+        y = _matmul(x, self.kernel[...].reshape(d, n * h)).reshape(*x.shape[:-1], n, h)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y
@@ -151,7 +159,7 @@ class OutProj(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         n, h, d = self.kernel.shape
-        return x.reshape(*x.shape[:-2], n * h) @ self.kernel[...].reshape(n * h, d).astype(x.dtype)
+        return _matmul(x.reshape(*x.shape[:-2], n * h), self.kernel[...].reshape(n * h, d))
 
 
 class Dense(nnx.Module):
@@ -159,7 +167,7 @@ class Dense(nnx.Module):
         self.kernel = _param(rngs, (din, dout), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.kernel[...].astype(x.dtype)
+        return _matmul(x, self.kernel[...])
 
 
 class Attention(nnx.Module):
@@ -249,7 +257,8 @@ class Llama(nnx.Module):
         if self.lm_head is not None:
             out = self.lm_head(h)
         else:
-            out = jnp.einsum("...d,vd->...v", h, self.embed.embedding[...].astype(h.dtype))
+            emb = self.embed.embedding[...]
+            out = jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb, preferred_element_type=h.dtype)
         out = out.astype(jnp.float32)
         if out.ndim == 2:
             out = _constrain(shard, out, ("act_batch", "act_vocab"))
