@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.model]
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, _temp_dir=f"/tmp/rdp-{os.getpid()}", include_dashboard=False,
-             configure_logging=False, log_to_driver=False)
+    temp_dir = tempfile.mkdtemp(prefix="rdp-", dir="/tmp")
+    ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
