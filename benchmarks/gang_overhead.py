@@ -1,11 +1,14 @@
 """Per-step control overhead of the gang, and bring-up time by phase.
 
-Runs the same model, mesh shape, batch and requests twice in one run:
-- peer: one process with 4 virtual CPU devices driving the Engine with the Scheduler (LocalRunner);
+Runs the same model, mesh shape, batch and requests on both, alternating repeats so that both see the
+same machine load:
+- peer: one process with 4 virtual CPU devices driving the Engine with the Scheduler (LocalRunner),
+  kept alive in a subprocess that runs one timed generation per line it reads;
 - gang: 2 host processes x 2 devices joined by jax.distributed, rank 0 broadcasting every StepPlan.
-Reported: mean step time of each (wall time of the generation / steps), the gang's overhead in percent,
-rank 0's broadcast cost per step in microseconds (key-value write + deletes), and the gang's bring-up time
-from nothing to ready by phase (placement, actors, fingerprint, init, load, compile).
+Reported: step time of each (wall time of the generation / steps; median and best of the repeats), the
+gang's overhead in percent, rank 0's broadcast cost per step in microseconds (key-value write and the
+amortised deletes; also on the stand-in engine, where steps are tiny), and the gang's bring-up time from
+nothing to ready by phase (placement, actors, fingerprint, init, load, compile).
 
     python benchmarks/gang_overhead.py [--mesh dp=2,tp=2] [--batch 2] [--tokens 96] [--json]
 """
@@ -61,57 +64,118 @@ def peer(args: argparse.Namespace) -> dict:
     sched = Scheduler.for_engine(engine, cfg)
     runner = LocalRunner(engine, sched)
     runner.generate(requests(args, "warm"))
-    best = None
-    for r in range(args.repeat):
+    print(json.dumps({"ready": True}), flush=True)
+    for r, line in enumerate(sys.stdin):  # one timed generation per line
+        if line.strip() != "run":
+            break
         steps0 = sched.steps
         t0 = time.perf_counter()
         runner.generate(requests(args, f"p{r}"))
         wall = time.perf_counter() - t0
-        ms = wall / (sched.steps - steps0) * 1e3
-        best = ms if best is None else min(best, ms)
-    return {"step_ms": best}
+        print(json.dumps({"step_ms": wall / (sched.steps - steps0) * 1e3}), flush=True)
+    return {}
 
 
-def gang(args: argparse.Namespace) -> dict:
+class Peer:
+    """The single-process peer as a subprocess that runs one generation per request."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4")
+        cmd = [sys.executable, __file__, "--peer", "--mesh", args.mesh, "--batch", str(args.batch),
+               "--tokens", str(args.tokens)]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self._read()  # {"ready": true} after load, compile and a warm-up generation
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"peer process ended (exit {self.proc.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def run(self) -> float:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._read()["step_ms"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def gang_run(coord: object, args: argparse.Namespace, tag: str) -> tuple[float, float]:
+    """One timed generation on the gang: (step ms, mean broadcast us over the gang's life)."""
     import asyncio
 
     import ray
 
+    from raydeploy.gang.gang import stream_events
+
+    async def run_all() -> None:
+        async def one(req) -> None:
+            async for _ in stream_events(coord, req):
+                pass
+        await asyncio.gather(*[one(r) for r in requests(args, tag)])
+
+    s0 = ray.get(coord.stats.remote())
+    t0 = time.perf_counter()
+    asyncio.run(run_all())
+    wall = time.perf_counter() - t0
+    s1 = ray.get(coord.stats.remote())
+    return wall / (s1["steps_done"] - s0["steps_done"]) * 1e3, s1["mean_broadcast_us"]
+
+
+def toy_broadcast(args: argparse.Namespace) -> dict:
+    """Broadcast cost and step time on the stand-in engine (steps of about a millisecond)."""
     from raydeploy.config import load_config
-    from raydeploy.gang.gang import start_gang, stream_events
+    from raydeploy.gang.gang import start_gang
+
+    cfg = load_config(None, [*overrides(args), "engine.max_slots=2"])
+    g = start_gang(cfg, engine="toy")
+    try:
+        g.wait_ready(600)
+        coord = g.coordinator()
+        step_ms, bcast_us = gang_run(coord, argparse.Namespace(**{**vars(args), "tokens": 500}), "toy")
+        return {"step_ms": step_ms, "broadcast_us": bcast_us}
+    finally:
+        g.shutdown()
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import statistics
+
+    import ray
+
+    from raydeploy.config import load_config
+    from raydeploy.gang.gang import start_gang
 
     cfg = load_config(None, overrides(args))
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    peer_proc = Peer(args)
     ray.init(num_cpus=2, _temp_dir=f"/tmp/rdb-{os.getpid()}", include_dashboard=False, log_to_driver=False)
     try:
         t0 = time.perf_counter()
         g = start_gang(cfg)
-        st = g.wait_ready(1800)
+        st = g.wait_ready(3600)
         ready_s = time.perf_counter() - t0
         coord = g.coordinator()
-
-        async def run_all(tag: str) -> None:
-            async def one(req) -> None:
-                async for _ in stream_events(coord, req):
-                    pass
-            await asyncio.gather(*[one(r) for r in requests(args, tag)])
-
-        asyncio.run(run_all("warm"))
-        best, bcast = None, None
-        for r in range(args.repeat):
-            s0 = ray.get(coord.stats.remote())
-            t0 = time.perf_counter()
-            asyncio.run(run_all(f"g{r}"))
-            wall = time.perf_counter() - t0
-            s1 = ray.get(coord.stats.remote())
-            steps = s1["steps_done"] - s0["steps_done"]
-            ms = wall / steps * 1e3
-            if best is None or ms < best:
-                best, bcast = ms, s1["mean_broadcast_us"]
+        gang_run(coord, args, "warm")
+        peer_ms, gang_ms, bcast = [], [], None
+        for r in range(args.repeat):  # alternate so both see the same load
+            peer_ms.append(peer_proc.run())
+            ms, bcast = gang_run(coord, args, f"g{r}")
+            gang_ms.append(ms)
         g.shutdown()
-        return {"step_ms": best, "broadcast_us": bcast, "ready_s": ready_s, "phase_s": st["phase_s"]}
+        toy = toy_broadcast(args)
     finally:
+        peer_proc.close()
         ray.shutdown()
+    return {"peer_step_ms": peer_ms, "gang_step_ms": gang_ms, "peer_median_ms": statistics.median(peer_ms),
+            "gang_median_ms": statistics.median(gang_ms), "broadcast_us": bcast, "toy": toy,
+            "ready_s": ready_s, "phase_s": st["phase_s"]}
 
 
 def main() -> int:
@@ -119,34 +183,28 @@ def main() -> int:
     ap.add_argument("--mesh", default="dp=2,tp=2")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.peer:
-        print(json.dumps(peer(args)))
+        peer(args)
         return 0
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    cmd = [sys.executable, __file__, "--peer", "--mesh", args.mesh, "--batch", str(args.batch),
-           "--tokens", str(args.tokens), "--repeat", str(args.repeat)]
-    peer_out = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
-                                         cwd=REPO).stdout.strip().splitlines()[-1])
-    gang_out = gang(args)
-    overhead = (gang_out["step_ms"] / peer_out["step_ms"] - 1) * 100
-    out = {"mesh": args.mesh, "batch": args.batch, "tokens": args.tokens, "peer_1x4": peer_out,
-           "gang_2x2": gang_out, "step_overhead_pct": overhead,
-           "broadcast_pct_of_step": gang_out["broadcast_us"] / 1e3 / gang_out["step_ms"] * 100}
+    m = measure(args)
+    overhead = (m["gang_median_ms"] / m["peer_median_ms"] - 1) * 100
+    out = {"mesh": args.mesh, "batch": args.batch, "tokens": args.tokens, **m, "step_overhead_pct": overhead,
+           "broadcast_pct_of_step": m["broadcast_us"] / 1e3 / m["gang_median_ms"] * 100}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        print(f"decode step, mesh {args.mesh}, batch {args.batch}: 1 process x 4 devices "
-              f"{peer_out['step_ms']:.1f} ms; 2 hosts x 2 devices {gang_out['step_ms']:.1f} ms "
-              f"({overhead:+.1f}%)")
-        print(f"broadcast per step (rank 0): {gang_out['broadcast_us']:.0f} us "
-              f"= {out['broadcast_pct_of_step']:.2f}% of a step")
-        print(f"bring-up to ready {gang_out['ready_s']:.1f} s; by phase: "
-              + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in gang_out["phase_s"].items()))
+        print(f"decode step, mesh {args.mesh}, batch {args.batch} (median of {args.repeat}, alternating): "
+              f"1 process x 4 devices {m['peer_median_ms']:.1f} ms; 2 hosts x 2 devices "
+              f"{m['gang_median_ms']:.1f} ms ({overhead:+.1f}%)")
+        print(f"broadcast per step (rank 0): {m['broadcast_us']:.0f} us = {out['broadcast_pct_of_step']:.2f}% "
+              f"of a step; stand-in engine: {m['toy']['broadcast_us']:.0f} us per step of "
+              f"{m['toy']['step_ms']:.2f} ms")
+        print(f"bring-up to ready {m['ready_s']:.1f} s; by phase: "
+              + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in m["phase_s"].items()))
     return 0
 
 
