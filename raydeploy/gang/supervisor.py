@@ -153,14 +153,17 @@ class GangSupervisor:
         import ray
 
         from raydeploy.gang.host import HostActor, actor_options
-        from raydeploy.gang.placement import place_hosts
+        from raydeploy.gang.placement import PlacementError, place_hosts
 
         self.generation += 1
         self.state = "starting"
         self.phase_s = {}
         self.bringup_info = {}
         t0 = time.perf_counter()
-        self.group = await asyncio.to_thread(place_hosts, self.cfg.cluster, f"raydeploy-gang-{self.generation}")
+        try:
+            self.group = await asyncio.to_thread(place_hosts, self.cfg.cluster, f"raydeploy-gang-{self.generation}")
+        except PlacementError as e:  # retried: the cluster may grow (autoscaler, nodes coming back)
+            raise GangError(str(e), phase="placement") from None
         self.phase_s["placement_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         remote_cls = ray.remote(HostActor)
