@@ -189,6 +189,8 @@ def main() -> int:
                         f"devices, mesh {cfg.mesh_shape}, max_slots {cfg.engine.max_slots}, "
                         f"{args.max_tokens} tokens/request, engine {args.engine}")
         res["config_overrides"] = args.overrides
+        res["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)  # other work on the machine skews figures
+        res["cpu_count"] = os.cpu_count()
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
