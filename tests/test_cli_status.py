@@ -1,7 +1,7 @@
 """`raydeploy status`: readable output of /ready and /status, API key passed, clear errors.
 
-A small local HTTP server stands in for the deployment here (fast); the real Serve app answers the same
-routes in tests/test_submit.py's cluster run and in the serving tests.
+A small local HTTP server stands in for the deployment here (fast); tests/test_cli_status_live.py runs
+the same command against the real Serve app and gang.
 """
 
 from __future__ import annotations
