@@ -10,7 +10,8 @@ threads the gang uses.
 
     .venv/bin/python benchmarks/predict_throughput.py [--prompts 32] [--batch 8] [--max-tokens 64]
 
-Prints one JSON object with both sides' prompts/s and tokens/s and the ratio.
+Prints one JSON object with both sides' prompts/s and tokens/s, the ratio, whether the greedy outputs
+are identical, and the machine's load average during the run (writes it to benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -123,19 +124,25 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--config", default=str(REPO / "configs" / "predict-small.yaml"))
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads (default: all cores)")
-    ap.add_argument("--output", default=None, help="also write the JSON here")
+    ap.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "predict_throughput.json"),
+                    help="also write the JSON here (default benchmarks/results/predict_throughput.json)")
     a = ap.parse_args()
     prompts = make_prompts(a.prompts)
+    load_1m = [round(os.getloadavg()[0], 1)]  # other work on the machine skews both sides; record it
     ours = run_raydeploy(prompts, a.batch, a.max_tokens, a.config)
+    load_1m.append(round(os.getloadavg()[0], 1))
     peer = run_transformers(prompts, a.batch, a.max_tokens, a.threads)
+    load_1m.append(round(os.getloadavg()[0], 1))
     same = sum(x == y for x, y in zip(ours.pop("token_ids"), peer.pop("token_ids"), strict=True))
     report = {"raydeploy": ours, "transformers": peer,
               "speedup_tokens_per_s": round(ours["tokens_per_s"] / peer["tokens_per_s"], 2),
               "speedup_prompts_per_s": round(ours["prompts_per_s"] / peer["prompts_per_s"], 2),
-              "identical_outputs": f"{same}/{len(prompts)}"}
+              "identical_outputs": f"{same}/{len(prompts)}", "cpu_count": os.cpu_count(),
+              "load_average_1m_start_mid_end": load_1m}
     text = json.dumps(report, indent=2)
     print(text)
     if a.output:
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
         Path(a.output).write_text(text + "\n")
     return 0
 
