@@ -260,11 +260,11 @@ def test_timeout_and_disconnect_free_the_slot(live):
     with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
         assert resp.status_code == 200
         seen = []
-        for line in resp.iter_lines():
+        lines = resp.iter_lines()  # held: dropping a half-read iterator makes httpx close the connection
+        while len(seen) < 3:
+            line = next(lines)
             if line.startswith("data: "):
                 seen.append(line)
-            if len(seen) >= 3:
-                break
         deadline = time.monotonic() + 30  # stats are read between steps: poll, bounded
         while _slots_in_use(stats := _stats(live)) != 1:
             assert time.monotonic() < deadline, (seen, stats)
