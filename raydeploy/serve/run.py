@@ -112,9 +112,10 @@ def run_serve(cfg: Config, args: argparse.Namespace) -> int:
         print(f"raydeploy serve: {signal.Signals(signum).name} received; draining", flush=True)
         stop.set()
 
+    started_ray = connect_ray(getattr(args, "address", None) or cfg.cluster.ray_address)
+    # After ray.init: Ray's driver installs its own SIGTERM handling (exit at once), which would skip draining.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signals[sig] = signal.signal(sig, on_signal)
-    started_ray = connect_ray(getattr(args, "address", None) or cfg.cluster.ray_address)
     serving: Serving | None = None
     try:
         t0 = time.monotonic()
