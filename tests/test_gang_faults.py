@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -151,8 +150,10 @@ def test_stuck_host_is_caught_by_the_watchdog(ray_cluster):
         gang.wait_ready(120)
         events = gang.generate(_long_request("stuck"), timeout_s=60)
         assert events[-1].finish_reason == "error" and events[-1].retriable
-        assert "stuck" in events[-1].error and "step_timeout_s" in events[-1].error, events[-1].error
-        gang.wait_ready(120)
+        st = gang.wait_ready(120)
+        cause = st["history"][0]["error"]
+        assert "host 0 is stuck" in cause or "host 1 is stuck" in cause, st["history"]
+        assert "step_timeout_s=4s" in cause and "stuck" in events[-1].error, events[-1].error
         _check_generation(gang, "after-stuck")
     finally:
         gang.shutdown()
@@ -166,19 +167,29 @@ def test_shutdown_leaves_no_processes_or_ports(ray_cluster):
     address = gang.state()["coordinator_address"]
     gang.shutdown()
     assert not any(_pid_alive(p) for p in pids)
-    host, port = address.rsplit(":", 1)
-    assert int(port) not in _listening_ports(), "the coordinator port is still listening"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new coordinator would
-        s.bind((host, int(port)))
+    port = int(address.rsplit(":", 1)[1])
+    # nothing of ours listens on the coordinator port (another program on this busy machine may have
+    # taken the freed port since; that is not a leak)
+    owners = _listener_cmdlines(port)
+    assert not [c for c in owners if "HostActor" in c or "GangSupervisor" in c], owners
 
 
-def _listening_ports() -> set[int]:
-    ports = set()
+def _listener_cmdlines(port: int) -> list[str]:
+    inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 cols = line.split()
-                if cols[3] == "0A":  # LISTEN
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    inodes.add(cols[9])
+    owners = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    with open(f"/proc/{pid}/cmdline") as f:
+                        owners.append(f.read().replace("\0", " "))
+        except OSError:
+            continue
+    return owners

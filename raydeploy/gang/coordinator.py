@@ -49,6 +49,8 @@ class Coordinator:
         self.tokens_generated = 0
         self.requests_done = 0
         self.requests_submitted = 0
+        self.open_streams = 0
+        """`generate` calls not yet finished (fail_all waits for them to deliver their last event)."""
 
     # -- the loop thread ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -71,7 +73,7 @@ class Coordinator:
                 with self._lock:
                     self.scheduler.on_result(plan, result)
         except Exception as e:  # noqa: BLE001 - the loop must report any failure, then end the gang
-            self.error = f"coordinator step loop failed: {type(e).__name__}: {e}"
+            self.error = f"gang failure, retry: coordinator step loop failed: {type(e).__name__}: {e}"
             traceback.print_exc()
             self.fail_all(self.error, retriable=True)
             raise
@@ -110,6 +112,7 @@ class Coordinator:
             self.requests_submitted += 1
         self._wake.set()
         finished = False
+        self.open_streams += 1
         try:
             while not finished:
                 batch = [await queue.get()]
@@ -120,6 +123,7 @@ class Coordinator:
                 yield batch
             self.requests_done += 1
         finally:
+            self.open_streams -= 1
             if not finished:  # the caller went away (disconnect, cancel): free the slot
                 with self._lock:
                     self.scheduler.abort(req.request_id)

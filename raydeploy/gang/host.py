@@ -241,6 +241,11 @@ class HostActor:
 
         if isinstance(self.loop, Coordinator):
             await asyncio.to_thread(self.loop.fail_all, error, retriable)
+            # let every stream yield its error event before the supervisor kills this process
+            deadline = time.monotonic() + 3.0
+            while self.loop.open_streams > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
 
 
 class _FaultyEngine:

@@ -196,7 +196,7 @@ class GangSupervisor:
                     if err is not None:
                         return f"host {rank} failed: {_root(err)}"
                     return f"host {rank} left its step loop unexpectedly"
-                beats = await asyncio.gather(*[self._bounded(h.heartbeat.remote(), max(5.0, c.heartbeat_timeout_s))
+                beats = await asyncio.gather(*[self._bounded(h.heartbeat.remote(), max(10.0, c.heartbeat_timeout_s))
                                                for h in self.hosts], return_exceptions=True)
                 for rank, beat in enumerate(beats):
                     if isinstance(beat, BaseException):
