@@ -128,7 +128,7 @@ def bench_hf(new_tokens: int) -> dict:
     gen(1, 4)  # warm up
     ttft1, _ = gen(1, 1)
     t1, _ = gen(1, new_tokens)
-    tokens, _ = hf_greedy(model, prompts[0], new_tokens)  # quality reference: the model's own forward
+    tokens, _ = hf_greedy(model, prompts[0], min(new_tokens, 48))  # quality reference: the model's own forward
     ttft8, _ = gen(8, 1)
     t8, _ = gen(8, new_tokens)
     return {"backend": "transformers PyTorch (float32, 2 threads)", "ttft_s": ttft1,
@@ -182,7 +182,11 @@ def _child(backend: str, new_tokens: int, dtype: str) -> None:
 
 def _run_child(backend: str, new_tokens: int, dtype: str, timeout_s: float) -> dict | None:
     cmd = [sys.executable, __file__, "--child", backend, "--new-tokens", str(new_tokens), "--dtype", dtype]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"[{backend}] did not finish within {timeout_s} s; skipped", file=sys.stderr)
+        return None
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -223,6 +227,7 @@ def main() -> int:
         r = _run_child(b, args.new_tokens, args.dtype, args.timeout_s)
         if r is not None:
             results[b] = r
+            print(f"[{b}] " + json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}), flush=True)
     report = {"new_tokens": args.new_tokens, "prompts": "chat template, 30-40 tokens", "load_avg_1m": os.getloadavg()[0],
               "results": results}
     if "ours" in results and "hf" in results:
