@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import math
 import types
 import typing
@@ -441,7 +442,7 @@ def field_docs(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for prev, node in zip(body, body[1:]):
+    for prev, node in itertools.pairwise(body):
         if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
                 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
                 and isinstance(node.value.value, str)):

@@ -19,7 +19,7 @@ import pytest
 from raydeploy.config import load_config
 from raydeploy.engine.request import GenerationRequest
 from raydeploy.gang.gang import start_gang, stream_events
-from raydeploy.gang.toy import toy_next_token
+from raydeploy.gang.toy import toy_expected_tokens
 
 pytestmark = pytest.mark.ray
 
@@ -75,10 +75,7 @@ def _stream_until_end(gang, req, started: threading.Event, out: dict) -> None:
 
 def _check_generation(gang, rid: str, n: int = 6) -> None:
     events = gang.generate(GenerationRequest(rid, (5, 6, 7), max_tokens=n, ignore_eos=True), timeout_s=60)
-    want, last = [], 7
-    for _ in range(n):
-        last = int(toy_next_token(last))
-        want.append(last)
+    want = toy_expected_tokens((5, 6, 7), n, eos_token_ids=())
     assert [e.token_id for e in events] == want
     assert events[-1].finish_reason == "length"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from raydeploy.config import load_config
-from raydeploy.gang.toy import toy_next_token
+from raydeploy.gang.toy import toy_expected_tokens
 from raydeploy.predict import run_predict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,16 +46,6 @@ def _args(inp: Path, out: Path, max_tokens: int | None = None) -> argparse.Names
                               on_bad_line="skip", address=None)
 
 
-def _toy_expected(prompt_ids: list[int], max_tokens: int) -> list[int]:
-    out, last = [], prompt_ids[-1]
-    while len(out) < max_tokens:
-        last = int(toy_next_token(last))
-        out.append(last)
-        if last == 2:
-            break
-    return out
-
-
 PROMPTS = [f"Prompt number {i}: tell me about {w}." for i, w in
            enumerate(["cats", "rivers", "the moon", "jazz", "bread", "glaciers", "chess", "rain", "maps", "owls",
                       "tea", "wind"])]
@@ -78,7 +68,7 @@ def test_toy_gang_order_and_resume(ray_cluster, codec, tmp_path: Path, capsys: p
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(len(PROMPTS))]  # input order, bad line dropped
     assert [r["index"] for r in rows] == [1, 2, 3, 4, *range(6, 14)]
     for i, r in enumerate(rows):
-        want = _toy_expected(codec.encode(PROMPTS[i]), 3 + (i * 5) % 17)
+        want = toy_expected_tokens(codec.encode(PROMPTS[i]), 3 + (i * 5) % 17)
         assert r["token_ids"] == want, f"line {r['index']}"
         assert r["finish_reason"] == ("stop" if want[-1] == 2 else "length")
 

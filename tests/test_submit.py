@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from raydeploy.gang.toy import toy_next_token
+from raydeploy.gang.toy import toy_expected_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -92,16 +92,6 @@ def cluster(demo_checkpoint):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _toy_expected(prompt_ids: list[int], max_tokens: int) -> list[int]:
-    out, last = [], prompt_ids[-1]
-    while len(out) < max_tokens:
-        last = int(toy_next_token(last))
-        out.append(last)
-        if last == 2:
-            break
-    return out
-
-
 def _job_input(tmp_path: Path, n: int) -> tuple[Path, list[str]]:
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(n)]
     p = tmp_path / "prompts.jsonl"
@@ -113,7 +103,7 @@ def _check_output(out: Path, prompts: list[str], codec) -> None:
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == list(range(1, len(prompts) + 1))
     for i, r in enumerate(rows):
-        assert r["token_ids"] == _toy_expected(codec.encode(prompts[i]), 4 + i % 5)
+        assert r["token_ids"] == toy_expected_tokens(codec.encode(prompts[i]), 4 + i % 5)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,18 @@ def toy_next_token(last: np.ndarray | int) -> np.ndarray:
     return (np.asarray(last, np.int64) * 7 + 3) % TOY_VOCAB
 
 
+def toy_expected_tokens(prompt_ids: list[int] | tuple[int, ...], max_tokens: int,
+                        eos_token_ids: tuple[int, ...] = (2,)) -> list[int]:
+    """The tokens the toy gang generates for a prompt (the oracle of toy-engine tests); stops after eos."""
+    out, last = [], int(prompt_ids[-1])
+    while len(out) < max_tokens:
+        last = int(toy_next_token(last))
+        out.append(last)
+        if last in eos_token_ids:
+            break
+    return out
+
+
 class ToyEngine:
     """Slots hold their last token; decode maps it through a sharded one-hot matmul to `toy_next_token`."""
 

@@ -97,7 +97,7 @@ def partition_spec(logical_axes: Iterable[str], rules: Mapping[str, Rule], mesh_
 def check_divisible(spec: TensorSpec, rules: Mapping[str, Rule], mesh_shape: Mapping[str, int]) -> None:
     """Every sharded dimension must split evenly over its mesh axes."""
     dims = logical_to_mesh_axes(spec.logical_axes, rules, mesh_shape, spec.name)
-    for size, la, axes in zip(spec.shape, spec.logical_axes, dims):
+    for size, la, axes in zip(spec.shape, spec.logical_axes, dims, strict=True):
         if axes is None:
             continue
         n = math.prod(mesh_shape[a] for a in axes)
@@ -111,7 +111,7 @@ def check_divisible(spec: TensorSpec, rules: Mapping[str, Rule], mesh_shape: Map
 def shard_shape(spec: TensorSpec, rules: Mapping[str, Rule], mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
     """Shape of one device's shard."""
     dims = logical_to_mesh_axes(spec.logical_axes, rules, mesh_shape, spec.name)
-    return tuple(s // (math.prod(mesh_shape[a] for a in d) if d else 1) for s, d in zip(spec.shape, dims))
+    return tuple(s // (math.prod(mesh_shape[a] for a in d) if d else 1) for s, d in zip(spec.shape, dims, strict=True))
 
 
 def build_mesh(mesh_shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
