@@ -38,9 +38,14 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raydeploy tests benchmarks
 
+# Each benchmark compares with a peer measured in the same run; run them on an otherwise idle machine.
 bench: $(STAMP)
-	$(PY) -m pip install --quiet llama-cpp-python
 	$(PY) benchmarks/engine_decode.py
+	$(PY) benchmarks/checkpoint_load.py
+	$(PY) benchmarks/gang_overhead.py
+	$(PY) benchmarks/gang_load.py
+	$(PY) benchmarks/serve_load.py
+	$(PY) benchmarks/predict_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
