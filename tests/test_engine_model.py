@@ -87,7 +87,8 @@ def _greedy(engine, prompts, stagger=None, sampling=None):
     from raydeploy.engine.scheduler import Scheduler
     from raydeploy.engine.step import SamplingParams
 
-    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 8, [64])  # no eos: fixed length
+    # no eos: fixed length; slots filled in the engine's order, as in serving
+    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 8, [64], slot_order=engine.slot_order)
     runner = LocalRunner(engine, sched)
     stagger = stagger or [0] * len(prompts)
     sampling = sampling or [SamplingParams()] * len(prompts)
@@ -168,6 +169,23 @@ def test_continuous_batching_matches_running_alone(engine, prompt_ids, alone):
     assert batched[1] == alone[1]
     assert batched[2] == sampled_alone
     assert len(set(batched[2])) > 10  # it really sampled a varied continuation
+
+
+def test_dp2_tp2_mesh_batches_staggered_requests_like_one_device(demo_checkpoint, prompt_ids, alone, reference):
+    """dp=2 shards the slots into two groups: decodes cover a prefix of each group (1 then 2 rows per group
+    here), KV writes stay on the devices holding the slot, and the tokens equal one device's."""
+    mesh_engine = _build_engine(demo_checkpoint, {"dp": 2, "tp": 2},
+                                {"q_heads": None, "kv_heads": None, "cache_kv_heads": None, "vocab": None})
+    assert mesh_engine.decode_rows == [1, 2]
+    assert mesh_engine.slot_order == [0, 2, 1, 3]
+    assert mesh_engine.rows_for(np.array([True, False, True, False])) == 1
+    assert mesh_engine.rows_for(np.array([False, True, False, False])) == 2
+    assert mesh_engine.decoded_slots(1).tolist() == [0, 2]
+    got = _greedy(mesh_engine, [prompt_ids[0], prompt_ids[1], prompt_ids[0]], stagger=[0, 3, 7])
+    for ours, one_dev, (_, gaps, _) in zip(got, [alone[0], alone[1], alone[0]], reference[:2] + reference[:1],
+                                           strict=True):
+        n = _trusted_prefix(gaps)
+        assert ours[:n] == one_dev[:n]
 
 
 def test_2x2_mesh_gives_the_same_greedy_tokens(demo_checkpoint, prompt_ids, alone, reference):

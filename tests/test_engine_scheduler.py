@@ -213,3 +213,13 @@ def test_threaded_runner_and_stats_with_injected_clock():
     stats = sched.stats()
     assert stats["prefills"] == 4 and stats["tokens_generated"] == 12 and stats["ttft_p50_s"] == 0.0
     assert stats["queue_depth"] == 0 and stats["slots_in_use"] == 0
+
+
+def test_slots_are_filled_in_the_given_order_and_a_bad_order_is_refused():
+    sched = Scheduler(4, 64, (EOS,), 4, [16], clock=Clock(), slot_order=[0, 2, 1, 3])
+    eng = CountingEngine(4)
+    outs = collect(LocalRunner(eng, sched), *(req(f"r{i}", prompt=(10 * (i + 1),), max_tokens=2) for i in range(3)))
+    assert [outs[f"r{i}"].token_ids for i in range(3)] == [[11, 12], [21, 22], [31, 32]]
+    assert [i.slot for i in eng.plans[0].prefills] == [0, 2, 1]
+    with pytest.raises(ValueError, match=r"slot_order must list each of the 4 slots once, got \[0, 1, 1, 3\]"):
+        Scheduler(4, 64, (EOS,), 4, [16], slot_order=[0, 1, 1, 3])

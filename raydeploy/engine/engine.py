@@ -10,9 +10,12 @@ Programs (each compiled once, on `warmup()` or first use):
 - `prefill[bucket]`: one prompt padded to a prefill bucket, with its true length carried explicitly (the pad
   id is also the eos id in chat prompts, so padding is never inferred from tokens); writes the prompt's K/V
   into its slot of the donated cache, resets the slot's repetition-penalty token set, samples token 0.
-- `decode[window]`: every slot one token (inactive slots are computed but ignored); attends over the first
-  `window` cache positions, the smallest window holding the longest active sequence, so short sequences do
-  not pay for reading the whole max_seq_len cache.
+- `decode[window, rows]`: one token for each of the first `rows` slots of every slot group (a group is the
+  slots one shard of the slot axis holds: with dp=2 and 8 slots, slots 0-3 and 4-7), so a step costs what
+  the occupied slots need, not all `max_slots` (inactive slots inside the prefix are computed but ignored).
+  `slot_order` lists slots so that filling them in that order keeps every group's prefix short; the
+  scheduler allocates in that order. Attends over the first `window` cache positions, the smallest window
+  holding the longest active sequence, so short sequences do not pay for reading the whole cache.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def default_decode_rows(slots_per_group: int) -> list[int]:
+    """Decode row buckets per slot group: powers of two below the group size, and the group size."""
+    out, r = [], 1
+    while r < slots_per_group:
+        out.append(r)
+        r *= 2
+    return out + [slots_per_group]
 
 
 def default_decode_windows(max_seq_len: int, prefill_buckets: Sequence[int]) -> list[int]:
@@ -89,10 +101,13 @@ class Engine:
         self.presence = jax.jit(lambda: jnp.zeros((self._max_slots, llama_cfg.vocab_size), bool),
                                 out_shardings=self._presence_sharding)()
         self.slots = DecodeSlots(self._max_slots, self._max_seq_len)
+        self._groups = self._shard.slot_groups
+        self._group_size = self._max_slots // self._groups
+        self.decode_rows = default_decode_rows(self._group_size)
         cache_sh = [self.k_cache[0].sharding] * llama_cfg.num_layers
         out_sh = (cache_sh, cache_sh, self._presence_sharding, self._replicated, self._replicated)
         self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2, 3), out_shardings=out_sh)
-        self._decode_jit = jax.jit(self._decode_fn, static_argnums=(6,), donate_argnums=(1, 2, 3),
+        self._decode_jit = jax.jit(self._decode_fn, static_argnums=(6, 7), donate_argnums=(1, 2, 3),
                                    out_shardings=out_sh)
         self.compile_s: dict[str, float] = {}
 
@@ -104,6 +119,11 @@ class Engine:
     @property
     def max_seq_len(self) -> int:
         return self._max_seq_len
+
+    @property
+    def slot_order(self) -> list[int]:
+        """Slots in the order to fill them: the r-th slot of every group before any group's (r+1)-th."""
+        return [g * self._group_size + r for r in range(self._group_size) for g in range(self._groups)]
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -136,15 +156,24 @@ class Engine:
                    for c, v in zip(v_cache, vs, strict=True)]
         return k_cache, v_cache, presence, tok, lp
 
-    def _decode_fn(self, leaves, k_cache, v_cache, presence, ints, floats, window):
-        """ints: [5, B] = tokens, positions, active, top_k, seed; floats: [3, B] = temperature, top_p, penalty."""
+    def _decode_fn(self, leaves, k_cache, v_cache, presence, ints, floats, window, rows):
+        """The first `rows` slots of each group decode one token (B = groups * rows decoded rows).
+
+        ints: [5, B] = tokens, positions, active, top_k, seed; floats: [3, B] = temperature, top_p, penalty.
+        """
         model = self._model(leaves)
         tokens, positions, active, top_k = ints[0], ints[1], ints[2].astype(bool), ints[3]
         seed = jax.lax.bitcast_convert_type(ints[4], jnp.uint32)
+        g, v = self._groups, presence.shape[1]
         h, k_cache, v_cache = model.decode(tokens, positions, k_cache, v_cache, window, self._shard)
         logits = model.logits(h, self._shard)
-        tok, lp = sample(logits, presence, floats[0], floats[1], top_k, floats[2], seed, positions + 1)
-        presence = presence.at[jnp.arange(tokens.shape[0]), tok].max(active)
+        grouped = presence.reshape(g, -1, v)
+        seen = grouped[:, :rows].reshape(g * rows, v)
+        tok, lp = sample(logits, seen, floats[0], floats[1], top_k, floats[2], seed, positions + 1)
+        # Elementwise (not a scatter), so each device updates only the rows and vocab columns it holds.
+        chosen = jnp.arange(v)[None, :] == tok[:, None]
+        seen = seen | (chosen & active[:, None])
+        presence = grouped.at[:, :rows].set(seen.reshape(g, rows, v)).reshape(presence.shape)
         return k_cache, v_cache, presence, tok, lp
 
     # -- host side
@@ -177,16 +206,27 @@ class Engine:
             self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats))
         return tok, lp
 
-    def _run_decode(self, window: int) -> tuple[jax.Array, jax.Array]:
+    def rows_for(self, active: np.ndarray) -> int:
+        """Smallest decode row bucket covering every active slot's place in its group."""
+        places = np.nonzero(active)[0] % self._group_size
+        need = int(places.max()) + 1 if places.size else 1
+        return self.decode_rows[bisect.bisect_left(self.decode_rows, need)]
+
+    def decoded_slots(self, rows: int) -> np.ndarray:
+        """The slots a decode with `rows` rows per group covers, in output order."""
+        return (np.arange(self._groups)[:, None] * self._group_size + np.arange(rows)[None, :]).reshape(-1)
+
+    def _run_decode(self, window: int, rows: int) -> tuple[jax.Array, jax.Array]:
         s = self.slots
         sp = s.slot_sampling()
         positions = np.where(s.active, s.lengths, 0)
         ints = np.stack([s.last_token, positions, s.active.astype(np.int32), sp.top_k,
                          sp.seed.view(np.int32)]).astype(np.int32)
         floats = np.stack([sp.temperature, sp.top_p, sp.repetition_penalty]).astype(np.float32)
+        idx = self.decoded_slots(rows)
         self.k_cache, self.v_cache, self.presence, tok, lp = self._decode_jit(
-            self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats),
-            window)
+            self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints[:, idx]),
+            self._put(floats[:, idx]), window, rows)
         return tok, lp
 
     def step(self, plan: StepPlan) -> StepResult:
@@ -206,8 +246,12 @@ class Engine:
         if plan.decode and self.slots.active.any():
             self.slots.check_room()
             active = self.slots.active.copy()
-            tok, lp = self._run_decode(self.window_for(self.slots.longest_active()))
-            tokens, logprobs = np.asarray(tok), np.asarray(lp)
+            rows = self.rows_for(active)
+            tok, lp = self._run_decode(self.window_for(self.slots.longest_active()), rows)
+            idx = self.decoded_slots(rows)
+            tokens = np.zeros(self._max_slots, np.int32)
+            logprobs = np.zeros(self._max_slots, np.float32)
+            tokens[idx], logprobs[idx] = np.asarray(tok), np.asarray(lp)
             self.slots.advance(active, tokens)
             result.decode_tokens = np.where(active, tokens, 0).astype(np.int32)
             result.decode_logprobs = np.where(active, logprobs, 0.0).astype(np.float32)
@@ -220,7 +264,7 @@ class Engine:
         """Compile (or load from the persistent cache) every prefill bucket and decode window.
 
         Runs each program once on idle slots, so it must be called before any request is in a slot.
-        Returns seconds per program, e.g. {"prefill_64": 9.8, "decode_256": 10.4}.
+        Returns seconds per program, e.g. {"prefill_64": 9.8, "decode_256x4": 10.4} (window x rows per group).
         """
         if self.slots.active.any():
             raise RuntimeError("warmup() must run before any slot is active")
@@ -231,9 +275,10 @@ class Engine:
             jax.block_until_ready(tok)
             self.compile_s[f"prefill_{b}"] = time.perf_counter() - t0
         for w in self.windows:
-            t0 = time.perf_counter()
-            tok, _ = self._run_decode(w)
-            jax.block_until_ready(tok)
-            self.compile_s[f"decode_{w}"] = time.perf_counter() - t0
+            for r in self.decode_rows:
+                t0 = time.perf_counter()
+                tok, _ = self._run_decode(w, r)
+                jax.block_until_ready(tok)
+                self.compile_s[f"decode_{w}x{r}"] = time.perf_counter() - t0
         return dict(self.compile_s)
 

@@ -63,8 +63,11 @@ class Scheduler:
 
     def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int,
                  prefill_buckets: Sequence[int], clock: Callable[[], float] = time.monotonic,
-                 max_prefills_per_step: int | None = None) -> None:
+                 max_prefills_per_step: int | None = None, slot_order: Sequence[int] | None = None) -> None:
         self.max_slots = max_slots
+        self.slot_order = list(range(max_slots)) if slot_order is None else [int(s) for s in slot_order]
+        if sorted(self.slot_order) != list(range(max_slots)):
+            raise ValueError(f"slot_order must list each of the {max_slots} slots once, got {self.slot_order}")
         self.max_seq_len = max_seq_len
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.max_queue = max_queue
@@ -88,9 +91,10 @@ class Scheduler:
 
     @classmethod
     def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic) -> Scheduler:
-        """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids) with the config's queue and buckets."""
+        """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids, the order to fill slots in) with the
+        config's queue and buckets."""
         return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
-                   cfg.engine.prefill_buckets, clock=clock)
+                   cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order)
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and /status."""
@@ -185,7 +189,7 @@ class Scheduler:
         with self._lock:
             prefills: list[PrefillItem] = []
             prefill_slots: list[int] = []
-            free = [i for i, r in enumerate(self._slots) if r is None]
+            free = [i for i in self.slot_order if self._slots[i] is None]
             while self._queue and free and len(prefills) < self.max_prefills_per_step:
                 req, sink, submitted = self._queue.popleft()
                 slot = free.pop(0)

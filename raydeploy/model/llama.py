@@ -9,7 +9,7 @@ merges them inside its jitted programs, so no Python runs per layer at serving t
 Two forward paths, both pure and jittable:
 - `Llama.prefill(tokens_bt, positions_bt)`: causal attention within a prompt chunk; returns the hidden states
   and each layer's new K/V, which the engine writes into a slot of its KV cache.
-- `Llama.decode(tokens_b, positions_b, k_caches, v_caches, window)`: one token per slot; writes its K/V at
+- `Llama.decode(tokens_b, positions_b, k_caches, v_caches, window)`: one token per decoded slot; writes its K/V at
   `positions_b` and attends over the first `window` cache positions (a static size, so the engine compiles one
   decode per window and reads only as much cache as the longest active sequence needs).
 RoPE follows the Hugging Face convention (rotate_half over [first half | second half] of head_dim).
@@ -45,6 +45,19 @@ class ActivationSharding:
     @classmethod
     def create(cls, mesh: jax.sharding.Mesh, rules: Mapping[str, Any]) -> ActivationSharding:
         return cls(mesh, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules.items()))
+
+    @property
+    def slot_axes(self) -> tuple[str, ...]:
+        """Mesh axes that shard the KV cache's slot axis (logical `cache_batch`)."""
+        from raydeploy.model.sharding import partition_spec
+
+        d = partition_spec(("cache_batch",), dict(self.rules), dict(self.mesh.shape), "kv_cache")[0]
+        return () if d is None else ((d,) if isinstance(d, str) else tuple(d))
+
+    @property
+    def slot_groups(self) -> int:
+        """Shards of the slot axis: each holds one group of consecutive slots."""
+        return math.prod(dict(self.mesh.shape)[a] for a in self.slot_axes)
 
     def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         from jax.sharding import NamedSharding, PartitionSpec
@@ -223,6 +236,42 @@ def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: j
     return out.reshape(b, t, n, h)
 
 
+def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: ActivationSharding | None
+               ) -> jax.Array:
+    """Write one token's K or V per decoded row into the cache, in place (the cache is donated).
+
+    cache [G*M, S, K, H] is G groups of M slots, G = the shards of the slot axis (`shard.slot_groups`); new
+    [G*R, K, H] and positions [G*R] are the first R <= M slots of each group:
+    cache[g*M + r, positions[g*R + r]] = new[g*R + r]. Each device writes only the slots it holds, with plain
+    dynamic-update-slices (under `shard_map` over the slot axes when G > 1). Two formulations that look
+    equivalent are much slower: `cache.at[arange(B), positions]` makes the SPMD partitioner gather indices and
+    updates and permute them across devices (and hosts) for every layer, and a vmapped scatter over the
+    groups makes XLA CPU copy the whole cache when R = 1. Positions must be in range.
+    """
+    groups = 1 if shard is None else shard.slot_groups
+    rows = new.shape[0] // groups
+
+    def local(c: jax.Array, x: jax.Array, p: jax.Array) -> jax.Array:
+        for i in range(rows):
+            c = jax.lax.dynamic_update_slice(c, x[i][None, None], (i, p[i], 0, 0))
+        return c
+
+    if groups == 1:
+        return local(cache, new, positions)
+    from jax.sharding import PartitionSpec
+
+    spec = PartitionSpec(shard.slot_axes)
+    return jax.shard_map(local, mesh=shard.mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         axis_names=frozenset(shard.slot_axes), check_vma=False)(cache, new, positions)
+
+
+def read_window(cache: jax.Array, rows: int, window: int, groups: int) -> jax.Array:
+    """cache [G*M, S, K, H] -> [G*rows, window, K, H]: positions [0, window) of the first `rows` slots of each
+    group (a local slice per device; it reads only as much cache as the decoded rows and window need)."""
+    _, s, k, h = cache.shape
+    return cache.reshape(groups, -1, s, k, h)[:, :rows, :window].reshape(groups * rows, window, k, h)
+
+
 def _window_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, sliding_window: int | None) -> jax.Array:
     mask = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
     if sliding_window:
@@ -284,11 +333,15 @@ class Llama(nnx.Module):
     def decode(self, tokens_b: jax.Array, positions_b: jax.Array, k_caches: Sequence[jax.Array],
                v_caches: Sequence[jax.Array], window: int, shard: ActivationSharding | None = None
                ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
-        """tokens [B] at positions [B]; caches [B, S, K, H] per layer. Writes K/V at positions_b, attends over
-        cache positions [0, window). Returns hidden [B, D] and the updated caches."""
+        """tokens [B] at positions [B]; caches [G*M, S, K, H] per layer (G = `shard.slot_groups`, B = G*R,
+        R <= M): row i
+        is slot (i // R) * M + i % R, so a decode can cover a prefix of each group of slots (see `write_rows`).
+        Writes K/V at positions_b, attends over cache positions [0, window). Returns hidden [B, D] and the
+        updated caches."""
         inv = np.asarray(self.inv_freq, np.float32)
         b = tokens_b.shape[0]
-        rows = jnp.arange(b)
+        groups = 1 if shard is None else shard.slot_groups
+        rows = b // groups
         x = _constrain(shard, self._embed(tokens_b)[:, None, :], ("act_batch", "act_seq", "act_embed"))
         pos_bt = positions_b[:, None]
         k_pos = jnp.broadcast_to(jnp.arange(window)[None, :], (b, window))
@@ -296,10 +349,10 @@ class Llama(nnx.Module):
         new_k, new_v = [], []
         for layer, kc, vc in zip(self.layers, k_caches, v_caches, strict=True):
             q, k, v = layer.attn.qkv(layer.attn_norm(x), pos_bt, inv)
-            kc = kc.at[rows, positions_b].set(k[:, 0].astype(kc.dtype), mode="drop")
-            vc = vc.at[rows, positions_b].set(v[:, 0].astype(vc.dtype), mode="drop")
-            kw = jax.lax.slice_in_dim(kc, 0, window, axis=1).astype(q.dtype)
-            vw = jax.lax.slice_in_dim(vc, 0, window, axis=1).astype(q.dtype)
+            kc = write_rows(kc, k[:, 0].astype(kc.dtype), positions_b, shard)
+            vc = write_rows(vc, v[:, 0].astype(vc.dtype), positions_b, shard)
+            kw = read_window(kc, rows, window, groups).astype(q.dtype)
+            vw = read_window(vc, rows, window, groups).astype(q.dtype)
             x = x + layer.attn.o_proj(_attend(q, kw, vw, mask))
             x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
             new_k.append(kc)
