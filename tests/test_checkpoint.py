@@ -159,6 +159,43 @@ def test_load_sharded_equals_single_device(tiny_ckpt, use_mmap):
         np.testing.assert_array_equal(np.asarray(s.data), params["embed.embedding"][s.index])
 
 
+@pytest.mark.parametrize("use_mmap", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copied_slices_with_rows_straddling_blocks(tmp_path, use_mmap, dtype):
+    """Column slices and dtype casts are copied row by row as blocks are verified: rows that straddle
+    checksum blocks (100-byte blocks, 64- and 128-byte rows) still land whole in every device's slice."""
+    import ml_dtypes
+
+    params = {n: a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) for n, a in tiny_params(3).items()}
+    r = CheckpointReader(write_tiny(tmp_path / dtype, params, shard_size_bytes=4096, block_bytes=100))
+    loaded, stats = r.load(tiny_specs(), build_mesh({"fsdp": 2, "tp": 2}), merge_rules({}), threads=2,
+                           progress=False, use_mmap=use_mmap)
+    assert stats.bytes_read == r.index.total_bytes
+    for n, a in params.items():
+        assert loaded[n].dtype == np.float32
+        for shard in loaded[n].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), a.astype(np.float32)[shard.index], err_msg=n)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_float32_rows_alias_the_mapped_file(tiny_ckpt):
+    """Whole-row float32 slices are handed to jax as views of the mapped shard file: nothing is copied."""
+    r = CheckpointReader(tiny_ckpt)
+    rules = merge_rules({"embed": None, "q_heads": None, "kv_heads": None})  # dim 0 (vocab, mlp) over tp
+    loaded, _ = r.load(tiny_specs(), build_mesh({"tp": 2}, devices=_devices()[:2]), rules, progress=False)
+    maps = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 6 and fields[5].startswith(str(tiny_ckpt)):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            maps.setdefault(Path(fields[5]).name, []).append((lo, hi))
+    for name in ("embed.embedding", "layers.0.mlp.down_proj.kernel", "final_norm.scale"):
+        file_maps = maps.get(r.index.tensors[name].file, [])
+        for shard in loaded[name].addressable_shards:
+            ptr = shard.data.unsafe_buffer_pointer()
+            assert any(lo <= ptr < hi for lo, hi in file_maps), name
+
+
 def test_partial_reads_cover_exactly_the_needed_rows(tiny_ckpt):
     """A process holding one of 4 devices reads only its blocks: less than the total, and exactly the
     block-widened union of its devices' row ranges."""

@@ -6,23 +6,31 @@
   2. for each tensor, asks the NamedSharding which slices this process's devices hold, merges their dim-0
      row ranges (rows are contiguous byte ranges; other dims are sliced in memory) so each needed byte is
      read once even when several local devices replicate it;
-  3. reads those ranges, widened to whole checksum blocks, with `os.preadv` from a thread pool in pieces,
-     verifies each block's crc32 (an error names the file and tensor), and places each device's slice with
-     `jax.make_array_from_single_device_arrays`. Only local devices are touched, so every host of a
-     multi-process mesh runs the same call and reads its own part.
+  3. maps those ranges copy-on-write, widened to whole checksum blocks (with `use_mmap=False`, and for
+     tensors stored in several segments, `os.preadv`s them into 64-byte aligned buffers block by block), and
+     walks them one block at a time on a small thread pool: verifies the block's crc32 (an error names the
+     file and tensor) and, while the block is still in cache, copies the rows it completes into the device
+     slices that need a copy (a column slice, a dtype cast). A slice that needs none is a view of the
+     mapped bytes, which jax on CPU aliases (64-byte aligned), so a float32 checkpoint loaded as float32
+     onto row-sharded or replicated devices is verified in one pass over memory and copied nowhere;
+  4. hands finished tensors to `jax.make_array_from_callback` in batches. Only local devices are touched,
+     so every host of a multi-process mesh runs the same call and reads its own part.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import math
 import mmap
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +53,9 @@ from raydeploy.model.spec import LlamaConfig, TensorSpec
 if TYPE_CHECKING:
     import jax
 
-PIECE_BYTES = 16 << 20  # read granularity for the thread pool (rounded to checksum blocks)
+PIECE_BYTES = 16 << 20  # work unit of the thread pool for zero-copy tensors (rounded to checksum blocks)
+FINISH_BATCH = 32  # tensors handed to jax together: back to back the jax calls stay cache-hot (~2x faster)
+ALIGN = 64  # jax on CPU aliases a numpy array (no copy) when its data is 64-byte aligned
 PAGE_BYTES = mmap.PAGESIZE
 
 
@@ -63,14 +73,19 @@ class LoadStats:
         return asdict(self)
 
 
+SliceKey = tuple[tuple[int, int], ...]  # a device's index into a tensor: (start, stop) per dim
+
+
 @dataclass
 class _TensorPlan:
     entry: TensorEntry
     sharding: Any
-    device_slices: dict[Any, tuple[slice, ...]]   # device -> its index into the global array
+    keys: dict[Any, SliceKey]                      # device -> its slice of the global array
     intervals: list[tuple[int, int]]               # merged dim-0 row ranges this process needs
-    buffers: list[np.ndarray]                      # one uint8 buffer per interval (block-widened)
-    buf_starts: list[int]                          # tensor byte offset where each buffer starts
+    buffers: list[np.ndarray] = field(default_factory=list)  # per interval: its bytes (block-widened)
+    buf_starts: list[int] = field(default_factory=list)      # tensor byte offset where each buffer starts
+    hosts: dict[SliceKey, np.ndarray] = field(default_factory=dict)  # per distinct slice: what jax gets
+    fills: list[tuple[int, SliceKey, np.ndarray]] = field(default_factory=list)  # (interval, slice, copy)
     pending: int = 0
     mapped: bool = False
 
@@ -90,6 +105,18 @@ def _norm_slice(s: slice, size: int) -> tuple[int, int]:
     if step != 1:
         raise ValueError(f"unexpected strided shard index {s}")
     return start, stop
+
+
+def _block_span(e: TensorEntry, a: int, b: int, bb: int) -> tuple[int, int]:
+    """Tensor byte range [start, stop) of rows [a, b), widened to whole checksum blocks of `bb` bytes."""
+    return (a * e.row_bytes // bb) * bb, min(-(-(b * e.row_bytes) // bb) * bb, e.length)
+
+
+def _slice_key(idx: tuple[slice, ...], shape: tuple[int, ...]) -> SliceKey:
+    """A device's index into a tensor as (start, stop) per dim; a scalar is treated as one row."""
+    if not shape:
+        return ((0, 1),)
+    return tuple(_norm_slice(s, n) for s, n in zip(idx, shape, strict=True))
 
 
 class CheckpointReader:
@@ -160,10 +187,9 @@ class CheckpointReader:
                 wanted = set(devices)
                 dev_idx = {d: i for d, i in sharding.devices_indices_map(tuple(spec.shape)).items() if d in wanted}
             e = self.index.tensors[name]
-            rows = e.shape[0] if e.shape else 1
-            ranges = [_norm_slice(idx[0], rows) if e.shape else (0, 1) for idx in dev_idx.values()]
-            plans[name] = _TensorPlan(entry=e, sharding=sharding, device_slices=dev_idx,
-                                      intervals=merge_intervals(ranges), buffers=[], buf_starts=[])
+            keys = {d: _slice_key(idx, e.shape) for d, idx in dev_idx.items()}
+            plans[name] = _TensorPlan(entry=e, sharding=sharding, keys=keys,
+                                      intervals=merge_intervals([k[0] for k in keys.values()]))
         return plans
 
     def byte_ranges(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
@@ -171,11 +197,8 @@ class CheckpointReader:
         """Per tensor, the [start, stop) byte ranges (of its raw bytes, widened to checksum blocks) that a
         process holding `devices` (default: this process's) reads in `load`."""
         bb = self.index.block_bytes
-        out: dict[str, list[tuple[int, int]]] = {}
-        for name, p in self._plan(specs, mesh, rules, devices).items():
-            rb, n = p.entry.row_bytes, p.entry.length
-            out[name] = [((a * rb // bb) * bb, min(-(-(b * rb) // bb) * bb, n)) for a, b in p.intervals]
-        return out
+        return {name: [_block_span(p.entry, a, b, bb) for a, b in p.intervals]
+                for name, p in self._plan(specs, mesh, rules, devices).items()}
 
     # ---- loading ----
     def load(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
@@ -184,119 +207,30 @@ class CheckpointReader:
         """Read this process's part of every tensor in `specs` and return sharded arrays (see module doc).
 
         With `use_mmap` (default) the needed byte ranges are mapped copy-on-write and touched (checksummed)
-        in the thread pool: no copy through a read buffer, and on CPU the arrays alias the page cache when
-        no dtype cast or column slice is needed. Without it (or for tensors stored in several segments)
-        the ranges are `os.preadv`-ed into aligned buffers."""
-        import jax
+        in place: no copy through a read buffer, and on CPU the arrays alias the page cache when no dtype
+        cast or column slice is needed. Without it (or for tensors stored in several segments) the ranges
+        are `os.preadv`-ed into aligned buffers one checksum block at a time, each block verified while it
+        is still in cache. `threads` is capped at the CPU count: the crc32 holds the GIL, so more threads
+        only contend."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        target = numpy_dtype(dtype)
         plans = self._plan(specs, mesh, rules)
-        # pieces: (plan, buffer number, byte start within tensor, byte end) aligned to checksum blocks
-        bb = self.index.block_bytes
-        piece = max(bb, (PIECE_BYTES // bb) * bb)
-        pieces: list[tuple[_TensorPlan, int, int, int]] = []
-        fds: dict[str, int] = {}
-        try:
-            for fname in sorted({p.entry.file for p in plans.values()}):
-                fds[fname] = os.open(self.path / fname, os.O_RDONLY)
-            maps: dict[str, mmap.mmap] = {}
-            for p in plans.values():
-                e = p.entry
-                p.mapped = use_mmap and len(e.segments) == 1 and e.length > 0
-                if p.mapped and e.file not in maps:
-                    maps[e.file] = mmap.mmap(fds[e.file], 0, access=mmap.ACCESS_COPY)
-                for a, b in p.intervals:
-                    start = (a * e.row_bytes // bb) * bb
-                    stop = min(-(-(b * e.row_bytes) // bb) * bb, e.length)
-                    if p.mapped:
-                        p.buffers.append(np.frombuffer(maps[e.file], np.uint8, stop - start, e.offset + start))
-                    else:
-                        p.buffers.append(aligned_empty(stop - start))
-                    p.buf_starts.append(start)
-                    for s in range(start, stop, piece):
-                        pieces.append((p, len(p.buffers) - 1, s, min(s + piece, stop)))
-                        p.pending += 1
-        except BaseException:
-            for fd in fds.values():
-                os.close(fd)
-            raise
-        total_read = sum(e - s for _, _, s, e in pieces)
-
-        out: dict[str, jax.Array] = {}
-        lock = threading.Lock()
-        bar = tqdm(total=total_read, unit="B", unit_scale=True, desc="load checkpoint", disable=not progress)
-
-        def finish(p: _TensorPlan) -> None:
-            e = p.entry
-            src = numpy_dtype(e.dtype)
-            arrays = []
-            per_range: dict[tuple[int, int], Any] = {}
-            for dev, idx in p.device_slices.items():
-                r0, r1 = _norm_slice(idx[0], e.shape[0]) if e.shape else (0, 1)
-                key = (r0, r1, *(_norm_slice(s, n) for s, n in zip(idx[1:], e.shape[1:], strict=True)))
-                host = per_range.get(key)
-                if host is None:
-                    k = next(i for i, (a, b) in enumerate(p.intervals) if a <= r0 and r1 <= b)
-                    base = r0 * e.row_bytes - p.buf_starts[k]
-                    flat = p.buffers[k][base: base + (r1 - r0) * e.row_bytes].view(src)
-                    host = flat.reshape((r1 - r0, *e.shape[1:])) if e.shape else flat.reshape(())
-                    if e.shape and len(idx) > 1:
-                        host = host[(slice(None), *idx[1:])]
-                    host = np.ascontiguousarray(host, dtype=target) if host.dtype != target else host
-                    per_range[key] = host
-                arrays.append(jax.device_put(host, dev))
-            out[e.name] = jax.make_array_from_single_device_arrays(e.shape, p.sharding, arrays)
-            p.buffers.clear()
-
-        def read_piece(p: _TensorPlan, k: int, s: int, e_: int) -> None:
-            entry = p.entry
-            view = memoryview(p.buffers[k])[s - p.buf_starts[k]: e_ - p.buf_starts[k]]
-            if not p.mapped:
-                _pread_tensor_bytes(fds[entry.file], entry, s, view, self.path)
-            elif not verify:  # fault the mapped pages in now, so the load really reads them
-                int(p.buffers[k][s - p.buf_starts[k]: e_ - p.buf_starts[k]: PAGE_BYTES].max(initial=0))
-            if verify:
-                for blk in range(s // bb, -(-e_ // bb)):
-                    b0 = blk * bb - s
-                    got = crc32(view[b0: b0 + bb])
-                    if got != entry.crc32[blk]:
-                        raise CheckpointError(
-                            f"checksum mismatch in block {blk} (tensor bytes [{blk * bb}, "
-                            f"{min((blk + 1) * bb, entry.length)})): the file is corrupt",
-                            str(self.path / entry.file), tensor=entry.name)
-            bar.update(e_ - s)
-            with lock:
-                p.pending -= 1
-                done = p.pending == 0
-            if done:
-                finish(p)
-
-        try:
-            for p in plans.values():
-                if p.pending == 0:
-                    finish(p)
-            with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckpt-read") as pool:
-                futures = [pool.submit(read_piece, *pc) for pc in pieces]
-                try:
-                    for f in futures:
-                        f.result()
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
-        finally:
-            bar.close()
-            for fd in fds.values():
-                os.close(fd)
-        missing = [n for n in specs if n not in out]
+        with _gc_paused(), _Load(self, plans, numpy_dtype(dtype), verify, use_mmap) as run:
+            bar = tqdm(total=run.total_bytes, unit="B", unit_scale=True, desc="load checkpoint",
+                       disable=not progress)
+            try:
+                run.read_all(max(1, min(threads, os.cpu_count() or 1)), bar.update)
+            finally:
+                bar.close()
+        missing = [n for n in specs if n not in run.out]
         if missing:  # cannot happen unless a worker died silently; never hand out a partial model
             raise CheckpointError(f"internal: {len(missing)} tensors were not loaded", str(self.path), missing[0])
         seconds = time.perf_counter() - t0
-        stats = LoadStats(bytes_read=total_read, seconds=seconds, gbps=total_read / seconds / 1e9 if seconds else 0.0,
-                          tensors=len(out), files=len(fds))
-        return {n: out[n] for n in specs}, stats
+        stats = LoadStats(bytes_read=run.total_bytes, seconds=seconds,
+                          gbps=run.total_bytes / seconds / 1e9 if seconds else 0.0, tensors=len(run.out),
+                          files=len(run.fds))
+        return {n: run.out[n] for n in specs}, stats
 
     def read_tensor(self, name: str, verify: bool = True) -> np.ndarray:
         """One whole tensor as numpy (for tools and tests; serving uses `load`)."""
@@ -316,6 +250,180 @@ class CheckpointReader:
                     raise CheckpointError(f"checksum mismatch in block {blk}: the file is corrupt",
                                           str(self.path / e.file), tensor=name)
         return buf.view(numpy_dtype(e.dtype)).reshape(e.shape)
+
+
+class _Load:
+    """One `CheckpointReader.load` call: the open shard files, the work pieces, and the arrays made so far.
+
+    A piece is a run of whole checksum blocks of one tensor interval. Tensors that need a copy (a column
+    slice, a dtype cast, an unaligned slice) get one piece per interval, so each block's completed rows are
+    copied right after its crc32, while the block is still in cache; the others are split in PIECE_BYTES
+    pieces and placed zero-copy."""
+
+    def __init__(self, reader: CheckpointReader, plans: dict[str, _TensorPlan], target: np.dtype,
+                 verify: bool, use_mmap: bool):
+        self.path, self.bb = reader.path, reader.index.block_bytes
+        self.plans, self.target, self.verify, self.use_mmap = plans, target, verify, use_mmap
+        self.fds: dict[str, int] = {}
+        self.maps: dict[str, mmap.mmap] = {}
+        self.pieces: list[tuple[_TensorPlan, int, int, int]] = []  # (plan, interval, byte start, byte stop)
+        self.out: dict[str, Any] = {}
+        self.lock = threading.Lock()
+        self.ready: list[_TensorPlan] = []  # tensors read in full, not yet handed to jax
+        self.failed = False
+
+    def __enter__(self) -> _Load:
+        try:
+            for fname in sorted({p.entry.file for p in self.plans.values()}):
+                self.fds[fname] = os.open(self.path / fname, os.O_RDONLY)
+            for p in self.plans.values():
+                self._prepare(p)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.total_bytes = sum(stop - start for _, _, start, stop in self.pieces)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+    def _prepare(self, p: _TensorPlan) -> None:
+        """Map or allocate the plan's byte ranges, choose its host arrays, and queue its pieces."""
+        e, bb = p.entry, self.bb
+        p.mapped = self.use_mmap and len(e.segments) == 1 and e.length > 0
+        if p.mapped and e.file not in self.maps:
+            self.maps[e.file] = mmap.mmap(self.fds[e.file], 0, access=mmap.ACCESS_COPY)
+        for a, b in p.intervals:
+            start, stop = _block_span(e, a, b, bb)
+            if p.mapped:
+                p.buffers.append(np.frombuffer(self.maps[e.file], np.uint8, stop - start, e.offset + start))
+            else:
+                p.buffers.append(aligned_empty(stop - start))
+            p.buf_starts.append(start)
+        self._place_hosts(p)
+        piece = max(bb, (PIECE_BYTES // bb) * bb)
+        for k, buf in enumerate(p.buffers):
+            start, stop = p.buf_starts[k], p.buf_starts[k] + len(buf)
+            step = max(stop - start, 1) if p.fills else piece  # copies follow the rows: one piece per interval
+            for s in range(start, stop, step):
+                self.pieces.append((p, k, s, min(s + step, stop)))
+                p.pending += 1
+
+    def _place_hosts(self, p: _TensorPlan) -> None:
+        """Per distinct device slice, the host array jax gets: a view of the interval's bytes when jax can
+        alias it (same dtype, whole rows, 64-byte aligned), else an aligned array filled by `_fill_rows`."""
+        e = p.entry
+        shape = e.shape or (1,)
+        for key in dict.fromkeys(p.keys.values()):
+            (r0, r1), cols = key[0], key[1:]
+            k = next(i for i, (a, b) in enumerate(p.intervals) if a <= r0 and r1 <= b)
+            host = self._rows(p, k, r0, r1)
+            whole_rows = cols == tuple((0, n) for n in shape[1:])
+            if host.dtype != self.target or not whole_rows or host.ctypes.data % ALIGN:
+                host = aligned_empty((r1 - r0) * math.prod(b - a for a, b in cols) * self.target.itemsize)
+                host = host.view(self.target).reshape((r1 - r0, *(b - a for a, b in cols)))
+                p.fills.append((k, key, host))
+            p.hosts[key] = host if e.shape else host.reshape(())
+
+    def _rows(self, p: _TensorPlan, k: int, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of the tensor, as stored, viewed in interval k's bytes."""
+        e = p.entry
+        base = r0 * e.row_bytes - p.buf_starts[k]
+        flat = p.buffers[k][base: base + (r1 - r0) * e.row_bytes].view(numpy_dtype(e.dtype))
+        return flat.reshape((r1 - r0, *e.shape[1:]))
+
+    def _fill_rows(self, p: _TensorPlan, k: int, lo: int, hi: int) -> None:
+        """Copy rows [lo, hi) of interval k (verified) into the slices that need a copy."""
+        for fk, key, host in p.fills:
+            (r0, r1), cols = key[0], key[1:]
+            a, b = max(lo, r0), min(hi, r1)
+            if fk == k and a < b:
+                host[a - r0: b - r0] = self._rows(p, k, a, b)[(slice(None), *(slice(c0, c1) for c0, c1 in cols))]
+
+    def read_all(self, threads: int, progress: Callable[[int], object]) -> None:
+        """Read, verify and place every piece with `threads` workers; the first error stops the others."""
+        self.ready = [p for p in self.plans.values() if p.pending == 0]
+        queue = iter(self.pieces)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
+            futures = [pool.submit(self._work, queue, progress) for _ in range(threads)]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                self.failed = True
+                raise
+        for p in self.ready:
+            self._finish(p)
+
+    def _work(self, queue: Iterator[tuple[_TensorPlan, int, int, int]], progress: Callable[[int], object]) -> None:
+        while not self.failed:
+            with self.lock:
+                piece = next(queue, None)
+            if piece is None:
+                return
+            try:
+                self._read_piece(*piece, progress)
+            except BaseException:
+                self.failed = True
+                raise
+
+    def _read_piece(self, p: _TensorPlan, k: int, s: int, stop: int, progress: Callable[[int], object]) -> None:
+        """Block by block: read (preadv) or map, verify the crc32, then copy the rows it completed."""
+        e, buf, base = p.entry, p.buffers[k], p.buf_starts[k]
+        row = p.intervals[k][0]  # first row not yet copied (pieces of tensors with copies span the interval)
+        for b0 in range(s, stop, self.bb):
+            b1 = min(b0 + self.bb, stop)
+            block = buf[b0 - base: b1 - base]
+            if not p.mapped:
+                _pread_tensor_bytes(self.fds[e.file], e, b0, memoryview(block), self.path)
+            if self.verify:
+                self._check_block(e, b0 // self.bb, block)
+            elif p.mapped:  # fault the mapped pages in now, so the load really reads them
+                int(block[::PAGE_BYTES].max(initial=0))
+            if p.fills:
+                done = min(p.intervals[k][1], b1 // e.row_bytes)
+                if done > row:
+                    self._fill_rows(p, k, row, done)
+                    row = done
+        progress(stop - s)
+        with self.lock:
+            p.pending -= 1
+            if p.pending == 0:
+                self.ready.append(p)
+            if len(self.ready) < FINISH_BATCH:
+                return
+            batch, self.ready = self.ready, []
+        for q in batch:
+            self._finish(q)
+
+    def _check_block(self, e: TensorEntry, blk: int, block: np.ndarray) -> None:
+        if crc32(block) != e.crc32[blk]:
+            raise CheckpointError(
+                f"checksum mismatch in block {blk} (tensor bytes [{blk * self.bb}, "
+                f"{min((blk + 1) * self.bb, e.length)})): the file is corrupt", str(self.path / e.file), tensor=e.name)
+
+    def _finish(self, p: _TensorPlan) -> None:
+        """All of the tensor's pieces are in: hand each local device its host array (aliased on CPU)."""
+        import jax
+
+        e, hosts = p.entry, p.hosts
+        self.out[e.name] = jax.make_array_from_callback(e.shape, p.sharding,
+                                                        lambda idx: hosts[_slice_key(idx, e.shape)])
+        p.buffers, p.hosts, p.fills = [], {}, []
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Hold off Python's cyclic GC: jax hooks XLA's garbage collection (~1 ms) into every GC pass, and the
+    small objects a load allocates would trigger several passes (~10% of a warm-cache load)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _pread_tensor_bytes(fd: int, e: TensorEntry, start: int, out: memoryview, ckpt: Path) -> None:
