@@ -215,8 +215,7 @@ class CheckpointReader:
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        plans = self._plan(specs, mesh, rules)
-        with _gc_paused(), _Load(self, plans, numpy_dtype(dtype), verify, use_mmap) as run:
+        with _gc_paused(), _Load(self, self._plan(specs, mesh, rules), numpy_dtype(dtype), verify, use_mmap) as run:
             bar = tqdm(total=run.total_bytes, unit="B", unit_scale=True, desc="load checkpoint",
                        disable=not progress)
             try:
