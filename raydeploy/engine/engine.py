@@ -73,6 +73,17 @@ def default_decode_windows(max_seq_len: int, prefill_buckets: Sequence[int]) -> 
     return out + [max_seq_len]
 
 
+def _pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
+    """[2, B] float32: the tokens' int32 bits and their logprobs, so a step returns (and, across processes,
+    gathers) one array, not two."""
+    return jnp.stack([jax.lax.bitcast_convert_type(tokens, jnp.float32), logprobs])
+
+
+def _unpack(out: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    arr = np.asarray(out)
+    return arr[0].view(np.int32), arr[1]
+
+
 class Engine:
     """One model replica over one mesh (possibly spanning several processes), with `max_slots` KV slots."""
 
@@ -105,7 +116,7 @@ class Engine:
         self._group_size = self._max_slots // self._groups
         self.decode_rows = default_decode_rows(self._group_size)
         cache_sh = [self.k_cache[0].sharding] * llama_cfg.num_layers
-        out_sh = (cache_sh, cache_sh, self._presence_sharding, self._replicated, self._replicated)
+        out_sh = (cache_sh, cache_sh, self._presence_sharding, self._replicated)
         self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2, 3), out_shardings=out_sh)
         self._decode_jit = jax.jit(self._decode_fn, static_argnums=(6, 7), donate_argnums=(1, 2, 3),
                                    out_shardings=out_sh)
@@ -146,7 +157,7 @@ class Engine:
         valid = jnp.arange(t) < length
         row = jnp.zeros((self.cfg.vocab_size,), bool).at[tokens[0]].max(valid)
         tok, lp = sample(logits, row[None], floats[0:1], floats[1:2], top_k[None], floats[2:3], seed[None],
-                         length[None])
+                         length[None], floats[0] > 0)
         row = row.at[tok[0]].set(True)
         presence = jax.lax.dynamic_update_slice(presence, row[None], (slot, 0))
         zero = jnp.zeros((), jnp.int32)
@@ -154,12 +165,13 @@ class Engine:
                    for c, k in zip(k_cache, ks, strict=True)]
         v_cache = [jax.lax.dynamic_update_slice(c, v.astype(c.dtype), (slot, zero, zero, zero))
                    for c, v in zip(v_cache, vs, strict=True)]
-        return k_cache, v_cache, presence, tok, lp
+        return k_cache, v_cache, presence, _pack(tok, lp)
 
     def _decode_fn(self, leaves, k_cache, v_cache, presence, ints, floats, window, rows):
         """The first `rows` slots of each group decode one token (B = groups * rows decoded rows).
 
-        ints: [5, B] = tokens, positions, active, top_k, seed; floats: [3, B] = temperature, top_p, penalty.
+        ints: [6, B] = tokens, positions, active, top_k, seed, any-row-samples flag (the same in every column);
+        floats: [3, B] = temperature, top_p, penalty.
         """
         model = self._model(leaves)
         tokens, positions, active, top_k = ints[0], ints[1], ints[2].astype(bool), ints[3]
@@ -169,12 +181,12 @@ class Engine:
         logits = model.logits(h, self._shard)
         grouped = presence.reshape(g, -1, v)
         seen = grouped[:, :rows].reshape(g * rows, v)
-        tok, lp = sample(logits, seen, floats[0], floats[1], top_k, floats[2], seed, positions + 1)
+        tok, lp = sample(logits, seen, floats[0], floats[1], top_k, floats[2], seed, positions + 1, ints[5, 0] > 0)
         # Elementwise (not a scatter), so each device updates only the rows and vocab columns it holds.
         chosen = jnp.arange(v)[None, :] == tok[:, None]
         seen = seen | (chosen & active[:, None])
         presence = grouped.at[:, :rows].set(seen.reshape(g, rows, v)).reshape(presence.shape)
-        return k_cache, v_cache, presence, tok, lp
+        return k_cache, v_cache, presence, _pack(tok, lp)
 
     # -- host side
     def _put(self, x: np.ndarray) -> jax.Array:
@@ -193,7 +205,7 @@ class Engine:
         i = bisect.bisect_left(self.windows, longest + 1)
         return self.windows[min(i, len(self.windows) - 1)]
 
-    def _run_prefill(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> tuple[jax.Array, jax.Array]:
+    def _run_prefill(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> jax.Array:
         n = int(tokens.shape[0])
         bucket = self.bucket_for(n)
         if n >= self._max_seq_len:
@@ -202,9 +214,9 @@ class Engine:
         ints[:n] = tokens
         ints[bucket:] = [n, slot, sp.top_k[0], sp.seed.view(np.int32)[0]]
         floats = np.asarray([sp.temperature[0], sp.top_p[0], sp.repetition_penalty[0]], np.float32)
-        self.k_cache, self.v_cache, self.presence, tok, lp = self._prefill_jit(
+        self.k_cache, self.v_cache, self.presence, out = self._prefill_jit(
             self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats))
-        return tok, lp
+        return out
 
     def rows_for(self, active: np.ndarray) -> int:
         """Smallest decode row bucket covering every active slot's place in its group."""
@@ -216,42 +228,45 @@ class Engine:
         """The slots a decode with `rows` rows per group covers, in output order."""
         return (np.arange(self._groups)[:, None] * self._group_size + np.arange(rows)[None, :]).reshape(-1)
 
-    def _run_decode(self, window: int, rows: int) -> tuple[jax.Array, jax.Array]:
+    def _run_decode(self, window: int, rows: int) -> jax.Array:
         s = self.slots
         sp = s.slot_sampling()
         positions = np.where(s.active, s.lengths, 0)
-        ints = np.stack([s.last_token, positions, s.active.astype(np.int32), sp.top_k,
-                         sp.seed.view(np.int32)]).astype(np.int32)
-        floats = np.stack([sp.temperature, sp.top_p, sp.repetition_penalty]).astype(np.float32)
         idx = self.decoded_slots(rows)
-        self.k_cache, self.v_cache, self.presence, tok, lp = self._decode_jit(
+        sampled = np.full(self._max_slots, int(bool(np.any(s.active[idx] & (sp.temperature[idx] > 0)))))
+        ints = np.stack([s.last_token, positions, s.active.astype(np.int32), sp.top_k,
+                         sp.seed.view(np.int32), sampled]).astype(np.int32)
+        floats = np.stack([sp.temperature, sp.top_p, sp.repetition_penalty]).astype(np.float32)
+        self.k_cache, self.v_cache, self.presence, out = self._decode_jit(
             self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints[:, idx]),
             self._put(floats[:, idx]), window, rows)
-        return tok, lp
+        return out
 
     def step(self, plan: StepPlan) -> StepResult:
         """Apply one plan: release slots, prefill each item into its slot, then decode every active slot."""
         for slot in plan.release:
             self.slots.release(slot)
-        p_tok, p_lp = [], []
-        for item in plan.prefills:
+        outs, lengths = [], []
+        for item in plan.prefills:  # dispatch every prefill before reading any result back
             self.slots.check_slot(item.slot)
             tokens = np.asarray(item.tokens, np.int32).reshape(-1)
-            tok, lp = self._run_prefill(tokens, item.slot, SlotSampling.from_params([item.sampling]))
-            t, logp = int(np.asarray(tok)[0]), float(np.asarray(lp)[0])
-            self.slots.start(item.slot, tokens.shape[0], t, item.sampling)
-            p_tok.append(t)
-            p_lp.append(logp)
-        result = StepResult(plan.step_id, np.asarray(p_tok, np.int32), np.asarray(p_lp, np.float32))
+            outs.append(self._run_prefill(tokens, item.slot, SlotSampling.from_params([item.sampling])))
+            lengths.append(tokens.shape[0])
+        p_tok, p_lp = np.zeros(len(outs), np.int32), np.zeros(len(outs), np.float32)
+        for i, (item, out, n) in enumerate(zip(plan.prefills, outs, lengths, strict=True)):
+            t, logp = _unpack(out)
+            p_tok[i], p_lp[i] = t[0], logp[0]
+            self.slots.start(item.slot, n, int(t[0]), item.sampling)
+        result = StepResult(plan.step_id, p_tok, p_lp)
         if plan.decode and self.slots.active.any():
             self.slots.check_room()
             active = self.slots.active.copy()
             rows = self.rows_for(active)
-            tok, lp = self._run_decode(self.window_for(self.slots.longest_active()), rows)
+            out = self._run_decode(self.window_for(self.slots.longest_active()), rows)
             idx = self.decoded_slots(rows)
             tokens = np.zeros(self._max_slots, np.int32)
             logprobs = np.zeros(self._max_slots, np.float32)
-            tokens[idx], logprobs[idx] = np.asarray(tok), np.asarray(lp)
+            tokens[idx], logprobs[idx] = _unpack(out)
             self.slots.advance(active, tokens)
             result.decode_tokens = np.where(active, tokens, 0).astype(np.int32)
             result.decode_logprobs = np.where(active, logprobs, 0.0).astype(np.float32)
@@ -271,14 +286,12 @@ class Engine:
         greedy = SlotSampling.from_params([self.slots.sampling[0]])
         for b in self.buckets:
             t0 = time.perf_counter()
-            tok, _ = self._run_prefill(np.zeros(min(b, self._max_seq_len - 1), np.int32), 0, greedy)
-            jax.block_until_ready(tok)
+            jax.block_until_ready(self._run_prefill(np.zeros(min(b, self._max_seq_len - 1), np.int32), 0, greedy))
             self.compile_s[f"prefill_{b}"] = time.perf_counter() - t0
         for w in self.windows:
             for r in self.decode_rows:
                 t0 = time.perf_counter()
-                tok, _ = self._run_decode(w, r)
-                jax.block_until_ready(tok)
+                jax.block_until_ready(self._run_decode(w, r))
                 self.compile_s[f"decode_{w}x{r}"] = time.perf_counter() - t0
         return dict(self.compile_s)
 

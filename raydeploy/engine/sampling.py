@@ -87,18 +87,20 @@ def _sample_filtered(logits_bv: jax.Array, temperature_b: jax.Array, top_p_b: ja
 
 
 def sample(logits_bv: jax.Array, presence_bv: jax.Array, temperature_b: jax.Array, top_p_b: jax.Array,
-           top_k_b: jax.Array, repetition_penalty_b: jax.Array, seed_b: jax.Array, position_b: jax.Array
-           ) -> tuple[jax.Array, jax.Array]:
+           top_k_b: jax.Array, repetition_penalty_b: jax.Array, seed_b: jax.Array, position_b: jax.Array,
+           any_sampled: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Next token [B] int32 and its raw logprob [B] float32. temperature 0 is greedy (argmax after penalty).
 
     The sort-based filters run only when some row samples (lax.cond), so all-greedy batches stay cheap.
+    `any_sampled` (scalar bool) is that condition when the caller knows it from replicated inputs; computing
+    it from rows that are sharded over devices would cost a cross-device reduction every step.
     """
     logits_bv = logits_bv.astype(jnp.float32)
     penalised = apply_repetition_penalty(logits_bv, presence_bv, repetition_penalty_b)
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     sampling = temperature_b > 0
     tokens = jax.lax.cond(
-        jnp.any(sampling),
+        jnp.any(sampling) if any_sampled is None else any_sampled,
         lambda: jnp.where(sampling, _sample_filtered(penalised, temperature_b, top_p_b, top_k_b, seed_b,
                                                      position_b), greedy),
         lambda: greedy,
