@@ -2,15 +2,20 @@
 
 Runs the same model, mesh shape, batch and requests on both, alternating repeats so that both see the
 same machine load:
-- peer: one process with 4 virtual CPU devices driving the Engine with the Scheduler (LocalRunner),
-  kept alive in a subprocess that runs one timed generation per line it reads;
-- gang: 2 host processes x 2 devices joined by jax.distributed, rank 0 broadcasting every StepPlan.
+- peer: one process holding all the mesh's virtual CPU devices (4 by default) driving the Engine with the
+  Scheduler (LocalRunner), kept alive in a subprocess that runs one timed generation per line it reads;
+- gang: --hosts processes (2) sharing the devices (2 each) joined by jax.distributed, rank 0 broadcasting
+  every StepPlan.
 Reported: step time of each (wall time of the generation / steps; median and best of the repeats), the
 gang's overhead in percent, rank 0's broadcast cost per step in microseconds (key-value write and the
 amortised deletes; also on the stand-in engine, where steps are tiny), and the gang's bring-up time from
 nothing to ready by phase (placement, actors, fingerprint, init, load, compile).
 
-    python benchmarks/gang_overhead.py [--mesh dp=2,tp=2] [--batch 2] [--tokens 96] [--json]
+    python benchmarks/gang_overhead.py [--mesh dp=4] [--hosts 2] [--batch 4] [--tokens 96] [--json]
+
+With a tp axis (--mesh dp=2,tp=2) the gang pays for XLA CPU's multi-process collectives: once a process
+is part of a jax.distributed job, every collective, even between two devices of that process, goes through
+gloo over TCP (measured ~4 ms per all-reduce vs ~0.4 ms in one process), i.e. 30 per decode step here.
 """
 
 from __future__ import annotations
@@ -27,9 +32,20 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPT = (1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198)
 
 
+def mesh_devices(args: argparse.Namespace) -> int:
+    n = 1
+    for kv in args.mesh.split(","):
+        n *= int(kv.split("=")[1])
+    return n
+
+
 def overrides(args: argparse.Namespace) -> list[str]:
     axes = ", ".join(f"{k}: {v}" for k, v in (kv.split("=") for kv in args.mesh.split(",")))
-    return [f"mesh.axes={{{axes}}}", "model.max_seq_len=256", "engine.prefill_buckets=[64, 256]",
+    n = mesh_devices(args)
+    if n % args.hosts:
+        raise SystemExit(f"--mesh {args.mesh} has {n} devices, which do not split over --hosts {args.hosts}")
+    return [f"mesh.axes={{{axes}}}", f"cluster.num_hosts={args.hosts}", f"cluster.devices_per_host={n // args.hosts}",
+            "model.max_seq_len=256", "engine.prefill_buckets=[64, 256]",
             "engine.max_new_tokens=200", f"engine.max_slots={args.batch}", "cluster.init_timeout_s=120"]
 
 
@@ -41,7 +57,7 @@ def requests(args: argparse.Namespace, tag: str) -> list:
 
 
 def peer(args: argparse.Namespace) -> dict:
-    """One process, 4 devices: the same engine and scheduler without the gang."""
+    """One process holding every device of the mesh: the same engine and scheduler without the gang."""
     import jax
 
     from raydeploy.checkpoint.reader import CheckpointReader
@@ -54,7 +70,7 @@ def peer(args: argparse.Namespace) -> dict:
     from raydeploy.model.spec import param_specs
 
     cfg = load_config(None, overrides(args))
-    mesh = build_mesh(cfg.mesh_shape, jax.local_devices()[:4])
+    mesh = build_mesh(cfg.mesh_shape, jax.local_devices()[:mesh_devices(args)])
     rules = merge_rules(cfg.mesh.rules)
     reader = CheckpointReader(resolve_checkpoint_path(cfg))
     params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, cfg.model.param_dtype, 8,
@@ -81,8 +97,8 @@ class Peer:
 
     def __init__(self, args: argparse.Namespace) -> None:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=4")
-        cmd = [sys.executable, __file__, "--peer", "--mesh", args.mesh, "--batch", str(args.batch),
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={mesh_devices(args)}")
+        cmd = [sys.executable, __file__, "--peer", "--mesh", args.mesh, "--hosts", str(args.hosts), "--batch", str(args.batch),
                "--tokens", str(args.tokens)]
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
@@ -133,7 +149,7 @@ def toy_broadcast(args: argparse.Namespace) -> dict:
     from raydeploy.config import load_config
     from raydeploy.gang.gang import start_gang
 
-    cfg = load_config(None, [*overrides(args), "engine.max_slots=2"])
+    cfg = load_config(None, overrides(args))
     g = start_gang(cfg, engine="toy")
     try:
         g.wait_ready(600)
@@ -180,8 +196,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mesh", default="dp=2,tp=2")
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--mesh", default="dp=4", help="mesh axes, e.g. dp=4 or dp=2,tp=2")
+    ap.add_argument("--hosts", type=int, default=2, help="host processes of the gang (the peer is one process)")
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
@@ -198,7 +215,8 @@ def main() -> int:
         print(json.dumps(out, indent=1))
     else:
         print(f"decode step, mesh {args.mesh}, batch {args.batch} (median of {args.repeat}, alternating): "
-              f"1 process x 4 devices {m['peer_median_ms']:.1f} ms; 2 hosts x 2 devices "
+              f"1 process x {mesh_devices(args)} devices {m['peer_median_ms']:.1f} ms; {args.hosts} hosts x "
+              f"{mesh_devices(args) // args.hosts} devices "
               f"{m['gang_median_ms']:.1f} ms ({overhead:+.1f}%)")
         print(f"broadcast per step (rank 0): {m['broadcast_us']:.0f} us = {out['broadcast_pct_of_step']:.2f}% "
               f"of a step; stand-in engine: {m['toy']['broadcast_us']:.0f} us per step of "

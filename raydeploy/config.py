@@ -150,6 +150,9 @@ class EngineConfig:
     """Prompt lengths are padded up to the next bucket so compilations stay bounded; the last must be >= max_seq_len."""
     max_new_tokens: int = 256
     """Default and upper bound of tokens generated per request."""
+    decode_steps: int = 4
+    """Decode steps per plan while no prompt waits to start: tokens then stream in groups of this size, and the
+    per-plan costs (broadcast to every host, reading tokens back) are paid once per group. 1 = every token."""
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     """Sampling defaults."""
     compilation_cache_dir: str | None = "~/.cache/raydeploy/jax-compilation-cache"
@@ -382,8 +385,8 @@ def validate(cfg: Config) -> None:
         "cluster.placement_timeout_s": c.placement_timeout_s, "cluster.init_timeout_s": c.init_timeout_s,
         "cluster.heartbeat_timeout_s": c.heartbeat_timeout_s, "cluster.step_timeout_s": c.step_timeout_s,
         "cluster.rpc_timeout_s": c.rpc_timeout_s, "engine.max_slots": e.max_slots,
-        "engine.max_new_tokens": e.max_new_tokens, "model.max_seq_len": m.max_seq_len,
-        "model.load_threads": m.load_threads, "serving.max_queue": s.max_queue,
+        "engine.max_new_tokens": e.max_new_tokens, "engine.decode_steps": e.decode_steps,
+        "model.max_seq_len": m.max_seq_len, "model.load_threads": m.load_threads, "serving.max_queue": s.max_queue,
         "serving.request_timeout_s": s.request_timeout_s, "serving.max_body_bytes": s.max_body_bytes,
         "serving.ingress_replicas": s.ingress_replicas,
     }

@@ -22,7 +22,7 @@ def test_embedded_default_loads() -> None:
     cfg = load_config()
     assert isinstance(cfg, Config)
     assert cfg.total_devices == cfg.cluster.num_hosts * cfg.cluster.devices_per_host
-    assert cfg.mesh_shape == {"dp": 2, "tp": 2}
+    assert cfg.mesh_shape == {"dp": 2}
     assert cfg.source.endswith("default_config.yaml")
 
 

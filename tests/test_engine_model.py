@@ -87,8 +87,9 @@ def _greedy(engine, prompts, stagger=None, sampling=None):
     from raydeploy.engine.scheduler import Scheduler
     from raydeploy.engine.step import SamplingParams
 
-    # no eos: fixed length; slots filled in the engine's order, as in serving
-    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 8, [64], slot_order=engine.slot_order)
+    # no eos: fixed length; slots filled in the engine's order and several decode steps per plan, as in serving
+    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 8, [64], slot_order=engine.slot_order,
+                      decode_steps=engine.decode_steps)
     runner = LocalRunner(engine, sched)
     stagger = stagger or [0] * len(prompts)
     sampling = sampling or [SamplingParams()] * len(prompts)

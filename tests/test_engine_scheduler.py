@@ -35,9 +35,12 @@ class CountingEngine:
             toks.append(self.last[item.slot])
         res = StepResult(plan.step_id, np.asarray(toks, np.int32), np.full(len(toks), -0.5, np.float32))
         if plan.decode:
-            self.last = np.where(self.active, self.last + 1, self.last).astype(np.int32)
-            res.decode_tokens = self.last.copy()
-            res.decode_logprobs = np.full(len(self.last), -0.25, np.float32)
+            steps = []
+            for _ in range(plan.decode_steps):
+                self.last = np.where(self.active, self.last + 1, self.last).astype(np.int32)
+                steps.append(self.last.copy())
+            res.decode_tokens = np.stack(steps)
+            res.decode_logprobs = np.full(res.decode_tokens.shape, -0.25, np.float32)
         return res
 
 
@@ -223,3 +226,25 @@ def test_slots_are_filled_in_the_given_order_and_a_bad_order_is_refused():
     assert [i.slot for i in eng.plans[0].prefills] == [0, 2, 1]
     with pytest.raises(ValueError, match=r"slot_order must list each of the 4 slots once, got \[0, 1, 1, 3\]"):
         Scheduler(4, 64, (EOS,), 4, [16], slot_order=[0, 1, 1, 3])
+
+
+def test_decode_steps_group_tokens_but_not_first_tokens_or_past_the_end():
+    sched = Scheduler(2, 16, (EOS,), 4, [8], clock=Clock(), decode_steps=4)
+    eng = CountingEngine(2)
+    runner = LocalRunner(eng, sched)
+    a = runner.submit(req("a", prompt=(10, 11, 12), max_tokens=10))
+    runner.step_once()  # a's prefill: one decode step, so its first token is not held back
+    b = runner.submit(req("b", prompt=(40,), max_tokens=3))
+    runner.run_until_idle()
+    assert a.result(5).token_ids == list(range(13, 23)) and b.result(5).token_ids == [41, 42, 43]
+    steps = [p.decode_steps for p in eng.plans if p.decode]
+    assert steps[0] == 1 and steps[1] == 1  # plans with a prefill decode once
+    assert 4 in steps  # plans without one decode four steps
+    # never more than the running requests still want: a needs 10 tokens in all
+    assert sum(steps) <= 10 + 1
+    # never past max_seq_len: a 12-token prompt leaves room for 4 cached tokens in 16
+    sched = Scheduler(1, 16, (EOS,), 4, [16], clock=Clock(), decode_steps=4)
+    eng = CountingEngine(1)
+    out = collect(LocalRunner(eng, sched), req("c", prompt=tuple(range(100, 112)), max_tokens=50))
+    assert out["c"].token_ids == list(range(112, 116)) and out["c"].finish_reason == "length"
+    assert [p.decode_steps for p in eng.plans if p.decode] == [1, 3]

@@ -26,7 +26,8 @@ from raydeploy.gang.gang import start_gang, stream_events
 pytestmark = [pytest.mark.ray, pytest.mark.model, pytest.mark.slow]
 
 HEARTBEAT_S = 5
-OVERRIDES = ["mesh.axes={fsdp: 2, tp: 2}", "model.max_seq_len=256", "engine.prefill_buckets=[256]",
+OVERRIDES = ["cluster.devices_per_host=2", "mesh.axes={fsdp: 2, tp: 2}",
+             "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}", "model.max_seq_len=256", "engine.prefill_buckets=[256]",
              "engine.max_new_tokens=64", "engine.max_slots=2", f"cluster.heartbeat_timeout_s={HEARTBEAT_S}",
              "cluster.init_timeout_s=60", "cluster.restart_backoff_s=0.2", "cluster.max_restarts=2"]
 PROMPTS = [

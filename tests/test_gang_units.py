@@ -198,7 +198,8 @@ def test_coordinator_streams_events_and_fail_all_ends_requests():
                 self.release.wait(30)
             n = 4
             return StepResult(plan.step_id, np.full(len(plan.prefills), 9, np.int32),
-                              np.zeros(len(plan.prefills), np.float32), np.full(n, 9, np.int32), np.zeros(n, np.float32))
+                              np.zeros(len(plan.prefills), np.float32), np.full((1, n), 9, np.int32),
+                              np.zeros((1, n), np.float32))
 
     engine = BlockingEngine()
     coord = Coordinator(ToyScheduler(4), Dispatcher(engine, MemoryKV(), 1, num_followers=0))
@@ -241,7 +242,7 @@ def test_gang_errors_cross_ray_intact():
 def test_host_env_sets_jax_before_import_and_actor_options_follow_the_bundle():
     from raydeploy.gang.host import actor_options, host_env
 
-    cfg = load_config(None, ["cluster.env={FOO: bar}"])
+    cfg = load_config(None, ["cluster.env={FOO: bar}", "cluster.devices_per_host=2", "mesh.axes={dp: 4}"])
     env = host_env(cfg)
     assert env["JAX_PLATFORMS"] == "cpu" and env["FOO"] == "bar"
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2" and int(env["PJRT_NPROC"]) >= 8

@@ -73,7 +73,7 @@ def test_cpu_fsdp_shards_weights_across_hosts() -> None:
 def test_local_plan_reads_the_demo_checkpoint(demo_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", str(CONFIGS / "local.yaml"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["ok"] and out["model"]["heads"] == 9 and out["mesh"] == {"dp": 2, "tp": 2}
+    assert out["ok"] and out["model"]["heads"] == 9 and out["mesh"] == {"dp": 2}
     assert out["model_config_json"].endswith("config.json")
 
 
@@ -101,7 +101,7 @@ def _write(tmp_path: Path, base: str, text: str) -> Path:
 
 
 def test_heads_not_divisible_by_tp(tmp_path: Path) -> None:
-    cfg = load_config(_write(tmp_path, "local.yaml", "mesh: {rules: {q_heads: tp}}"))
+    cfg = load_config(_write(tmp_path, "cpu-fsdp.yaml", "mesh: {rules: {q_heads: tp}}"))
     plan = make_plan(cfg, model=SMOLLM2)
     assert not plan.ok
     text = "; ".join(plan.problems)

@@ -115,11 +115,19 @@ class Engine:
         self._groups = self._shard.slot_groups
         self._group_size = self._max_slots // self._groups
         self.decode_rows = default_decode_rows(self._group_size)
+        self.decode_steps = engine_cfg.decode_steps
+        slot_axes = self._shard.slot_axes or None
+        self._rows_sharding = NamedSharding(mesh, PartitionSpec(slot_axes))  # [B] over the slot groups
         cache_sh = [self.k_cache[0].sharding] * llama_cfg.num_layers
-        out_sh = (cache_sh, cache_sh, self._presence_sharding, self._replicated)
-        self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2, 3), out_shardings=out_sh)
-        self._decode_jit = jax.jit(self._decode_fn, static_argnums=(6, 7), donate_argnums=(1, 2, 3),
-                                   out_shardings=out_sh)
+        self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2, 3),
+                                    out_shardings=(cache_sh, cache_sh, self._presence_sharding, self._replicated))
+        # A decode step's tokens and results stay on the devices of their rows (the next step of the same plan
+        # reads the tokens there); `_gather_jit` replicates a whole plan's results at once: one collective.
+        self._decode_jit = jax.jit(
+            self._decode_fn, static_argnums=(7, 8), donate_argnums=(1, 2, 3),
+            out_shardings=(cache_sh, cache_sh, self._presence_sharding, self._rows_sharding,
+                           NamedSharding(mesh, PartitionSpec(None, slot_axes))))
+        self._gather_jit = jax.jit(jnp.stack, out_shardings=self._replicated)
         self.compile_s: dict[str, float] = {}
 
     # -- properties
@@ -167,26 +175,27 @@ class Engine:
                    for c, v in zip(v_cache, vs, strict=True)]
         return k_cache, v_cache, presence, _pack(tok, lp)
 
-    def _decode_fn(self, leaves, k_cache, v_cache, presence, ints, floats, window, rows):
+    def _decode_fn(self, leaves, k_cache, v_cache, presence, tokens, ints, floats, window, rows):
         """The first `rows` slots of each group decode one token (B = groups * rows decoded rows).
 
-        ints: [6, B] = tokens, positions, active, top_k, seed, any-row-samples flag (the same in every column);
-        floats: [3, B] = temperature, top_p, penalty.
+        tokens: [B] inputs (the previous step's outputs, on their rows' devices); ints: [5, B] = positions,
+        active, top_k, seed, any-row-samples flag (the same in every column); floats: [3, B] = temperature,
+        top_p, penalty. Returns the caches, presence, the next tokens [B] and packed results [2, B].
         """
         model = self._model(leaves)
-        tokens, positions, active, top_k = ints[0], ints[1], ints[2].astype(bool), ints[3]
-        seed = jax.lax.bitcast_convert_type(ints[4], jnp.uint32)
+        positions, active, top_k = ints[0], ints[1].astype(bool), ints[2]
+        seed = jax.lax.bitcast_convert_type(ints[3], jnp.uint32)
         g, v = self._groups, presence.shape[1]
         h, k_cache, v_cache = model.decode(tokens, positions, k_cache, v_cache, window, self._shard)
         logits = model.logits(h, self._shard)
         grouped = presence.reshape(g, -1, v)
         seen = grouped[:, :rows].reshape(g * rows, v)
-        tok, lp = sample(logits, seen, floats[0], floats[1], top_k, floats[2], seed, positions + 1, ints[5, 0] > 0)
+        tok, lp = sample(logits, seen, floats[0], floats[1], top_k, floats[2], seed, positions + 1, ints[4, 0] > 0)
         # Elementwise (not a scatter), so each device updates only the rows and vocab columns it holds.
         chosen = jnp.arange(v)[None, :] == tok[:, None]
         seen = seen | (chosen & active[:, None])
         presence = grouped.at[:, :rows].set(seen.reshape(g, rows, v)).reshape(presence.shape)
-        return k_cache, v_cache, presence, _pack(tok, lp)
+        return k_cache, v_cache, presence, tok, _pack(tok, lp)
 
     # -- host side
     def _put(self, x: np.ndarray) -> jax.Array:
@@ -228,19 +237,25 @@ class Engine:
         """The slots a decode with `rows` rows per group covers, in output order."""
         return (np.arange(self._groups)[:, None] * self._group_size + np.arange(rows)[None, :]).reshape(-1)
 
-    def _run_decode(self, window: int, rows: int) -> jax.Array:
+    def _run_decode(self, window: int, rows: int, steps: int) -> np.ndarray:
+        """`steps` decode steps of the first `rows` slots per group; returns results [steps, 2, rows*groups]."""
         s = self.slots
         sp = s.slot_sampling()
-        positions = np.where(s.active, s.lengths, 0)
         idx = self.decoded_slots(rows)
         sampled = np.full(self._max_slots, int(bool(np.any(s.active[idx] & (sp.temperature[idx] > 0)))))
-        ints = np.stack([s.last_token, positions, s.active.astype(np.int32), sp.top_k,
-                         sp.seed.view(np.int32), sampled]).astype(np.int32)
-        floats = np.stack([sp.temperature, sp.top_p, sp.repetition_penalty]).astype(np.float32)
-        self.k_cache, self.v_cache, self.presence, out = self._decode_jit(
-            self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints[:, idx]),
-            self._put(floats[:, idx]), window, rows)
-        return out
+        floats = self._put(np.stack([sp.temperature, sp.top_p, sp.repetition_penalty]).astype(np.float32)[:, idx])
+        last = s.last_token[idx]
+        tokens = jax.make_array_from_callback(last.shape, self._rows_sharding, lambda i: last[i])
+        outs = []
+        for k in range(steps):  # no host round trip between the steps of a plan
+            positions = np.where(s.active, s.lengths + k, 0)
+            ints = np.stack([positions, s.active.astype(np.int32), sp.top_k, sp.seed.view(np.int32),
+                             sampled]).astype(np.int32)
+            self.k_cache, self.v_cache, self.presence, tokens, out = self._decode_jit(
+                self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, self._put(ints[:, idx]),
+                floats, window, rows)
+            outs.append(out)
+        return np.asarray(self._gather_jit(outs))
 
     def step(self, plan: StepPlan) -> StepResult:
         """Apply one plan: release slots, prefill each item into its slot, then decode every active slot."""
@@ -258,21 +273,23 @@ class Engine:
             p_tok[i], p_lp[i] = t[0], logp[0]
             self.slots.start(item.slot, n, int(t[0]), item.sampling)
         result = StepResult(plan.step_id, p_tok, p_lp)
+        n = plan.decode_steps
         if plan.decode and self.slots.active.any():
-            self.slots.check_room()
+            self.slots.check_room(n)
             active = self.slots.active.copy()
             rows = self.rows_for(active)
-            out = self._run_decode(self.window_for(self.slots.longest_active()), rows)
+            out = self._run_decode(self.window_for(self.slots.longest_active() + n - 1), rows, n)
             idx = self.decoded_slots(rows)
-            tokens = np.zeros(self._max_slots, np.int32)
-            logprobs = np.zeros(self._max_slots, np.float32)
-            tokens[idx], logprobs[idx] = _unpack(out)
-            self.slots.advance(active, tokens)
+            tokens = np.zeros((n, self._max_slots), np.int32)
+            logprobs = np.zeros((n, self._max_slots), np.float32)
+            tokens[:, idx], logprobs[:, idx] = out[:, 0].view(np.int32), out[:, 1]
+            for k in range(n):
+                self.slots.advance(active, tokens[k])
             result.decode_tokens = np.where(active, tokens, 0).astype(np.int32)
             result.decode_logprobs = np.where(active, logprobs, 0.0).astype(np.float32)
         elif plan.decode:
-            result.decode_tokens = np.zeros(self._max_slots, np.int32)
-            result.decode_logprobs = np.zeros(self._max_slots, np.float32)
+            result.decode_tokens = np.zeros((n, self._max_slots), np.int32)
+            result.decode_logprobs = np.zeros((n, self._max_slots), np.float32)
         return result
 
     def warmup(self) -> dict[str, float]:
@@ -291,7 +308,10 @@ class Engine:
         for w in self.windows:
             for r in self.decode_rows:
                 t0 = time.perf_counter()
-                jax.block_until_ready(self._run_decode(w, r))
+                self._run_decode(w, r, 1)
                 self.compile_s[f"decode_{w}x{r}"] = time.perf_counter() - t0
+        for r in self.decode_rows:  # gathers of every plan length (tiny programs)
+            for n in range(2, self.decode_steps + 1):
+                self._run_decode(self.windows[0], r, n)
         return dict(self.compile_s)
 

@@ -81,11 +81,13 @@ class DecodeSlots:
     def longest_active(self) -> int:
         return int(self.lengths[self.active].max()) if self.active.any() else 0
 
-    def check_room(self) -> None:
-        full = np.nonzero(self.active & (self.lengths >= self.max_seq_len))[0]
+    def check_room(self, steps: int = 1) -> None:
+        full = np.nonzero(self.active & (self.lengths + steps > self.max_seq_len))[0]
         if full.size:
-            raise ValueError(f"slot {int(full[0])} is full: its cache holds max_seq_len={self.max_seq_len} tokens; "
-                             f"the scheduler must stop it before decoding again")
+            slot = int(full[0])
+            raise ValueError(f"slot {slot} has no room for {steps} more token(s): its cache holds "
+                             f"{int(self.lengths[slot])} of max_seq_len={self.max_seq_len}; the scheduler must stop "
+                             f"it or plan fewer decode steps")
 
     def slot_sampling(self) -> SlotSampling:
         return SlotSampling.from_params(self.sampling)

@@ -63,7 +63,8 @@ class Scheduler:
 
     def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int,
                  prefill_buckets: Sequence[int], clock: Callable[[], float] = time.monotonic,
-                 max_prefills_per_step: int | None = None, slot_order: Sequence[int] | None = None) -> None:
+                 max_prefills_per_step: int | None = None, slot_order: Sequence[int] | None = None,
+                 decode_steps: int = 1) -> None:
         self.max_slots = max_slots
         self.slot_order = list(range(max_slots)) if slot_order is None else [int(s) for s in slot_order]
         if sorted(self.slot_order) != list(range(max_slots)):
@@ -75,6 +76,7 @@ class Scheduler:
         self.max_prompt_len = min(self.buckets[-1], max_seq_len - 1) if self.buckets else max_seq_len - 1
         self.clock = clock
         self.max_prefills_per_step = max_prefills_per_step or max_slots
+        self.decode_steps = decode_steps
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: deque[tuple[GenerationRequest, Sink, float]] = deque()
@@ -94,7 +96,8 @@ class Scheduler:
         """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids, the order to fill slots in) with the
         config's queue and buckets."""
         return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
-                   cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order)
+                   cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order,
+                   decode_steps=cfg.engine.decode_steps)
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and /status."""
@@ -205,10 +208,23 @@ class Scheduler:
                 return None
             # A slot whose prefill token already ends it would decode once in vain; that is cheaper than a
             # second plan, and its decode token is dropped in on_result.
-            plan = StepPlan(self._step_id, tuple(prefills), decode=bool(decode_slots), release=release)
+            plan = StepPlan(self._step_id, tuple(prefills), decode=bool(decode_slots), release=release,
+                            decode_steps=self._decode_steps(bool(prefills), decode_slots))
             self._inflight[plan.step_id] = (prefill_slots, decode_slots)
             self._step_id += 1
             return plan
+
+    def _decode_steps(self, prefilling: bool, decode_slots: list[int]) -> int:
+        """Decode steps for the next plan: one while prompts are starting (their first token comes with the
+        plan, so a long plan would delay it); otherwise `decode_steps`, but no more than the running requests
+        still need and never past any slot's room in max_seq_len."""
+        if prefilling or not decode_slots:
+            return 1
+        runs = [r for r in (self._slots[s] for s in decode_slots) if r is not None]
+        # A running request has emitted `generated` tokens; all but the last are in its slot's cache.
+        room = min(self.max_seq_len - (r.prompt_len + r.generated - 1) for r in runs)
+        wanted = max(r.req.max_tokens - r.generated for r in runs)
+        return max(1, min(self.decode_steps, room, wanted))
 
     def on_result(self, plan: StepPlan, result: StepResult) -> None:
         """Turn a step's tokens into events; finish requests on stop tokens, max_tokens or max_seq_len."""
@@ -225,10 +241,12 @@ class Scheduler:
                     self.ttft_s.append(now - run.submitted_s)
                     self._token(slot, int(result.prefill_tokens[i]), float(result.prefill_logprobs[i]), events)
             if plan.decode and result.decode_tokens is not None:
-                for slot in decode_slots:
-                    if self._slots[slot] is not None:
-                        lp = float(result.decode_logprobs[slot]) if result.decode_logprobs is not None else None
-                        self._token(slot, int(result.decode_tokens[slot]), lp, events)
+                for k in range(result.decode_tokens.shape[0]):  # tokens after a slot finished are dropped
+                    for slot in decode_slots:
+                        if self._slots[slot] is not None:
+                            lp = (float(result.decode_logprobs[k, slot]) if result.decode_logprobs is not None
+                                  else None)
+                            self._token(slot, int(result.decode_tokens[k, slot]), lp, events)
             self._work.notify_all()
         self._emit(events)
 

@@ -43,35 +43,39 @@ class PrefillItem:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One engine step: release slots, prefill zero or more prompts into slots, then decode all active slots."""
+    """One engine step: release slots, prefill zero or more prompts into slots, then decode all active slots
+    `decode_steps` times in a row (several tokens per plan: the per-plan costs, broadcast to the hosts and the
+    tokens' readback, are paid once for all of them)."""
 
     step_id: int
     prefills: tuple[PrefillItem, ...] = ()
     decode: bool = False
     release: tuple[int, ...] = ()
     shutdown: bool = False
+    decode_steps: int = 1
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([
             self.step_id,
             [[p.slot, np.asarray(p.tokens, np.int32).tobytes(), p.sampling.to_list()] for p in self.prefills],
-            self.decode, list(self.release), self.shutdown,
+            self.decode, list(self.release), self.shutdown, self.decode_steps,
         ], use_bin_type=True)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StepPlan:
-        step_id, prefills, decode, release, shutdown = msgpack.unpackb(data, raw=False)
+        step_id, prefills, decode, release, shutdown, decode_steps = msgpack.unpackb(data, raw=False)
         items = tuple(PrefillItem(int(s), np.frombuffer(t, np.int32), SamplingParams.from_list(sp))
                       for s, t, sp in prefills)
-        return cls(int(step_id), items, bool(decode), tuple(int(r) for r in release), bool(shutdown))
+        return cls(int(step_id), items, bool(decode), tuple(int(r) for r in release), bool(shutdown),
+                   int(decode_steps))
 
 
 @dataclass
 class StepResult:
     """Tokens a step produced, as host numpy arrays (read on rank 0; followers may skip reading them).
 
-    prefill_tokens[i] is the first generated token of plan.prefills[i]. decode_tokens[s] is the next token of
-    slot s (meaningless for inactive slots). The logprobs are the log-probabilities of those chosen tokens
+    prefill_tokens[i] is the first generated token of plan.prefills[i]. decode_tokens[k, s] is slot s's token
+    from the plan's k-th decode step ([decode_steps, slots]; meaningless for inactive slots). The logprobs are the log-probabilities of those chosen tokens
     under the unfiltered, temperature-1 distribution.
     """
 

@@ -86,8 +86,8 @@ class ToyEngine:
             self._last = nxt.astype(np.int32).copy()
             for slot, tok in fresh.items():  # a slot prefilled in this step decodes from the next step on
                 self._last[slot] = tok
-            out.decode_tokens = nxt
-            out.decode_logprobs = np.zeros((self.max_slots,), np.float32)
+            out.decode_tokens = nxt[None]  # the toy scheduler plans one decode step per plan
+            out.decode_logprobs = np.zeros((1, self.max_slots), np.float32)
         return out
 
 
@@ -163,7 +163,7 @@ class ToyScheduler:
         if plan.decode and result.decode_tokens is not None:
             for s in decoding:
                 if s in self.active:
-                    self._emit(s, int(result.decode_tokens[s]))
+                    self._emit(s, int(result.decode_tokens[0, s]))
 
     def fail_all(self, error: str, retriable: bool) -> None:
         from raydeploy.engine.request import TokenEvent
