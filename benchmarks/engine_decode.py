@@ -8,8 +8,11 @@ tokens of our engine and of transformers on the batch-1 prompt, compared positio
     .venv/bin/python benchmarks/engine_decode.py            # writes benchmarks/results/engine_decode.json
     .venv/bin/python benchmarks/engine_decode.py --new-tokens 64 --backends ours,hf
 
-Our engine runs the serving configuration (max_slots 8: at batch 1 the other 7 slots are idle but computed),
-float32 unless --dtype bfloat16. Torch uses 2 threads (the machine's cores), float32.
+    .venv/bin/python benchmarks/engine_decode.py --dtype float32,bfloat16   # our engine in both weight dtypes
+
+Our engine runs the serving configuration: max_slots 8 (a decode covers the occupied slots' bucket, so at
+batch 1 one row), 4 decode steps per plan, float32 activations, float32 weights unless --dtype says
+otherwise. Torch uses 2 threads (the machine's cores), float32.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     prompts = _tokenized(tok, 8)
 
     def run(batch: int) -> tuple[list, float, float]:
-        sched = Scheduler(8, 512, (), 16, [64, 512])
+        sched = Scheduler(8, 512, (), 16, [64, 512], slot_order=engine.slot_order, decode_steps=engine.decode_steps)
         runner = LocalRunner(engine, sched)
         reqs = [GenerationRequest(f"b{batch}-{i}", tuple(prompts[i]), new_tokens) for i in range(batch)]
         t = time.perf_counter()
@@ -97,7 +100,7 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     run(1)  # one untimed pass: first calls after warmup still page in buffers
     outs1, ttft1, tps1 = run(1)
     _, ttft8, tps8 = run(8)
-    return {"backend": f"raydeploy engine (JAX, {dtype}, max_slots 8)", "ttft_s": ttft1, "decode_tok_s_b1": tps1,
+    return {"backend": f"raydeploy engine (JAX, {dtype} weights, max_slots 8, decode_steps {engine.decode_steps})", "ttft_s": ttft1, "decode_tok_s_b1": tps1,
             "decode_tok_s_b8": tps8, "ttft_b8_s": ttft8, "load_s": load_s,
             "compile_s": sum(compile_s.values()), "peak_rss_mb": _peak_rss_mb(), "greedy_tokens": outs1[0].token_ids}
 
@@ -207,7 +210,8 @@ def _matching_prefix(a: list[int], b: list[int]) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", default="float32",
+                    help="weight dtype(s) of our engine, comma-separated: float32, bfloat16 (activations float32)")
     ap.add_argument("--backends", default="ours,hf,llamacpp")
     ap.add_argument("--timeout-s", type=float, default=1800)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -216,6 +220,9 @@ def main() -> int:
     if args.child:
         _child(args.child, args.new_tokens, args.dtype)
         return 0
+    dtypes = args.dtype.split(",")
+    if any(d not in ("float32", "bfloat16") for d in dtypes):
+        ap.error(f"--dtype takes float32 and/or bfloat16, got {args.dtype!r}")
     results = {}
     for b in args.backends.split(","):
         if b == "llamacpp":
@@ -224,26 +231,30 @@ def main() -> int:
             except ImportError:
                 print("[llamacpp] llama-cpp-python is not installed; skipped", file=sys.stderr)
                 continue
-        r = _run_child(b, args.new_tokens, args.dtype, args.timeout_s)
-        if r is not None:
-            results[b] = r
-            print(f"[{b}] " + json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}), flush=True)
+        for dtype in dtypes if b == "ours" else dtypes[:1]:
+            key = b if b != "ours" or dtype == dtypes[0] else f"ours-{dtype}"
+            r = _run_child(b, args.new_tokens, dtype, args.timeout_s)
+            if r is not None:
+                results[key] = r
+                print(f"[{key}] " + json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}), flush=True)
     report = {"new_tokens": args.new_tokens, "prompts": "chat template, 30-40 tokens", "load_avg_1m": os.getloadavg()[0],
               "results": results}
-    if "ours" in results and "hf" in results:
-        ours, hf = results["ours"], results["hf"]
-        report["speedup_vs_hf_b1"] = ours["decode_tok_s_b1"] / hf["decode_tok_s_b1"]
-        report["speedup_vs_hf_b8"] = ours["decode_tok_s_b8"] / hf["decode_tok_s_b8"]
-        report["greedy_match_prefix"] = _matching_prefix(ours["greedy_tokens"], hf["greedy_tokens"])
+    for key in [k for k in results if k.startswith("ours")]:
+        if "hf" not in results:
+            break
+        ours, hf, sfx = results[key], results["hf"], key[len("ours"):]
+        report[f"speedup_vs_hf_b1{sfx}"] = ours["decode_tok_s_b1"] / hf["decode_tok_s_b1"]
+        report[f"speedup_vs_hf_b8{sfx}"] = ours["decode_tok_s_b8"] / hf["decode_tok_s_b8"]
+        report[f"greedy_match_prefix{sfx}"] = _matching_prefix(ours["greedy_tokens"], hf["greedy_tokens"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'backend':58s} {'TTFT s':>7s} {'b1 tok/s':>9s} {'b8 tok/s':>9s} {'RSS MB':>7s}")
     for r in results.values():
         b8 = f"{r['decode_tok_s_b8']:9.1f}" if r.get("decode_tok_s_b8") else f"{'-':>9s}"
         print(f"{r['backend']:58s} {r['ttft_s']:7.3f} {r['decode_tok_s_b1']:9.1f} {b8} {r['peak_rss_mb']:7.0f}")
-    for k in ("speedup_vs_hf_b1", "speedup_vs_hf_b8", "greedy_match_prefix"):
-        if k in report:
-            print(f"{k}: {report[k]:.2f}" if isinstance(report[k], float) else f"{k}: {report[k]}")
+    for k, v in report.items():
+        if k.startswith(("speedup_vs_hf", "greedy_match_prefix")):
+            print(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}")
     print(f"load average during run: {report['load_avg_1m']:.1f}; written to {args.out}")
     return 0
 
