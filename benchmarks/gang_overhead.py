@@ -11,7 +11,7 @@ gang's overhead in percent, rank 0's broadcast cost per step in microseconds (ke
 amortised deletes; also on the stand-in engine, where steps are tiny), and the gang's bring-up time from
 nothing to ready by phase (placement, actors, fingerprint, init, load, compile).
 
-    python benchmarks/gang_overhead.py [--mesh dp=4] [--hosts 2] [--batch 4] [--tokens 96] [--json]
+    python benchmarks/gang_overhead.py [--mesh dp=4] [--hosts 2] [--batch 4] [--tokens 96] [--decode-steps 4] [--json]
 
 With a tp axis (--mesh dp=2,tp=2) the gang pays for XLA CPU's multi-process collectives: once a process
 is part of a jax.distributed job, every collective, even between two devices of that process, goes through
@@ -46,7 +46,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
         raise SystemExit(f"--mesh {args.mesh} has {n} devices, which do not split over --hosts {args.hosts}")
     return [f"mesh.axes={{{axes}}}", f"cluster.num_hosts={args.hosts}", f"cluster.devices_per_host={n // args.hosts}",
             "model.max_seq_len=256", "engine.prefill_buckets=[64, 256]",
-            "engine.max_new_tokens=200", f"engine.max_slots={args.batch}", "cluster.init_timeout_s=120"]
+            "engine.max_new_tokens=200", f"engine.max_slots={args.batch}", "cluster.init_timeout_s=120",
+            f"engine.decode_steps={args.decode_steps}"]
 
 
 def requests(args: argparse.Namespace, tag: str) -> list:
@@ -84,11 +85,10 @@ def peer(args: argparse.Namespace) -> dict:
     for r, line in enumerate(sys.stdin):  # one timed generation per line
         if line.strip() != "run":
             break
-        steps0 = sched.steps
         t0 = time.perf_counter()
         runner.generate(requests(args, f"p{r}"))
         wall = time.perf_counter() - t0
-        print(json.dumps({"step_ms": wall / (sched.steps - steps0) * 1e3}), flush=True)
+        print(json.dumps({"step_ms": wall / args.tokens * 1e3}), flush=True)  # per decode step (token)
     return {}
 
 
@@ -98,7 +98,8 @@ class Peer:
     def __init__(self, args: argparse.Namespace) -> None:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={mesh_devices(args)}")
-        cmd = [sys.executable, __file__, "--peer", "--mesh", args.mesh, "--hosts", str(args.hosts), "--batch", str(args.batch),
+        cmd = [sys.executable, __file__, "--peer", "--mesh", args.mesh, "--hosts", str(args.hosts),
+               "--decode-steps", str(args.decode_steps), "--batch", str(args.batch),
                "--tokens", str(args.tokens)]
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
@@ -141,7 +142,8 @@ def gang_run(coord: object, args: argparse.Namespace, tag: str) -> tuple[float, 
     asyncio.run(run_all())
     wall = time.perf_counter() - t0
     s1 = ray.get(coord.stats.remote())
-    return wall / (s1["steps_done"] - s0["steps_done"]) * 1e3, s1["mean_broadcast_us"]
+    # per decode step: every request generates args.tokens tokens; plans carry up to engine.decode_steps each
+    return wall / args.tokens * 1e3, s1["mean_broadcast_us"], args.tokens / (s1["steps_done"] - s0["steps_done"])
 
 
 def toy_broadcast(args: argparse.Namespace) -> dict:
@@ -154,7 +156,7 @@ def toy_broadcast(args: argparse.Namespace) -> dict:
     try:
         g.wait_ready(600)
         coord = g.coordinator()
-        step_ms, bcast_us = gang_run(coord, argparse.Namespace(**{**vars(args), "tokens": 500}), "toy")
+        step_ms, bcast_us, _ = gang_run(coord, argparse.Namespace(**{**vars(args), "tokens": 500}), "toy")
         return {"step_ms": step_ms, "broadcast_us": bcast_us}
     finally:
         g.shutdown()
@@ -179,10 +181,10 @@ def measure(args: argparse.Namespace) -> dict:
         ready_s = time.perf_counter() - t0
         coord = g.coordinator()
         gang_run(coord, args, "warm")
-        peer_ms, gang_ms, bcast = [], [], None
+        peer_ms, gang_ms, bcast, per_plan = [], [], None, None
         for r in range(args.repeat):  # alternate so both see the same load
             peer_ms.append(peer_proc.run())
-            ms, bcast = gang_run(coord, args, f"g{r}")
+            ms, bcast, per_plan = gang_run(coord, args, f"g{r}")
             gang_ms.append(ms)
         g.shutdown()
         toy = toy_broadcast(args)
@@ -190,7 +192,8 @@ def measure(args: argparse.Namespace) -> dict:
         peer_proc.close()
         ray.shutdown()
     return {"peer_step_ms": peer_ms, "gang_step_ms": gang_ms, "peer_median_ms": statistics.median(peer_ms),
-            "gang_median_ms": statistics.median(gang_ms), "broadcast_us": bcast, "toy": toy,
+            "gang_median_ms": statistics.median(gang_ms), "broadcast_us": bcast, "tokens_per_plan": per_plan,
+            "toy": toy,
             "ready_s": ready_s, "phase_s": st["phase_s"]}
 
 
@@ -200,6 +203,7 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=2, help="host processes of the gang (the peer is one process)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--decode-steps", type=int, default=4, help="engine.decode_steps: decode steps per plan")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
@@ -209,17 +213,21 @@ def main() -> int:
         return 0
     m = measure(args)
     overhead = (m["gang_median_ms"] / m["peer_median_ms"] - 1) * 100
-    out = {"mesh": args.mesh, "batch": args.batch, "tokens": args.tokens, **m, "step_overhead_pct": overhead,
-           "broadcast_pct_of_step": m["broadcast_us"] / 1e3 / m["gang_median_ms"] * 100}
+    bcast_per_token_ms = m["broadcast_us"] / 1e3 / m["tokens_per_plan"]
+    out = {"mesh": args.mesh, "hosts": args.hosts, "batch": args.batch, "tokens": args.tokens,
+           "decode_steps": args.decode_steps, **m, "step_overhead_pct": overhead,
+           "broadcast_pct_of_step": bcast_per_token_ms / m["gang_median_ms"] * 100}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        print(f"decode step, mesh {args.mesh}, batch {args.batch} (median of {args.repeat}, alternating): "
+        print(f"decode step (ms per token), mesh {args.mesh}, batch {args.batch}, decode_steps {args.decode_steps} "
+              f"(median of {args.repeat}, alternating): "
               f"1 process x {mesh_devices(args)} devices {m['peer_median_ms']:.1f} ms; {args.hosts} hosts x "
               f"{mesh_devices(args) // args.hosts} devices "
               f"{m['gang_median_ms']:.1f} ms ({overhead:+.1f}%)")
-        print(f"broadcast per step (rank 0): {m['broadcast_us']:.0f} us = {out['broadcast_pct_of_step']:.2f}% "
-              f"of a step; stand-in engine: {m['toy']['broadcast_us']:.0f} us per step of "
+        print(f"broadcast per plan (rank 0): {m['broadcast_us']:.0f} us, {m['tokens_per_plan']:.2f} decode steps per "
+              f"plan: {out['broadcast_pct_of_step']:.2f}% of a step; stand-in engine: "
+              f"{m['toy']['broadcast_us']:.0f} us per step of "
               f"{m['toy']['step_ms']:.2f} ms")
         print(f"bring-up to ready {m['ready_s']:.1f} s; by phase: "
               + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in m["phase_s"].items()))
