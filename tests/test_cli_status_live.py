@@ -52,7 +52,7 @@ def test_status_of_a_live_deployment(demo_checkpoint, capsys: pytest.CaptureFixt
         assert main(["status", url, "--json", "--api-key", "k-live"]) == 0
         info = json.loads(capsys.readouterr().out)
         st = info["status"]
-        assert info["ready"] and st["state"] == "ready" and st["process_count"] == 2 and st["devices"] == 4
+        assert info["ready"] and st["state"] == "ready" and st["process_count"] == 2 and st["devices"] == 2
         assert len(st["gang"]["host_status"]) == 2
         monkeypatch.delenv("RAYDEPLOY_API_KEY", raising=False)
         assert main(["status", url]) == 1
