@@ -79,7 +79,7 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     reader = CheckpointReader(path)
     t0 = time.perf_counter()
     params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, dtype, 4, progress=False)
-    model_cfg = ModelConfig(dtype=dtype, param_dtype=dtype, max_seq_len=512)
+    model_cfg = ModelConfig(dtype="float32", param_dtype=dtype, max_seq_len=512)  # float32 activations
     engine_cfg = EngineConfig(max_slots=8, prefill_buckets=[64, 512], max_new_tokens=256)
     engine = Engine(reader.llama_config, params, mesh, rules, model_cfg, engine_cfg)
     load_s = time.perf_counter() - t0
