@@ -24,8 +24,14 @@ BLOCK = 16 << 20
 
 
 def overrides(mesh: str) -> list[str]:
-    axes = ", ".join(f"{k}: {v}" for k, v in (kv.split("=") for kv in mesh.split(",")))
-    return [f"mesh.axes={{{axes}}}", "model.max_seq_len=256", "engine.prefill_buckets=[256]",
+    pairs = [kv.split("=") for kv in mesh.split(",")]
+    axes = ", ".join(f"{k}: {v}" for k, v in pairs)
+    devices = 1
+    for _, v in pairs:
+        devices *= int(v)
+    # 2 hosts share the mesh's devices; the demo model's 9/3 heads do not split over tp, so attention is replicated
+    return [f"mesh.axes={{{axes}}}", f"cluster.devices_per_host={devices // 2}",
+            "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}", "model.max_seq_len=256", "engine.prefill_buckets=[256]",
             "engine.max_new_tokens=64", "engine.max_slots=2", "engine.warmup=false", "cluster.init_timeout_s=120"]
 
 
