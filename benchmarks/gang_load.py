@@ -67,7 +67,7 @@ def peer(mesh: str) -> dict:
     from raydeploy.model.spec import param_specs
 
     cfg = load_config(None, overrides(mesh))
-    m = build_mesh(cfg.mesh_shape, jax.local_devices()[:4])
+    m = build_mesh(cfg.mesh_shape, jax.local_devices()[:cfg.total_devices])
     reader = CheckpointReader(resolve_checkpoint_path(cfg))
     t0 = time.perf_counter()
     _, stats = reader.load(param_specs(reader.llama_config), m, merge_rules(cfg.mesh.rules), cfg.model.param_dtype,
