@@ -79,9 +79,10 @@ def _pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
     return jnp.stack([jax.lax.bitcast_convert_type(tokens, jnp.float32), logprobs])
 
 
-def _unpack(out: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+def _unpack(out: jax.Array | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Packed results [..., 2, B] -> (tokens int32 [..., B], logprobs float32 [..., B]) on the host."""
     arr = np.asarray(out)
-    return arr[0].view(np.int32), arr[1]
+    return arr[..., 0, :].view(np.int32), arr[..., 1, :]
 
 
 class Engine:
@@ -240,8 +241,9 @@ class Engine:
         """The slots a decode with `rows` rows per group covers, in output order."""
         return (np.arange(self._groups)[:, None] * self._group_size + np.arange(rows)[None, :]).reshape(-1)
 
-    def _run_decode(self, window: int, rows: int, steps: int) -> np.ndarray:
-        """`steps` decode steps of the first `rows` slots per group; returns results [steps, 2, rows*groups]."""
+    def _decode_steps(self, window: int, rows: int, steps: int) -> list[jax.Array]:
+        """Dispatch `steps` decode steps of the first `rows` slots per group; their packed results stay on the
+        devices of their rows ([2, rows*groups] each)."""
         s = self.slots
         sp = s.slot_sampling()
         idx = self.decoded_slots(rows)
@@ -258,7 +260,11 @@ class Engine:
                 self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, self._put(ints[:, idx]),
                 floats, window, rows)
             outs.append(out)
-        return np.asarray(self._gather_jit(outs))
+        return outs
+
+    def _run_decode(self, window: int, rows: int, steps: int) -> np.ndarray:
+        """`steps` decode steps, gathered to every host at once: packed results [steps, 2, rows*groups]."""
+        return np.asarray(self._gather_jit(self._decode_steps(window, rows, steps)))
 
     def step(self, plan: StepPlan) -> StepResult:
         """Apply one plan: release slots, prefill each item into its slot, then decode every active slot."""
@@ -285,7 +291,7 @@ class Engine:
             idx = self.decoded_slots(rows)
             tokens = np.zeros((n, self._max_slots), np.int32)
             logprobs = np.zeros((n, self._max_slots), np.float32)
-            tokens[:, idx], logprobs[:, idx] = out[:, 0].view(np.int32), out[:, 1]
+            tokens[:, idx], logprobs[:, idx] = _unpack(out)
             for k in range(n):
                 self.slots.advance(active, tokens[k])
             result.decode_tokens = np.where(active, tokens, 0).astype(np.int32)
@@ -313,8 +319,9 @@ class Engine:
                 t0 = time.perf_counter()
                 self._run_decode(w, r, 1)
                 self.compile_s[f"decode_{w}x{r}"] = time.perf_counter() - t0
-        for r in self.decode_rows:  # gathers of every plan length (tiny programs)
+        for r in self.decode_rows:  # the gathers of every plan length (tiny programs; no extra decode steps)
+            outs = self._decode_steps(self.windows[0], r, 1)
             for n in range(2, self.decode_steps + 1):
-                self._run_decode(self.windows[0], r, n)
+                jax.block_until_ready(self._gather_jit(outs * n))
         return dict(self.compile_s)
 

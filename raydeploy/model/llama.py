@@ -334,8 +334,8 @@ class Llama(nnx.Module):
                v_caches: Sequence[jax.Array], window: int, shard: ActivationSharding | None = None
                ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
         """tokens [B] at positions [B]; caches [G*M, S, K, H] per layer (G = `shard.slot_groups`, B = G*R,
-        R <= M): row i
-        is slot (i // R) * M + i % R, so a decode can cover a prefix of each group of slots (see `write_rows`).
+        R <= M): row i is slot (i // R) * M + i % R, so a decode can cover a prefix of each group of slots
+        (see `write_rows`).
         Writes K/V at positions_b, attends over cache positions [0, window). Returns hidden [B, D] and the
         updated caches."""
         inv = np.asarray(self.inv_freq, np.float32)
