@@ -224,25 +224,45 @@ class Embed(nnx.Module):
 # -- attention kernels (plain XLA; masks from explicit positions, never from token ids) ----------------------
 
 
-def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:
-    """Grouped-query attention: q [B,T,N,H], k/v [B,S,K,H], boolean mask [B,T,S] -> [B,T,N,H]."""
+def _attend(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    """Grouped-query attention: q [B,T,N,H], head-major k/v [B,K,S,H], boolean mask [B,T,S] -> [B,T,N,H].
+
+    Both products batch over (B, K) and read k/v in their stored layout: the scores contract k's minor
+    dimension, the output contracts its positions; only the small q and output are transposed."""
     b, t, n, h = q_btnh.shape
-    kv = k_bskh.shape[2]
+    kv = k_bksh.shape[1]
     q = q_btnh.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh).astype(jnp.float32) / math.sqrt(h)
+    scores = jnp.einsum("btkgh,bksh->bkgts", q, k_bksh).astype(jnp.float32) / math.sqrt(h)
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, v_bksh)
     return out.reshape(b, t, n, h)
+
+
+def _attend_one(q_bnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bs: jax.Array) -> jax.Array:
+    """Decode attention, one query token per row: q [B,N,H], head-major k/v [B,K,S,H], mask [B,S] -> [B,N,H].
+
+    Broadcast-multiply-and-reduce rather than `_attend`'s einsums: with a single query row per KV head group
+    the products are matrix-vector shaped, and on XLA CPU the reductions stream the cache window once where
+    the batched dots did not (measured on the demo model, 8 rows, window 256: 39 -> 33 ms per decode step).
+    """
+    b, n, h = q_bnh.shape
+    kv = k_bksh.shape[1]
+    q = q_bnh.reshape(b, kv, n // kv, 1, h).astype(jnp.float32)
+    scores = jnp.sum(q * k_bksh[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(h)  # [B,K,G,S]
+    scores = jnp.where(mask_bs[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.sum(probs[..., None] * v_bksh[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,H]
+    return out.reshape(b, n, h).astype(q_bnh.dtype)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: ActivationSharding | None
                ) -> jax.Array:
     """Write one token's K or V per decoded row into the cache, in place (the cache is donated).
 
-    cache [G*M, S, K, H] is G groups of M slots, G = the shards of the slot axis (`shard.slot_groups`); new
+    cache [G*M, K, S, H] is G groups of M slots, G = the shards of the slot axis (`shard.slot_groups`); new
     [G*R, K, H] and positions [G*R] are the first R <= M slots of each group:
-    cache[g*M + r, positions[g*R + r]] = new[g*R + r]. Each device writes only the slots it holds, with plain
+    cache[g*M + r, :, positions[g*R + r]] = new[g*R + r]. Each device writes only the slots it holds, with plain
     dynamic-update-slices (under `shard_map` over the slot axes when G > 1). Two formulations that look
     equivalent are much slower: `cache.at[arange(B), positions]` makes the SPMD partitioner gather indices and
     updates and permute them across devices (and hosts) for every layer, and a vmapped scatter over the
@@ -253,7 +273,7 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: Ac
 
     def local(c: jax.Array, x: jax.Array, p: jax.Array) -> jax.Array:
         for i in range(rows):
-            c = jax.lax.dynamic_update_slice(c, x[i][None, None], (i, p[i], 0, 0))
+            c = jax.lax.dynamic_update_slice(c, x[i][None, :, None], (i, 0, p[i], 0))
         return c
 
     if groups == 1:
@@ -266,10 +286,10 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: Ac
 
 
 def read_window(cache: jax.Array, rows: int, window: int, groups: int) -> jax.Array:
-    """cache [G*M, S, K, H] -> [G*rows, window, K, H]: positions [0, window) of the first `rows` slots of each
+    """cache [G*M, K, S, H] -> [G*rows, K, window, H]: positions [0, window) of the first `rows` slots of each
     group (a local slice per device; it reads only as much cache as the decoded rows and window need)."""
-    _, s, k, h = cache.shape
-    return cache.reshape(groups, -1, s, k, h)[:, :rows, :window].reshape(groups * rows, window, k, h)
+    _, k, s, h = cache.shape
+    return cache.reshape(groups, -1, k, s, h)[:, :rows, :, :window].reshape(groups * rows, k, window, h)
 
 
 def _window_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, sliding_window: int | None) -> jax.Array:
@@ -316,13 +336,15 @@ class Llama(nnx.Module):
     # -- prefill: attention within one chunk starting at position 0 of each row
     def prefill(self, tokens_bt: jax.Array, positions_bt: jax.Array,
                 shard: ActivationSharding | None = None) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
-        """Causal forward over [B, T] tokens; returns hidden [B,T,D] and each layer's K and V [B,T,K,H]."""
+        """Causal forward over [B, T] tokens; returns hidden [B,T,D] and each layer's K and V, head-major
+        [B,K,T,H] like the cache."""
         inv = np.asarray(self.inv_freq, np.float32)
         x = _constrain(shard, self._embed(tokens_bt), ("act_batch", "act_seq", "act_embed"))
         mask = _window_mask(positions_bt, positions_bt, self.cfg.sliding_window)
         ks, vs = [], []
         for layer in self.layers:
             q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_bt, inv)
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
             x = x + layer.attn.o_proj(_attend(q, k, v, mask))
             x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
             ks.append(k)
@@ -333,7 +355,7 @@ class Llama(nnx.Module):
     def decode(self, tokens_b: jax.Array, positions_b: jax.Array, k_caches: Sequence[jax.Array],
                v_caches: Sequence[jax.Array], window: int, shard: ActivationSharding | None = None
                ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
-        """tokens [B] at positions [B]; caches [G*M, S, K, H] per layer (G = `shard.slot_groups`, B = G*R,
+        """tokens [B] at positions [B]; caches [G*M, K, S, H] per layer (G = `shard.slot_groups`, B = G*R,
         R <= M): row i is slot (i // R) * M + i % R, so a decode can cover a prefix of each group of slots
         (see `write_rows`).
         Writes K/V at positions_b, attends over cache positions [0, window). Returns hidden [B, D] and the
@@ -345,15 +367,15 @@ class Llama(nnx.Module):
         x = _constrain(shard, self._embed(tokens_b)[:, None, :], ("act_batch", "act_seq", "act_embed"))
         pos_bt = positions_b[:, None]
         k_pos = jnp.broadcast_to(jnp.arange(window)[None, :], (b, window))
-        mask = _window_mask(pos_bt, k_pos, self.cfg.sliding_window)
+        mask = _window_mask(pos_bt, k_pos, self.cfg.sliding_window)[:, 0]  # [B, window]
         new_k, new_v = [], []
         for layer, kc, vc in zip(self.layers, k_caches, v_caches, strict=True):
             q, k, v = layer.attn.qkv(layer.attn_norm(x), pos_bt, inv)
             kc = write_rows(kc, k[:, 0].astype(kc.dtype), positions_b, shard)
             vc = write_rows(vc, v[:, 0].astype(vc.dtype), positions_b, shard)
-            kw = read_window(kc, rows, window, groups).astype(q.dtype)
-            vw = read_window(vc, rows, window, groups).astype(q.dtype)
-            x = x + layer.attn.o_proj(_attend(q, kw, vw, mask))
+            kw = read_window(kc, rows, window, groups)
+            vw = read_window(vc, rows, window, groups)
+            x = x + layer.attn.o_proj(_attend_one(q[:, 0], kw, vw, mask)[:, None])
             x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
             new_k.append(kc)
             new_v.append(vc)

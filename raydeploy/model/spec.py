@@ -128,9 +128,13 @@ def param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
 
 
 def kv_cache_spec(cfg: LlamaConfig, max_slots: int, max_seq_len: int) -> TensorSpec:
-    """Shape and logical axes of one layer's K (or V) cache: [slots, seq, kv_heads, head_dim]."""
-    return TensorSpec("kv_cache", (max_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim),
-                      ("cache_batch", "cache_seq", "cache_kv_heads", "head_dim"))
+    """Shape and logical axes of one layer's K (or V) cache: [slots, kv_heads, seq, head_dim].
+
+    Head-major, so each (slot, head) holds its positions contiguously: a decode's attention multiplies the
+    cache window directly (scores contract head_dim, the minor dimension; the output contracts seq), where a
+    [slots, seq, kv_heads, head_dim] cache had to be transposed into that form every layer of every step."""
+    return TensorSpec("kv_cache", (max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim),
+                      ("cache_batch", "cache_kv_heads", "cache_seq", "head_dim"))
 
 
 def param_bytes(cfg: LlamaConfig, itemsize: int) -> int:
