@@ -2,8 +2,11 @@
 
 Each backend runs in its own subprocess (so peak RSS is per backend and thread pools do not fight), one
 after another in the same run. Per backend: time to first token (TTFT) at batch 1, decode tokens/s at
-batch 1 and with 8 concurrent sequences (128 new tokens each, eos ignored), peak RSS. Quality: the greedy
-tokens of our engine and of transformers on the batch-1 prompt, compared position by position.
+batch 1 and with 8 concurrent sequences (128 new tokens each, eos ignored), peak RSS. Quality, so that a
+faster dtype cannot hide a worse model: (1) the greedy tokens of our engine and of transformers on the batch-1
+prompt, compared position by position, against the steps where the reference's top-1/top-2 logit gap is at
+least 0.05 (below that a tie may flip either way); (2) perplexity of each backend on the same fixed English
+text (teacher-forced, every position).
 
     .venv/bin/python benchmarks/engine_decode.py            # writes benchmarks/results/engine_decode.json
     .venv/bin/python benchmarks/engine_decode.py --new-tokens 64 --backends ours,hf
@@ -51,11 +54,59 @@ def _tokenized(tok, n: int) -> list[list[int]]:
     return out
 
 
+# The perplexity text: plain prose, the same tokens for every backend.
+EVAL_TEXT = (
+    "The river rose slowly through the night, and by morning the lower fields were under water. Farmers "
+    "who had lived in the valley for generations knew the signs: a warm wind from the south, snow melting "
+    "on the hills, and rain that did not stop for three days. They moved their animals to higher ground and "
+    "carried sacks of grain into the lofts of their barns. In the town, the baker kept his ovens burning "
+    "so that people would have bread, and the schoolteacher opened the school as a shelter for families "
+    "whose houses stood too close to the banks. When the water finally began to fall, it left behind a "
+    "layer of fine brown mud that covered roads, gardens and floors. Cleaning it away took weeks. Yet the "
+    "older people said that the mud would make the soil rich, and that next summer the harvest would be "
+    "better than it had been for years. Scientists who study rivers explain that floods have always shaped "
+    "valleys like this one. Each flood carries sand and silt from the mountains and spreads it across the "
+    "plain, building the land up little by little. Dams and walls can protect towns, but they also stop "
+    "this natural process, and engineers today try to find a balance between safety and the health of the "
+    "river itself."
+)
+
+
+def _eval_ids(tok) -> list[int]:
+    return [int(i) for i in tok(EVAL_TEXT)["input_ids"]]
+
+
+def _perplexity(logprobs_of_next: list[float]) -> float:
+    import math
+
+    return math.exp(-sum(logprobs_of_next) / len(logprobs_of_next))
+
+
+def _trusted_steps(gaps: list[float], min_gap: float = 0.05) -> int:
+    """Leading greedy steps whose reference top-1/top-2 gap is at least min_gap."""
+    small = [i for i, g in enumerate(gaps) if g < min_gap]
+    return small[0] if small else len(gaps)
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- backends (each runs in its own process) ----------------------------------------------------------------
+
+
+def _our_perplexity(llama_cfg, params, dtype: str, ids: list[int]) -> float:
+    """Teacher-forced perplexity of our model (float32 activations, `dtype` weights) on `ids`."""
+    import flax.nnx as nnx
+    import jax
+    import jax.numpy as jnp
+
+    from raydeploy.model.llama import build_model
+
+    graphdef, state = build_model(llama_cfg, params, "float32", dtype)
+    logits = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, jnp.asarray([ids], jnp.int32))[0]
+    lp = jax.nn.log_softmax(logits[:-1], axis=-1)
+    return _perplexity(jnp.take_along_axis(lp, jnp.asarray(ids[1:])[:, None], axis=-1)[:, 0].tolist())
 
 
 def bench_ours(new_tokens: int, dtype: str) -> dict:
@@ -97,12 +148,14 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
         decoded = sum(len(o.token_ids) - 1 for o in outs)
         return outs, ttft, decoded / (total - ttft)
 
+    ppl = _our_perplexity(reader.llama_config, params, dtype, _eval_ids(tok))
     run(1)  # one untimed pass: first calls after warmup still page in buffers
     outs1, ttft1, tps1 = run(1)
     _, ttft8, tps8 = run(8)
     return {"backend": f"raydeploy engine (JAX, {dtype} weights, max_slots 8, decode_steps {engine.decode_steps})", "ttft_s": ttft1, "decode_tok_s_b1": tps1,
             "decode_tok_s_b8": tps8, "ttft_b8_s": ttft8, "load_s": load_s,
-            "compile_s": sum(compile_s.values()), "peak_rss_mb": _peak_rss_mb(), "greedy_tokens": outs1[0].token_ids}
+            "compile_s": sum(compile_s.values()), "peak_rss_mb": _peak_rss_mb(), "perplexity": ppl,
+            "greedy_tokens": outs1[0].token_ids}
 
 
 def bench_hf(new_tokens: int) -> dict:
@@ -131,12 +184,17 @@ def bench_hf(new_tokens: int) -> dict:
     gen(1, 4)  # warm up
     ttft1, _ = gen(1, 1)
     t1, _ = gen(1, new_tokens)
-    tokens, _ = hf_greedy(model, prompts[0], min(new_tokens, 48))  # quality reference: the model's own forward
+    tokens, gaps = hf_greedy(model, prompts[0], min(new_tokens, 48))  # quality reference: the model's own forward
+    ids = _eval_ids(tok)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    ppl = _perplexity(lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist())
     ttft8, _ = gen(8, 1)
     t8, _ = gen(8, new_tokens)
     return {"backend": "transformers PyTorch (float32, 2 threads)", "ttft_s": ttft1,
             "decode_tok_s_b1": (new_tokens - 1) / (t1 - ttft1), "decode_tok_s_b8": 8 * (new_tokens - 1) / (t8 - ttft8),
-            "ttft_b8_s": ttft8, "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "greedy_tokens": tokens}
+            "ttft_b8_s": ttft8, "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "perplexity": ppl,
+            "greedy_tokens": tokens, "greedy_trusted_steps": _trusted_steps(gaps)}
 
 
 def bench_llamacpp(new_tokens: int) -> dict:
@@ -246,14 +304,23 @@ def main() -> int:
         report[f"speedup_vs_hf_b1{sfx}"] = ours["decode_tok_s_b1"] / hf["decode_tok_s_b1"]
         report[f"speedup_vs_hf_b8{sfx}"] = ours["decode_tok_s_b8"] / hf["decode_tok_s_b8"]
         report[f"greedy_match_prefix{sfx}"] = _matching_prefix(ours["greedy_tokens"], hf["greedy_tokens"])
+        report[f"greedy_matches_trusted_steps{sfx}"] = (
+            report[f"greedy_match_prefix{sfx}"] >= hf["greedy_trusted_steps"])
+        report[f"perplexity_ratio_vs_hf{sfx}"] = ours["perplexity"] / hf["perplexity"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'backend':58s} {'TTFT s':>7s} {'b1 tok/s':>9s} {'b8 tok/s':>9s} {'RSS MB':>7s}")
     for r in results.values():
         b8 = f"{r['decode_tok_s_b8']:9.1f}" if r.get("decode_tok_s_b8") else f"{'-':>9s}"
         print(f"{r['backend']:58s} {r['ttft_s']:7.3f} {r['decode_tok_s_b1']:9.1f} {b8} {r['peak_rss_mb']:7.0f}")
+    if "hf" in results:
+        print(f"reference greedy steps with top-1/top-2 gap >= 0.05 before the first smaller one: "
+              f"{results['hf']['greedy_trusted_steps']} of {len(results['hf']['greedy_tokens'])}")
+    for key, r in results.items():
+        if "perplexity" in r:
+            print(f"perplexity [{key}]: {r['perplexity']:.4f}")
     for k, v in report.items():
-        if k.startswith(("speedup_vs_hf", "greedy_match_prefix")):
+        if k.startswith(("speedup_vs_hf", "greedy_match", "perplexity_ratio")):
             print(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}")
     print(f"load average during run: {report['load_avg_1m']:.1f}; written to {args.out}")
     return 0
