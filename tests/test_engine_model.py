@@ -172,11 +172,27 @@ def test_continuous_batching_matches_running_alone(engine, prompt_ids, alone):
     assert len(set(batched[2])) > 10  # it really sampled a varied continuation
 
 
+def _all_gathered_elements(hlo: str) -> list[int]:
+    """Element counts of every all-gather result in an HLO text."""
+    import re
+
+    sizes = []
+    for m in re.finditer(r"= \(?[a-z0-9]+\[([0-9,]*)\][^ ]* all-gather(?:-start)?\(", hlo):
+        sizes.append(int(np.prod([int(d) for d in m.group(1).split(",") if d] or [1])))
+    return sizes
+
+
 def test_dp2_tp2_mesh_batches_staggered_requests_like_one_device(demo_checkpoint, prompt_ids, alone, reference):
     """dp=2 shards the slots into two groups: decodes cover a prefix of each group (1 then 2 rows per group
-    here), KV writes stay on the devices holding the slot, and the tokens equal one device's."""
+    here), KV writes stay on the devices holding the slot, the vocabulary stays sharded over tp without the
+    embedding table ever being gathered, and the tokens equal one device's."""
     mesh_engine = _build_engine(demo_checkpoint, {"dp": 2, "tp": 2},
-                                {"q_heads": None, "kv_heads": None, "cache_kv_heads": None, "vocab": None})
+                                {"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
+    cfg = mesh_engine.cfg
+    table = cfg.vocab_size * cfg.hidden_size
+    gathered = _all_gathered_elements(mesh_engine.decode_hlo(128, 2))
+    assert gathered, "a vocab-sharded decode gathers its logits across tp"
+    assert max(gathered) < table // 8, f"decode all-gathers {max(gathered)} elements (the table has {table})"
     assert mesh_engine.decode_rows == [1, 2]
     assert mesh_engine.slot_order == [0, 2, 1, 3]
     assert mesh_engine.rows_for(np.array([True, False, True, False])) == 1

@@ -301,6 +301,15 @@ class Engine:
             result.decode_logprobs = np.zeros((n, self._max_slots), np.float32)
         return result
 
+    def decode_hlo(self, window: int, rows: int) -> str:
+        """The optimised HLO of the decode program for (window, rows): to inspect its collectives and copies."""
+        b = rows * self._groups
+        tokens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=self._rows_sharding)
+        ints = jax.ShapeDtypeStruct((5, b), jnp.int32, sharding=self._replicated)
+        floats = jax.ShapeDtypeStruct((3, b), jnp.float32, sharding=self._replicated)
+        return self._decode_jit.lower(self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, ints,
+                                      floats, window, rows).compile().as_text()
+
     def warmup(self) -> dict[str, float]:
         """Compile (or load from the persistent cache) every prefill bucket and decode window.
 

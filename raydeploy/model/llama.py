@@ -59,16 +59,23 @@ class ActivationSharding:
         """Shards of the slot axis: each holds one group of consecutive slots."""
         return math.prod(dict(self.mesh.shape)[a] for a in self.slot_axes)
 
-    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None], strict: bool = True) -> jax.Array:
+        """Pin x's layout; with strict=False, axes whose rules collide leave x as it is (a hint, not a rule)."""
         from jax.sharding import NamedSharding, PartitionSpec
 
+        from raydeploy.config import ConfigError
         from raydeploy.model.sharding import partition_spec
 
         rules = dict(self.rules)
         rules["_none"] = None
         mesh_shape = dict(self.mesh.shape)
         axes = [a if a is not None else "_none" for a in logical_axes]
-        spec = partition_spec(axes, rules, mesh_shape, "activation")
+        try:
+            spec = partition_spec(axes, rules, mesh_shape, "activation")
+        except ConfigError:
+            if strict:
+                raise
+            return x
         # A dimension that does not divide its mesh axes (batch 1 in a prefill over dp=2) stays replicated.
         dims = []
         for size, d in zip(x.shape, spec, strict=True):
@@ -328,6 +335,10 @@ class Llama(nnx.Module):
         else:
             emb = self.embed.embedding[...]
             out = jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb, preferred_element_type=h.dtype)
+        if out.ndim == 2 and shard is not None:
+            # Compute the logits where the vocabulary shards of the weight live, then lay them out as the
+            # activations ask: otherwise XLA gathers the whole [V, D] weight to every device each step.
+            out = shard.constrain(out, ("act_batch", "vocab"), strict=False)
         out = out.astype(jnp.float32)
         if out.ndim == 2:
             out = _constrain(shard, out, ("act_batch", "act_vocab"))
