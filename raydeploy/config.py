@@ -155,6 +155,10 @@ class EngineConfig:
     per-plan costs (broadcast to every host, reading tokens back) are paid once per group. 1 = every token."""
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     """Sampling defaults."""
+    kernel_layout: Literal["auto", "in_out", "out_in"] = "auto"
+    """How projection kernels are laid out in device memory: in_out as in the checkpoint ([in, out]), or out_in
+    (transposed once at load). XLA CPU multiplies bfloat16 kernels faster out_in; auto picks out_in for
+    bfloat16 weights on CPU and in_out everywhere else."""
     compilation_cache_dir: str | None = "~/.cache/raydeploy/jax-compilation-cache"
     """Persistent XLA compilation cache shared by host processes; null disables."""
     warmup: bool = True

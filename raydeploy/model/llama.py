@@ -27,7 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raydeploy.model.spec import LlamaConfig, param_specs
+from raydeploy.model.spec import (
+    KERNEL_LAYOUTS,
+    LlamaConfig,
+    is_kernel,
+    kernel_input_dims,
+    out_in_spec,
+    param_specs,
+)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -130,12 +137,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 # -- layers -------------------------------------------------------------------------------------------------
 
 
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w in x's dtype. Lower-precision weights (bfloat16 params, float32 activations) multiply natively
-    with float32 accumulation: casting the weight up instead would rewrite it every step on XLA CPU."""
-    if w.dtype == x.dtype:
-        return x @ w
-    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=x.dtype)
+def _matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array:
+    """x [..., K] times a 2-D weight, in x's dtype: w is [K, N] (in_out) or, with out_first, [N, K] (out_in).
+
+    Lower-precision weights (bfloat16 params, float32 activations) multiply natively with float32
+    accumulation: casting the weight up instead would rewrite it every step on XLA CPU."""
+    xw = x if w.dtype == x.dtype else x.astype(w.dtype)
+    dims = (((x.ndim - 1,), (1 if out_first else 0,)), ((), ()))
+    return jax.lax.dot_general(xw, w, dims, preferred_element_type=x.dtype)
 
 
 def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> nnx.Param:
@@ -156,47 +165,60 @@ class RMSNorm(nnx.Module):
 
 
 class HeadsProj(nnx.Module):
-    """[.., embed] -> [.., heads, head_dim]; kernel [embed, heads, head_dim], optional bias [heads, head_dim]."""
+    """[.., embed] -> [.., heads, head_dim]; kernel [embed, heads, head_dim] (out_first: [heads, head_dim,
+    embed]), optional bias [heads, head_dim]."""
 
-    def __init__(self, d: int, heads: int, hd: int, bias: bool, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
-        self.kernel = _param(rngs, (d, heads, hd), param_dtype)
+    def __init__(self, d: int, heads: int, hd: int, bias: bool, param_dtype: Any, rngs: nnx.Rngs | None,
+                 out_first: bool = False) -> None:
+        self.kernel = _param(rngs, (heads, hd, d) if out_first else (d, heads, hd), param_dtype)
         self.bias = _param(rngs, (heads, hd), param_dtype) if bias else None
+        self.out_first = out_first
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        d, n, h = self.kernel.shape
+        d = x.shape[-1]
+        n, h = self.kernel.shape[:2] if self.out_first else self.kernel.shape[1:]
         # A 2-D matmul over the flattened heads is about 2x faster than the 3-D einsum on XLA CPU.
-        y = _matmul(x, self.kernel[...].reshape(d, n * h)).reshape(*x.shape[:-1], n, h)
+        w = self.kernel[...].reshape((n * h, d) if self.out_first else (d, n * h))
+        y = _matmul(x, w, self.out_first).reshape(*x.shape[:-1], n, h)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y
 
 
 class OutProj(nnx.Module):
-    """[.., heads, head_dim] -> [.., embed]; kernel [heads, head_dim, embed]."""
+    """[.., heads, head_dim] -> [.., embed]; kernel [heads, head_dim, embed] (out_first: [embed, heads,
+    head_dim])."""
 
-    def __init__(self, heads: int, hd: int, d: int, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
-        self.kernel = _param(rngs, (heads, hd, d), param_dtype)
+    def __init__(self, heads: int, hd: int, d: int, param_dtype: Any, rngs: nnx.Rngs | None,
+                 out_first: bool = False) -> None:
+        self.kernel = _param(rngs, (d, heads, hd) if out_first else (heads, hd, d), param_dtype)
+        self.out_first = out_first
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        n, h, d = self.kernel.shape
-        return _matmul(x.reshape(*x.shape[:-2], n * h), self.kernel[...].reshape(n * h, d))
+        n, h = x.shape[-2:]
+        w = self.kernel[...].reshape((-1, n * h) if self.out_first else (n * h, -1))
+        return _matmul(x.reshape(*x.shape[:-2], n * h), w, self.out_first)
 
 
 class Dense(nnx.Module):
-    def __init__(self, din: int, dout: int, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
-        self.kernel = _param(rngs, (din, dout), param_dtype)
+    """[.., din] -> [.., dout]; kernel [din, dout] (out_first: [dout, din])."""
+
+    def __init__(self, din: int, dout: int, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False
+                 ) -> None:
+        self.kernel = _param(rngs, (dout, din) if out_first else (din, dout), param_dtype)
+        self.out_first = out_first
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _matmul(x, self.kernel[...])
+        return _matmul(x, self.kernel[...], self.out_first)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False) -> None:
         d, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs)
-        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs)
-        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs)
-        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs)
+        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs, out_first)
+        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first)
+        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first)
+        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, out_first)
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, ...]:
         q = apply_rope(self.q_proj(x), positions, inv_freq)
@@ -205,22 +227,22 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False) -> None:
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Dense(d, f, param_dtype, rngs)
-        self.up_proj = Dense(d, f, param_dtype, rngs)
-        self.down_proj = Dense(f, d, param_dtype, rngs)
+        self.gate_proj = Dense(d, f, param_dtype, rngs, out_first)
+        self.up_proj = Dense(d, f, param_dtype, rngs, out_first)
+        self.down_proj = Dense(f, d, param_dtype, rngs, out_first)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False) -> None:
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
-        self.attn = Attention(cfg, param_dtype, rngs)
+        self.attn = Attention(cfg, param_dtype, rngs, out_first)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
-        self.mlp = MLP(cfg, param_dtype, rngs)
+        self.mlp = MLP(cfg, param_dtype, rngs, out_first)
 
 
 class Embed(nnx.Module):
@@ -310,18 +332,22 @@ def _window_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, sliding_window: int |
 
 
 class Llama(nnx.Module):
-    """Llama-family decoder; state paths = `param_specs(cfg)` names."""
+    """Llama-family decoder; state paths = `param_specs(cfg)` names, kernels in `kernel_layout`
+    (in_out: `param_specs` shapes; out_in: `out_in_spec` shapes)."""
 
     def __init__(self, cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32",
-                 rngs: nnx.Rngs | None = None) -> None:
+                 rngs: nnx.Rngs | None = None, kernel_layout: str = "in_out") -> None:
+        if kernel_layout not in KERNEL_LAYOUTS:
+            raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
         pdt = DTYPES[param_dtype]
+        of = kernel_layout == "out_in"
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
         self.inv_freq = rope_inv_freq(cfg).tolist()  # a plain list: static, hashable graph metadata
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, pdt, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, pdt, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, pdt, rngs, of) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
-        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, pdt, rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, pdt, rngs, of)
 
     # -- pieces
     def _embed(self, tokens: jax.Array) -> jax.Array:
@@ -402,10 +428,10 @@ class Llama(nnx.Module):
 # -- building the model from a flat {name: array} dict -----------------------------------------------------
 
 
-def abstract_model(cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32"
-                   ) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32",
+                   kernel_layout: str = "in_out") -> tuple[nnx.GraphDef, nnx.State]:
     """The model's graphdef and abstract state (ShapeDtypeStructs); nothing is allocated."""
-    model = nnx.eval_shape(lambda: Llama(cfg, dtype, param_dtype))
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype, param_dtype, kernel_layout=kernel_layout))
     return nnx.split(model)
 
 
@@ -457,7 +483,35 @@ def check_state_names(cfg: LlamaConfig) -> None:
 
 
 def build_model(cfg: LlamaConfig, params: Mapping[str, jax.Array], dtype: str = "float32",
-                param_dtype: str = "float32") -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state) of a model holding `params` (already placed/sharded arrays are kept as they are)."""
-    graphdef, abstract = abstract_model(cfg, dtype, param_dtype)
+                param_dtype: str = "float32", kernel_layout: str = "in_out") -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of a model holding `params` (already placed/sharded arrays are kept as they are),
+    whose kernels are in `kernel_layout` (see `to_kernel_layout`)."""
+    graphdef, abstract = abstract_model(cfg, dtype, param_dtype, kernel_layout)
     return graphdef, params_to_state(params, abstract)
+
+
+def to_kernel_layout(cfg: LlamaConfig, params: Mapping[str, jax.Array], kernel_layout: str,
+                     mesh: jax.sharding.Mesh, rules: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Checkpoint-layout (in_out) params -> `kernel_layout`. For out_in, each kernel is transposed on its
+    devices, one tensor at a time (the in_out copy is dropped as soon as the caller drops `params`), and
+    sharded by the same logical axes."""
+    if kernel_layout == "in_out":
+        return dict(params)
+    if kernel_layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
+    from jax.sharding import NamedSharding
+
+    from raydeploy.model.sharding import partition_spec
+
+    specs = param_specs(cfg)
+    out = {}
+    for name, arr in params.items():
+        if not is_kernel(name):
+            out[name] = arr
+            continue
+        spec = out_in_spec(specs[name])
+        n = kernel_input_dims(name)
+        perm = tuple(range(n, arr.ndim)) + tuple(range(n))
+        sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules, dict(mesh.shape), name))
+        out[name] = jax.jit(lambda a, p=perm: jnp.transpose(a, p), out_shardings=sharding)(arr)
+    return out

@@ -5,6 +5,8 @@ shape and logical axes. This table is the contract between the model (whose NNX 
 these names), the checkpoint format (which stores tensors under these names, in these layouts), the
 converters (which map foreign names onto these) and the sharding rules (which map logical axes to mesh
 axes). Layouts are "input dims first": a projection kernel is [in..., out...], so no transposes at run time.
+An engine may hold kernels "out_in" instead (`out_in_spec`, transposed once at load) where its backend
+multiplies that layout faster; checkpoints always store in_out.
 """
 
 from __future__ import annotations
@@ -125,6 +127,33 @@ def param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.kernel", (d, v), ("embed", "vocab")))
     return {s.name: s for s in specs}
+
+
+# Leading "input" dims of each projection kernel (they are contracted with the activations); the rest are
+# output dims. Kernels not listed here have one input dim.
+_KERNEL_INPUT_DIMS = {"attn.o_proj.kernel": 2}
+KERNEL_LAYOUTS = ("in_out", "out_in")
+
+
+def kernel_input_dims(name: str) -> int:
+    """How many leading dims of kernel `name` (in the checkpoint's in_out layout) are contracted."""
+    return next((n for suffix, n in _KERNEL_INPUT_DIMS.items() if name.endswith(suffix)), 1)
+
+
+def is_kernel(name: str) -> bool:
+    return name.endswith(".kernel")
+
+
+def out_in_spec(spec: TensorSpec) -> TensorSpec:
+    """A kernel's spec in the out_in layout (output dims first, input dims last); other tensors unchanged.
+
+    The checkpoint always stores in_out; an engine may hold kernels out_in because some backends multiply
+    that layout faster (see `EngineConfig.kernel_layout`). Logical axes move with their dims, so the sharding
+    rules apply unchanged."""
+    if not is_kernel(spec.name):
+        return spec
+    n = kernel_input_dims(spec.name)
+    return TensorSpec(spec.name, spec.shape[n:] + spec.shape[:n], spec.logical_axes[n:] + spec.logical_axes[:n])
 
 
 def kv_cache_spec(cfg: LlamaConfig, max_slots: int, max_seq_len: int) -> TensorSpec:
