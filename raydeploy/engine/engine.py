@@ -301,11 +301,11 @@ class Engine:
             self.slots.check_room(n)
             active = self.slots.active.copy()
             rows = self.rows_for(active)
-            out = self._run_decode(self.window_for(self.slots.longest_active() + n - 1), rows, n)
+            packed = self._run_decode(self.window_for(self.slots.longest_active() + n - 1), rows, n)
             idx = self.decoded_slots(rows)
             tokens = np.zeros((n, self._max_slots), np.int32)
             logprobs = np.zeros((n, self._max_slots), np.float32)
-            tokens[:, idx], logprobs[:, idx] = _unpack(out)
+            tokens[:, idx], logprobs[:, idx] = _unpack(packed)
             for k in range(n):
                 self.slots.advance(active, tokens[k])
             result.decode_tokens = np.where(active, tokens, 0).astype(np.int32)
@@ -321,8 +321,11 @@ class Engine:
         tokens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=self._rows_sharding)
         ints = jax.ShapeDtypeStruct((5, b), jnp.int32, sharding=self._replicated)
         floats = jax.ShapeDtypeStruct((3, b), jnp.float32, sharding=self._replicated)
-        return self._decode_jit.lower(self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, ints,
+        text = self._decode_jit.lower(self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, ints,
                                       floats, window, rows).compile().as_text()
+        if text is None:
+            raise RuntimeError(f"the backend gave no HLO text for decode {window}x{rows}")
+        return text
 
     def warmup(self) -> dict[str, float]:
         """Compile (or load from the persistent cache) every prefill bucket and decode window.

@@ -305,7 +305,7 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: Ac
             c = jax.lax.dynamic_update_slice(c, x[i][None, :, None], (i, 0, p[i], 0))
         return c
 
-    if groups == 1:
+    if shard is None or groups == 1:
         return local(cache, new, positions)
     from jax.sharding import PartitionSpec
 
