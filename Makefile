@@ -45,7 +45,7 @@ bench-deps: $(STAMP)
 
 # Each benchmark compares with a peer measured in the same run; run them on an otherwise idle machine.
 bench: $(STAMP)
-	$(PY) benchmarks/engine_decode.py
+	$(PY) benchmarks/engine_decode.py --dtype float32,bfloat16 --rounds 3
 	$(PY) benchmarks/checkpoint_load.py
 	$(PY) benchmarks/gang_overhead.py
 	$(PY) benchmarks/gang_load.py

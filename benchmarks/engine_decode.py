@@ -12,6 +12,7 @@ text (teacher-forced, every position).
     .venv/bin/python benchmarks/engine_decode.py --new-tokens 64 --backends ours,hf
 
     .venv/bin/python benchmarks/engine_decode.py --dtype float32,bfloat16   # our engine in both weight dtypes
+    .venv/bin/python benchmarks/engine_decode.py --rounds 3   # interleaved repeats, medians reported
 
 Our engine runs the serving configuration: max_slots 8 (a decode covers the occupied slots' bucket, so at
 batch 1 one row), 4 decode steps per plan, float32 activations, float32 weights unless --dtype says
@@ -256,6 +257,23 @@ def _run_child(backend: str, new_tokens: int, dtype: str, timeout_s: float) -> d
     return None
 
 
+TIMED = ("ttft_s", "decode_tok_s_b1", "decode_tok_s_b8", "ttft_b8_s", "peak_rss_mb")
+
+
+def _median_result(rounds: list[dict]) -> dict:
+    """One backend's result with each timed figure replaced by its median over the rounds (all kept)."""
+    import statistics
+
+    out = dict(rounds[0])
+    for k in TIMED:
+        vals = [r[k] for r in rounds if r.get(k) is not None]
+        if vals:
+            out[k] = statistics.median(vals)
+    if len(rounds) > 1:
+        out["rounds"] = [{k: r.get(k) for k in TIMED} for r in rounds]
+    return out
+
+
 def _matching_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -271,6 +289,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32",
                     help="weight dtype(s) of our engine, comma-separated: float32, bfloat16 (activations float32)")
     ap.add_argument("--backends", default="ours,hf,llamacpp")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every backend this many times, interleaved, and report the medians (noisy machines)")
     ap.add_argument("--timeout-s", type=float, default=1800)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULTS))
@@ -281,22 +301,27 @@ def main() -> int:
     dtypes = args.dtype.split(",")
     if any(d not in ("float32", "bfloat16") for d in dtypes):
         ap.error(f"--dtype takes float32 and/or bfloat16, got {args.dtype!r}")
-    results = {}
-    for b in args.backends.split(","):
-        if b == "llamacpp":
-            try:
-                import llama_cpp  # noqa: F401
-            except ImportError:
-                print("[llamacpp] llama-cpp-python is not installed; skipped", file=sys.stderr)
-                continue
-        for dtype in dtypes if b == "ours" else dtypes[:1]:
-            key = b if b != "ours" or dtype == dtypes[0] else f"ours-{dtype}"
-            r = _run_child(b, args.new_tokens, dtype, args.timeout_s)
-            if r is not None:
-                results[key] = r
-                print(f"[{key}] " + json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}), flush=True)
-    report = {"new_tokens": args.new_tokens, "prompts": "chat template, 30-40 tokens", "load_avg_1m": os.getloadavg()[0],
-              "results": results}
+    runs: dict[str, list[dict]] = {}
+    for rnd in range(args.rounds):  # interleaved, so every backend sees the same spells of machine load
+        for b in args.backends.split(","):
+            if b == "llamacpp":
+                try:
+                    import llama_cpp  # noqa: F401
+                except ImportError:
+                    if rnd == 0:
+                        print("[llamacpp] llama-cpp-python is not installed (make bench-deps); skipped",
+                              file=sys.stderr)
+                    continue
+            for dtype in dtypes if b == "ours" else dtypes[:1]:
+                key = b if b != "ours" or dtype == dtypes[0] else f"ours-{dtype}"
+                r = _run_child(b, args.new_tokens, dtype, args.timeout_s)
+                if r is not None:
+                    runs.setdefault(key, []).append(r)
+                    print(f"[{key} round {rnd + 1}] " + json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}),
+                          flush=True)
+    results = {key: _median_result(rs) for key, rs in runs.items()}
+    report = {"new_tokens": args.new_tokens, "prompts": "chat template, 30-40 tokens", "rounds": args.rounds,
+              "load_avg_1m": os.getloadavg()[0], "results": results}
     for key in [k for k in results if k.startswith("ours")]:
         if "hf" not in results:
             break
