@@ -16,9 +16,10 @@ import itertools
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, cast, get_args, get_origin
 
 import yaml
 
@@ -313,7 +314,7 @@ def _check_value(tp: Any, value: Any, key: str, source: str) -> Any:
             _check_value(key_tp, k, f"{key}.{k}", source): _check_value(val_tp, v, f"{key}.{k}", source)
             for k, v in value.items()
         }
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"expected a mapping (section), found {value!r}", file=source, key=key)
         return _build(tp, value, key, source)
@@ -476,9 +477,10 @@ def _rows(cls: type, prefix: str) -> list[str]:
     rows = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             rows += _rows(tp, f"{prefix}.{f.name}")
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = (f.default if f.default is not dataclasses.MISSING
+                   else cast(Callable[[], Any], f.default_factory)())  # no default: it has a default_factory
         rows.append(f"| `{prefix}.{f.name}` | `{_type_name(tp)}` | `{default!r}` | {docs.get(f.name, '')} |")
     return rows

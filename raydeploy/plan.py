@@ -201,7 +201,7 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"cannot read model config {path}: {e!r}", file=cfg.source, key="model.hf_config") from None
         json_path = str(path)
-    c, e = cfg.cluster, cfg.engine
+    c, eng = cfg.cluster, cfg.engine
     mesh = cfg.mesh_shape
     problems: list[str] = []
     warnings: list[str] = []
@@ -212,7 +212,7 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
 
     problems += _heads_problems(model, rules, mesh)
     specs = param_specs(model)
-    kv_spec = kv_cache_spec(model, e.max_slots, cfg.model.max_seq_len)
+    kv_spec = kv_cache_spec(model, eng.max_slots, cfg.model.max_seq_len)
     seen: set[str] = set()
     for spec in [*specs.values(), kv_spec]:
         try:
@@ -223,8 +223,8 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
                 seen.add(msg)
                 problems.append(msg)
     dp = mesh.get("dp", 1)
-    if e.max_slots % dp:
-        problems.append(f"engine.max_slots {e.max_slots} is not divisible by mesh dp={dp}")
+    if eng.max_slots % dp:
+        problems.append(f"engine.max_slots {eng.max_slots} is not divisible by mesh dp={dp}")
 
     p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[cfg.model.dtype]
     param_count = sum(s.numel for s in specs.values())
@@ -239,7 +239,7 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         problems.append(
             f"per device: parameters {_gib(p_dev)} + KV cache {_gib(kv_dev)} = {_gib(need)} exceeds the usable "
             f"{_gib(usable)} ({USABLE_FRACTION[c.platform]:.0%} of {_gib(mem)}, {mem_from}); shard over more "
-            f"devices (fsdp/tp) or lower engine.max_slots ({e.max_slots}) or model.max_seq_len "
+            f"devices (fsdp/tp) or lower engine.max_slots ({eng.max_slots}) or model.max_seq_len "
             f"({cfg.model.max_seq_len})" + ("" if p_item == kv_item == 2 else " or use bfloat16"))
     if cfg.model.max_seq_len > model.max_position_embeddings:
         warnings.append(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
@@ -269,7 +269,7 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         bundles=host_bundles(c), param_dtype=cfg.model.param_dtype, kv_dtype=cfg.model.dtype,
         param_count=param_count, param_bytes_total=param_count * p_item, param_bytes_per_device=p_dev,
         param_bytes_per_host=p_dev * c.devices_per_host, kv_bytes_total=kv_total, kv_bytes_per_device=kv_dev,
-        kv_bytes_per_host=kv_dev * c.devices_per_host, slots_per_dp_group=e.max_slots // dp if dp else 0,
+        kv_bytes_per_host=kv_dev * c.devices_per_host, slots_per_dp_group=eng.max_slots // dp if dp else 0,
         device_memory_bytes=mem, device_memory_from=mem_from, usable_bytes_per_device=usable,
         free_bytes_per_device=usable - need, problems=problems, warnings=warnings,
     )

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from raydeploy.model.spec import LlamaConfig, TensorSpec
 
 if TYPE_CHECKING:
     import jax
+    from typing_extensions import Buffer
 
 PIECE_BYTES = 16 << 20  # work unit of the thread pool for zero-copy tensors (rounded to checksum blocks)
 FINISH_BATCH = 32  # tensors handed to jax together: back to back the jax calls stay cache-hot (~2x faster)
@@ -112,10 +113,12 @@ def _block_span(e: TensorEntry, a: int, b: int, bb: int) -> tuple[int, int]:
     return (a * e.row_bytes // bb) * bb, min(-(-(b * e.row_bytes) // bb) * bb, e.length)
 
 
-def _slice_key(idx: tuple[slice, ...], shape: tuple[int, ...]) -> SliceKey:
+def _slice_key(idx: tuple[slice, ...] | None, shape: tuple[int, ...]) -> SliceKey:
     """A device's index into a tensor as (start, stop) per dim; a scalar is treated as one row."""
     if not shape:
         return ((0, 1),)
+    if idx is None:  # jax types a device's index as optional; a NamedSharding always gives one
+        raise TypeError(f"no shard index for a tensor of shape {shape}")
     return tuple(_norm_slice(s, n) for s, n in zip(idx, shape, strict=True))
 
 
@@ -239,7 +242,8 @@ class CheckpointReader:
         buf = aligned_empty(e.length)
         fd = os.open(self.path / e.file, os.O_RDONLY)
         try:
-            _pread_tensor_bytes(fd, e, 0, memoryview(buf), self.path)
+            # numpy's stubs declare the buffer protocol for Python >= 3.12 only
+            _pread_tensor_bytes(fd, e, 0, memoryview(cast("Buffer", buf)), self.path)
         finally:
             os.close(fd)
         if verify:
@@ -375,7 +379,8 @@ class _Load:
             b1 = min(b0 + self.bb, stop)
             block = buf[b0 - base: b1 - base]
             if not p.mapped:
-                _pread_tensor_bytes(self.fds[e.file], e, b0, memoryview(block), self.path)
+                # numpy's stubs declare the buffer protocol for Python >= 3.12 only
+                _pread_tensor_bytes(self.fds[e.file], e, b0, memoryview(cast("Buffer", block)), self.path)
             if self.verify:
                 self._check_block(e, b0 // self.bb, block)
             elif p.mapped:  # fault the mapped pages in now, so the load really reads them

@@ -16,7 +16,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import msgpack
 import numpy as np
@@ -38,6 +38,9 @@ from raydeploy.checkpoint.format import (
     ext32_header,
     map32_header,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 def parse_size(text: str | int) -> int:
@@ -141,7 +144,8 @@ class CheckpointWriter:
         f = self._f
         if name == PAD_KEY:
             raise CheckpointError(f"{PAD_KEY!r} is reserved for padding entries", tensor=name)
-        raw = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+        # numpy's stubs declare the buffer protocol for Python >= 3.12 only
+        raw = memoryview(cast("Buffer", arr.reshape(-1).view(np.uint8))) if arr.size else memoryview(b"")
         segments: list[tuple[int, int]] = []
         if arr.nbytes <= self.max_chunk_bytes:
             prefix = _ndarray_prefix(arr.shape, dtype, arr.nbytes)

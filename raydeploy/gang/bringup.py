@@ -58,8 +58,8 @@ async def gather_phase(phase: str, refs: Sequence[Any], timeout_s: float) -> lis
     done, pending = await asyncio.wait(futures, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
     problems: list[str] = []
     for rank, fut in enumerate(futures):
-        if fut in done and fut.exception() is not None:
-            problems.append(f"host {rank} failed: {_root(fut.exception())}")
+        if fut in done and (exc := fut.exception()) is not None:
+            problems.append(f"host {rank} failed: {_root(exc)}")
     missing = [rank for rank, fut in enumerate(futures) if fut in pending]
     for fut in pending:
         fut.cancel()

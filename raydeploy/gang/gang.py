@@ -130,8 +130,9 @@ def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None
         finally:
             ray.kill(old, no_restart=True)
     lifetime = {"lifetime": "detached"} if detached else {}
-    sup = ray.remote(GangSupervisor).options(name=SUPERVISOR_NAME, namespace=NAMESPACE, num_cpus=0,
-                                             max_concurrency=64, **lifetime).remote(
+    # an actor handle: Ray's stubs type its methods as the plain methods, not as `.remote`-callables
+    sup: Any = ray.remote(GangSupervisor).options(name=SUPERVISOR_NAME, namespace=NAMESPACE, num_cpus=0,
+                                                  max_concurrency=64, **lifetime).remote(
         cfg, path, faults=faults, host_configs=host_configs, poll_s=poll_s)
     ray.get(sup.start.remote(), timeout=cfg.cluster.rpc_timeout_s)
     return Gang(sup, cfg)

@@ -19,10 +19,18 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raydeploy.config import Config
 from raydeploy.engine.request import GenerationRequest, TokenEvent
+
+if TYPE_CHECKING:  # names for annotations only: this module must not import JAX
+    from jax.sharding import Mesh
+
+    from raydeploy.engine.engine import Engine
+    from raydeploy.gang.coordinator import Coordinator
+    from raydeploy.gang.dispatch import FollowerLoop, StepClock
+    from raydeploy.gang.toy import ToyEngine
 
 FAULT_KEYS = ("never_join", "hang_at_step", "fail_load")
 
@@ -72,11 +80,11 @@ class HostActor:
         self.phase_times_s: dict[str, float] = {}
         self.init_info: dict[str, Any] = {}
         self.load_stats: dict[str, Any] = {}
-        self.mesh = None
-        self.engine = None
+        self.mesh: Mesh | None = None
+        self.engine: Engine | ToyEngine | None = None
         self.eos_token_ids: tuple[int, ...] = ()
-        self.loop = None  # FollowerLoop on followers, Coordinator on rank 0
-        self.clock = None
+        self.loop: FollowerLoop | Coordinator | None = None  # FollowerLoop on followers, Coordinator on rank 0
+        self.clock: StepClock | None = None
 
     # -- bring-up phases ----------------------------------------------------------------------------
     async def node_ip(self) -> str:
@@ -144,7 +152,7 @@ class HostActor:
         return await self._phase("compile", self._compile_sync)
 
     def _compile_sync(self) -> dict[str, Any]:
-        if self.cfg.engine.warmup and hasattr(self.engine, "warmup"):
+        if self.cfg.engine.warmup and self.engine is not None and hasattr(self.engine, "warmup"):
             info = self.engine.warmup()
             return dict(info) if isinstance(info, dict) else {}
         return {}
@@ -164,8 +172,8 @@ class HostActor:
 
         self.clock = StepClock()
         client = jax_kv_client()
-        engine = _FaultyEngine(self.engine, self.faults.get("hang_at_step")) if "hang_at_step" in self.faults \
-            else self.engine
+        loaded = self._loaded_engine()
+        engine = _FaultyEngine(loaded, self.faults["hang_at_step"]) if "hang_at_step" in self.faults else loaded
         self.phase = "serving"
         if self.rank == 0:
             from raydeploy.gang.coordinator import Coordinator
@@ -181,6 +189,11 @@ class HostActor:
             await asyncio.to_thread(self.loop.run)
         self.phase = "stopped"
         return {"rank": self.rank, "steps": self.clock.steps_done}
+
+    def _loaded_engine(self) -> Engine | ToyEngine:
+        if self.engine is None:
+            raise RuntimeError(f"host {self.rank}: the engine is not loaded yet (phase {self.phase})")
+        return self.engine
 
     def _make_scheduler(self) -> Any:
         if self.checkpoint_path is None:

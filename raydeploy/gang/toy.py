@@ -30,7 +30,8 @@ def toy_next_token(last: np.ndarray | int) -> np.ndarray:
 def toy_expected_tokens(prompt_ids: list[int] | tuple[int, ...], max_tokens: int,
                         eos_token_ids: tuple[int, ...] = (2,)) -> list[int]:
     """The tokens the toy gang generates for a prompt (the oracle of toy-engine tests); stops after eos."""
-    out, last = [], int(prompt_ids[-1])
+    out: list[int] = []
+    last = int(prompt_ids[-1])
     while len(out) < max_tokens:
         last = int(toy_next_token(last))
         out.append(last)
@@ -81,12 +82,12 @@ class ToyEngine:
         out = StepResult(step_id=plan.step_id, prefill_tokens=np.asarray(prefill_tokens, np.int32),
                          prefill_logprobs=np.zeros((len(prefill_tokens),), np.float32))
         if plan.decode:
-            nxt = self._run(self._last)
+            decoded = self._run(self._last)
             fresh = {item.slot: self._last[item.slot] for item in plan.prefills}
-            self._last = nxt.astype(np.int32).copy()
+            self._last = decoded.astype(np.int32).copy()
             for slot, tok in fresh.items():  # a slot prefilled in this step decodes from the next step on
                 self._last[slot] = tok
-            out.decode_tokens = nxt[None]  # the toy scheduler plans one decode step per plan
+            out.decode_tokens = decoded[None]  # the toy scheduler plans one decode step per plan
             out.decode_logprobs = np.zeros((1, self.max_slots), np.float32)
         return out
 
@@ -141,10 +142,10 @@ class ToyScheduler:
         return plan
 
     def _emit(self, slot: int, token: int) -> None:
-        from raydeploy.engine.request import TokenEvent
+        from raydeploy.engine.request import FinishReason, TokenEvent
 
         req, sink, n = self.active[slot]
-        done = None
+        done: FinishReason | None = None
         if token in self.eos and not req.ignore_eos:
             done = "stop"
         elif n + 1 >= req.max_tokens:

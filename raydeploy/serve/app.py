@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -197,7 +197,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
             check_ids(ids, "prompt")
         jobs = make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt", max_param="max_tokens",
                          default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_args=_sampling_args(body),
-                         stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                         stop=_stops(body), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                          timeout_s=body.timeout_s, request_id=new_id("cmpl"))
         builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], limits.model_name, codec,
                                     body.logprobs is not None)
@@ -219,7 +219,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         ids = codec.encode_chat(codec.chat_prompt(messages, body.add_generation_prompt))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         jobs = make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages", max_param=param,
-                         default_max=None, sampling_args=_sampling_args(body), stop=body.stop,
+                         default_max=None, sampling_args=_sampling_args(body), stop=_stops(body),
                          stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                          timeout_s=body.timeout_s, request_id=new_id("chatcmpl"))
         builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], limits.model_name, codec, body.logprobs)
@@ -326,7 +326,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
     return app
 
 
-async def _sse_body(first: tuple[int, Piece], pieces: AsyncIterator[tuple[int, Piece]],
+async def _sse_body(first: tuple[int, Piece], pieces: AsyncGenerator[tuple[int, Piece], None],
                     builder: CompletionBuilder | ChatBuilder, prompt_tokens: int, include_usage: bool,
                     release: Callable[[], None]) -> AsyncIterator[str]:
     n_tokens = 0
@@ -362,6 +362,11 @@ def _validation_error(e: ValidationError) -> InvalidRequest:
 def _sampling_args(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     return {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
             "repetition_penalty": body.repetition_penalty, "seed": body.seed}
+
+
+def _stops(body: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
+    """`body.stop` as validated: the field accepts a string, but `_check_stop` has made it a list."""
+    return cast("list[str] | None", body.stop)
 
 
 def _prompt_ids(prompt: Any, codec: Any) -> list[list[int]]:

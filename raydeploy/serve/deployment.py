@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 
@@ -65,4 +65,6 @@ class ServeIngress:
 def build_serve_app(cfg: Config, checkpoint_dir: str | Path) -> Any:
     """The bound Serve application (pass to `serve.run(app, name=APP_NAME, route_prefix="/")`)."""
     load_api_keys(cfg.serving)  # fail in the driver, with the config key named, before any replica starts
-    return ServeIngress.options(num_replicas=cfg.serving.ingress_replicas).bind(cfg, str(checkpoint_dir))
+    # the decorators made the class a Deployment; mypy keeps the type of a decorated class
+    ingress = cast(serve.Deployment, ServeIngress)
+    return ingress.options(num_replicas=cfg.serving.ingress_replicas).bind(cfg, str(checkpoint_dir))

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from raydeploy.config import Config
@@ -169,7 +169,7 @@ class ServingCore:
         return self._in_flight
 
     # -- running ---------------------------------------------------------------------------------------
-    async def pieces(self, job: Job, arrived_s: float) -> AsyncIterator[Piece]:
+    async def pieces(self, job: Job, arrived_s: float) -> AsyncGenerator[Piece, None]:
         """Stream one job. Raises APIError subclasses only; always frees the gang slot if it ends early."""
         req = GenerationRequest(request_id=job.request_id, prompt_token_ids=tuple(job.prompt_ids),
                                 max_tokens=job.max_tokens, sampling=job.sampling,
@@ -285,7 +285,7 @@ class ServingCore:
             raise _first_error(eg) from None
         return [t.result() for t in tasks]
 
-    async def merged(self, jobs: Sequence[Job], arrived_s: float) -> AsyncIterator[tuple[int, Piece]]:
+    async def merged(self, jobs: Sequence[Job], arrived_s: float) -> AsyncGenerator[tuple[int, Piece], None]:
         """Pieces of several jobs as they come, tagged with the job's index."""
         if len(jobs) == 1:
             one = self.pieces(jobs[0], arrived_s)
