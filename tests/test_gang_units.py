@@ -187,15 +187,19 @@ def test_coordinator_streams_events_and_fail_all_ends_requests():
     from raydeploy.gang.toy import ToyScheduler
 
     class BlockingEngine:
-        """Steps normally until `block` is set, then hangs like a host stuck in a collective."""
+        """Steps normally; once armed, every step after the next prefill hangs like a host stuck in a
+        collective (so the request under test cannot finish on its own however the threads are scheduled)."""
 
         def __init__(self) -> None:
-            self.block = threading.Event()
+            self.armed = False
+            self.prefilled = False
             self.release = threading.Event()
 
         def step(self, plan: StepPlan) -> StepResult:
-            if self.block.is_set():
+            if self.prefilled:
                 self.release.wait(30)
+            if self.armed and plan.prefills:
+                self.prefilled = True
             n = 4
             return StepResult(plan.step_id, np.full(len(plan.prefills), 9, np.int32),
                               np.zeros(len(plan.prefills), np.float32), np.full((1, n), 9, np.int32),
@@ -209,11 +213,11 @@ def test_coordinator_streams_events_and_fail_all_ends_requests():
         events = [e async for batch in coord.generate(GenerationRequest("a", (1, 2), 5, ignore_eos=True))
                   for e in batch]
         assert [e.token_id for e in events] == [9] * 5 and events[-1].finish_reason == "length"
+        engine.armed = True  # b's prefill step runs, the step after it hangs
         gen = coord.generate(GenerationRequest("b", (1, 2), 1000, ignore_eos=True))
         first = await gen.__anext__()
         assert first
-        engine.block.set()  # the next step hangs; failing the gang must still end the request
-        coord.fail_all("gang failure, retry: host 1 died", retriable=True)
+        coord.fail_all("gang failure, retry: host 1 died", retriable=True)  # must end b despite the hang
         rest = [e async for batch in gen for e in batch]
         assert rest[-1].finish_reason == "error" and rest[-1].retriable and "host 1 died" in rest[-1].error
         with pytest.raises(GangUnavailableError, match="host 1 died"):

@@ -504,6 +504,7 @@ def to_kernel_layout(cfg: LlamaConfig, params: Mapping[str, jax.Array], kernel_l
     from raydeploy.model.sharding import partition_spec
 
     specs = param_specs(cfg)
+    programs: dict[tuple, Any] = {}  # one compiled transpose per (permutation, sharding), not per layer
     out = {}
     for name, arr in params.items():
         if not is_kernel(name):
@@ -513,5 +514,8 @@ def to_kernel_layout(cfg: LlamaConfig, params: Mapping[str, jax.Array], kernel_l
         n = kernel_input_dims(name)
         perm = tuple(range(n, arr.ndim)) + tuple(range(n))
         sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules, dict(mesh.shape), name))
-        out[name] = jax.jit(lambda a, p=perm: jnp.transpose(a, p), out_shardings=sharding)(arr)
+        key = (perm, sharding)
+        if key not in programs:
+            programs[key] = jax.jit(lambda a, p=perm: jnp.transpose(a, p), out_shardings=sharding)
+        out[name] = programs[key](arr)
     return out
