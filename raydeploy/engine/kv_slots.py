@@ -1,4 +1,4 @@
-"""The slot KV cache: device buffers [slots, max_seq_len, kv_heads, head_dim] per layer, and host bookkeeping.
+"""The slot KV cache: device buffers [slots, kv_heads, max_seq_len, head_dim] per layer, and host bookkeeping.
 
 `allocate_kv_cache` creates the per-layer K and V buffers directly on the mesh with the `kv_cache_spec`
 shardings (one jitted zeros, so nothing passes through host memory and it works across processes).
@@ -33,7 +33,7 @@ def kv_cache_sharding(cfg: LlamaConfig, max_slots: int, max_seq_len: int, mesh: 
 
 def allocate_kv_cache(cfg: LlamaConfig, max_slots: int, max_seq_len: int, dtype: Any, mesh: Any,
                       rules: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
-    """Zeroed K and V caches, one [slots, seq, kv_heads, head_dim] array per layer, sharded on the mesh."""
+    """Zeroed K and V caches, one [slots, kv_heads, seq, head_dim] array per layer, sharded on the mesh."""
     import jax
     import jax.numpy as jnp
 
