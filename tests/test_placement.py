@@ -95,3 +95,29 @@ def test_unsatisfiable_placement_names_what_was_asked_and_what_exists(fake_clust
     from ray.util.placement_group import placement_group_table
 
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+
+def _gang_groups() -> list[dict]:
+    from ray.util.placement_group import placement_group_table
+
+    return [pg for pg in placement_group_table().values() if pg["name"].startswith("raydeploy-gang-")]
+
+
+def test_shutdown_during_placement_removes_the_pending_group(fake_cluster):
+    """A gang still waiting for its bundles (5 hosts on 4 nodes, a long placement timeout) is shut down: the
+    pending reservation must not outlive it, or it would hold the cluster's accelerators with nobody using
+    them."""
+    import time
+
+    from raydeploy.gang.gang import start_gang
+
+    cfg = _cfg(5, placement_timeout_s=120)
+    gang = start_gang(cfg, engine="toy")
+    deadline = time.monotonic() + 30
+    while not any(pg["state"] == "PENDING" for pg in _gang_groups()):
+        assert time.monotonic() < deadline, f"no pending gang placement group: {_gang_groups()}"
+        time.sleep(0.1)
+    assert gang.state(10)["state"] == "starting"
+    gang.shutdown(30)
+    groups = _gang_groups()
+    assert groups and all(pg["state"] == "REMOVED" for pg in groups), groups

@@ -88,21 +88,56 @@ def _fmt(res: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"
 
 
-def place_hosts(cluster: ClusterConfig, name: str = "raydeploy-gang") -> HostGroup:
-    """Reserve the gang's bundles or raise :class:`PlacementError` within `placement_timeout_s`."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+def reserve_hosts(cluster: ClusterConfig, name: str = "raydeploy-gang") -> HostGroup:
+    """Ask Ray for the gang's bundles and return at once with the (possibly still pending) group.
+
+    Split from the wait so that whoever waits owns the group from the first moment: a caller cancelled
+    while the group is pending (a shutdown during placement) can still remove it, instead of a reservation
+    that nobody holds keeping the cluster's TPUs or GPUs."""
+    from ray.util.placement_group import placement_group
 
     bundles = host_bundles(cluster)
     strategy = placement_strategy(cluster)
-    t0 = time.perf_counter()
     pg = placement_group(bundles, strategy=strategy, name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=cluster.placement_timeout_s)
+    return HostGroup(pg=pg, bundles=bundles, strategy=strategy, wait_s=0.0)
+
+
+def _placement_error(cluster: ClusterConfig, group: HostGroup) -> PlacementError:
+    return PlacementError(
+        f"cannot place {cluster.num_hosts} host(s) within cluster.placement_timeout_s="
+        f"{cluster.placement_timeout_s:g}s: asked for bundles {group.bundles} with strategy {group.strategy}; "
+        f"the cluster has {describe_cluster()}")
+
+
+async def wait_placed(group: HostGroup, cluster: ClusterConfig) -> None:
+    """Wait (bounded by `placement_timeout_s`) until every bundle is reserved; on timeout remove the group
+    and raise :class:`PlacementError`. Cancelling the wait leaves the group to the caller to remove."""
+    import asyncio
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.wait_for(_ready(group.pg), cluster.placement_timeout_s)
+    except TimeoutError:
+        err = _placement_error(cluster, group)
+        group.remove()
+        raise err from None
+    group.wait_s = time.perf_counter() - t0
+
+
+async def _ready(pg: Any) -> Any:
+    return await pg.ready()
+
+
+def place_hosts(cluster: ClusterConfig, name: str = "raydeploy-gang") -> HostGroup:
+    """Reserve the gang's bundles or raise :class:`PlacementError` within `placement_timeout_s` (blocking)."""
+    import ray
+
+    group = reserve_hosts(cluster, name)
+    t0 = time.perf_counter()
+    ready, _ = ray.wait([group.pg.ready()], timeout=cluster.placement_timeout_s)
     if not ready:
-        have = describe_cluster()
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"cannot place {cluster.num_hosts} host(s) within cluster.placement_timeout_s="
-            f"{cluster.placement_timeout_s:g}s: asked for bundles {bundles} with strategy {strategy}; "
-            f"the cluster has {have}")
-    return HostGroup(pg=pg, bundles=bundles, strategy=strategy, wait_s=time.perf_counter() - t0)
+        err = _placement_error(cluster, group)
+        group.remove()
+        raise err
+    group.wait_s = time.perf_counter() - t0
+    return group

@@ -153,16 +153,19 @@ class GangSupervisor:
         import ray
 
         from raydeploy.gang.host import HostActor, actor_options
-        from raydeploy.gang.placement import PlacementError, place_hosts
+        from raydeploy.gang.placement import PlacementError, reserve_hosts, wait_placed
 
         self.generation += 1
         self.state = "starting"
         self.phase_s = {}
         self.bringup_info = {}
         t0 = time.perf_counter()
+        # Held before the first await: a shutdown that cancels the wait still finds (and removes) the group.
+        self.group = reserve_hosts(self.cfg.cluster, f"raydeploy-gang-{self.generation}")
         try:
-            self.group = await asyncio.to_thread(place_hosts, self.cfg.cluster, f"raydeploy-gang-{self.generation}")
+            await wait_placed(self.group, self.cfg.cluster)
         except PlacementError as e:  # retried: the cluster may grow (autoscaler, nodes coming back)
+            self.group = None  # removed by wait_placed
             raise GangError(str(e), phase="placement") from None
         self.phase_s["placement_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
