@@ -40,6 +40,9 @@ from raydeploy.model.llama import DTYPES, ActivationSharding, build_model, to_ke
 from raydeploy.model.sharding import partition_spec
 from raydeploy.model.spec import LlamaConfig
 
+WARMUP_RUN_MAX_BUCKET = 512
+"""Prefill buckets up to this many tokens are run once by `Engine.warmup`; longer ones are only compiled."""
+
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
     """Use the persistent XLA compilation cache (shared by processes on a machine); None leaves it off."""
@@ -232,7 +235,8 @@ class Engine:
         i = bisect.bisect_left(self.windows, longest + 1)
         return self.windows[min(i, len(self.windows) - 1)]
 
-    def _run_prefill(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> jax.Array:
+    def _prefill_args(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> tuple[Any, ...]:
+        """The prefill program's arguments for one prompt (padded to its bucket)."""
         n = int(tokens.shape[0])
         bucket = self.bucket_for(n)
         if n >= self._max_seq_len:
@@ -241,8 +245,10 @@ class Engine:
         ints[:n] = tokens
         ints[bucket:] = [n, slot, sp.top_k[0], sp.seed.view(np.int32)[0]]
         floats = np.asarray([sp.temperature[0], sp.top_p[0], sp.repetition_penalty[0]], np.float32)
-        self.k_cache, self.v_cache, self.presence, out = self._prefill_jit(
-            self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats))
+        return (self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats))
+
+    def _run_prefill(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> jax.Array:
+        self.k_cache, self.v_cache, self.presence, out = self._prefill_jit(*self._prefill_args(tokens, slot, sp))
         return out
 
     def rows_for(self, active: np.ndarray) -> int:
@@ -258,6 +264,17 @@ class Engine:
     def _decode_steps(self, window: int, rows: int, steps: int) -> list[jax.Array]:
         """Dispatch `steps` decode steps of the first `rows` slots per group; their packed results stay on the
         devices of their rows ([2, rows*groups] each)."""
+        tokens, floats, ints = self._decode_inputs(rows)
+        outs = []
+        for k in range(steps):  # no host round trip between the steps of a plan
+            self.k_cache, self.v_cache, self.presence, tokens, out = self._decode_jit(
+                self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, ints(k), floats, window, rows)
+            outs.append(out)
+        return outs
+
+    def _decode_inputs(self, rows: int) -> tuple[jax.Array, jax.Array, Any]:
+        """The decode program's per-plan inputs for the first `rows` slots of each group: the input tokens (on
+        their rows' devices), the float sampling parameters, and a function giving step k's int inputs."""
         s = self.slots
         sp = s.slot_sampling()
         idx = self.decoded_slots(rows)
@@ -265,16 +282,13 @@ class Engine:
         floats = self._put(np.stack([sp.temperature, sp.top_p, sp.repetition_penalty]).astype(np.float32)[:, idx])
         last = s.last_token[idx]
         tokens = jax.make_array_from_callback(last.shape, self._rows_sharding, lambda i: last[i])
-        outs = []
-        for k in range(steps):  # no host round trip between the steps of a plan
+
+        def ints(k: int) -> jax.Array:
             positions = np.where(s.active, s.lengths + k, 0)
-            ints = np.stack([positions, s.active.astype(np.int32), sp.top_k, sp.seed.view(np.int32),
-                             sampled]).astype(np.int32)
-            self.k_cache, self.v_cache, self.presence, tokens, out = self._decode_jit(
-                self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, self._put(ints[:, idx]),
-                floats, window, rows)
-            outs.append(out)
-        return outs
+            return self._put(np.stack([positions, s.active.astype(np.int32), sp.top_k, sp.seed.view(np.int32),
+                                       sampled]).astype(np.int32)[:, idx])
+
+        return tokens, floats, ints
 
     def _run_decode(self, window: int, rows: int, steps: int) -> np.ndarray:
         """`steps` decode steps, gathered to every host at once: packed results [steps, 2, rows*groups]."""
@@ -330,15 +344,22 @@ class Engine:
     def warmup(self) -> dict[str, float]:
         """Compile (or load from the persistent cache) every prefill bucket and decode window.
 
-        Runs each program once on idle slots, so it must be called before any request is in a slot.
-        Returns seconds per program, e.g. {"prefill_64": 9.8, "decode_256x4": 10.4} (window x rows per group).
+        Runs each program once on idle slots (its first run also sets up its buffers and threads), except
+        prefill buckets longer than `WARMUP_RUN_MAX_BUCKET` tokens, which are compiled ahead of time without
+        running: a 2048-token prefill computes for about 10 s on a CPU host just to warm up. Must be called
+        before any request is in a slot. Returns seconds per program, e.g. {"prefill_64": 9.8,
+        "decode_256x4": 10.4} (window x rows per group).
         """
         if self.slots.active.any():
             raise RuntimeError("warmup() must run before any slot is active")
         greedy = SlotSampling.from_params([self.slots.sampling[0]])
         for b in self.buckets:
             t0 = time.perf_counter()
-            jax.block_until_ready(self._run_prefill(np.zeros(min(b, self._max_seq_len - 1), np.int32), 0, greedy))
+            prompt = np.zeros(min(b, self._max_seq_len - 1), np.int32)
+            if b <= WARMUP_RUN_MAX_BUCKET:
+                jax.block_until_ready(self._run_prefill(prompt, 0, greedy))
+            else:
+                self._prefill_jit.lower(*self._prefill_args(prompt, 0, greedy)).compile()
             self.compile_s[f"prefill_{b}"] = time.perf_counter() - t0
         for w in self.windows:
             for r in self.decode_rows:
