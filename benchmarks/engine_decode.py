@@ -83,12 +83,6 @@ def _perplexity(logprobs_of_next: list[float]) -> float:
     return math.exp(-sum(logprobs_of_next) / len(logprobs_of_next))
 
 
-def _trusted_steps(gaps: list[float], min_gap: float = 0.05) -> int:
-    """Leading greedy steps whose reference top-1/top-2 gap is at least min_gap."""
-    small = [i for i, g in enumerate(gaps) if g < min_gap]
-    return small[0] if small else len(gaps)
-
-
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -180,7 +174,7 @@ def bench_hf(new_tokens: int) -> dict:
                                  do_sample=False, pad_token_id=2)
         return time.perf_counter() - t, out[0, width:].tolist()
 
-    from hf_reference import hf_greedy
+    from hf_reference import hf_greedy, trusted_steps
 
     gen(1, 4)  # warm up
     ttft1, _ = gen(1, 1)
@@ -195,7 +189,7 @@ def bench_hf(new_tokens: int) -> dict:
     return {"backend": "transformers PyTorch (float32, 2 threads)", "ttft_s": ttft1,
             "decode_tok_s_b1": (new_tokens - 1) / (t1 - ttft1), "decode_tok_s_b8": 8 * (new_tokens - 1) / (t8 - ttft8),
             "ttft_b8_s": ttft8, "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "perplexity": ppl,
-            "greedy_tokens": tokens, "greedy_trusted_steps": _trusted_steps(gaps)}
+            "greedy_tokens": tokens, "greedy_trusted_steps": trusted_steps(gaps)}
 
 
 def bench_llamacpp(new_tokens: int) -> dict:

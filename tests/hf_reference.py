@@ -99,3 +99,10 @@ def hf_last_logits(model: Any, prompt_ids: list[int]) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.tensor([prompt_ids])).logits[0, -1].float().numpy()
+
+
+def trusted_steps(gaps: list[float], min_gap: float = 0.05) -> int:
+    """Leading greedy steps whose reference top-1/top-2 logit gap is at least min_gap (below that a tie may
+    flip either way, so exact token comparison stops there)."""
+    small = [i for i, g in enumerate(gaps) if g < min_gap]
+    return small[0] if small else len(gaps)

@@ -331,12 +331,9 @@ class Engine:
 
     def decode_hlo(self, window: int, rows: int) -> str:
         """The optimised HLO of the decode program for (window, rows): to inspect its collectives and copies."""
-        b = rows * self._groups
-        tokens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=self._rows_sharding)
-        ints = jax.ShapeDtypeStruct((5, b), jnp.int32, sharding=self._replicated)
-        floats = jax.ShapeDtypeStruct((3, b), jnp.float32, sharding=self._replicated)
-        text = self._decode_jit.lower(self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, ints,
-                                      floats, window, rows).compile().as_text()
+        tokens, floats, ints = self._decode_inputs(rows)
+        text = self._decode_jit.lower(self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens,
+                                      ints(0), floats, window, rows).compile().as_text()
         if text is None:
             raise RuntimeError(f"the backend gave no HLO text for decode {window}x{rows}")
         return text

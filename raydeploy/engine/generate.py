@@ -102,6 +102,7 @@ def _generate(cfg: Config, args: argparse.Namespace) -> int:
                             progress=False, verify=cfg.model.verify_checksums)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     engine = Engine(llama_cfg, params, mesh, rules, cfg.model, cfg.engine)
+    del params  # the engine may hold its own (re-laid-out) copies: do not keep the loaded ones alive too
     load_s = time.perf_counter() - t0
 
     prompt_ids = _prompt_ids(tokenizer, args)

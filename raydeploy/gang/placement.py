@@ -129,15 +129,9 @@ async def _ready(pg: Any) -> Any:
 
 
 def place_hosts(cluster: ClusterConfig, name: str = "raydeploy-gang") -> HostGroup:
-    """Reserve the gang's bundles or raise :class:`PlacementError` within `placement_timeout_s` (blocking)."""
-    import ray
+    """`reserve_hosts` + `wait_placed` for callers without an event loop (blocking)."""
+    import asyncio
 
     group = reserve_hosts(cluster, name)
-    t0 = time.perf_counter()
-    ready, _ = ray.wait([group.pg.ready()], timeout=cluster.placement_timeout_s)
-    if not ready:
-        err = _placement_error(cluster, group)
-        group.remove()
-        raise err
-    group.wait_s = time.perf_counter() - t0
+    asyncio.run(wait_placed(group, cluster))
     return group
