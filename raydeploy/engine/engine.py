@@ -21,7 +21,6 @@ Programs (each compiled once, on `warmup()` or first use):
 from __future__ import annotations
 
 import bisect
-import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.config import EngineConfig, ModelConfig
+from raydeploy.engine import compile_cache
 from raydeploy.engine.kv_slots import DecodeSlots, allocate_kv_cache
 from raydeploy.engine.sampling import SlotSampling, sample
 from raydeploy.engine.step import StepPlan, StepResult
@@ -42,16 +42,6 @@ from raydeploy.model.spec import LlamaConfig
 
 WARMUP_RUN_MAX_BUCKET = 512
 """Prefill buckets up to this many tokens are run once by `Engine.warmup`; longer ones are only compiled."""
-
-
-def enable_compilation_cache(cache_dir: str | None) -> None:
-    """Use the persistent XLA compilation cache (shared by processes on a machine); None leaves it off."""
-    if not cache_dir:
-        return
-    path = os.path.expanduser(cache_dir)
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str) -> str:
@@ -103,7 +93,7 @@ class Engine:
     def __init__(self, llama_cfg: LlamaConfig, params: Mapping[str, jax.Array], mesh: jax.sharding.Mesh,
                  rules: Mapping[str, Any], model_cfg: ModelConfig, engine_cfg: EngineConfig,
                  decode_windows: Sequence[int] | None = None) -> None:
-        enable_compilation_cache(engine_cfg.compilation_cache_dir)
+        compile_cache.enable(engine_cfg.compilation_cache_dir)
         self.cfg = llama_cfg
         self.mesh = mesh
         self.rules = dict(rules)
