@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import flax.nnx as nnx
@@ -140,6 +141,7 @@ class Engine:
                            NamedSharding(mesh, PartitionSpec(None, slot_axes))))
         self._gather_jit = jax.jit(jnp.stack, out_shardings=self._replicated)
         self.compile_s: dict[str, float] = {}
+        self.programs: dict[str, dict[str, Any]] = {}  # name -> {seconds, source: cache|compiled|none}
 
     # -- properties
     @property
@@ -341,21 +343,34 @@ class Engine:
             raise RuntimeError("warmup() must run before any slot is active")
         greedy = SlotSampling.from_params([self.slots.sampling[0]])
         for b in self.buckets:
-            t0 = time.perf_counter()
             prompt = np.zeros(min(b, self._max_seq_len - 1), np.int32)
-            if b <= WARMUP_RUN_MAX_BUCKET:
-                jax.block_until_ready(self._run_prefill(prompt, 0, greedy))
-            else:
-                self._prefill_jit.lower(*self._prefill_args(prompt, 0, greedy)).compile()
-            self.compile_s[f"prefill_{b}"] = time.perf_counter() - t0
+            with self._program(f"prefill_{b}"):
+                if b <= WARMUP_RUN_MAX_BUCKET:
+                    jax.block_until_ready(self._run_prefill(prompt, 0, greedy))
+                else:
+                    self._prefill_jit.lower(*self._prefill_args(prompt, 0, greedy)).compile()
         for w in self.windows:
             for r in self.decode_rows:
-                t0 = time.perf_counter()
-                self._run_decode(w, r, 1)
-                self.compile_s[f"decode_{w}x{r}"] = time.perf_counter() - t0
+                with self._program(f"decode_{w}x{r}"):
+                    self._run_decode(w, r, 1)
         for r in self.decode_rows:  # the gathers of every plan length (tiny programs; no extra decode steps)
             outs = self._decode_steps(self.windows[0], r, 1)
             for n in range(2, self.decode_steps + 1):
-                jax.block_until_ready(self._gather_jit(outs * n))
+                with self._program(f"gather_{n}x{r}"):
+                    jax.block_until_ready(self._gather_jit(outs * n))
         return dict(self.compile_s)
+
+    @contextmanager
+    def _program(self, name: str) -> Iterator[None]:
+        """Time one program's compile (or cache load) and first run; record where it came from."""
+        t0 = time.perf_counter()
+        with compile_cache.track() as count:
+            yield
+        self.compile_s[name] = time.perf_counter() - t0
+        self.programs[name] = {"seconds": round(self.compile_s[name], 3), "source": count.source}
+
+    def program_counts(self) -> dict[str, int]:
+        """How many of this host's programs were loaded from the persistent cache and how many compiled."""
+        sources = [p["source"] for p in self.programs.values()]
+        return {"loaded": sources.count("cache"), "compiled": sources.count("compiled")}
 
