@@ -3,13 +3,13 @@ metrics and the chat page.
 
 `create_app(server)` builds a FastAPI app over a `ServingCore` (which talks to the gang through a
 `Backend`); the Ray Serve deployment and the unit tests (with an in-process fake backend) both use it.
-Bodies are read here with a size limit and a content-type check, parsed with the pydantic models of
-:mod:`raydeploy.serve.protocol`, and every failure goes through :mod:`raydeploy.serve.errors`.
+Bodies are read and strictly parsed by :mod:`raydeploy.serve.body` (content type, size limit, JSON rules),
+validated with the pydantic models of :mod:`raydeploy.serve.protocol`, and every failure goes through
+:mod:`raydeploy.serve.errors`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -22,13 +22,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raydeploy.serve.auth import ApiKeyCheck
+from raydeploy.serve.body import read_json_object
 from raydeploy.serve.errors import (
     APIError,
     InvalidRequest,
     NotFound,
-    PayloadTooLarge,
     Unauthorized,
-    UnsupportedMediaType,
     error_response,
     pydantic_error,
 )
@@ -58,7 +57,7 @@ class ServerInfo:
 
 def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_body_bytes: int = 1_048_576,
                info: ServerInfo | None = None, cors_origins: list[str] | None = None) -> FastAPI:
-    app = FastAPI(title="raydeploy", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="raydeploy", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     keys = api_keys or ApiKeyCheck(())
     info = info or ServerInfo()
     codec, limits, metrics = core.codec, core.limits, core.metrics
@@ -115,28 +114,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
             raise Unauthorized()
 
     async def read_body(request: Request, model: type[BaseModel]) -> Any:
-        ctype = request.headers.get("content-type", "")
-        if ctype.split(";")[0].strip().lower() != "application/json":
-            raise UnsupportedMediaType(ctype or None)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            raise PayloadTooLarge(max_body_bytes)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise PayloadTooLarge(max_body_bytes)
-            chunks.append(chunk)
-        try:
-            data = json.loads(b"".join(chunks))
-        except UnicodeDecodeError:
-            raise InvalidRequest("the body is not UTF-8 text", code="invalid_json") from None
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-                                 code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise InvalidRequest(f"the body must be a JSON object, found {type(data).__name__}",
-                                 code="invalid_json")
+        data = await read_json_object(request, max_body_bytes)
         try:
             return model.model_validate(data)
         except ValidationError as e:
@@ -186,7 +164,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- OpenAI API ------------------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         arrived = time.perf_counter()
         authorize(request)
@@ -204,7 +182,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await respond(jobs, builder, sum(len(p) for p in prompts), body.stream, include_usage, arrived)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         arrived = time.perf_counter()
         authorize(request)
@@ -254,7 +232,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
             core.release(1)
         return JSONResponse({"input": text, "response": choice.text, "tokens_used": len(choice.token_ids)})
 
-    @app.post("/chat")
+    @app.post("/chat", openapi_extra=_json_body(LegacyChatRequest))
     async def legacy_chat(request: Request) -> Response:
         arrived = time.perf_counter()
         authorize(request)
@@ -267,7 +245,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         messages.append({"role": "user", "content": body.prompt})
         return await legacy(messages, body, "prompt", arrived)
 
-    @app.post("/instruct")
+    @app.post("/instruct", openapi_extra=_json_body(LegacyInstructRequest))
     async def legacy_instruct(request: Request) -> Response:
         arrived = time.perf_counter()
         authorize(request)
@@ -277,6 +255,8 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         messages = [{"role": "system", "content": body.system}] if body.system else []
         messages.append({"role": "user", "content": body.instruction})
         return await legacy(messages, body, "instruction", arrived)
+
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
 
     # -- probes, status, metrics, page -----------------------------------------------------------------
     @app.get("/health")
@@ -390,6 +370,32 @@ def _prompt_ids(prompt: Any, codec: Any) -> list[list[int]]:
                 raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
             out.append([int(t) for t in item])
     return out
+
+
+_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, LegacyChatRequest,
+                                             LegacyInstructRequest)
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that reads `model` itself (see `read_body`), for GET /openapi.json."""
+    ref = _SCHEMA_REF.format(model=model.__name__)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}}
+
+
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of the routes plus the request bodies' pydantic schemas under components."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        from pydantic.json_schema import models_json_schema
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                             description="OpenAI-compatible completions and chat, the EasyDeL JAXServer "
+                                         "/chat and /instruct, probes, status and metrics.")
+        _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS], ref_template=_SCHEMA_REF)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _model_card(name: str, max_seq_len: int, info: ServerInfo) -> dict[str, Any]:

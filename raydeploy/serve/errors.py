@@ -33,7 +33,9 @@ class APIError(Exception):
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        param = None if self.param is None else _writable(self.param)
+        return {"error": {"message": _writable(self.message), "type": self.type, "param": param,
+                          "code": self.code}}
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
@@ -42,6 +44,12 @@ class APIError(Exception):
 
     def __reduce__(self):  # survives pickling with its fields
         return (_rebuild, (type(self), self.message, self.param, self.code, self.status, self.retry_after_s))
+
+
+def _writable(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (a lone surrogate from a client's field name) escaped, so
+    writing the error can never fail."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _rebuild(cls: type[APIError], message: str, param: str | None, code: str | None, status: int,

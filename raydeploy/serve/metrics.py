@@ -1,176 +1,191 @@
-"""Serving figures in the Prometheus text format (GET /metrics), kept by the ingress replica.
+"""Serving figures for GET /metrics (Prometheus text format), kept by the ingress with `prometheus_client`.
 
 Latency (time to first token, time per output token, request duration) is measured here, where the
-client's clock is; gang figures (queue depth, slots in use, engine steps, restarts, load and start-up
-times) are read from the coordinator's stats and the supervisor's state at scrape time and exported as
-gauges. No label ever carries user input.
+client's clock is, into `prometheus_client` histograms; request and token counts are its counters. Gang
+figures (state, restarts, queue depth, slots in use, engine steps, load and start-up times) are read from
+the supervisor and the coordinator at scrape time and exported as gauges by a collector made for that
+scrape. No label ever carries user input.
+
+Why `prometheus_client` and not `ray.util.metrics`: Ray exports its metrics only through each node's
+metrics agent, under names prefixed `ray_`, and only inside a Ray worker; this keeps the metric names of
+`/metrics` unchanged, works in the ingress without Ray (tests, other ASGI servers), and leaves the text
+format and the histogram arithmetic to the library. Each `ServingMetrics` has its own registry, so one
+process can hold several apps. The gang figures are the same from every ingress replica (they come from
+the gang); the request figures are the replica's own, so with `serving.ingress_replicas > 1` a scrape
+through the Serve proxy sees one replica's share (sum over replicas in Prometheus when each is scraped).
+
+`requests_served` counts generations answered successfully (completions, chat, /chat, /instruct), not
+probes, status polls or scrapes.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
+import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "raydeploy"
+GENERATION_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat", "/instruct"})
+"""The routes whose successful answers count as requests served."""
+RECENT_SAMPLES = 4096
+"""How many recent latencies /status keeps for its p50/p99 (the histograms keep every observation)."""
 
 
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: Iterable[float] = LATENCY_BUCKETS_S) -> None:
-        self.name, self.help = name, help_text
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-        self.samples: list[float] = []  # bounded reservoir for quantiles in /status
+class _Recent:
+    """The last RECENT_SAMPLES observations, for quantiles in /status (Prometheus gets the histogram)."""
+
+    def __init__(self) -> None:
+        self._values: deque[float] = deque(maxlen=RECENT_SAMPLES)
         self._lock = threading.Lock()
 
-    def observe(self, value: float) -> None:
+    def add(self, value: float) -> None:
         with self._lock:
-            self.counts[bisect.bisect_left(self.buckets, value)] += 1
-            self.sum += value
-            self.count += 1
-            if len(self.samples) >= 4096:
-                del self.samples[:2048]
-            self.samples.append(value)
+            self._values.append(value)
 
     def quantile(self, q: float) -> float | None:
         with self._lock:
-            if not self.samples:
-                return None
-            s = sorted(self.samples)
+            s = sorted(self._values)
+        if not s:
+            return None
         return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-    def render(self) -> list[str]:
-        n = f"{PREFIX}_{self.name}"
-        lines = [f"# HELP {n} {self.help}", f"# TYPE {n} histogram"]
-        with self._lock:
-            acc = 0
-            for le, c in zip(self.buckets, self.counts, strict=False):
-                acc += c
-                lines.append(f'{n}_bucket{{le="{le:g}"}} {acc}')
-            lines.append(f'{n}_bucket{{le="+Inf"}} {self.count}')
-            lines.append(f"{n}_sum {self.sum:.6f}")
-            lines.append(f"{n}_count {self.count}")
-        return lines
 
 
 class ServingMetrics:
-    """Counters and histograms of one ingress replica."""
+    """Counters and histograms of one ingress replica, in a registry of its own."""
 
     def __init__(self) -> None:
-        self.ttft_s = Histogram("time_to_first_token_seconds", "Time from request arrival to its first token.")
-        self.tpot_s = Histogram("time_per_output_token_seconds",
-                                "Mean time between a request's tokens after the first.")
-        self.e2e_s = Histogram("request_duration_seconds", "Time from request arrival to its last token.")
-        self.tokens_generated = 0
-        self.prompt_tokens = 0
-        self.requests: dict[tuple[str, int], int] = {}
-        self.in_flight = 0
-        self.waiting_first_token = 0
-        self.peak_in_flight = 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self._ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time from request arrival to its first token.",
+                               buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                               "Mean time between a request's tokens after the first.",
+                               buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._e2e = Histogram(f"{PREFIX}_request_duration_seconds", "Time from request arrival to its last token.",
+                              buckets=LATENCY_BUCKETS_S, registry=reg)
+        self._tokens = Counter(f"{PREFIX}_tokens_generated", "Output tokens streamed to clients.", registry=reg)
+        self._prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", registry=reg)
+        self._http = Counter(f"{PREFIX}_http_requests", "HTTP responses by endpoint and status.",
+                             ("endpoint", "status"), registry=reg)
+        self._served = Counter(f"{PREFIX}_requests_served",
+                               "Generation requests answered without error (not probes, status polls or scrapes).",
+                               registry=reg)
+        self._in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Requests admitted by this ingress and not finished.",
+                                registry=reg)
+        self._waiting = Gauge(f"{PREFIX}_requests_waiting_first_token",
+                              "Admitted requests that have no token yet (queued or prefilling).", registry=reg)
+        self._recent_ttft, self._recent_tpot = _Recent(), _Recent()
         self._lock = threading.Lock()
+        self._now_in_flight = 0
+        self.peak_in_flight = 0
 
+    # -- recording -------------------------------------------------------------------------------------
     def started(self) -> None:
+        self._in_flight.inc()
+        self._waiting.inc()
         with self._lock:
-            self.in_flight += 1
-            self.waiting_first_token += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self._now_in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._now_in_flight)
 
     def first_token(self, ttft_s: float) -> None:
-        self.ttft_s.observe(ttft_s)
-        with self._lock:
-            self.waiting_first_token -= 1
+        self._ttft.observe(ttft_s)
+        self._recent_ttft.add(ttft_s)
+        self._waiting.dec()
 
     def finished(self, *, got_first_token: bool, prompt_tokens: int, output_tokens: int,
                  duration_s: float, decode_s: float) -> None:
+        self._in_flight.dec()
         with self._lock:
-            self.in_flight -= 1
-            if not got_first_token:
-                self.waiting_first_token -= 1
-            self.tokens_generated += output_tokens
-            self.prompt_tokens += prompt_tokens
+            self._now_in_flight -= 1
+        if not got_first_token:
+            self._waiting.dec()
+        self._tokens.inc(output_tokens)
+        self._prompt_tokens.inc(prompt_tokens)
         if output_tokens > 0:
-            self.e2e_s.observe(duration_s)
+            self._e2e.observe(duration_s)
         if output_tokens > 1:
-            self.tpot_s.observe(decode_s / (output_tokens - 1))
+            tpot = decode_s / (output_tokens - 1)
+            self._tpot.observe(tpot)
+            self._recent_tpot.add(tpot)
 
     def count_response(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            key = (endpoint, status)
-            self.requests[key] = self.requests.get(key, 0) + 1
+        """One HTTP response; `endpoint` is the route's path template (never the client's raw path)."""
+        self._http.labels(endpoint, str(status)).inc()
+        if endpoint in GENERATION_ENDPOINTS and status < 400:
+            self._served.inc()
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def _value(self, name: str) -> float:
+        return self.registry.get_sample_value(f"{PREFIX}_{name}") or 0.0
 
     @property
     def requests_served(self) -> int:
-        with self._lock:
-            return sum(n for (_, status), n in self.requests.items() if status < 400)
+        return int(self._value("requests_served_total"))
 
     def snapshot(self) -> dict[str, Any]:
         """Figures for /status."""
         return {
             "requests_served": self.requests_served,
-            "in_flight": self.in_flight,
+            "in_flight": int(self._value("requests_in_flight")),
             "peak_in_flight": self.peak_in_flight,
-            "tokens_generated": self.tokens_generated,
-            "ttft_s": {"p50": self.ttft_s.quantile(0.5), "p99": self.ttft_s.quantile(0.99)},
-            "tpot_s": {"p50": self.tpot_s.quantile(0.5), "p99": self.tpot_s.quantile(0.99)},
+            "tokens_generated": int(self._value("tokens_generated_total")),
+            "ttft_s": {"p50": self._recent_ttft.quantile(0.5), "p99": self._recent_ttft.quantile(0.99)},
+            "tpot_s": {"p50": self._recent_tpot.quantile(0.5), "p99": self._recent_tpot.quantile(0.99)},
         }
 
     def render(self, gang_state: Mapping[str, Any], engine_stats: Mapping[str, Any]) -> str:
-        lines: list[str] = []
-        for h in (self.ttft_s, self.tpot_s, self.e2e_s):
-            lines += h.render()
-        with self._lock:
-            lines += _metric("tokens_generated_total", "counter", "Output tokens streamed to clients.",
-                             self.tokens_generated)
-            lines += _metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
-                             self.prompt_tokens)
-            lines += [f"# HELP {PREFIX}_http_requests_total HTTP responses by endpoint and status.",
-                      f"# TYPE {PREFIX}_http_requests_total counter"]
-            for (endpoint, status), n in sorted(self.requests.items()):
-                lines.append(f'{PREFIX}_http_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-            lines += _metric("requests_in_flight", "gauge", "Requests admitted by this ingress and not finished.",
-                             self.in_flight)
-            lines += _metric("requests_waiting_first_token", "gauge",
-                             "Admitted requests that have no token yet (queued or prefilling).",
-                             self.waiting_first_token)
-        state = str(gang_state.get("state", "unknown"))
-        lines += [f"# HELP {PREFIX}_gang_ready 1 when the gang is ready to serve.",
-                  f"# TYPE {PREFIX}_gang_ready gauge", f"{PREFIX}_gang_ready {int(state == 'ready')}",
-                  f"# HELP {PREFIX}_gang_state The gang's state (1 for the current one).",
-                  f"# TYPE {PREFIX}_gang_state gauge", f'{PREFIX}_gang_state{{state="{_label(state)}"}} 1']
-        restarts = gang_state.get("restarts")
-        if isinstance(restarts, int | float):
-            lines += _metric("gang_restarts_total", "counter", "Gang restarts since the server started.", restarts)
-        for key, value in sorted(_numbers(gang_state, "gang").items()):
-            if key not in ("gang_restarts",):
-                lines += _metric(key, "gauge", f"Gang figure '{key}' reported by the supervisor.", value)
-        for key, value in sorted(_numbers(engine_stats, "engine").items()):
-            lines += _metric(key, "gauge", f"Engine figure '{key}' reported by the coordinator.", value)
-        return "\n".join(lines) + "\n"
+        """The Prometheus text: this replica's registry, then the gang figures of this scrape."""
+        scrape = CollectorRegistry(auto_describe=False)
+        scrape.register(_GangFigures(gang_state, engine_stats))
+        return (generate_latest(self.registry) + generate_latest(scrape)).decode("utf-8")
 
 
-def _metric(name: str, kind: str, help_text: str, value: float) -> list[str]:
-    n = f"{PREFIX}_{name}"
-    return [f"# HELP {n} {help_text}", f"# TYPE {n} {kind}", f"{n} {_fmt(value)}"]
+class _GangFigures:
+    """A one-scrape collector of the supervisor's state and the coordinator's stats, as gauges."""
+
+    def __init__(self, gang_state: Mapping[str, Any], engine_stats: Mapping[str, Any]) -> None:
+        self.gang_state, self.engine_stats = gang_state, engine_stats
+
+    def collect(self) -> Iterator[Metric]:
+        state = str(self.gang_state.get("state", "unknown"))
+        yield GaugeMetricFamily(f"{PREFIX}_gang_ready", "1 when the gang is ready to serve.",
+                                value=int(state == "ready"))
+        g = GaugeMetricFamily(f"{PREFIX}_gang_state", "The gang's state (1 for the current one).", labels=["state"])
+        g.add_metric([_name_part(state)], 1)
+        yield g
+        taken = {"gang_ready", "gang_state", "gang_restarts"}
+        restarts = self.gang_state.get("restarts")
+        if isinstance(restarts, int | float) and not isinstance(restarts, bool):
+            yield CounterMetricFamily(f"{PREFIX}_gang_restarts", "Gang restarts since the server started.",
+                                      value=restarts)
+        for source, prefix, who in ((self.gang_state, "gang", "supervisor"), (self.engine_stats, "engine", "coordinator")):
+            for key, value in sorted(_numbers(source, prefix).items()):
+                if key in taken:
+                    continue
+                taken.add(key)
+                yield GaugeMetricFamily(f"{PREFIX}_{key}", f"Gang figure '{key}' reported by the {who}.", value=value)
 
 
-def _fmt(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{float(value):.6g}"
+_NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def _label(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "_-" else "_" for c in text)[:64]
+def _name_part(text: str) -> str:
+    """`text` as part of a metric name or a label value: letters, digits and '_' only, at most 64."""
+    return _NOT_NAME.sub("_", text)[:64]
 
 
 def _numbers(d: Mapping[str, Any], prefix: str, depth: int = 0) -> dict[str, float]:
     """Flatten the numeric leaves of a stats dict into metric names (nested dicts joined by '_')."""
     out: dict[str, float] = {}
     for k, v in d.items():
-        name = f"{prefix}_{_label(str(k))}"
+        name = f"{prefix}_{_name_part(str(k))}"
         if isinstance(v, bool):
             out[name] = float(v)
         elif isinstance(v, int | float) and math.isfinite(v):

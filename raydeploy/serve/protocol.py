@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 4
 MAX_N = 8
+MAX_TOP_K = 2**31 - 1
+"""top_k travels to the engine as int32; any value above the vocabulary size already means 'all tokens'."""
 
 
 class _Strict(BaseModel):
@@ -32,7 +34,7 @@ class _SamplingFields(_Strict):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
     """Extension: keep the k most likely tokens; 0 or -1 disables."""
     seed: Annotated[int, Field(ge=0, lt=2**31)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -162,7 +164,7 @@ class LegacyChatRequest(BaseModel):
     max_new_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = None
 
 
 class LegacyInstructRequest(BaseModel):
@@ -175,4 +177,4 @@ class LegacyInstructRequest(BaseModel):
     max_new_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = None
