@@ -5,7 +5,8 @@ This is the only serve module that knows the gang's actor names and methods: the
 coordinator while the gang is ready; the coordinator streams `TokenEvent` lists for a
 `GenerationRequest` (a Ray streaming generator), aborts requests and reports stats. Every call is bounded
 by a timeout. Gang failures become `ServiceUnavailable` (503, retriable); a full queue becomes
-`Overloaded` (503 with Retry-After).
+`Overloaded` (503 with Retry-After). Remote errors are matched by their class, imported from the gang
+and engine modules that define them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.engine.scheduler import QueueFullError
+from raydeploy.gang.bringup import GangError
+from raydeploy.gang.coordinator import GangUnavailableError
+from raydeploy.gang.fingerprint import FingerprintMismatchError
+from raydeploy.gang.placement import PlacementError
 from raydeploy.serve.errors import Overloaded, ServiceUnavailable
 
 log = logging.getLogger("raydeploy.serve")
@@ -24,6 +30,10 @@ log = logging.getLogger("raydeploy.serve")
 SUPERVISOR_NAME = "raydeploy-supervisor"
 NAMESPACE = "raydeploy"
 READY = "ready"
+GANG_ERRORS: tuple[type[BaseException], ...] = (GangUnavailableError, GangError, PlacementError,
+                                                FingerprintMismatchError)
+"""Errors the gang raises when it cannot serve right now (503, retriable). These modules import no JAX, so
+the ingress stays JAX-free (tests/test_serve_http.py checks)."""
 
 
 class Backend(Protocol):
@@ -48,10 +58,16 @@ class Backend(Protocol):
         ...
 
 
+def _raised(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    """Whether `exc`, or the error a remote actor raised inside it (`RayTaskError.cause`), is one of `kinds`.
+
+    Ray re-raises a remote exception as a class derived from both `RayTaskError` and the original class, and
+    keeps the original as `.cause`; either is matched by type."""
+    return isinstance(exc, kinds) or isinstance(getattr(exc, "cause", None), kinds)
+
+
 def _is_queue_full(exc: BaseException) -> bool:
-    cause = getattr(exc, "cause", None)
-    return any(type(e).__name__ == "QueueFullError" for e in (exc, cause) if e is not None) or \
-        any(c.__name__ == "QueueFullError" for c in type(exc).__mro__)
+    return _raised(exc, (QueueFullError,))
 
 
 def _is_gang_failure(exc: BaseException) -> bool:
@@ -60,10 +76,9 @@ def _is_gang_failure(exc: BaseException) -> bool:
     if isinstance(exc, (rex.RayActorError, rex.ActorUnavailableError, rex.ObjectLostError,
                         rex.WorkerCrashedError, rex.GetTimeoutError)):
         return True
-    # the coordinator refuses work while the gang is not serving (GangUnavailableError, raised remotely)
-    cause = getattr(exc, "cause", None)
-    return any(type(e).__name__ == "GangUnavailableError" for e in (exc, cause) if e is not None) or \
-        any(c.__name__ == "GangUnavailableError" for c in type(exc).__mro__)
+    # the coordinator refuses work while the gang is not serving; bring-up, placement and fingerprint
+    # failures reach here from the supervisor while it rebuilds the gang
+    return _raised(exc, GANG_ERRORS)
 
 
 class GangBackend:

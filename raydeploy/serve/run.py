@@ -3,16 +3,19 @@
 `start_serving(cfg)` is the reusable part (the CLI, tests and benchmarks use it): it starts the gang
 supervisor and the Serve ingress and returns a `Serving` handle. HTTP answers at once (/health 200,
 /ready 503) while the gang starts, loads and compiles; `/ready` turns 200 when the gang is ready.
-`run_serve(cfg, args)` adds the driver around it: prints where it listens and when it is ready, waits for
-Ctrl-C / SIGTERM, then drains in-flight requests (Serve's graceful shutdown), shuts the gang down and
-stops Serve (and Ray, if it started Ray itself).
+`run_serve(cfg, args)` adds the driver around it: checks that serving.host:port can be listened on before
+it starts a local Ray (one line naming the address and the override when it cannot), prints where it
+listens and when it is ready, waits for Ctrl-C / SIGTERM, then drains in-flight requests (Serve's graceful
+shutdown), shuts the gang down and stops Serve (and Ray, if it started Ray itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -94,6 +97,30 @@ def start_serving(cfg: Config, *, checkpoint_path: str | None = None, engine: st
     return Serving(cfg, gang, f"http://{host}:{cfg.serving.port}")
 
 
+class AddressUnavailable(RuntimeError):
+    """serving.host:serving.port cannot be listened on; found before Ray starts."""
+
+
+def check_address_free(host: str, port: int) -> None:
+    """Bind `host:port` for a moment, as the Serve proxy will, or raise `AddressUnavailable` naming the address
+    and the override to use. SO_REUSEADDR as in the proxy: a port in TIME_WAIT is free, a listening one is not."""
+    if port == 0:
+        return  # any free port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+            reason = e.strerror or str(e)
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                hint = "choose another port with --set serving.port=PORT (or stop what holds it)"
+            else:
+                hint = "check serving.host (--set serving.host=HOST)"
+            raise AddressUnavailable(f"cannot listen on {where}: {reason}; {hint}") from None
+
+
 def _bringup_timeout_s(cfg: Config) -> float:
     c = cfg.cluster
     per_try = c.placement_timeout_s + c.init_timeout_s + 2 * c.rpc_timeout_s
@@ -112,7 +139,16 @@ def run_serve(cfg: Config, args: argparse.Namespace) -> int:
         print(f"raydeploy serve: {signal.Signals(signum).name} received; draining", flush=True)
         stop.set()
 
-    started_ray = connect_ray(getattr(args, "address", None) or cfg.cluster.ray_address)
+    address = getattr(args, "address", None) or cfg.cluster.ray_address
+    if not (address or os.environ.get("RAY_ADDRESS")):
+        # Ray is started here, so the Serve proxy will listen on this machine: say now if it cannot, not
+        # after Ray and the gang have started and the proxy has failed
+        try:
+            check_address_free(cfg.serving.host, cfg.serving.port)
+        except AddressUnavailable as e:
+            print(f"raydeploy serve: {e}", file=sys.stderr, flush=True)
+            return 1
+    started_ray = connect_ray(address)
     # After ray.init: Ray's driver installs its own SIGTERM handling (exit at once), which would skip draining.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signals[sig] = signal.signal(sig, on_signal)
