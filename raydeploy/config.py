@@ -77,8 +77,8 @@ class ClusterConfig:
     """Ray cluster to join (like RAY_ADDRESS); null starts a local Ray cluster."""
     coordinator_bind_address: str | None = None
     """Address the jax.distributed coordinator (inside rank 0) binds; null means rank 0's node IP."""
-    coordinator_port: int = 0
-    """Port of the jax.distributed coordinator; 0 picks a free port on every (re)start."""
+    coordinator_port: int | None = None
+    """TCP port the jax.distributed coordinator (inside rank 0) listens on; null means 8476 (JAX's own default, open it in NetworkPolicies / firewalls) on real clusters and a free port on simulated hosts; 0 always picks a free port."""
     init_timeout_s: float = 60.0
     """Seconds jax.distributed.initialize waits for every host to join before failing."""
     heartbeat_timeout_s: float = 10.0
@@ -161,7 +161,7 @@ class EngineConfig:
     (transposed once at load). XLA CPU multiplies bfloat16 kernels faster out_in; auto picks out_in for
     bfloat16 weights on CPU and in_out everywhere else."""
     compilation_cache_dir: str | None = "~/.cache/raydeploy/jax-compilation-cache"
-    """Persistent XLA compilation cache shared by host processes; null disables."""
+    """Persistent XLA compilation cache every host reads: a path (a shared, writable mount on real clusters) or a gs:// URL (needs etils[epath] and gcsfs); null disables."""
     warmup: bool = True
     """Compile every prefill bucket and the decode step before reporting ready."""
 
@@ -404,7 +404,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"must be >= 0, found {val}", file=src, key=key)
     if not 0 <= s.port <= 65535:
         raise ConfigError(f"must be a TCP port 0-65535, found {s.port}", file=src, key="serving.port")
-    if not 0 <= c.coordinator_port <= 65535:
+    if c.coordinator_port is not None and not 0 <= c.coordinator_port <= 65535:
         raise ConfigError(f"must be a TCP port 0-65535, found {c.coordinator_port}", file=src, key="cluster.coordinator_port")
     if c.simulated and c.platform != "cpu":
         raise ConfigError(f"simulated hosts run on virtual CPU devices; platform is {c.platform!r}",

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from raydeploy.config import Config, ConfigError
-from raydeploy.gang.placement import host_bundles, placement_strategy
+from raydeploy.gang.placement import head_bundle, host_bundles, placement_strategy
+from raydeploy.gang.preflight import cache_dir_problem
 from raydeploy.model.sharding import check_divisible, logical_to_mesh_axes, merge_rules
 from raydeploy.model.spec import LlamaConfig, TensorSpec, kv_cache_spec, param_specs
 
@@ -71,6 +72,8 @@ class Plan:
     free_bytes_per_device: int
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    slice_head_bundle: dict[str, float] | None = None
+    """TPU: reserved first to claim one whole slice; then every host bundle also asks for that slice's name."""
 
     @property
     def ok(self) -> bool:
@@ -253,6 +256,15 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         elif have != c.devices_per_host:
             problems.append(f"cluster.host_resources.{res} is {have:g} but cluster.devices_per_host is "
                             f"{c.devices_per_host}; each host actor must own all its devices")
+    cache_dir = cfg.engine.compilation_cache_dir
+    if cache_dir and "://" in cache_dir:
+        warnings.append(f"engine.compilation_cache_dir {cache_dir} is not checked here (that needs the hosts' "
+                        f"credentials); the hosts need etils[epath] and gcsfs to use it")
+    elif (cache_problem := cache_dir_problem(cache_dir)) is not None:
+        if c.simulated:
+            problems.append(cache_problem)
+        else:  # the hosts mount it, maybe not this machine
+            warnings.append(f"{cache_problem} (checked on this machine; the hosts check it again before joining)")
     if c.platform == "tpu" and c.num_hosts > 1 and not c.tpu_slice_head_resource:
         warnings.append("multi-host TPU without cluster.tpu_slice_head_resource: hosts of different slices "
                         "could be mixed")
@@ -272,6 +284,7 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         kv_bytes_per_host=kv_dev * c.devices_per_host, slots_per_dp_group=eng.max_slots // dp if dp else 0,
         device_memory_bytes=mem, device_memory_from=mem_from, usable_bytes_per_device=usable,
         free_bytes_per_device=usable - need, problems=problems, warnings=warnings,
+        slice_head_bundle=head_bundle(c),
     )
 
 
@@ -290,7 +303,8 @@ def format_plan(plan: Plan) -> str:
         f"hosts         {plan.num_hosts} x {plan.devices_per_host} {plan.platform} device(s)"
         f"{' ' + plan.accelerator_type if plan.accelerator_type else ''} = {plan.total_devices} devices",
         f"mesh          {mesh}",
-        f"placement     {plan.placement_strategy}, bundles {plan.bundles}",
+        f"placement     {plan.placement_strategy}, bundles {plan.bundles}"
+        + (f" on one slice claimed by {plan.slice_head_bundle}" if plan.slice_head_bundle else ""),
         f"parameters    {plan.param_dtype}: total {_gib(plan.param_bytes_total)}, per device "
         f"{_gib(plan.param_bytes_per_device)}, per host {_gib(plan.param_bytes_per_host)}",
         f"KV cache      {plan.kv_dtype}: total {_gib(plan.kv_bytes_total)}, per device "

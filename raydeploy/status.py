@@ -1,7 +1,8 @@
 """`raydeploy status [URL]`: ask a running deployment how it is, over HTTP, and print it readably.
 
 GETs URL/ready (no auth; 200 ready, 503 not yet) and URL/status (needs an API key when the deployment
-has keys: --api-key or $RAYDEPLOY_API_KEY). Exit codes: 0 ready, 3 reachable but not ready, 1 cannot
+has keys: --api-key or $RAYDEPLOY_API_KEY). Per host it shows, besides its process and phase, how many
+programs its warmup loaded from the persistent compile cache and how many it compiled. Exit codes: 0 ready, 3 reachable but not ready, 1 cannot
 reach it or it answered with an error. Every request is bounded by --timeout-s.
 """
 
@@ -99,10 +100,19 @@ def format_status(info: dict[str, Any]) -> str:
             lines.append("engine        " + ", ".join(f"{k}={v}" for k, v in engine.items()
                                                       if not isinstance(v, dict | list)))
         gang = st.get("gang") or {}
+        placement = gang.get("placement") or {}
+        if placement.get("slice"):
+            lines.append(f"placement     TPU slice {placement['slice']}, bundle per rank {placement.get('rank_bundle')} "
+                         f"(ranks follow TPU_WORKER_ID)")
         for h in gang.get("host_status") or []:
             if isinstance(h, dict):
                 lines.append("host          " + ", ".join(f"{k}={v}" for k, v in h.items()
                                                           if not isinstance(v, dict | list)))
+        for row in gang.get("hosts") or []:
+            if isinstance(row, dict) and isinstance(row.get("programs"), dict):
+                p = row["programs"]
+                lines.append(f"programs      host {row.get('rank')}: {p.get('loaded', 0)} loaded from the compile "
+                             f"cache, {p.get('compiled', 0)} compiled")
     return "\n".join(lines)
 
 

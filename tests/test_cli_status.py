@@ -19,7 +19,10 @@ STATUS = {"status": "Ready", "state": "ready", "restarts": 1, "last_error": None
           "config": {"num_hosts": 2, "devices_per_host": 2}, "devices": 4, "process_count": 2,
           "mesh": {"dp": 2, "tp": 2}, "uptime_s": 12.5, "requests_served": 7,
           "serving": {"queue_capacity": 64, "admitted": 0}, "engine": {"steps": 120},
-          "gang": {"host_status": [{"rank": 0, "pid": 101}, {"rank": 1, "pid": 102}]}}
+          "gang": {"host_status": [{"rank": 0, "pid": 101}, {"rank": 1, "pid": 102}],
+                   "placement": {"slice": "slice-a", "rank_bundle": [1, 0]},
+                   "hosts": [{"rank": 0, "programs": {"loaded": 12, "compiled": 0}},
+                             {"rank": 1, "programs": {"loaded": 9, "compiled": 3}}]}}
 
 
 def _server(ready: bool, key: str | None):
@@ -63,6 +66,9 @@ def test_ready_deployment(capsys: pytest.CaptureFixture) -> None:
     assert "state         ready, restarts 1" in out
     assert "{'dp': 2, 'tp': 2} over 4 device(s) in 2 process(es)" in out
     assert "host          rank=1, pid=102" in out
+    assert "placement     TPU slice slice-a, bundle per rank [1, 0] (ranks follow TPU_WORKER_ID)" in out
+    assert "programs      host 0: 12 loaded from the compile cache, 0 compiled" in out
+    assert "programs      host 1: 9 loaded from the compile cache, 3 compiled" in out
 
 
 def test_not_ready_and_json(capsys: pytest.CaptureFixture) -> None:

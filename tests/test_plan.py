@@ -37,7 +37,7 @@ def test_accelerator_configs_plan(name: str) -> None:
     assert plan.param_bytes_per_device + plan.kv_bytes_per_device <= plan.usable_bytes_per_device
     assert plan.param_bytes_per_host == plan.param_bytes_per_device * plan.devices_per_host
     if plan.platform == "tpu":
-        assert len([b for b in plan.bundles if any(k.endswith("-head") for k in b)]) == 1
+        assert plan.slice_head_bundle is not None and next(iter(plan.slice_head_bundle)).endswith("-head")
 
 
 def test_v5e_numbers() -> None:

@@ -1,15 +1,19 @@
 """Bring-up: from nothing to a ready gang, one bounded phase at a time.
 
 1. place: one placement-group bundle per host (raydeploy.gang.placement).
-2. start: one HostActor per bundle, each its own process with its JAX environment.
-3. fingerprint: every host fingerprints config + code + checkpoint; rank 0's is the reference; any
+2. start: one HostActor per bundle, each its own process with its JAX environment (the supervisor records
+   every host's pid and node, so a teardown can wait for each process on its own node).
+3. preflight: every host checks its accelerator platform, device count, TPU variables and slice topology
+   against the config, reading only the environment and device files (no JAX backend starts). A failure
+   is a non-retriable GangError: the same hosts would fail the same way.
+4. fingerprint: every host fingerprints config + code + checkpoint; rank 0's is the reference; any
    difference refuses the gang before anything joins.
-4. init: rank 0 picks the coordinator address (its node IP or cluster.coordinator_bind_address, and a free
-   port unless cluster.coordinator_port is set); ALL hosts call jax.distributed.initialize concurrently
-   (waiting for rank 0 first would deadlock); a host that never joins fails the phase within
-   init_timeout_s plus a small margin, naming the hosts that did not finish.
-5. load: every host reads its part of the checkpoint concurrently (per-host bytes, seconds, GB/s).
-6. compile: every host warms the same programs concurrently (they run collectives together).
+5. init: rank 0 picks the coordinator address (its node IP or cluster.coordinator_bind_address, and
+   cluster.coordinator_port: 8476 on real clusters, a free port on simulated hosts); ALL hosts call
+   jax.distributed.initialize concurrently (waiting for rank 0 first would deadlock); a host that never
+   joins fails the phase within init_timeout_s plus a small margin, naming the hosts that did not finish.
+6. load: every host reads its part of the checkpoint concurrently (per-host bytes, seconds, GB/s).
+7. compile: every host warms the same programs concurrently (they run collectives together).
 Then `serve` starts each host's loop. Phase times are recorded for the bring-up report.
 """
 
@@ -57,9 +61,11 @@ async def gather_phase(phase: str, refs: Sequence[Any], timeout_s: float) -> lis
     futures = [asyncio.ensure_future(_await_ref(r)) for r in refs]
     done, pending = await asyncio.wait(futures, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
     problems: list[str] = []
+    retriable = True
     for rank, fut in enumerate(futures):
         if fut in done and (exc := fut.exception()) is not None:
             problems.append(f"host {rank} failed: {_root(exc)}")
+            retriable = retriable and _retriable(exc)
     missing = [rank for rank, fut in enumerate(futures) if fut in pending]
     for fut in pending:
         fut.cancel()
@@ -67,8 +73,16 @@ async def gather_phase(phase: str, refs: Sequence[Any], timeout_s: float) -> lis
         when = "before another host failed" if problems else f"within {timeout_s:g}s"
         problems.insert(0, f"host(s) {missing} did not finish {phase} {when}")
     if problems:
-        raise GangError(f"bring-up phase '{phase}' failed: " + "; ".join(problems), phase=phase)
+        raise GangError(f"bring-up phase '{phase}' failed: " + "; ".join(problems), phase=phase,
+                        retriable=retriable)
     return [f.result() for f in futures]
+
+
+def _retriable(e: BaseException) -> bool:
+    """False for errors that say a restart cannot fix them (a `retriable = False` attribute, e.g.
+    PreflightError), also when they crossed Ray wrapped in a RayTaskError."""
+    cause = getattr(e, "cause", None)
+    return getattr(cause if isinstance(cause, BaseException) else e, "retriable", True) is not False
 
 
 async def _await_ref(ref: Any) -> Any:
@@ -81,6 +95,10 @@ async def bring_up(cfg: Config, hosts: Sequence[Any], record: dict[str, float],
     c = cfg.cluster
     note = on_phase or (lambda phase: None)
     rpc = c.rpc_timeout_s
+
+    t0 = time.perf_counter()
+    preflight = await gather_phase("preflight", [h.preflight.remote() for h in hosts], rpc)
+    record["preflight_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     fps = await gather_phase("fingerprint", [h.fingerprint.remote() for h in hosts], rpc)
@@ -107,4 +125,5 @@ async def bring_up(cfg: Config, hosts: Sequence[Any], record: dict[str, float],
     t0 = time.perf_counter()
     compiles = await gather_phase("compile", [h.compile.remote() for h in hosts], rpc)
     record["compile_s"] = time.perf_counter() - t0
-    return {"coordinator_address": address, "init": inits, "load": loads, "compile": compiles}
+    return {"coordinator_address": address, "preflight": preflight, "init": inits, "load": loads,
+            "compile": compiles}

@@ -107,10 +107,12 @@ async def stream_events(coordinator: Any, req: GenerationRequest) -> AsyncIterat
 
 def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None = None,
                faults: dict[int, dict[str, Any]] | None = None, host_configs: dict[int, Config] | None = None,
-               poll_s: float = 0.5, detached: bool = False) -> Gang:
+               poll_s: float = 0.5, detached: bool = False, name: str = SUPERVISOR_NAME) -> Gang:
     """Start the named supervisor (replacing a stale one) and its gang; returns at once (see wait_ready).
 
-    `detached` makes the supervisor outlive the process that starts it (a Serve app builder task).
+    `detached` makes the supervisor outlive the process that starts it (a Serve app builder task). `name`
+    names the supervisor actor (and its placement groups): gangs with different names run side by side,
+    each on its own hosts (on TPU, each on its own slice).
 
     engine "toy" runs the stand-in engine without a checkpoint (tests, control benchmarks); `faults` and
     `host_configs` inject per-rank failures and configs for tests.
@@ -121,7 +123,7 @@ def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None
         raise ValueError(f"engine must be 'real' or 'toy', found {engine!r}")
     path = None if engine == "toy" else (checkpoint_path or resolve_checkpoint_path(cfg))
     try:
-        old = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+        old = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         old = None
     if old is not None:
@@ -131,8 +133,8 @@ def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None
             ray.kill(old, no_restart=True)
     lifetime = {"lifetime": "detached"} if detached else {}
     # an actor handle: Ray's stubs type its methods as the plain methods, not as `.remote`-callables
-    sup: Any = ray.remote(GangSupervisor).options(name=SUPERVISOR_NAME, namespace=NAMESPACE, num_cpus=0,
+    sup: Any = ray.remote(GangSupervisor).options(name=name, namespace=NAMESPACE, num_cpus=0,
                                                   max_concurrency=64, **lifetime).remote(
-        cfg, path, faults=faults, host_configs=host_configs, poll_s=poll_s)
+        cfg, path, faults=faults, host_configs=host_configs, poll_s=poll_s, name=name)
     ray.get(sup.start.remote(), timeout=cfg.cluster.rpc_timeout_s)
     return Gang(sup, cfg)

@@ -7,7 +7,7 @@ heartbeat and the coordinator's entry points stay responsive while a phase or th
 worker thread.
 
 Bring-up phases (called by raydeploy.gang.bringup in this order, on every host concurrently):
-`fingerprint` -> `init_distributed` -> `load` -> `compile` -> `serve` (the long-lived call: rank 0 runs
+`process_info` -> `preflight` (environment and devices, before JAX starts) -> `fingerprint` -> `init_distributed` -> `load` -> `compile` -> `serve` (the long-lived call: rank 0 runs
 the coordinator loop, followers the step loop; it returns on shutdown and raises on failure, which is
 how the supervisor notices a dead or broken host). Rank 0 also answers `generate`/`abort`/`stats`.
 `faults` injects failures for tests (never join, hang in a step, a different config).
@@ -33,18 +33,31 @@ if TYPE_CHECKING:  # names for annotations only: this module must not import JAX
     from raydeploy.gang.toy import ToyEngine
 
 FAULT_KEYS = ("never_join", "hang_at_step", "fail_load")
+JAX_COORDINATOR_PORT = 8476
+"""JAX's own default coordinator port; the gang's coordinator listens here on real clusters."""
 
 
 def host_env(cfg: Config) -> dict[str, str]:
     """Environment of a host process, set before JAX is imported there."""
     c = cfg.cluster
-    env = {"JAX_PLATFORMS": c.platform, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # "cuda", not "gpu": a GPU host must not fall back to another GPU plugin or to the CPU
+    env = {"JAX_PLATFORMS": "cuda" if c.platform == "gpu" else c.platform, "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
     if c.simulated:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={c.devices_per_host}"
         # more virtual devices than cores: a larger CPU thread pool avoids a deadlock in the first all-reduce
         env["PJRT_NPROC"] = str(max(8, 4 * c.devices_per_host))
     env.update(c.env)
     return env
+
+
+def coordinator_port(cfg: Config) -> int:
+    """The configured coordinator port: null means JAX's 8476 on real clusters and 0 (a free port, chosen
+    at each start) on simulated hosts, where several gangs may share one machine."""
+    port = cfg.cluster.coordinator_port
+    if port is None:
+        return 0 if cfg.cluster.simulated else JAX_COORDINATOR_PORT
+    return port
 
 
 def actor_options(cfg: Config, rank: int, bundle: dict[str, float], scheduling_strategy: Any,
@@ -85,6 +98,9 @@ class HostActor:
         self.eos_token_ids: tuple[int, ...] = ()
         self.loop: FollowerLoop | Coordinator | None = None  # FollowerLoop on followers, Coordinator on rank 0
         self.clock: StepClock | None = None
+        self.started_at = time.time()
+        self.preflight_info: dict[str, Any] = {}
+        self.programs: dict[str, int] | None = None  # {loaded, compiled} after warmup (the real engine)
 
     # -- bring-up phases ----------------------------------------------------------------------------
     async def node_ip(self) -> str:
@@ -105,12 +121,27 @@ class HostActor:
 
         c = self.cfg.cluster
         ip = c.coordinator_bind_address or ray.util.get_node_ip_address()
-        port = c.coordinator_port
+        port = coordinator_port(self.cfg)
         if port == 0:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((ip, 0))
                 port = s.getsockname()[1]
         return f"{ip}:{port}"
+
+    async def process_info(self) -> dict[str, Any]:
+        """Where this host runs: pid, Ray node id and IP, and when the process started (wall clock)."""
+        import ray
+
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "started_at": self.started_at}
+
+    async def preflight(self) -> dict[str, Any]:
+        """Check this host's accelerator environment against the config before JAX starts (no backend is
+        initialised); raises raydeploy.gang.preflight.PreflightError, which is not retried."""
+        from raydeploy.gang.preflight import check_host
+
+        self.preflight_info = check_host(self.cfg, self.rank)
+        return self.preflight_info
 
     async def fingerprint(self) -> dict[str, str]:
         from raydeploy.gang.fingerprint import host_fingerprint, library_versions
@@ -154,7 +185,11 @@ class HostActor:
     def _compile_sync(self) -> dict[str, Any]:
         if self.cfg.engine.warmup and self.engine is not None and hasattr(self.engine, "warmup"):
             info = self.engine.warmup()
-            return dict(info) if isinstance(info, dict) else {}
+            out = dict(info) if isinstance(info, dict) else {}
+            if hasattr(self.engine, "program_counts"):  # the real engine: which programs came from the cache
+                self.programs = dict(self.engine.program_counts())
+                out["programs"] = self.programs
+            return out
         return {}
 
     async def _phase(self, name: str, fn: Any, *args: Any) -> dict[str, Any]:
@@ -220,7 +255,11 @@ class HostActor:
         out: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "phase": self.phase,
                                "node_ip": await self.node_ip(), "rss_bytes": process_rss_bytes(),
                                "phase_s": {k: round(v, 3) for k, v in self.phase_times_s.items()},
-                               "init": self.init_info, "load": self.load_stats}
+                               "init": self.init_info, "load": self.load_stats,
+                               "preflight": self.preflight_info}
+        if self.programs is not None:
+            out["programs_loaded"] = self.programs.get("loaded", 0)
+            out["programs_compiled"] = self.programs.get("compiled", 0)
         if self.mesh is not None:
             out["device_memory"] = device_memory()
         if self.clock is not None:

@@ -11,7 +11,6 @@ is started with `engine="toy"`, the tiny stand-in of raydeploy.gang.toy.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -22,17 +21,22 @@ def join_distributed(cfg: Config, rank: int, coordinator_address: str) -> dict[s
     """`jax.distributed.initialize` (every rank concurrently), then check the gang and build the mesh."""
     import jax
 
+    from raydeploy.engine import compile_cache
+
     c = cfg.cluster
-    if cfg.engine.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.engine.compilation_cache_dir))
+    # Every rank reads the shared cache (JAX writes it from process 0); binaries are shared between hosts.
+    compile_cache.enable(cfg.engine.compilation_cache_dir)
     bind = None
     if rank == 0:
         port = coordinator_address.rsplit(":", 1)[1]
         bind = f"{c.coordinator_bind_address or '0.0.0.0'}:{port}"
+    # On GPU Ray narrows CUDA_VISIBLE_DEVICES to the host's GPUs, which JAX then numbers 0..n-1.
+    local_ids = list(range(c.devices_per_host)) if c.platform == "gpu" and not c.simulated else None
     t0 = time.perf_counter()
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=c.num_hosts, process_id=rank,
-        coordinator_bind_address=bind, initialization_timeout=max(1, math.ceil(c.init_timeout_s)),
+        local_device_ids=local_ids, coordinator_bind_address=bind,
+        initialization_timeout=max(1, math.ceil(c.init_timeout_s)),
         heartbeat_timeout_seconds=max(1, math.ceil(c.heartbeat_timeout_s)))
     init_s = time.perf_counter() - t0
     if jax.process_count() != c.num_hosts:

@@ -10,9 +10,11 @@ Watching a ready gang: every host has one long-lived `serve` call; `asyncio.wait
 process death or a loop error at once; a heartbeat poll notices a host alive but stuck in one step longer
 than cluster.step_timeout_s (the watchdog). Any of these takes the whole gang down: rank 0 (if alive)
 ends every in-flight request with a retriable error event, every host actor is killed, the placement
-group is removed, and after a backoff (restart_backoff_s, doubling) a new gang starts in fresh processes
-with a fresh coordinator port (jax.distributed cannot be re-initialised in a process). Errors that a
-restart cannot fix (fingerprint mismatch) go straight to `failed`.
+group is removed, and the supervisor waits (bounded) until every old host process has exited, checked by
+a tiny task pinned to each old host's node (a TPU host's chips, a GPU's memory and the fixed coordinator
+port are free only then). After a backoff (restart_backoff_s, doubling) a new gang starts in fresh
+processes (jax.distributed cannot be re-initialised in a process). Errors that a restart cannot fix (a
+failed preflight, a fingerprint mismatch) go straight to `failed`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from raydeploy.config import Config
 from raydeploy.gang.bringup import GangError, _root, bring_up
 
 SUPERVISOR_NAME = "raydeploy-supervisor"
+EXIT_WAIT_S = 30.0
+"""Upper bound on waiting for the old host processes to exit before a restart."""
 NAMESPACE = "raydeploy"
 STATES = ("starting", "loading", "compiling", "ready", "restarting", "failed", "stopped")
 
@@ -52,12 +56,14 @@ class GangSupervisor:
 
     def __init__(self, cfg: Config, checkpoint_path: str | None, faults: dict[int, dict[str, Any]] | None = None,
                  host_configs: dict[int, Config] | None = None, poll_s: float = 0.5,
-                 sleep: Callable[[float], Awaitable[None]] | None = None) -> None:
+                 sleep: Callable[[float], Awaitable[None]] | None = None, name: str = "raydeploy") -> None:
         self.cfg = cfg
         self.checkpoint_path = checkpoint_path
         self.faults = faults or {}
         self.host_configs = host_configs or {}
         self.poll_s = poll_s
+        self.name = name
+        self.procs: list[dict[str, Any]] = []  # per rank: pid, node_id, node_ip, started_at
         self.sleep = sleep or asyncio.sleep
         self.policy = RestartPolicy(cfg.cluster.max_restarts, cfg.cluster.restart_backoff_s)
         self.state = "starting"
@@ -83,6 +89,7 @@ class GangSupervisor:
                 "generation": self.generation,
                 "coordinator_address": (self.bringup_info or {}).get("coordinator_address"),
                 "phase_s": {k: round(v, 3) for k, v in self.phase_s.items()},
+                "placement": self.group.describe() if self.group is not None else None,
                 "hosts": self._host_rows(), "history": list(self.history)}
 
     def get_coordinator(self) -> Any:
@@ -138,8 +145,9 @@ class GangSupervisor:
                 cause = f"supervisor error: {_root(e)}"
             self.state = "restarting"  # before teardown: nobody gets the old coordinator from now on
             self.last_error = cause
-            self.history.append({"generation": self.generation, "error": cause, "at": time.time()})
-            await self._teardown(cause)
+            entry: dict[str, Any] = {"generation": self.generation, "error": cause, "at": time.time()}
+            self.history.append(entry)
+            entry["exits"] = await self._teardown(cause)
             if not retriable or not self.policy.allows(self.restarts):
                 why = "not retriable" if not retriable else f"after {self.restarts} restart(s)"
                 self.last_error = f"{cause} ({why})"
@@ -154,34 +162,54 @@ class GangSupervisor:
 
         from raydeploy.gang.host import HostActor, actor_options
         from raydeploy.gang.placement import PlacementError, reserve_hosts, wait_placed
+        from raydeploy.gang.preflight import PreflightError, check_tpu_nodes
 
         self.generation += 1
         self.state = "starting"
         self.phase_s = {}
         self.bringup_info = {}
+        self.procs = []
         t0 = time.perf_counter()
+        try:  # TPU nodes without the slice variables: say so now instead of waiting out placement
+            await check_tpu_nodes(self.cfg, min(60.0, self.cfg.cluster.rpc_timeout_s))
+        except PreflightError as e:
+            raise GangError(str(e), phase="preflight", retriable=False) from None
         # Held before the first await: a shutdown that cancels the wait still finds (and removes) the group.
-        self.group = reserve_hosts(self.cfg.cluster, f"raydeploy-gang-{self.generation}")
+        self.group = reserve_hosts(self.cfg.cluster, f"{self.name}-gang-{self.generation}")
         try:
             await wait_placed(self.group, self.cfg.cluster)
         except PlacementError as e:  # retried: the cluster may grow (autoscaler, nodes coming back)
             self.group = None  # removed by wait_placed
             raise GangError(str(e), phase="placement") from None
+        except PreflightError as e:
+            self.group = None
+            raise GangError(str(e), phase="preflight", retriable=False) from None
         self.phase_s["placement_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         remote_cls = ray.remote(HostActor)
         self.hosts = []
         for rank in range(self.cfg.cluster.num_hosts):
-            opts = actor_options(self.cfg, rank, self.group.bundles[rank], self.group.scheduling_strategy(rank),
+            opts = actor_options(self.cfg, rank, self.group.bundle(rank), self.group.scheduling_strategy(rank),
                                  self.generation)
             opts.pop("name")
             cfg = self.host_configs.get(rank, self.cfg)
             faults = self.faults.get(rank) if self.generation == 1 else None  # injected into the first gang only
             self.hosts.append(remote_cls.options(**opts).remote(cfg, rank, self.generation, self.checkpoint_path,
                                                                 faults))
+        await self._record_procs()
         self.phase_s["actors_s"] = time.perf_counter() - t0
         self.bringup_info = await bring_up(self.cfg, self.hosts, self.phase_s, on_phase=self._on_phase)
         self.serve_refs = [h.serve.remote() for h in self.hosts]
+
+    async def _record_procs(self) -> None:
+        """Every host's pid and node (kept even if some hosts failed to start, for the teardown's wait)."""
+        timeout_s = self.cfg.cluster.rpc_timeout_s
+        results = await asyncio.gather(*[self._bounded(h.process_info.remote(), timeout_s) for h in self.hosts],
+                                       return_exceptions=True)
+        self.procs = [r if isinstance(r, dict) else {"rank": i} for i, r in enumerate(results)]
+        failed = [f"host {i} failed: {_root(r)}" for i, r in enumerate(results) if not isinstance(r, dict)]
+        if failed:
+            raise GangError("bring-up phase 'start' failed: " + "; ".join(failed), phase="start")
 
     def _on_phase(self, phase: str) -> None:
         self.state = {"load": "loading", "compile": "compiling"}.get(phase, self.state)
@@ -213,7 +241,9 @@ class GangSupervisor:
             for fut in waiters:
                 fut.cancel()
 
-    async def _teardown(self, cause: str, graceful: bool = False) -> None:
+    async def _teardown(self, cause: str, graceful: bool = False) -> list[dict[str, Any]]:
+        """Stop and kill every host, wait until each old process has exited on its node, remove the
+        placement; returns per host what the exit check saw."""
         import ray
 
         hosts, self.hosts = self.hosts, []
@@ -227,14 +257,18 @@ class GangSupervisor:
         for h in hosts:
             ray.kill(h, no_restart=True)
         self.serve_refs = []
-        # wait until the processes are really gone (ports, devices freed)
-        inits = (self.bringup_info or {}).get("init") or []
-        here = ray.get_runtime_context().get_node_id()
-        local_pids = [i.get("pid") if i.get("node_id") == here else None for i in inits] + [None] * len(hosts)
-        await asyncio.gather(*[_wait_dead(h, pid, 30.0) for h, pid in zip(hosts, local_pids, strict=False)])
+        # wait until the processes are really gone on their own nodes (chips, GPU memory, ports freed)
+        procs = self.procs + [{"rank": i} for i in range(len(self.procs), len(hosts))]
+        exits = list(await asyncio.gather(*[_wait_exited(h, p, EXIT_WAIT_S) for h, p in zip(hosts, procs,
+                                                                                              strict=False)]))
+        for ex in exits:
+            if not ex.get("gone"):
+                print(f"raydeploy supervisor: old host {ex.get('rank')} (pid {ex.get('pid')} on node "
+                      f"{ex.get('node_id')}) has not exited after {EXIT_WAIT_S:g}s: {ex.get('error', '')}")
         if self.group is not None:
             self.group.remove()
             self.group = None
+        return exits
 
     # -- helpers -------------------------------------------------------------------------------------------
     @staticmethod
@@ -243,9 +277,17 @@ class GangSupervisor:
 
     def _host_rows(self) -> list[dict[str, Any]]:
         rows = []
-        loads = self.bringup_info.get("load", []) if self.bringup_info else []
+        info = self.bringup_info or {}
+        loads, preflight, compiles = info.get("load", []), info.get("preflight", []), info.get("compile", [])
         for rank in range(self.cfg.cluster.num_hosts):
             row: dict[str, Any] = {"rank": rank, "alive": rank < len(self.hosts)}
+            if rank < len(self.procs):
+                row.update({k: self.procs[rank][k] for k in ("pid", "node_id", "node_ip", "started_at")
+                            if k in self.procs[rank]})
+            if rank < len(preflight) and "TPU_WORKER_ID" in preflight[rank]:
+                row["tpu_worker_id"] = int(preflight[rank]["TPU_WORKER_ID"])
+            if rank < len(compiles) and isinstance(compiles[rank].get("programs"), dict):
+                row["programs"] = dict(compiles[rank]["programs"])
             if rank < len(loads):
                 ld = loads[rank]
                 row["load"] = {"bytes_read": ld.get("bytes_read"), "seconds": round(ld.get("wall_s", 0.0), 3),
@@ -258,23 +300,46 @@ async def _await(ref: Any) -> Any:
     return await ref
 
 
-async def _wait_dead(handle: Any, pid: int | None, timeout_s: float) -> None:
-    """Wait until Ray reports the actor dead and, when it ran on this node, its process has exited."""
+async def _wait_exited(handle: Any, proc: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Wait (bounded) until a killed host's process has exited: a zero-CPU task pinned to the host's node
+    (hard node affinity) polls its pid. Without a known pid, wait until Ray reports the actor dead."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    out: dict[str, Any] = {"rank": proc.get("rank"), "pid": proc.get("pid"), "node_id": proc.get("node_id")}
+    if proc.get("pid") is None or proc.get("node_id") is None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(_await(handle.node_ip.remote()), 2.0)
+            except ray.exceptions.RayActorError:
+                return {**out, "gone": True, "at": time.time(), "checked": "actor"}
+            except TimeoutError:
+                pass
+            await asyncio.sleep(0.1)
+        return {**out, "gone": False, "error": "Ray still reports the actor alive"}
+    check = ray.remote(num_cpus=0, max_retries=0)(wait_pid_exited).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(proc["node_id"], soft=False))
+    try:
+        # the bound covers the check task's own start on that node
+        res = await asyncio.wait_for(_await(check.remote(int(proc["pid"]), timeout_s)), timeout_s + 30.0)
+    except TimeoutError:
+        return {**out, "gone": False, "error": f"the exit check on the node did not answer in {timeout_s + 30:g}s"}
+    except Exception as e:  # noqa: BLE001 - a dead node holds no processes; say what happened
+        return {**out, "gone": None, "error": f"the exit check failed on the node: {_root(e)}"}
+    return {**out, **res, "checked": "node"}
+
+
+def wait_pid_exited(pid: int, timeout_s: float, poll_s: float = 0.05) -> dict[str, Any]:
+    """On the node where `pid` ran: poll until it has exited, at most `timeout_s`; when it was seen gone."""
     import ray
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            await asyncio.wait_for(_await(handle.node_ip.remote()), 2.0)
-        except ray.exceptions.RayActorError:
-            break
-        except TimeoutError:
-            pass
-        await asyncio.sleep(0.1)
-    while pid is not None and _process_running(pid) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if time.monotonic() >= deadline:
-        print(f"raydeploy supervisor: a killed host actor (pid {pid}) is still running after {timeout_s:g}s")
+    while _process_running(pid):
+        if time.monotonic() > deadline:
+            return {"gone": False, "error": f"pid {pid} still running after {timeout_s:g}s"}
+        time.sleep(poll_s)
+    return {"gone": True, "at": time.time(), "seen_on": ray.get_runtime_context().get_node_id()}
 
 
 def _process_running(pid: int) -> bool:
