@@ -125,21 +125,20 @@ def test_model_state_names_are_param_specs_and_bad_params_are_named(demo_checkpo
     import jax.numpy as jnp
 
     from raydeploy.checkpoint.reader import CheckpointReader
-    from raydeploy.model.llama import abstract_model, check_state_names, params_to_state
+    from raydeploy.model.llama import build_model, check_state_names
     from raydeploy.model.spec import param_specs
 
     cfg = CheckpointReader(demo_checkpoint).llama_config
     check_state_names(cfg)
     specs = param_specs(cfg)
-    _, abstract = abstract_model(cfg)
     fake = {n: jnp.zeros(s.shape, jnp.float32) for n, s in specs.items()}
     del fake["layers.7.mlp.up_proj.kernel"]
     with pytest.raises(ValueError, match=r"missing 1 tensor\(s\), e.g. layers.7.mlp.up_proj.kernel"):
-        params_to_state(fake, abstract)
+        build_model(cfg, fake)
     fake["layers.7.mlp.up_proj.kernel"] = jnp.zeros((3, 3))
     with pytest.raises(ValueError, match=r"tensor layers.7.mlp.up_proj.kernel has shape \(3, 3\), the model "
                                          r"expects \(576, 1536\)"):
-        params_to_state(fake, abstract)
+        build_model(cfg, fake)
 
 
 def test_last_position_logits_match_transformers(engine, prompt_ids, reference):
@@ -213,7 +212,7 @@ def test_dp2_tp2_mesh_batches_staggered_requests_like_one_device(demo_checkpoint
 def test_2x2_mesh_gives_the_same_greedy_tokens(demo_checkpoint, prompt_ids, alone, reference):
     mesh_engine = _build_engine(demo_checkpoint, {"fsdp": 2, "tp": 2},
                                 {"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
-    assert mesh_engine.k_cache[0].sharding.mesh.devices.size == 4
+    assert mesh_engine.k_cache.sharding.mesh.devices.size == 4
     assert len(mesh_engine._param_leaves[0].sharding.device_set) == 4
     got = _greedy(mesh_engine, prompt_ids[:2])
     for ours, one_dev, (_, gaps, _) in zip(got, alone, reference, strict=False):

@@ -10,7 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raydeploy.model.spec import LlamaConfig, is_kernel, kernel_input_dims, out_in_spec, param_specs
+from raydeploy.model.spec import (
+    LlamaConfig,
+    is_kernel,
+    kernel_input_dims,
+    out_in_spec,
+    param_specs,
+    stacked_param_specs,
+)
 
 TINY = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, attention_bias=True, tie_word_embeddings=False,
@@ -65,7 +72,7 @@ def test_out_in_kernels_give_the_same_logits(mesh_shape, rules):
     import jax
     import jax.numpy as jnp
 
-    from raydeploy.model.llama import ActivationSharding, build_model, to_kernel_layout
+    from raydeploy.model.llama import ActivationSharding, build_model, engine_param_specs, stack_layers
     from raydeploy.model.sharding import merge_rules
 
     mesh = _mesh(mesh_shape)
@@ -75,11 +82,14 @@ def test_out_in_kernels_give_the_same_logits(mesh_shape, rules):
     shard = ActivationSharding.create(mesh, rules)
 
     def logits(layout):
-        p = to_kernel_layout(TINY, params, layout, mesh, rules)
+        p = stack_layers(TINY, params, layout, mesh, rules)
         graphdef, state = build_model(TINY, p, kernel_layout=layout)
+        stacked = stacked_param_specs(TINY)
+        assert set(p) == set(stacked) == set(engine_param_specs(TINY, layout))
         for name, arr in p.items():  # out_in kernels keep their logical axes' shardings
-            want = out_in_spec(param_specs(TINY)[name]) if layout == "out_in" else param_specs(TINY)[name]
+            want = out_in_spec(stacked[name]) if layout == "out_in" else stacked[name]
             assert arr.shape == want.shape, name
+            assert arr.shape[0] == TINY.num_layers or not name.startswith("layers."), name
         return jax.jit(lambda st, t: nnx.merge(graphdef, st).logits(
             nnx.merge(graphdef, st).prefill(t, jnp.broadcast_to(jnp.arange(8), (2, 8)), shard)[0][:, -1], shard))(
             state, tokens)
@@ -91,8 +101,8 @@ def test_out_in_kernels_give_the_same_logits(mesh_shape, rules):
 
 @pytest.mark.parametrize("mesh_shape", [{"dp": 1}, {"dp": 2, "tp": 2}])
 def test_decode_over_the_head_major_cache_equals_prefill(mesh_shape):
-    """Prefill 7 tokens into a [slots, kv_heads, seq, head_dim] cache, decode the 8th: its hidden state equals
-    the 8-token prefill's last position (cache writes, window reads and decode attention agree)."""
+    """Prefill 7 tokens into a [layers, slots, kv_heads, seq, head_dim] cache, decode the 8th: its hidden state
+    equals the 8-token prefill's last position (cache writes, window reads and decode attention agree)."""
     import flax.nnx as nnx
     import jax
     import jax.numpy as jnp
@@ -115,16 +125,16 @@ def test_decode_over_the_head_major_cache_equals_prefill(mesh_shape):
         model = nnx.merge(graphdef, st)
         full, _, _ = model.prefill(t, pos, shard)
         _, ks, vs = model.prefill(t[:, :7], pos[:, :7], shard)
-        pad = ((0, 0), (0, 0), (0, seq - 7), (0, 0))
-        kc = [jax.lax.with_sharding_constraint(jnp.pad(k, pad), cache_sharding) for k in ks]
-        vc = [jax.lax.with_sharding_constraint(jnp.pad(v, pad), cache_sharding) for v in vs]
+        pad = ((0, 0), (0, 0), (0, 0), (0, seq - 7), (0, 0))
+        kc = jax.lax.with_sharding_constraint(jnp.pad(ks, pad), cache_sharding)
+        vc = jax.lax.with_sharding_constraint(jnp.pad(vs, pad), cache_sharding)
         h, kc, vc = model.decode(t[:, 7], jnp.full((2,), 7), kc, vc, seq, shard)
-        return full[:, 7], h, kc[0]
+        return full[:, 7], h, kc
 
     full, h, k0 = jax.jit(run)(state, tokens)
-    assert k0.shape == (2, TINY.num_kv_heads, seq, TINY.head_dim)
+    assert k0.shape == (TINY.num_layers, 2, TINY.num_kv_heads, seq, TINY.head_dim)
     assert isinstance(k0.sharding, NamedSharding)
-    assert np.abs(np.asarray(k0)[:, :, 7]).max() > 0  # the decoded token's K was written at position 7
+    assert np.abs(np.asarray(k0)[:, :, :, 7]).max() > 0  # the decoded token's K was written at position 7
     np.testing.assert_allclose(np.asarray(h), np.asarray(full), rtol=0, atol=2e-5)
 
 

@@ -37,7 +37,7 @@ from raydeploy.engine import compile_cache
 from raydeploy.engine.kv_slots import DecodeSlots, allocate_kv_cache
 from raydeploy.engine.sampling import SlotSampling, sample
 from raydeploy.engine.step import StepPlan, StepResult
-from raydeploy.model.llama import DTYPES, ActivationSharding, build_model, to_kernel_layout
+from raydeploy.model.llama import DTYPES, ActivationSharding, build_model, stack_layers
 from raydeploy.model.sharding import partition_spec
 from raydeploy.model.spec import LlamaConfig
 
@@ -106,7 +106,7 @@ class Engine:
         self.dtype = DTYPES[model_cfg.dtype]
         self.kernel_layout = resolve_kernel_layout(engine_cfg.kernel_layout, model_cfg.param_dtype,
                                                    mesh.devices.flat[0].platform)
-        params = to_kernel_layout(llama_cfg, params, self.kernel_layout, mesh, self.rules)
+        params = stack_layers(llama_cfg, params, self.kernel_layout, mesh, self.rules)
         self.graphdef, state = build_model(llama_cfg, params, model_cfg.dtype, model_cfg.param_dtype,
                                            self.kernel_layout)
         del params
@@ -130,7 +130,7 @@ class Engine:
         self.decode_steps = engine_cfg.decode_steps
         slot_axes = self._shard.slot_axes or None
         self._rows_sharding = NamedSharding(mesh, PartitionSpec(slot_axes))  # [B] over the slot groups
-        cache_sh = [self.k_cache[0].sharding] * llama_cfg.num_layers
+        cache_sh = self.k_cache.sharding
         self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2, 3),
                                     out_shardings=(cache_sh, cache_sh, self._presence_sharding, self._replicated))
         # A decode step's tokens and results stay on the devices of their rows (the next step of the same plan
@@ -182,10 +182,8 @@ class Engine:
         row = row.at[tok[0]].set(True)
         presence = jax.lax.dynamic_update_slice(presence, row[None], (slot, 0))
         zero = jnp.zeros((), jnp.int32)
-        k_cache = [jax.lax.dynamic_update_slice(c, k.astype(c.dtype), (slot, zero, zero, zero))
-                   for c, k in zip(k_cache, ks, strict=True)]
-        v_cache = [jax.lax.dynamic_update_slice(c, v.astype(c.dtype), (slot, zero, zero, zero))
-                   for c, v in zip(v_cache, vs, strict=True)]
+        k_cache = jax.lax.dynamic_update_slice(k_cache, ks.astype(k_cache.dtype), (zero, slot, zero, zero, zero))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, vs.astype(v_cache.dtype), (zero, slot, zero, zero, zero))
         return k_cache, v_cache, presence, _pack(tok, lp)
 
     def _decode_fn(self, leaves, k_cache, v_cache, presence, tokens, ints, floats, window, rows):

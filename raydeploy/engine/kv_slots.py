@@ -1,6 +1,6 @@
-"""The slot KV cache: device buffers [slots, kv_heads, max_seq_len, head_dim] per layer, and host bookkeeping.
+"""The slot KV cache: device buffers [layers, slots, kv_heads, max_seq_len, head_dim], and host bookkeeping.
 
-`allocate_kv_cache` creates the per-layer K and V buffers directly on the mesh with the `kv_cache_spec`
+`allocate_kv_cache` creates the K and V buffers (stacked over the layers) directly on the mesh with the `kv_cache_spec`
 shardings (one jitted zeros, so nothing passes through host memory and it works across processes).
 `DecodeSlots` is the host-side table the engine keeps in step with the device cache: per slot, whether it is
 active, how many tokens its cache holds, the last sampled token (the next decode input) and its sampling
@@ -32,17 +32,15 @@ def kv_cache_sharding(cfg: LlamaConfig, max_slots: int, max_seq_len: int, mesh: 
 
 
 def allocate_kv_cache(cfg: LlamaConfig, max_slots: int, max_seq_len: int, dtype: Any, mesh: Any,
-                      rules: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
-    """Zeroed K and V caches, one [slots, kv_heads, seq, head_dim] array per layer, sharded on the mesh."""
+                      rules: Mapping[str, Any]) -> tuple[Any, Any]:
+    """Zeroed K and V caches, each one [layers, slots, kv_heads, seq, head_dim] array sharded on the mesh."""
     import jax
     import jax.numpy as jnp
 
     sharding = kv_cache_sharding(cfg, max_slots, max_seq_len, mesh, rules)
     shape = kv_cache_spec(cfg, max_slots, max_seq_len).shape
-    n = cfg.num_layers
-    zeros = jax.jit(lambda: [jnp.zeros(shape, dtype) for _ in range(2 * n)], out_shardings=[sharding] * (2 * n))
-    bufs = zeros()
-    return bufs[:n], bufs[n:]
+    zeros = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=(sharding, sharding))
+    return zeros()
 
 
 class DecodeSlots:

@@ -29,11 +29,15 @@ import numpy as np
 
 from raydeploy.model.spec import (
     KERNEL_LAYOUTS,
+    LAYER_AXIS,
     LlamaConfig,
+    TensorSpec,
     is_kernel,
     kernel_input_dims,
     out_in_spec,
     param_specs,
+    split_layer_name,
+    stacked_param_specs,
 )
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -148,14 +152,16 @@ def _matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array:
 
 
 def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> nnx.Param:
+    """A parameter of `shape` (with the stacked layer dims already in front): zeros, or random with `rngs`."""
     if rngs is None:
         return nnx.Param(jnp.zeros(shape, dtype))
     return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype))
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype: Any, rngs: nnx.Rngs | None = None) -> None:
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    def __init__(self, dim: int, eps: float, param_dtype: Any, rngs: nnx.Rngs | None = None,
+                 lead: tuple[int, ...] = ()) -> None:
+        self.scale = nnx.Param(jnp.ones((*lead, dim), param_dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -169,9 +175,9 @@ class HeadsProj(nnx.Module):
     embed]), optional bias [heads, head_dim]."""
 
     def __init__(self, d: int, heads: int, hd: int, bias: bool, param_dtype: Any, rngs: nnx.Rngs | None,
-                 out_first: bool = False) -> None:
-        self.kernel = _param(rngs, (heads, hd, d) if out_first else (d, heads, hd), param_dtype)
-        self.bias = _param(rngs, (heads, hd), param_dtype) if bias else None
+                 out_first: bool = False, lead: tuple[int, ...] = ()) -> None:
+        self.kernel = _param(rngs, (*lead, *((heads, hd, d) if out_first else (d, heads, hd))), param_dtype)
+        self.bias = _param(rngs, (*lead, heads, hd), param_dtype) if bias else None
         self.out_first = out_first
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -190,8 +196,8 @@ class OutProj(nnx.Module):
     head_dim])."""
 
     def __init__(self, heads: int, hd: int, d: int, param_dtype: Any, rngs: nnx.Rngs | None,
-                 out_first: bool = False) -> None:
-        self.kernel = _param(rngs, (d, heads, hd) if out_first else (heads, hd, d), param_dtype)
+                 out_first: bool = False, lead: tuple[int, ...] = ()) -> None:
+        self.kernel = _param(rngs, (*lead, *((d, heads, hd) if out_first else (heads, hd, d))), param_dtype)
         self.out_first = out_first
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -203,9 +209,9 @@ class OutProj(nnx.Module):
 class Dense(nnx.Module):
     """[.., din] -> [.., dout]; kernel [din, dout] (out_first: [dout, din])."""
 
-    def __init__(self, din: int, dout: int, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False
-                 ) -> None:
-        self.kernel = _param(rngs, (dout, din) if out_first else (din, dout), param_dtype)
+    def __init__(self, din: int, dout: int, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+                 lead: tuple[int, ...] = ()) -> None:
+        self.kernel = _param(rngs, (*lead, *((dout, din) if out_first else (din, dout))), param_dtype)
         self.out_first = out_first
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -213,12 +219,13 @@ class Dense(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False) -> None:
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+                 lead: tuple[int, ...] = ()) -> None:
         d, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs, out_first)
-        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first)
-        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first)
-        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, out_first)
+        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
+        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
+        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
+        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, out_first, lead)
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, ...]:
         q = apply_rope(self.q_proj(x), positions, inv_freq)
@@ -227,22 +234,38 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False) -> None:
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+                 lead: tuple[int, ...] = ()) -> None:
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Dense(d, f, param_dtype, rngs, out_first)
-        self.up_proj = Dense(d, f, param_dtype, rngs, out_first)
-        self.down_proj = Dense(f, d, param_dtype, rngs, out_first)
+        self.gate_proj = Dense(d, f, param_dtype, rngs, out_first, lead)
+        self.up_proj = Dense(d, f, param_dtype, rngs, out_first, lead)
+        self.down_proj = Dense(f, d, param_dtype, rngs, out_first, lead)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False) -> None:
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
-        self.attn = Attention(cfg, param_dtype, rngs, out_first)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
-        self.mlp = MLP(cfg, param_dtype, rngs, out_first)
+    """One decoder layer; with `lead=(L,)` every parameter holds L layers stacked, and `scan_layers` runs a
+    body over them one layer at a time."""
+
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+                 lead: tuple[int, ...] = ()) -> None:
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
+        self.attn = Attention(cfg, param_dtype, rngs, out_first, lead)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
+        self.mlp = MLP(cfg, param_dtype, rngs, out_first, lead)
+
+    def scan(self, body: Any, carry: Any, xs: Any = None) -> tuple[Any, Any]:
+        """`lax.scan` of body(layer, carry, x) -> (carry, y) over the stacked layers (and over xs, if given):
+        one traced layer, so a program's size and compile time do not grow with depth."""
+        graphdef, state = nnx.split(self)
+
+        def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
+            layer_state, x = per_layer
+            return body(nnx.merge(graphdef, layer_state), c, x)
+
+        return jax.lax.scan(step, carry, (state, xs))
 
 
 class Embed(nnx.Module):
@@ -285,14 +308,15 @@ def _attend_one(q_bnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bs:
     return out.reshape(b, n, h).astype(q_bnh.dtype)
 
 
-def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: ActivationSharding | None
-               ) -> jax.Array:
-    """Write one token's K or V per decoded row into the cache, in place (the cache is donated).
+def write_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, positions: jax.Array,
+               shard: ActivationSharding | None) -> jax.Array:
+    """Write one token's K or V per decoded row into one layer of the stacked cache, in place (the cache is
+    carried through the layer scan and donated by the engine).
 
-    cache [G*M, K, S, H] is G groups of M slots, G = the shards of the slot axis (`shard.slot_groups`); new
-    [G*R, K, H] and positions [G*R] are the first R <= M slots of each group:
-    cache[g*M + r, :, positions[g*R + r]] = new[g*R + r]. Each device writes only the slots it holds, with plain
-    dynamic-update-slices (under `shard_map` over the slot axes when G > 1). Two formulations that look
+    cache [L, G*M, K, S, H] holds G groups of M slots, G = the shards of the slot axis (`shard.slot_groups`);
+    new [G*R, K, H] and positions [G*R] are the first R <= M slots of each group:
+    cache[layer, g*M + r, :, positions[g*R + r]] = new[g*R + r]. Each device writes only the slots it holds, with
+    plain dynamic-update-slices (under `shard_map` over the slot axes when G > 1). Two formulations that look
     equivalent are much slower: `cache.at[arange(B), positions]` makes the SPMD partitioner gather indices and
     updates and permute them across devices (and hosts) for every layer, and a vmapped scatter over the
     groups makes XLA CPU copy the whole cache when R = 1. Positions must be in range.
@@ -300,25 +324,31 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: Ac
     groups = 1 if shard is None else shard.slot_groups
     rows = new.shape[0] // groups
 
-    def local(c: jax.Array, x: jax.Array, p: jax.Array) -> jax.Array:
+    def local(c: jax.Array, lyr: jax.Array, x: jax.Array, p: jax.Array) -> jax.Array:
         for i in range(rows):
-            c = jax.lax.dynamic_update_slice(c, x[i][None, :, None], (i, 0, p[i], 0))
+            c = jax.lax.dynamic_update_slice(c, x[i][None, None, :, None], (lyr, i, 0, p[i], 0))
         return c
 
     if shard is None or groups == 1:
-        return local(cache, new, positions)
+        return local(cache, layer, new, positions)
     from jax.sharding import PartitionSpec
 
-    spec = PartitionSpec(shard.slot_axes)
-    return jax.shard_map(local, mesh=shard.mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         axis_names=frozenset(shard.slot_axes), check_vma=False)(cache, new, positions)
+    spec = PartitionSpec(None, shard.slot_axes)
+    rows_spec = PartitionSpec(shard.slot_axes)
+    return jax.shard_map(local, mesh=shard.mesh, in_specs=(spec, PartitionSpec(), rows_spec, rows_spec),
+                         out_specs=spec, axis_names=frozenset(shard.slot_axes), check_vma=False)(
+        cache, layer, new, positions)
 
 
-def read_window(cache: jax.Array, rows: int, window: int, groups: int) -> jax.Array:
-    """cache [G*M, K, S, H] -> [G*rows, K, window, H]: positions [0, window) of the first `rows` slots of each
-    group (a local slice per device; it reads only as much cache as the decoded rows and window need)."""
-    _, k, s, h = cache.shape
-    return cache.reshape(groups, -1, k, s, h)[:, :rows, :, :window].reshape(groups * rows, k, window, h)
+def read_window(cache: jax.Array, layer: jax.Array, rows: int, window: int, groups: int) -> jax.Array:
+    """cache [L, G*M, K, S, H] -> [G*rows, K, window, H]: positions [0, window) of the first `rows` slots of
+    each group in one layer (one dynamic slice: it reads only as much cache as the decoded rows and window
+    need, never the whole layer)."""
+    n, _, k, s, h = cache.shape
+    grouped = cache.reshape(n, groups, -1, k, s, h)
+    zero = jnp.zeros((), jnp.int32)
+    win = jax.lax.dynamic_slice(grouped, (layer, zero, zero, zero, zero, zero), (1, groups, rows, k, window, h))
+    return win.reshape(groups * rows, k, window, h)
 
 
 def _window_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, sliding_window: int | None) -> jax.Array:
@@ -345,7 +375,7 @@ class Llama(nnx.Module):
         self.dtype = DTYPES[dtype]
         self.inv_freq = rope_inv_freq(cfg).tolist()  # a plain list: static, hashable graph metadata
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, pdt, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, pdt, rngs, of) for _ in range(cfg.num_layers)])
+        self.layers = DecoderLayer(cfg, pdt, rngs, of, lead=(cfg.num_layers,))  # stacked: one scan over them
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
         self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, pdt, rngs, of)
 
@@ -372,31 +402,32 @@ class Llama(nnx.Module):
 
     # -- prefill: attention within one chunk starting at position 0 of each row
     def prefill(self, tokens_bt: jax.Array, positions_bt: jax.Array,
-                shard: ActivationSharding | None = None) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
-        """Causal forward over [B, T] tokens; returns hidden [B,T,D] and each layer's K and V, head-major
-        [B,K,T,H] like the cache."""
+                shard: ActivationSharding | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Causal forward over [B, T] tokens; returns hidden [B,T,D] and every layer's K and V, stacked and
+        head-major like the cache: [L,B,K,T,H]."""
         inv = np.asarray(self.inv_freq, np.float32)
         x = _constrain(shard, self._embed(tokens_bt), ("act_batch", "act_seq", "act_embed"))
         mask = _window_mask(positions_bt, positions_bt, self.cfg.sliding_window)
-        ks, vs = [], []
-        for layer in self.layers:
+
+        def body(layer: DecoderLayer, x: jax.Array, _: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_bt, inv)
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
             x = x + layer.attn.o_proj(_attend(q, k, v, mask))
             x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
-            ks.append(k)
-            vs.append(v)
+            return x, (k, v)
+
+        x, (ks, vs) = self.layers.scan(body, x)
         return x, ks, vs
 
     # -- decode: one token per row against the slot KV cache
-    def decode(self, tokens_b: jax.Array, positions_b: jax.Array, k_caches: Sequence[jax.Array],
-               v_caches: Sequence[jax.Array], window: int, shard: ActivationSharding | None = None
-               ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
-        """tokens [B] at positions [B]; caches [G*M, K, S, H] per layer (G = `shard.slot_groups`, B = G*R,
+    def decode(self, tokens_b: jax.Array, positions_b: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               window: int, shard: ActivationSharding | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """tokens [B] at positions [B]; stacked caches [L, G*M, K, S, H] (G = `shard.slot_groups`, B = G*R,
         R <= M): row i is slot (i // R) * M + i % R, so a decode can cover a prefix of each group of slots
         (see `write_rows`).
         Writes K/V at positions_b, attends over cache positions [0, window). Returns hidden [B, D] and the
-        updated caches."""
+        updated caches (carried through the layer scan, so updated in place)."""
         inv = np.asarray(self.inv_freq, np.float32)
         b = tokens_b.shape[0]
         groups = 1 if shard is None else shard.slot_groups
@@ -405,18 +436,22 @@ class Llama(nnx.Module):
         pos_bt = positions_b[:, None]
         k_pos = jnp.broadcast_to(jnp.arange(window)[None, :], (b, window))
         mask = _window_mask(pos_bt, k_pos, self.cfg.sliding_window)[:, 0]  # [B, window]
-        new_k, new_v = [], []
-        for layer, kc, vc in zip(self.layers, k_caches, v_caches, strict=True):
+
+        def body(layer: DecoderLayer, carry: tuple[jax.Array, ...], i: jax.Array
+                 ) -> tuple[tuple[jax.Array, ...], None]:
+            x, kc, vc = carry
             q, k, v = layer.attn.qkv(layer.attn_norm(x), pos_bt, inv)
-            kc = write_rows(kc, k[:, 0].astype(kc.dtype), positions_b, shard)
-            vc = write_rows(vc, v[:, 0].astype(vc.dtype), positions_b, shard)
-            kw = read_window(kc, rows, window, groups)
-            vw = read_window(vc, rows, window, groups)
+            kc = write_rows(kc, i, k[:, 0].astype(kc.dtype), positions_b, shard)
+            vc = write_rows(vc, i, v[:, 0].astype(vc.dtype), positions_b, shard)
+            kw = read_window(kc, i, rows, window, groups)
+            vw = read_window(vc, i, rows, window, groups)
             x = x + layer.attn.o_proj(_attend_one(q[:, 0], kw, vw, mask)[:, None])
             x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
-            new_k.append(kc)
-            new_v.append(vc)
-        return x[:, 0], new_k, new_v
+            return (x, kc, vc), None
+
+        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = self.layers.scan(body, (x, k_cache, v_cache), layer_ids)
+        return x[:, 0], k_cache, v_cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         """Plain causal forward from position 0: float32 logits [B, T, V] (for tests and scoring)."""
@@ -439,14 +474,11 @@ def _path_name(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path)
 
 
-def params_to_state(params: Mapping[str, jax.Array], abstract_state: nnx.State, what: str = "params"
-                    ) -> nnx.State:
-    """Fill the abstract state with arrays named like `param_specs`. Every name must be present once, with the
-    right shape; extra names are an error (they mean the checkpoint and the config disagree)."""
-    flat = nnx.to_flat_state(abstract_state)
-    expected = {_path_name(p) for p, _ in flat}
-    missing = sorted(expected - set(params))
-    extra = sorted(set(params) - expected)
+def check_params(params: Mapping[str, Any], specs: Mapping[str, Any], what: str = "params") -> None:
+    """Every name of `specs` present once with its shape; extra names are an error (they mean the checkpoint
+    and the config disagree)."""
+    missing = sorted(set(specs) - set(params))
+    extra = sorted(set(params) - set(specs))
     if missing or extra:
         parts = []
         if missing:
@@ -454,13 +486,20 @@ def params_to_state(params: Mapping[str, jax.Array], abstract_state: nnx.State, 
         if extra:
             parts.append(f"unexpected {len(extra)} tensor(s), e.g. {', '.join(extra[:3])}")
         raise ValueError(f"{what} do not match the model: " + "; ".join(parts))
+    for name, spec in specs.items():
+        if tuple(params[name].shape) != tuple(spec.shape):
+            raise ValueError(f"{what}: tensor {name} has shape {tuple(params[name].shape)}, the model expects "
+                             f"{tuple(spec.shape)}")
+
+
+def params_to_state(params: Mapping[str, jax.Array], abstract_state: nnx.State, what: str = "params"
+                    ) -> nnx.State:
+    """Fill the abstract state with arrays named like its paths (`stacked_param_specs`)."""
+    flat = nnx.to_flat_state(abstract_state)
+    check_params(params, {_path_name(p): v for p, v in flat}, what)
     items = []
     for path, var in flat:
-        name = _path_name(path)
-        arr = params[name]
-        if tuple(arr.shape) != tuple(var.shape):
-            raise ValueError(f"{what}: tensor {name} has shape {tuple(arr.shape)}, the model expects "
-                             f"{tuple(var.shape)}")
+        arr = params[_path_name(path)]
         if arr.dtype != var.dtype:
             arr = arr.astype(var.dtype)
         items.append((path, var.replace(arr)))
@@ -468,54 +507,87 @@ def params_to_state(params: Mapping[str, jax.Array], abstract_state: nnx.State, 
 
 
 def state_to_params(state: nnx.State) -> dict[str, jax.Array]:
-    """The inverse of `params_to_state`: {name: array}."""
+    """The inverse of `params_to_state`: {name: array} with stacked layer names."""
     return {_path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
 
 
+def unstack_layers(cfg: LlamaConfig, stacked: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Stacked names -> checkpoint names (`layers.attn.q_proj.kernel`[i] -> `layers.{i}.attn.q_proj.kernel`)."""
+    out: dict[str, jax.Array] = {}
+    for name, arr in stacked.items():
+        if name.startswith("layers."):
+            for i in range(cfg.num_layers):
+                out[f"layers.{i}.{name[len('layers.'):]}"] = arr[i]
+        else:
+            out[name] = arr
+    return out
+
+
 def check_state_names(cfg: LlamaConfig) -> None:
-    """Assert that the NNX state paths are exactly `param_specs(cfg)` with the same shapes (a self-check)."""
+    """Assert that the NNX state paths are exactly `stacked_param_specs(cfg)` with the same shapes."""
     _, abstract = abstract_model(cfg)
     got = {_path_name(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
-    want = {n: s.shape for n, s in param_specs(cfg).items()}
+    want = {n: s.shape for n, s in stacked_param_specs(cfg).items()}
     if got != want:
         diff = sorted(set(got.items()) ^ set(want.items()))[:5]
-        raise AssertionError(f"model state and param_specs disagree: {diff}")
+        raise AssertionError(f"model state and stacked_param_specs disagree: {diff}")
 
 
 def build_model(cfg: LlamaConfig, params: Mapping[str, jax.Array], dtype: str = "float32",
                 param_dtype: str = "float32", kernel_layout: str = "in_out") -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state) of a model holding `params` (already placed/sharded arrays are kept as they are),
-    whose kernels are in `kernel_layout` (see `to_kernel_layout`)."""
+    """(graphdef, state) of a model holding `params`: checkpoint-named arrays (stacked here with
+    `stack_layers`) or arrays already stacked in `kernel_layout` (kept as they are)."""
+    if any(split_layer_name(n) for n in params):
+        params = stack_layers(cfg, params, kernel_layout)
     graphdef, abstract = abstract_model(cfg, dtype, param_dtype, kernel_layout)
     return graphdef, params_to_state(params, abstract)
 
 
-def to_kernel_layout(cfg: LlamaConfig, params: Mapping[str, jax.Array], kernel_layout: str,
-                     mesh: jax.sharding.Mesh, rules: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Checkpoint-layout (in_out) params -> `kernel_layout`. For out_in, each kernel is transposed on its
-    devices, one tensor at a time (the in_out copy is dropped as soon as the caller drops `params`), and
-    sharded by the same logical axes."""
-    if kernel_layout == "in_out":
-        return dict(params)
+def engine_param_specs(cfg: LlamaConfig, kernel_layout: str = "in_out") -> dict[str, TensorSpec]:
+    """The parameters as an engine holds them: stacked over the layers, kernels in `kernel_layout`."""
     if kernel_layout not in KERNEL_LAYOUTS:
         raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
-    from jax.sharding import NamedSharding
+    specs = stacked_param_specs(cfg)
+    return specs if kernel_layout == "in_out" else {n: out_in_spec(s) for n, s in specs.items()}
 
-    from raydeploy.model.sharding import partition_spec
 
-    specs = param_specs(cfg)
-    programs: dict[tuple, Any] = {}  # one compiled transpose per (permutation, sharding), not per layer
-    out = {}
-    for name, arr in params.items():
-        if not is_kernel(name):
-            out[name] = arr
+def stack_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], kernel_layout: str = "in_out",
+                 mesh: jax.sharding.Mesh | None = None, rules: Mapping[str, Any] | None = None
+                 ) -> dict[str, jax.Array]:
+    """Checkpoint params (per-layer names, in_out kernels) -> the engine's: each per-layer tensor stacked over
+    the layers, kernels in `kernel_layout`. With a mesh, each result is placed by its logical axes (the layer
+    axis unsharded), one parameter kind at a time, with one compiled program per (shape, sharding)."""
+    check_params(params, param_specs(cfg))
+    targets = engine_param_specs(cfg, kernel_layout)
+    programs: dict[tuple, Any] = {}
+    out: dict[str, jax.Array] = {}
+    for name, spec in targets.items():
+        stacked = spec.logical_axes[:1] == (LAYER_AXIS,)
+        suffix = name[len("layers."):]
+        members = [params[f"layers.{i}.{suffix}"] for i in range(cfg.num_layers)] if stacked else [params[name]]
+        perm: tuple[int, ...] | None = None
+        if kernel_layout == "out_in" and is_kernel(name):
+            n, lead = kernel_input_dims(name), int(stacked)
+            nd = members[0].ndim + lead
+            perm = tuple(range(lead)) + tuple(range(lead + n, nd)) + tuple(range(lead, lead + n))
+
+        def assemble(*xs: jax.Array, perm: tuple[int, ...] | None = perm, stacked: bool = stacked) -> jax.Array:
+            x = jnp.stack(xs) if stacked else xs[0]
+            return x if perm is None else jnp.transpose(x, perm)
+
+        if mesh is None:
+            out[name] = assemble(*members)
             continue
-        spec = out_in_spec(specs[name])
-        n = kernel_input_dims(name)
-        perm = tuple(range(n, arr.ndim)) + tuple(range(n))
-        sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules, dict(mesh.shape), name))
-        key = (perm, sharding)
+        if not stacked and perm is None:
+            out[name] = members[0]
+            continue
+        from jax.sharding import NamedSharding
+
+        from raydeploy.model.sharding import partition_spec
+
+        sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, dict(rules or {}), dict(mesh.shape), name))
+        key = (perm, stacked, len(members), sharding)
         if key not in programs:
-            programs[key] = jax.jit(lambda a, p=perm: jnp.transpose(a, p), out_shardings=sharding)
-        out[name] = programs[key](arr)
+            programs[key] = jax.jit(assemble, out_shardings=sharding)
+        out[name] = programs[key](*members)
     return out

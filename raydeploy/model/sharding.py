@@ -26,6 +26,7 @@ Rule = str | Sequence[str] | None
 # replicate attention (q_heads/kv_heads/cache_kv_heads: null) and shard MLP and vocab; configs do this.
 DEFAULT_RULES: dict[str, Rule] = {
     # parameters
+    "layers": None,
     "vocab": "tp",
     "embed": "fsdp",
     "q_heads": "tp",

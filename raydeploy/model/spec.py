@@ -12,6 +12,7 @@ multiplies that layout faster; checkpoints always store in_out.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,17 +154,50 @@ def out_in_spec(spec: TensorSpec) -> TensorSpec:
     if not is_kernel(spec.name):
         return spec
     n = kernel_input_dims(spec.name)
-    return TensorSpec(spec.name, spec.shape[n:] + spec.shape[:n], spec.logical_axes[n:] + spec.logical_axes[:n])
+    lead = 1 if spec.logical_axes[:1] == (LAYER_AXIS,) else 0  # a stacked kernel keeps its layer axis first
+    shape, axes = spec.shape[lead:], spec.logical_axes[lead:]
+    return TensorSpec(spec.name, spec.shape[:lead] + shape[n:] + shape[:n],
+                      spec.logical_axes[:lead] + axes[n:] + axes[:n])
+
+
+LAYER_AXIS = "layers"
+"""Logical axis of the stacked layer dimension (weights and KV cache); never sharded."""
+
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def split_layer_name(name: str) -> tuple[int, str] | None:
+    """'layers.3.attn.q_proj.kernel' -> (3, 'attn.q_proj.kernel'); None for a name outside the layers."""
+    m = _LAYER_NAME.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def stacked_param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
+    """The model's parameters as the engine holds them: each per-layer tensor stacked over the layers.
+
+    `layers.{i}.attn.q_proj.kernel` [D, N, H] for i < L becomes `layers.attn.q_proj.kernel` [L, D, N, H] with
+    logical axes (layers, embed, q_heads, head_dim), so the forward pass is one `lax.scan` over the layers and
+    a program's size (and its compile time) does not grow with depth. Checkpoints keep per-layer names."""
+    out: dict[str, TensorSpec] = {}
+    for name, spec in param_specs(cfg).items():
+        split = split_layer_name(name)
+        if split is None:
+            out[name] = spec
+        elif split[0] == 0:
+            stacked = f"layers.{split[1]}"
+            out[stacked] = TensorSpec(stacked, (cfg.num_layers, *spec.shape), (LAYER_AXIS, *spec.logical_axes))
+    return out
 
 
 def kv_cache_spec(cfg: LlamaConfig, max_slots: int, max_seq_len: int) -> TensorSpec:
-    """Shape and logical axes of one layer's K (or V) cache: [slots, kv_heads, seq, head_dim].
+    """Shape and logical axes of the K (or V) cache of every layer: [layers, slots, kv_heads, seq, head_dim].
 
+    Stacked over the layers, like the weights, so the scanned forward pass carries it and updates it in place.
     Head-major, so each (slot, head) holds its positions contiguously: a decode's attention multiplies the
     cache window directly (scores contract head_dim, the minor dimension; the output contracts seq), where a
     [slots, seq, kv_heads, head_dim] cache had to be transposed into that form every layer of every step."""
-    return TensorSpec("kv_cache", (max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim),
-                      ("cache_batch", "cache_kv_heads", "cache_seq", "head_dim"))
+    return TensorSpec("kv_cache", (cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim),
+                      (LAYER_AXIS, "cache_batch", "cache_kv_heads", "cache_seq", "head_dim"))
 
 
 def param_bytes(cfg: LlamaConfig, itemsize: int) -> int:
@@ -172,4 +206,4 @@ def param_bytes(cfg: LlamaConfig, itemsize: int) -> int:
 
 def kv_cache_bytes(cfg: LlamaConfig, max_slots: int, max_seq_len: int, itemsize: int) -> int:
     """Bytes of the whole KV cache (K and V, every layer)."""
-    return 2 * cfg.num_layers * kv_cache_spec(cfg, max_slots, max_seq_len).numel * itemsize
+    return 2 * kv_cache_spec(cfg, max_slots, max_seq_len).numel * itemsize
