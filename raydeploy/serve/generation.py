@@ -156,6 +156,10 @@ class ServingCore:
     def admit(self, n_jobs: int) -> None:
         """Reserve room for `n_jobs` (slots + bounded queue) or answer 503 with Retry-After."""
         capacity = self.limits.max_slots + self.limits.max_queue
+        if n_jobs > capacity:  # could never be admitted: not a retriable 503
+            raise InvalidRequest(f"the request asks for {n_jobs} sequences (n times the prompts); this server "
+                                 f"holds at most {capacity} at once ({self.limits.max_slots} slots and "
+                                 f"{self.limits.max_queue} queued)", param="n", code="invalid_value")
         if self._in_flight + n_jobs > capacity:
             raise Overloaded(f"the server is at capacity ({self.limits.max_slots} slots busy and "
                              f"{self.limits.max_queue} requests queued); retry shortly", retry_after_s=1.0)
