@@ -55,7 +55,7 @@ def served(codec):
         yield server, backend, core
 
 
-def _check(status: int, content_type: str, text: str, what: str) -> None:
+def check_answer(status: int, content_type: str, text: str, what: str, secret: str = KEY) -> None:
     """No 5xx; a 4xx is OpenAI-shaped JSON that leaks nothing."""
     assert status < 500, f"{what}: {status} {text[:300]}"
     if status >= 400:
@@ -64,7 +64,7 @@ def _check(status: int, content_type: str, text: str, what: str) -> None:
         assert set(err) == {"message", "type", "param", "code"}, (what, err)
         assert isinstance(err["message"], str) and err["message"], (what, err)
         assert err["param"] is None or isinstance(err["param"], str), (what, err)
-        assert "Traceback" not in text and "/work" not in text and KEY not in text, (what, text)
+        assert "Traceback" not in text and "/work" not in text and secret not in text, (what, text)
 
 
 def _answers_correctly(server, codec) -> None:
@@ -84,19 +84,20 @@ def _no_short_deadline(case):
     return case
 
 
-def _fuzz(op, mode: GenerationMode, examples: int, url: str, session: requests.Session,
-          sent: collections.Counter[str], statuses: collections.Counter[int]) -> None:
+def fuzz_route(op, mode: GenerationMode, examples: int, url: str, session: requests.Session,
+               sent: collections.Counter[str], statuses: collections.Counter[int], *,
+               headers: dict[str, str] = AUTH, secret: str = KEY, adjust=_no_short_deadline) -> None:
     """Send `examples` generated requests for one route and mode; hypothesis shrinks a failing one."""
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
-    @given(case=op.as_strategy(generation_mode=mode).map(_no_short_deadline))
+    @given(case=op.as_strategy(generation_mode=mode).map(adjust))
     def send(case):
-        resp = case.call(base_url=url, session=session, headers=AUTH, timeout=60)
+        resp = case.call(base_url=url, session=session, headers=headers, timeout=300)
         sent[op.label] += 1
         statuses[resp.status_code] += 1
-        _check(resp.status_code, (resp.headers.get("content-type") or [""])[0], resp.text,
-               f"{op.label} ({mode.value}) body={str(case.body)[:200]!r}")
+        check_answer(resp.status_code, (resp.headers.get("content-type") or [""])[0], resp.text,
+               f"{op.label} ({mode.value}) body={str(case.body)[:200]!r}", secret)
 
     send()
 
@@ -118,8 +119,8 @@ def test_every_route_fuzzed_from_its_openapi_schema_never_answers_5xx(served, co
         # routes without a body or with only a free-form path string have nothing to break in the schema
         modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if has_body else [GenerationMode.POSITIVE]
         for mode in modes:
-            _fuzz(op, mode, EXAMPLES_PER_BODY_ROUTE if has_body else EXAMPLES_PER_OTHER_ROUTE, server.url, session,
-                  sent, statuses)
+            fuzz_route(op, mode, EXAMPLES_PER_BODY_ROUTE if has_body else EXAMPLES_PER_OTHER_ROUTE, server.url,
+                       session, sent, statuses)
     total = sum(sent.values())
     print(f"fuzz: {total} requests; by route {dict(sent)}; by status {dict(sorted(statuses.items()))}")
     assert total >= MIN_GENERATED_REQUESTS, sent
@@ -189,7 +190,7 @@ HOSTILE: list[tuple[str, str, bytes, int, str | None, str]] = [
 def test_hostile_bodies_get_a_4xx_naming_the_problem(served, name, route, raw, status, param, words):
     server, _, _ = served
     r = httpx.post(server.url + route, content=raw, headers=AUTH | {"Content-Type": "application/json"}, timeout=30)
-    _check(r.status_code, r.headers.get("content-type", ""), r.text, name)
+    check_answer(r.status_code, r.headers.get("content-type", ""), r.text, name)
     assert r.status_code == status, (name, r.text)
     err = r.json()["error"]
     assert err["param"] == param, (name, err)
@@ -203,26 +204,26 @@ def test_wrong_content_types_huge_bodies_and_odd_paths(served, codec):
                   "application/jsonx", "application/json-patch+json", "\u00e9/\u00e9".encode("latin-1")):
         headers = AUTH | ({"Content-Type": ctype} if ctype is not None else {})
         r = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=10)
-        _check(r.status_code, r.headers.get("content-type", ""), r.text, f"content type {ctype!r}")
+        check_answer(r.status_code, r.headers.get("content-type", ""), r.text, f"content type {ctype!r}")
         assert r.status_code == 415 and "must be application/json" in r.json()["error"]["message"], (ctype, r.text)
     # UTF-16 with a charset that says so: this server takes UTF-8 only
     r = httpx.post(server.url + "/v1/completions", content='{"prompt": "x"}'.encode("utf-16"),
                    headers=AUTH | {"Content-Type": "application/json; charset=utf-16"}, timeout=10)
-    _check(r.status_code, r.headers.get("content-type", ""), r.text, "utf-16")
+    check_answer(r.status_code, r.headers.get("content-type", ""), r.text, "utf-16")
     assert r.status_code == 400 and "UTF-8" in r.text
     big = b'{"prompt": "' + b"x" * 5_000_000 + b'"}'
     for name, content in (("5 MB with a length", big), ("5 MB chunked", iter([big[i:i + 65536]
                                                                                for i in range(0, len(big), 65536)]))):
         r = httpx.post(server.url + "/v1/completions", content=content, timeout=30,
                        headers=AUTH | {"Content-Type": "application/json"})
-        _check(r.status_code, r.headers.get("content-type", ""), r.text, name)
+        check_answer(r.status_code, r.headers.get("content-type", ""), r.text, name)
         assert r.status_code == 413 and "65536 bytes" in r.json()["error"]["message"], (name, r.text)
     for path in ("/v1/models/%00", "/v1/models/%ED%A0%80", "/v1/models/" + "a" * 4000, "/v1/%FF", "/%00",
                  "/v1/completions/../../etc/passwd"):
         r = httpx.get(server.url + path, headers=AUTH, timeout=10)
-        _check(r.status_code, r.headers.get("content-type", ""), r.text, path)
+        check_answer(r.status_code, r.headers.get("content-type", ""), r.text, path)
         assert r.status_code in (404, 405), (path, r.status_code, r.text)
     r = httpx.request("DELETE", server.url + "/v1/completions", headers=AUTH, timeout=10)
-    _check(r.status_code, r.headers.get("content-type", ""), r.text, "DELETE")
+    check_answer(r.status_code, r.headers.get("content-type", ""), r.text, "DELETE")
     assert r.status_code == 405
     _answers_correctly(server, codec)
