@@ -146,6 +146,8 @@ HOSTILE: list[tuple[str, str, bytes, int, str | None, str]] = [
      (CHAT % '[{"type": "text", "text": "\\udfff"}]').encode(), 400, "messages.0.content.0.text", "surrogate"),
     ("lone surrogate in prompt", "/v1/completions", b'{"prompt": "\\ud83d"}', 400, "prompt", "surrogate"),
     ("lone surrogate in a key", "/v1/completions", b'{"prompt": "x", "\\ud800": 1}', 400, None, "surrogate"),
+    ("lone surrogate in a nested key", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x", "\\udbff": 1}]}', 400, "messages.0", "a key in 'messages.0'"),
     ("lone surrogate in legacy chat history", "/chat", b'{"prompt": "x", "history": [["a", "\\ud800"]]}', 400,
      "history.0.1", "surrogate"),
     ("surrogate bytes (CESU-8) in the body", "/instruct", b'{"instruction": "\xed\xa0\x80"}', 400, None, "UTF-8"),

@@ -80,8 +80,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"the body must be a JSON object, found {_json_type(data)}", code="invalid_json")
     bad = _find_bad_text(data)
     if bad is not None:
-        path, what = bad
-        where = f"'{path}'" if path else "a key of the body"
+        path, what, in_key = bad
+        where = (f"a key in '{path}'" if path else "a key of the body") if in_key else f"'{path}'"
         raise InvalidRequest(f"{where} holds {what}, which is not valid in text", param=path or None,
                              code="invalid_text")
     return data
@@ -124,20 +124,20 @@ def _float(text: str) -> float:
     return value
 
 
-def _find_bad_text(data: Any) -> tuple[str, str] | None:
-    """(path, what) of the first string (value or key) with a lone surrogate or a NUL, else None."""
+def _find_bad_text(data: Any) -> tuple[str, str, bool] | None:
+    """(path, what, whether it is a key) of the first string with a lone surrogate or a NUL, else None."""
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
         path, value = stack.pop()
         if isinstance(value, str):
             what = _text_problem(value)
             if what:
-                return path, what
+                return path, what, False
         elif isinstance(value, dict):
             for k, v in value.items():
                 what = _text_problem(k)
                 if what:
-                    return path, what  # the key itself is bad: name where it sits, not the key
+                    return path, what, True  # name where the key sits, not the key
                 stack.append((f"{path}.{k}" if path else k, v))
         elif isinstance(value, list):
             stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
