@@ -24,6 +24,12 @@ CRD_DIR = REPO.parent / "shared" / "kuberay-crds"
 MANIFESTS = sorted((REPO / "k8s").glob("*.yaml"))
 ACCELERATORS = ("google.com/tpu", "nvidia.com/gpu")
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.I)
+COORDINATOR_PORT = 8476  # cluster.coordinator_port's default on real clusters
+GCSFUSE = "gcsfuse.csi.storage.gke.io"
+# checkpoint shards are read in ranges by many threads: cache whole files, download them in parallel, cache
+# metadata for the life of the mount (the bucket is read-only here)
+RANGE_READ = {"file-cache:max-size-mb:-1", "file-cache:cache-file-for-range-read:true",
+              "file-cache:enable-parallel-downloads:true", "metadata-cache:ttl-secs:-1"}
 
 pytestmark = pytest.mark.skipif(not CRD_DIR.is_dir(), reason=f"KubeRay CRD schemas not found at {CRD_DIR}")
 
@@ -127,6 +133,14 @@ def _habit_violations(docs: list[dict[str, Any]], name: str) -> list[str]:
         for role, pod in _pods(doc):
             if pod.get("hostNetwork"):
                 bad.append(f"{where} {role}: hostNetwork")
+            if not pod.get("serviceAccountName"):
+                bad.append(f"{where} {role}: no serviceAccountName")
+            for v in pod.get("volumes", []):
+                attrs = v.get("csi", {}).get("volumeAttributes", {})
+                opts = set(attrs.get("mountOptions", "").split(","))
+                if v.get("csi", {}).get("driver") == GCSFUSE and v["csi"].get("readOnly") and not RANGE_READ <= opts:
+                    bad.append(f"{where} {role}: read-only bucket {attrs.get('bucketName')} lacks "
+                               f"{sorted(RANGE_READ - opts)}")
             volumes = {v["name"]: v for v in pod.get("volumes", [])}
             for c in pod["containers"]:
                 res = c.get("resources", {})
@@ -143,8 +157,19 @@ def _habit_violations(docs: list[dict[str, Any]], name: str) -> list[str]:
                     if SECRET_NAME.search(env["name"]) and (
                             "value" in env or "secretKeyRef" not in env.get("valueFrom", {})):
                         bad.append(f"{where} {role}: {env['name']} must come from a Secret (secretKeyRef)")
-                if role != "submitter" and not c.get("readinessProbe"):
+                if role == "head" and not c.get("readinessProbe"):
                     bad.append(f"{where} {role}: no readiness probe")
+                if role.startswith("worker") and c.get("readinessProbe"):
+                    # KubeRay's default applies; Serve runs proxies only where replicas live
+                    bad.append(f"{where} {role}: custom readiness probe on a worker")
+                if role != "submitter":
+                    shm = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+                    vol = volumes.get(shm[0]["name"], {}).get("emptyDir", {}) if shm else {}
+                    if vol.get("medium") != "Memory" or not vol.get("sizeLimit"):
+                        bad.append(f"{where} {role}: /dev/shm needs an emptyDir with medium Memory and a sizeLimit")
+                if role.startswith("worker") and set(ACCELERATORS) & held and not any(
+                        p.get("containerPort") == COORDINATOR_PORT for p in c.get("ports", [])):
+                    bad.append(f"{where} {role}: no containerPort {COORDINATOR_PORT} (jax.distributed coordinator)")
                 for m in c.get("volumeMounts", []):
                     vol = volumes.get(m["name"], {})
                     if m["mountPath"].startswith("/mnt/checkpoints") and not ({"csi", "persistentVolumeClaim"} & set(vol)):
@@ -168,7 +193,8 @@ def test_habit_checks_can_fail() -> None:
     head["hostNetwork"] = True
     head["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
     head["containers"][0]["env"].append({"name": "RAY_AUTH_TOKEN", "value": "plain"})
-    head["volumes"][1] = {"name": "checkpoints", "hostPath": {"path": "/data"}}
+    head["volumes"] = [v if v["name"] != "checkpoints" else {"name": "checkpoints", "hostPath": {"path": "/data"}}
+                       for v in head["volumes"]]
     del rs["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["requests"]
     docs.append({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "dash"},
                  "spec": {"type": "NodePort", "ports": [{"port": 8265}]}})
@@ -177,6 +203,56 @@ def test_habit_checks_can_fail() -> None:
                      "RAY_AUTH_TOKEN must come from a Secret", "bucket mount or a volume claim",
                      "resources.requests needs cpu and memory", "Service dash exposed"):
         assert expected in text
+
+
+def test_real_cluster_checks_can_fail() -> None:
+    docs = _docs(REPO / "k8s" / "rayservice-tpu-v5e.yaml")
+    rs = docs[1]["spec"]["rayClusterConfig"]
+    worker = rs["workerGroupSpecs"][0]["template"]["spec"]
+    c = worker["containers"][0]
+    c["readinessProbe"] = {"httpGet": {"path": "/ready", "port": 8000}}
+    c["ports"] = [p for p in c["ports"] if p["containerPort"] != 8476]
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["mountPath"] != "/dev/shm"]
+    del worker["serviceAccountName"]
+    (ckpt,) = [v for v in worker["volumes"] if v["name"] == "checkpoints"]
+    ckpt["csi"]["volumeAttributes"]["mountOptions"] = "implicit-dirs"
+    head = rs["headGroupSpec"]["template"]["spec"]
+    (shm,) = [v for v in head["volumes"] if v["name"] == "dshm"]
+    del shm["emptyDir"]["sizeLimit"]
+    text = "\n".join(_habit_violations(docs, "x"))
+    for expected in ("worker tpu-v5e-16: custom readiness probe on a worker",
+                     "worker tpu-v5e-16: no containerPort 8476", "worker tpu-v5e-16: no serviceAccountName",
+                     "worker tpu-v5e-16: /dev/shm needs an emptyDir", "head: /dev/shm needs an emptyDir",
+                     "read-only bucket my-raydeploy-checkpoints lacks ['file-cache:cache-file-for-range-read:true'"):
+        assert expected in text, text
+
+
+def _makefile_vars() -> dict[str, str]:
+    out = {}
+    for line in (REPO / "Makefile").read_text().splitlines():
+        if m := re.match(r"^([A-Z_]+)\s*[:?]?=\s*(\S.*?)\s*$", line):
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_images_are_the_makefile_images(path: Path) -> None:
+    """Accelerator pods run the image built for their accelerator; every image is one the Makefile builds."""
+    mk = _makefile_vars()
+    built = {"tpu": mk["IMAGE_TPU"], "cuda": mk["IMAGE_CUDA"]}
+    ray_version = re.search(r":(\d+\.\d+\.\d+)-", mk["RAY_IMAGE_TPU"]).group(1)  # type: ignore[union-attr]
+    for doc in _ray_docs(path):
+        assert _cluster_spec(doc)["rayVersion"] == ray_version
+        images = set()
+        for role, pod in _pods(doc):
+            for c in pod["containers"]:
+                images.add(c["image"])
+                limits = c.get("resources", {}).get("limits", {})
+                if "google.com/tpu" in limits:
+                    assert c["image"] == built["tpu"], f"{path.name} {role}: {c['image']}"
+                if "nvidia.com/gpu" in limits:
+                    assert c["image"] == built["cuda"], f"{path.name} {role}: {c['image']}"
+        assert len(images) == 1 and images <= set(built.values()), f"{path.name}: {images}"
 
 
 @pytest.mark.parametrize("path", [p for p in MANIFESTS if p.name.startswith("rayservice")], ids=lambda p: p.name)
@@ -190,9 +266,9 @@ def test_rayservice_serves_raydeploy(path: Path) -> None:
     for role, pod in _pods(doc):
         mounts = [m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", [])]
         assert any(config_path.startswith(m + "/") for m in mounts), f"{role}: {config_path} not mounted"
-    workers = [pod for role, pod in _pods(doc) if role.startswith("worker")]
-    probes = [c["readinessProbe"] for pod in workers for c in pod["containers"]]
-    assert probes and all(p.get("httpGet", {}).get("path") == "/ready" for p in probes)
+    # Serve readiness is the gang's readiness: replicas start serving only once the gang is ready
+    assert isinstance(app["args"].get("ready_timeout_s"), int | float) and app["args"]["ready_timeout_s"] > 0
+    assert app["args"]["ready_timeout_s"] <= doc["spec"]["deploymentUnhealthySecondThreshold"]
 
 
 def test_tpu_and_gpu_worker_groups() -> None:
@@ -246,6 +322,17 @@ def test_embedded_config_loads_and_plans(path: Path, name: str, tmp_path: Path) 
             hosts += g["replicas"] * g.get("numOfHosts", 1)
             per_pod.add(acc[0])
     assert hosts == cfg.cluster.num_hosts and per_pod == {cfg.cluster.devices_per_host}
+    # the compile cache is one writable bucket mount shared by every host pod (not per-pod, not read-only)
+    cache_dir = cfg.engine.compilation_cache_dir
+    assert cache_dir and not cache_dir.startswith("/mnt/checkpoints"), cache_dir
+    for role, pod in _pods(doc):
+        if not role.startswith("worker"):
+            continue
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        mounts = [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["mountPath"] == cache_dir]
+        assert mounts and not mounts[0].get("readOnly"), f"{role}: {cache_dir} not mounted writable"
+        vol = volumes[mounts[0]["name"]]
+        assert vol.get("csi", {}).get("driver") == GCSFUSE and not vol["csi"].get("readOnly"), f"{role}: {vol}"
     # the config is mounted where the entry point reads it
     if doc["kind"] == "RayJob":
         assert "/etc/raydeploy/config.yaml" in doc["spec"]["entrypoint"]
