@@ -12,11 +12,12 @@ type, or flax's chunked form for arrays over 1 GiB). Flax kernels are already [i
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from raydeploy.checkpoint.format import CheckpointError
-from raydeploy.checkpoint.layout import EASYDEL_NAMES, NameMap, cast, check_against_specs, to_ours
+from raydeploy.checkpoint.layout import EASYDEL_NAMES, NameMap, SplitPlan, cast, check_against_specs, to_ours
 from raydeploy.checkpoint.writer import CheckpointWriter
 from raydeploy.model.spec import LlamaConfig
 
@@ -26,8 +27,10 @@ EASYDEL_IGNORED = (r"(opt_state|step|tx)(/.*)?",)
 
 
 def convert_easydel(src: str | Path, dst: str | Path, hf_config: str | Path | None, dtype: str = "keep",
-                    shard_size_bytes: int = 1 << 30, progress: bool = True) -> dict[str, Any]:
-    """Convert one streaming msgpack file. Returns {'bytes': ..., 'tensors': ...}."""
+                    shard_size_bytes: int = 1 << 30, progress: bool = True,
+                    splits: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Convert one streaming msgpack file (storing tensors split for `splits`, see layout.SplitPlan).
+    Returns {'bytes': ..., 'tensors': ...}."""
     import msgpack
     from flax.serialization import msgpack_restore
     from tqdm import tqdm
@@ -50,6 +53,7 @@ def convert_easydel(src: str | Path, dst: str | Path, hf_config: str | Path | No
 
     name_map = NameMap(EASYDEL_NAMES, ignored=EASYDEL_IGNORED, source="EasyDeL")
     shapes: dict[str, tuple[int, ...]] = {}
+    plan = SplitPlan.build(cfg, splits)
     writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
     bar = tqdm(total=src.stat().st_size, unit="B", unit_scale=True, desc="convert easydel", disable=not progress)
     try:
@@ -77,7 +81,7 @@ def convert_easydel(src: str | Path, dst: str | Path, hf_config: str | Path | No
                     continue
                 out = cast(to_ours(kind, arr, cfg, name=path), dtype)
                 shapes[ours] = tuple(out.shape)
-                writer.add(ours, out)
+                writer.add(ours, out, split=plan.for_tensor(ours, out))
                 new_pos = unpacker.tell()
                 bar.update(new_pos - pos)
                 pos = new_pos

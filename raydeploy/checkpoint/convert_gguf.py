@@ -10,6 +10,7 @@ transformers, which can read a tokenizer out of a GGUF file.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from raydeploy.checkpoint.layout import (
     GGUF_IGNORED,
     GGUF_NAMES,
     NameMap,
+    SplitPlan,
     cast,
     check_against_specs,
     to_ours,
@@ -101,8 +103,10 @@ def unpermute_rope(w_oi: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_size_bytes: int = 1 << 30,
-                 progress: bool = True, save_tokenizer: bool = True) -> dict[str, Any]:
-    """Convert one GGUF file into a checkpoint directory. Returns {'bytes': ..., 'tensors': ...}."""
+                 progress: bool = True, save_tokenizer: bool = True,
+                 splits: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Convert one GGUF file into a checkpoint directory (storing tensors split for `splits`, see
+    layout.SplitPlan). Returns {'bytes': ..., 'tensors': ...}."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFReader
     from tqdm import tqdm
@@ -124,6 +128,7 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_si
     plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
     shapes: dict[str, tuple[int, ...]] = {}
+    plan = SplitPlan.build(cfg, splits)
     writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
     try:
         for t in tqdm(reader.tensors, desc="convert gguf", unit="tensor", disable=not progress):
@@ -146,7 +151,7 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_si
                 w = unpermute_rope(w, cfg.num_kv_heads)
             out = cast(to_ours(kind, w, cfg, name=ours), dtype)
             shapes[ours] = tuple(out.shape)
-            writer.add(ours, out)
+            writer.add(ours, out, split=plan.for_tensor(ours, out))
         check_against_specs(shapes, cfg, str(src))
     except BaseException:
         writer.abort()

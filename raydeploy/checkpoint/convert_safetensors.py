@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from raydeploy.checkpoint.format import CONFIG_FILE, CheckpointError, numpy_dtype
-from raydeploy.checkpoint.layout import HF_IGNORED, HF_NAMES, NameMap, cast, check_against_specs, to_ours
+from raydeploy.checkpoint.layout import (
+    HF_IGNORED,
+    HF_NAMES,
+    NameMap,
+    SplitPlan,
+    cast,
+    check_against_specs,
+    to_ours,
+)
 from raydeploy.checkpoint.writer import CheckpointWriter
 from raydeploy.model.spec import LlamaConfig
 
@@ -94,8 +102,9 @@ def read_hf_config(src: Path) -> dict[str, Any]:
 
 
 def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", shard_size_bytes: int = 1 << 30,
-                        progress: bool = True) -> dict[str, Any]:
-    """Convert a Hugging Face safetensors model directory. Returns {'bytes': ..., 'tensors': ...}."""
+                        progress: bool = True, splits: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Convert a Hugging Face safetensors model directory (storing tensors split for `splits`, see
+    layout.SplitPlan). Returns {'bytes': ..., 'tensors': ...}."""
     from tqdm import tqdm
 
     src = Path(src)
@@ -106,6 +115,7 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
     name_map = NameMap(HF_NAMES, HF_IGNORED, source="safetensors")
     files = safetensors_files(src)
     shapes: dict[str, tuple[int, ...]] = {}
+    plan = SplitPlan.build(cfg, splits)
     writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="convert safetensors",
                disable=not progress)
@@ -123,7 +133,7 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
                     raise CheckpointError(f"tensor {name} appears twice (as {ours})", str(fp), tensor=name)
                 out = cast(to_ours(kind, arr, cfg, name=name), dtype)
                 shapes[ours] = tuple(out.shape)
-                writer.add(ours, out)
+                writer.add(ours, out, split=plan.for_tensor(ours, out))
         check_against_specs(shapes, cfg, str(src))
     except BaseException:
         writer.abort()

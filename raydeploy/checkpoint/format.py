@@ -3,7 +3,8 @@
 A checkpoint is a directory (specified in docs/checkpoint-format.md):
 
     index.json            format name + version, checksum scheme, every tensor's dtype, shape, shard file,
-                          byte offset/length of its raw row-major bytes and a crc32 per fixed-size block
+                          byte offset/length of its raw row-major bytes and a crc32 per fixed-size block;
+                          (version 2) a tensor may be stored split along one dimension (see TensorEntry)
     shard-00000.msgpack   a msgpack map {tensor name: flax ndarray ext}; readable by `msgpack.unpackb` and by
     shard-00001.msgpack   `flax.serialization.msgpack_restore`, and by `os.pread` of exactly the rows needed
     config.json           the Hugging Face config of the model (`LlamaConfig.from_json`)
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32 as crc32
 
 FORMAT_NAME = "raydeploy-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 is version 2 without `split` entries: the reader reads both, the writer writes 2.
+READABLE_VERSIONS = (1, 2)
 INDEX_FILE = "index.json"
 CONFIG_FILE = "config.json"
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -81,7 +85,13 @@ FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 class TensorEntry:
     """Where one tensor's raw bytes live. `segments` are (file offset, length) pieces in order; one piece
     unless the tensor was bigger than flax's chunk limit. `crc32[i]` covers raw bytes
-    [i*block_bytes, (i+1)*block_bytes) of the tensor."""
+    [i*block_bytes, (i+1)*block_bytes) of the tensor.
+
+    `split = (dim, parts)` (version 2): the raw bytes are not `shape` in C order but the `parts` equal
+    pieces of the tensor cut along `dim` (>= 1), one after the other, each in C order:
+    `np.stack(np.split(x, parts, axis=dim))`. A device slice that is one piece along `dim` (a tp or fsdp
+    shard of a column dimension) is then a contiguous byte range. The reader works in "stored rows": the
+    `parts * shape[0]` rows of that stacked array, each `row_bytes` long."""
 
     name: str
     dtype: str
@@ -91,21 +101,40 @@ class TensorEntry:
     length: int
     segments: tuple[tuple[int, int], ...]
     crc32: tuple[int, ...]
+    split: tuple[int, int] | None = None
 
     @property
     def itemsize(self) -> int:
         return numpy_dtype(self.dtype).itemsize
 
     @property
+    def parts(self) -> int:
+        return self.split[1] if self.split else 1
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of one stored row: shape[1:], with the split dimension cut to one piece."""
+        rest = list(self.shape[1:])
+        if self.split:
+            rest[self.split[0] - 1] //= self.split[1]
+        return tuple(rest)
+
+    @property
+    def stored_rows(self) -> int:
+        return self.parts * self.shape[0] if self.shape else 1
+
+    @property
     def row_bytes(self) -> int:
-        """Bytes of one index along dim 0 (the whole tensor for a scalar)."""
-        return self.itemsize * (math.prod(self.shape[1:]) if self.shape else 1)
+        """Bytes of one stored row (one index along dim 0 of one piece; the whole tensor for a scalar)."""
+        return self.itemsize * math.prod(self.row_shape)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "file": self.file,
                              "offset": self.offset, "length": self.length, "crc32": list(self.crc32)}
         if len(self.segments) > 1:
             d["segments"] = [list(s) for s in self.segments]
+        if self.split:
+            d["split"] = list(self.split)
         return d
 
 
@@ -117,9 +146,10 @@ class CheckpointIndex:
     files: dict[str, int]          # shard file name -> size in bytes
     block_bytes: int
     total_bytes: int               # sum of all tensors' raw bytes
+    version: int = FORMAT_VERSION  # as read (a version-1 index stays version 1)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "data_alignment": DATA_ALIGNMENT,
+        return {"format": FORMAT_NAME, "version": self.version, "data_alignment": DATA_ALIGNMENT,
                 "checksum": {"algorithm": "crc32", "block_bytes": self.block_bytes},
                 "total_bytes": self.total_bytes, "files": dict(self.files),
                 "tensors": {n: e.to_json() for n, e in self.tensors.items()}}
@@ -151,9 +181,9 @@ def parse_index(data: dict[str, Any], path: str, check_files_in: Path | None = N
     if fmt != FORMAT_NAME:
         raise CheckpointError(f"format is {fmt!r}, expected {FORMAT_NAME!r}", path)
     version = data.get("version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"format version {version!r} is not supported (this reader reads {FORMAT_VERSION})",
-                              path)
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise CheckpointError(f"format version {version!r} is not supported (this reader reads "
+                              f"{', '.join(map(str, READABLE_VERSIONS))})", path)
     checksum = _need(data, "checksum", dict, "index", path)
     if checksum.get("algorithm") != "crc32":
         raise CheckpointError(f"checksum algorithm {checksum.get('algorithm')!r} is not supported (crc32)", path)
@@ -171,7 +201,7 @@ def parse_index(data: dict[str, Any], path: str, check_files_in: Path | None = N
     tensors: dict[str, TensorEntry] = {}
     total = 0
     for name, e in tensors_raw.items():
-        tensors[name] = _parse_entry(name, e, files, block_bytes, path)
+        tensors[name] = _parse_entry(name, e, files, block_bytes, path, version)
         total += tensors[name].length
     declared_total = _need(data, "total_bytes", int, "index", path)
     if declared_total != total:
@@ -185,10 +215,10 @@ def parse_index(data: dict[str, Any], path: str, check_files_in: Path | None = N
             if actual != size:
                 raise CheckpointError(f"shard file is {actual} bytes, the index declares {size} (truncated or "
                                       "replaced?)", str(fp))
-    return CheckpointIndex(tensors=tensors, files=files, block_bytes=block_bytes, total_bytes=total)
+    return CheckpointIndex(tensors=tensors, files=files, block_bytes=block_bytes, total_bytes=total, version=version)
 
 
-def _parse_entry(name: str, e: Any, files: dict[str, int], block_bytes: int, path: str) -> TensorEntry:
+def _parse_entry(name: str, e: Any, files: dict[str, int], block_bytes: int, path: str, version: int) -> TensorEntry:
     def fail(msg: str) -> CheckpointError:
         return CheckpointError(msg, path, tensor=name)
 
@@ -232,8 +262,34 @@ def _parse_entry(name: str, e: Any, files: dict[str, int], block_bytes: int, pat
     n_blocks = -(-length // block_bytes)
     if len(crcs) != n_blocks or not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs):
         raise fail(f"crc32 must list {n_blocks} block checksums (32-bit integers), found {len(crcs)}")
+    split = _parse_split(e.get("split"), shape, version, fail)
     return TensorEntry(name=name, dtype=dtype, shape=shape, file=fname, offset=e["offset"], length=length,
-                       segments=tuple(segments), crc32=tuple(crcs))
+                       segments=tuple(segments), crc32=tuple(crcs), split=split)
+
+
+def check_split(split: Any, shape: tuple[int, ...]) -> str | None:
+    """Why `split` is not a valid (dim, parts) for a tensor of `shape`, or None."""
+    if (not isinstance(split, (list, tuple)) or len(split) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in split)):
+        return f"split {split!r} must be [dim, parts] (two integers)"
+    dim, parts = split
+    if not 1 <= dim < len(shape):
+        return f"split dim {dim} must be a dimension after the first of shape {list(shape)}"
+    if parts < 2 or shape[dim] % parts:
+        return f"split into {parts} parts must be >= 2 parts that divide dimension {dim} (size {shape[dim]})"
+    return None
+
+
+def _parse_split(split: Any, shape: tuple[int, ...], version: int,
+                 fail: Callable[[str], CheckpointError]) -> tuple[int, int] | None:
+    if split is None:
+        return None
+    if version < 2:
+        raise fail(f"'split' needs format version 2 (the index says {version})")
+    why = check_split(split, shape)
+    if why:
+        raise fail(why)
+    return int(split[0]), int(split[1])
 
 
 def read_index(ckpt_dir: Path) -> CheckpointIndex:

@@ -5,17 +5,27 @@ Each converter maps a source name to (our name, layout kind) with one of the tab
 dequantized (and Q/K un-permuted), have the same [out, in] layout; EasyDeL/Flax kernels are already
 [in, out]. Ours are input-dims-first with attention heads split out: q_proj.kernel [hidden, heads, head_dim],
 o_proj.kernel [heads, head_dim, hidden].
+
+`SplitPlan` chooses which tensors a converter stores split along a column dimension (format version 2),
+from the axes a mesh cuts (`column_splits`).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from raydeploy.checkpoint.format import CheckpointError
 from raydeploy.model.spec import LlamaConfig
+
+if TYPE_CHECKING:
+    from raydeploy.model.sharding import Rule
 
 # Layout kinds. "_oi" sources are [out, in] (PyTorch / GGUF), "_io" sources are [in, out] (Flax).
 COPY = "copy"
@@ -177,3 +187,66 @@ def check_against_specs(shapes: dict[str, tuple[int, ...]], cfg: LlamaConfig, so
         if tuple(shapes[n]) != s.shape:
             raise CheckpointError(f"converted shape {list(shapes[n])} != expected {list(s.shape)} from the config",
                                   source, tensor=n)
+
+
+# ---- splits: store column-sharded tensors so that each device slice is one contiguous byte range ----
+
+def column_splits(mesh_shape: Mapping[str, int], rules: Mapping[str, Rule]) -> dict[str, int]:
+    """Per logical axis that some parameter has after its first dimension, into how many parts the mesh
+    (its axis sizes and the logical -> mesh axis rules) cuts it; only axes cut into 2 or more parts."""
+    from raydeploy.model.sharding import logical_to_mesh_axes
+
+    out = {}
+    for la in _column_axes():
+        if la in rules:
+            axes = logical_to_mesh_axes((la,), rules, mesh_shape)[0]
+            parts = math.prod(mesh_shape[a] for a in axes) if axes else 1
+            if parts > 1:
+                out[la] = parts
+    return out
+
+
+def splits_tag(splits: Mapping[str, int]) -> str:
+    """A short name of a set of column splits, e.g. 'embed2-mlp2' ('' for none)."""
+    return "-".join(f"{la}{n}" for la, n in sorted(splits.items()))
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Which tensors a converter stores split (format version 2), from `column_splits`: a tensor whose
+    dimensions after the first include exactly one cut axis is split along it into that many parts (if
+    they divide it). Any mesh still reads the result; on a mesh that cuts the same axes into the same
+    parts, every device slice is one run of whole stored rows, which the reader hands to jax uncopied."""
+
+    splits: dict[str, tuple[int, int]]  # tensor name -> (dim, parts)
+    shapes: dict[str, tuple[int, ...]]
+
+    @staticmethod
+    def build(cfg: LlamaConfig, splits: Mapping[str, int] | None) -> SplitPlan:
+        from raydeploy.model.spec import param_specs
+
+        out: dict[str, tuple[int, int]] = {}
+        specs, cuts = param_specs(cfg), dict(splits or {})
+        for name, s in specs.items():
+            cut = [(d, cuts[la]) for d, la in enumerate(s.logical_axes) if d > 0 and la in cuts]
+            if len(cut) == 1 and s.shape[cut[0][0]] % cut[0][1] == 0:
+                out[name] = cut[0]
+        return SplitPlan(out, {n: s.shape for n, s in specs.items()})
+
+    def for_tensor(self, name: str, array: np.ndarray) -> tuple[int, int] | None:
+        """The split of one converted tensor (None when it is not split, or has another shape than the
+        config expects: the converter's shape check then reports it)."""
+        split = self.splits.get(name)
+        return split if split and tuple(array.shape) == self.shapes.get(name) else None
+
+
+@lru_cache(maxsize=1)
+def _column_axes() -> tuple[str, ...]:
+    """Logical axes that parameters have after their first dimension (read off the specs of a tiny model
+    with every optional tensor: biases, an untied head)."""
+    from raydeploy.model.spec import param_specs
+
+    cfg = LlamaConfig.from_hf_dict({"model_type": "llama", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8,
+                                    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                    "head_dim": 2, "tie_word_embeddings": False, "attention_bias": True})
+    return tuple(dict.fromkeys(la for s in param_specs(cfg).values() for la in s.logical_axes[1:]))

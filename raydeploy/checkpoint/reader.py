@@ -3,16 +3,21 @@
 `CheckpointReader(path)` validates the index and the shard files up front. `load(specs, mesh, rules)`:
   1. checks the checkpoint against the model's `param_specs` (missing/extra tensors, shapes, dtypes) and
      every sharding before reading a byte, so a bad checkpoint never yields a half-loaded model;
-  2. for each tensor, asks the NamedSharding which slices this process's devices hold, merges their dim-0
-     row ranges (rows are contiguous byte ranges; other dims are sliced in memory) so each needed byte is
-     read once even when several local devices replicate it;
+  2. for each tensor, asks the NamedSharding which slices this process's devices hold, merges their
+     stored-row ranges (rows are contiguous byte ranges; other dims are sliced in memory) so each needed
+     byte is read once even when several local devices replicate it. A tensor stored split along a column
+     dimension (format version 2) has `parts` pieces of rows: a device slice that is one piece along that
+     dimension is a run of whole rows of that piece, so it is read (and placed) like a row slice;
   3. maps those ranges copy-on-write, widened to whole checksum blocks (with `use_mmap=False`, and for
      tensors stored in several segments, `os.preadv`s them into 64-byte aligned buffers block by block), and
      walks them one block at a time on a small thread pool: verifies the block's crc32 (an error names the
      file and tensor) and, while the block is still in cache, copies the rows it completes into the device
-     slices that need a copy (a column slice, a dtype cast). A slice that needs none is a view of the
-     mapped bytes, which jax on CPU aliases (64-byte aligned), so a float32 checkpoint loaded as float32
-     onto row-sharded or replicated devices is verified in one pass over memory and copied nowhere;
+     slices that need a copy (a column slice of an unsplit tensor, a slice spanning several pieces, a dtype
+     cast). A slice that needs none is a view of the mapped bytes, which jax on CPU aliases (64-byte
+     aligned), so a float32 checkpoint loaded as float32 onto row-sharded or replicated devices, or onto a
+     mesh whose column shards match the checkpoint's splits, is verified in one pass over memory and copied
+     nowhere (a copy lands in freshly faulted memory: the kernel zeroes each page first, which costs about
+     as much as the copy itself);
   4. hands finished tensors to `jax.make_array_from_callback` in batches. Only local devices are touched,
      so every host of a multi-process mesh runs the same call and reads its own part.
 """
@@ -77,16 +82,47 @@ class LoadStats:
 SliceKey = tuple[tuple[int, int], ...]  # a device's index into a tensor: (start, stop) per dim
 
 
+@dataclass(frozen=True)
+class _Part:
+    """The piece of a device slice that lies in one stored piece of its tensor: stored rows [r0, r1), the
+    ranges of the other stored dims to take (`src`), and where they go in the device's array (`dst`)."""
+
+    r0: int
+    r1: int
+    src: tuple[tuple[int, int], ...]
+    dst: tuple[slice, ...]
+
+    def whole_rows(self, e: TensorEntry) -> bool:
+        return self.src == tuple((0, n) for n in e.row_shape)
+
+
+def _parts(e: TensorEntry, key: SliceKey) -> list[_Part]:
+    """Where a device slice (logical (start, stop) per dim) lies in the stored rows of its tensor."""
+    (r0, r1), cols = key[0], key[1:]
+    if not e.split:
+        return [_Part(r0, r1, cols, tuple(slice(None) for _ in cols))]
+    dim, parts = e.split
+    width, (a, b) = e.shape[dim] // parts, cols[dim - 1]
+    out = []
+    for t in range(a // width, -(-b // width)):
+        lo, hi = max(a, t * width), min(b, (t + 1) * width)
+        src = cols[:dim - 1] + ((lo - t * width, hi - t * width),) + cols[dim:]
+        dst = tuple(slice(lo - a, hi - a) if i == dim - 1 else slice(None) for i in range(len(cols)))
+        out.append(_Part(t * e.shape[0] + r0, t * e.shape[0] + r1, src, dst))
+    return out
+
+
 @dataclass
 class _TensorPlan:
     entry: TensorEntry
     sharding: Any
     keys: dict[Any, SliceKey]                      # device -> its slice of the global array
-    intervals: list[tuple[int, int]]               # merged dim-0 row ranges this process needs
+    parts: dict[SliceKey, list[_Part]]             # per distinct slice: where it lies in the stored rows
+    intervals: list[tuple[int, int]]               # merged stored-row ranges this process needs
     buffers: list[np.ndarray] = field(default_factory=list)  # per interval: its bytes (block-widened)
     buf_starts: list[int] = field(default_factory=list)      # tensor byte offset where each buffer starts
     hosts: dict[SliceKey, np.ndarray] = field(default_factory=dict)  # per distinct slice: what jax gets
-    fills: list[tuple[int, SliceKey, np.ndarray]] = field(default_factory=list)  # (interval, slice, copy)
+    fills: list[tuple[int, _Part, np.ndarray]] = field(default_factory=list)  # (interval, part, copy into)
     pending: int = 0
     mapped: bool = False
 
@@ -109,7 +145,7 @@ def _norm_slice(s: slice, size: int) -> tuple[int, int]:
 
 
 def _block_span(e: TensorEntry, a: int, b: int, bb: int) -> tuple[int, int]:
-    """Tensor byte range [start, stop) of rows [a, b), widened to whole checksum blocks of `bb` bytes."""
+    """Tensor byte range [start, stop) of stored rows [a, b), widened to whole checksum blocks of `bb` bytes."""
     return (a * e.row_bytes // bb) * bb, min(-(-(b * e.row_bytes) // bb) * bb, e.length)
 
 
@@ -173,7 +209,7 @@ class CheckpointReader:
     def _plan(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
               devices: Any = None) -> dict[str, _TensorPlan]:
         """Validate everything, then per tensor: its sharding, the slices `devices` (default: this process's
-        devices in the mesh) hold, and the merged dim-0 row ranges to read."""
+        devices in the mesh) hold, and the merged stored-row ranges to read."""
         from jax.sharding import NamedSharding
 
         from raydeploy.model.sharding import check_divisible, partition_spec
@@ -191,8 +227,9 @@ class CheckpointReader:
                 dev_idx = {d: i for d, i in sharding.devices_indices_map(tuple(spec.shape)).items() if d in wanted}
             e = self.index.tensors[name]
             keys = {d: _slice_key(idx, e.shape) for d, idx in dev_idx.items()}
-            plans[name] = _TensorPlan(entry=e, sharding=sharding, keys=keys,
-                                      intervals=merge_intervals([k[0] for k in keys.values()]))
+            parts = {k: _parts(e, k) for k in dict.fromkeys(keys.values())}
+            plans[name] = _TensorPlan(entry=e, sharding=sharding, keys=keys, parts=parts, intervals=merge_intervals(
+                [(q.r0, q.r1) for ps in parts.values() for q in ps]))
         return plans
 
     def byte_ranges(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
@@ -252,7 +289,10 @@ class CheckpointReader:
                 if crc32(buf[blk * bb:(blk + 1) * bb]) != want:
                     raise CheckpointError(f"checksum mismatch in block {blk}: the file is corrupt",
                                           str(self.path / e.file), tensor=name)
-        return buf.view(numpy_dtype(e.dtype)).reshape(e.shape)
+        x = buf.view(numpy_dtype(e.dtype))
+        if e.split:
+            return np.concatenate(list(x.reshape((e.parts, e.shape[0], *e.row_shape))), axis=e.split[0])
+        return x.reshape(e.shape)
 
 
 class _Load:
@@ -315,34 +355,40 @@ class _Load:
 
     def _place_hosts(self, p: _TensorPlan) -> None:
         """Per distinct device slice, the host array jax gets: a view of the interval's bytes when jax can
-        alias it (same dtype, whole rows, 64-byte aligned), else an aligned array filled by `_fill_rows`."""
+        alias it (one stored piece, whole rows, same dtype, 64-byte aligned), else an aligned array that
+        `_fill_rows` fills part by part."""
         e = p.entry
-        shape = e.shape or (1,)
-        for key in dict.fromkeys(p.keys.values()):
-            (r0, r1), cols = key[0], key[1:]
-            k = next(i for i, (a, b) in enumerate(p.intervals) if a <= r0 and r1 <= b)
-            host = self._rows(p, k, r0, r1)
-            whole_rows = cols == tuple((0, n) for n in shape[1:])
-            if host.dtype != self.target or not whole_rows or host.ctypes.data % ALIGN:
-                host = aligned_empty((r1 - r0) * math.prod(b - a for a, b in cols) * self.target.itemsize)
-                host = host.view(self.target).reshape((r1 - r0, *(b - a for a, b in cols)))
-                p.fills.append((k, key, host))
-            p.hosts[key] = host if e.shape else host.reshape(())
+        for key, parts in p.parts.items():
+            shape = tuple(b - a for a, b in key)
+            host = None
+            if len(parts) == 1 and parts[0].whole_rows(e):
+                q = parts[0]
+                host = self._rows(p, self._interval(p, q), q.r0, q.r1)
+                if host.dtype != self.target or host.ctypes.data % ALIGN:
+                    host = None
+            if host is None:
+                host = aligned_empty(math.prod(shape) * self.target.itemsize).view(self.target)
+                p.fills.extend((self._interval(p, q), q, host.reshape(shape)) for q in parts)
+            p.hosts[key] = host.reshape(shape if e.shape else ())
+
+    @staticmethod
+    def _interval(p: _TensorPlan, q: _Part) -> int:
+        return next(i for i, (a, b) in enumerate(p.intervals) if a <= q.r0 and q.r1 <= b)
 
     def _rows(self, p: _TensorPlan, k: int, r0: int, r1: int) -> np.ndarray:
-        """Rows [r0, r1) of the tensor, as stored, viewed in interval k's bytes."""
+        """Stored rows [r0, r1) of the tensor, viewed in interval k's bytes."""
         e = p.entry
         base = r0 * e.row_bytes - p.buf_starts[k]
         flat = p.buffers[k][base: base + (r1 - r0) * e.row_bytes].view(numpy_dtype(e.dtype))
-        return flat.reshape((r1 - r0, *e.shape[1:]))
+        return flat.reshape((r1 - r0, *e.row_shape))
 
     def _fill_rows(self, p: _TensorPlan, k: int, lo: int, hi: int) -> None:
-        """Copy rows [lo, hi) of interval k (verified) into the slices that need a copy."""
-        for fk, key, host in p.fills:
-            (r0, r1), cols = key[0], key[1:]
-            a, b = max(lo, r0), min(hi, r1)
+        """Copy stored rows [lo, hi) of interval k (verified) into the slices that need a copy."""
+        for fk, q, host in p.fills:
+            a, b = max(lo, q.r0), min(hi, q.r1)
             if fk == k and a < b:
-                host[a - r0: b - r0] = self._rows(p, k, a, b)[(slice(None), *(slice(c0, c1) for c0, c1 in cols))]
+                host[(slice(a - q.r0, b - q.r0), *q.dst)] = \
+                    self._rows(p, k, a, b)[(slice(None), *(slice(c0, c1) for c0, c1 in q.src))]
 
     def read_all(self, threads: int, progress: Callable[[int], object]) -> None:
         """Read, verify and place every piece with `threads` workers; the first error stops the others."""

@@ -7,6 +7,11 @@ are written in flax's chunked-array form; their raw bytes then lie in several se
 count is patched into its header when the shard is closed, so tensors stream through without buffering.
 Shard files and config/tokenizer files are written first; `index.json` is written last, atomically, so a
 directory without an index is never mistaken for a checkpoint.
+
+`add(name, array, split=(dim, parts))` stores the tensor cut into `parts` pieces along `dim`, one piece
+after the other (format version 2; see format.TensorEntry): the msgpack value is then the stacked pieces
+`[parts, ...]`, and the index records the logical shape and the split. `split_plan` (layout.py) chooses
+the splits that make every device slice of a mesh one contiguous byte range.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from raydeploy.checkpoint.format import (
     CheckpointIndex,
     TensorEntry,
     bin32_header,
+    check_split,
     crc32,
     ext32_header,
     map32_header,
@@ -128,11 +134,20 @@ class CheckpointWriter:
         self._f.write(pad_key + b"\xc4" + bytes([k]) + bytes(k))
         self._count += 1
 
-    def add(self, name: str, array: np.ndarray) -> None:
-        """Append one tensor; starts a new shard first if this one would grow past shard_size_bytes."""
+    def add(self, name: str, array: np.ndarray, split: tuple[int, int] | None = None) -> None:
+        """Append one tensor (cut into `split = (dim, parts)` pieces stored one after the other, if given);
+        starts a new shard first if this one would grow past shard_size_bytes."""
         if name in self._entries:
             raise CheckpointError(f"tensor written twice: {name}", tensor=name)
-        arr = np.ascontiguousarray(array)
+        shape = tuple(int(s) for s in array.shape)
+        if split is not None:
+            why = check_split(split, shape)
+            if why:
+                raise CheckpointError(why, tensor=name)
+            split = (int(split[0]), int(split[1]))
+            arr = np.stack(np.split(np.asarray(array), split[1], axis=split[0]))  # a new C-order array
+        else:
+            arr = np.ascontiguousarray(array)
         dtype = arr.dtype.name
         if dtype not in STORABLE_DTYPES:
             raise CheckpointError(f"cannot store dtype {dtype}", tensor=name)
@@ -171,9 +186,8 @@ class CheckpointWriter:
         self._count += 1
         self.bytes_written += arr.nbytes
         self._entries[name] = TensorEntry(
-            name=name, dtype=dtype, shape=tuple(int(s) for s in arr.shape), file=self._fname,
-            offset=segments[0][0], length=arr.nbytes, segments=tuple(segments),
-            crc32=tuple(block_crcs(raw, self.block_bytes)))
+            name=name, dtype=dtype, shape=shape, file=self._fname, offset=segments[0][0], length=arr.nbytes,
+            segments=tuple(segments), crc32=tuple(block_crcs(raw, self.block_bytes)), split=split)
 
     # -- finishing --
     def close(self, config: dict[str, Any] | str | Path | None = None,

@@ -24,7 +24,7 @@ def resolve_checkpoint_path(cfg: Config) -> str:
     if ref.startswith("demo:"):
         from raydeploy.checkpoint.demo import resolve_checkpoint
 
-        return str(resolve_checkpoint(ref))
+        return str(resolve_checkpoint(ref, split_for=cfg))  # stored split for this mesh: reads without copies
     return ref
 
 
