@@ -5,6 +5,12 @@ restarted gang loads what its predecessor compiled. JAX writes entries from proc
 `jax_share_binary_between_hosts` a multi-process program missing from the cache is compiled by one process and
 handed to the others through the distributed key-value store, so a gang compiles each distinct program once.
 
+On XLA:CPU (simulated hosts) the cache key of a multi-process program differs from process to process (it
+hashes the process-local CPU topology): sharing binaries, which waits for the key of process 0, would
+deadlock, and ranks 1..N-1 would never find their own entries, which only process 0 may write. For CPU gangs
+`enable(..., share_between_hosts=False, every_process_writes=True)` turns sharing off and lets every
+process write its own entries (distinct keys, so no two processes write the same file).
+
 `track()` counts, around one program's compile or first run, whether JAX loaded it from the cache or compiled
 it, from JAX's own monitoring events; the engine reports that per program.
 """
@@ -13,9 +19,11 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -87,8 +95,12 @@ def is_remote(cache_dir: str) -> bool:
     return "://" in cache_dir
 
 
-def enable(cache_dir: str | None) -> None:
-    """Use the persistent XLA compilation cache at `cache_dir` (a path or a gs:// URL); None leaves it off."""
+def enable(cache_dir: str | None, share_between_hosts: bool = True, every_process_writes: bool = False) -> None:
+    """Use the persistent XLA compilation cache at `cache_dir` (a path or a gs:// URL); None leaves it off.
+
+    `share_between_hosts`: a multi-process program missing from the cache is compiled by one process and
+    handed to the others (TPU, GPU). `every_process_writes`: every process writes its own entries (XLA:CPU
+    gangs, whose keys differ per process; see the module docstring)."""
     if not cache_dir:
         return
     path = cache_dir if is_remote(cache_dir) else os.path.expanduser(cache_dir)
@@ -97,4 +109,33 @@ def enable(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_share_binary_between_hosts", True)
+    jax.config.update("jax_share_binary_between_hosts", share_between_hosts)
+    if every_process_writes:
+        _write_from_every_process()
+
+
+def _write_from_every_process() -> None:
+    """Let processes other than 0 write their cache entries too (JAX writes from process 0 only, to avoid
+    contention on shared storage; on XLA:CPU each process has its own keys, so there is none)."""
+    from jax._src import compilation_cache, compiler, distributed
+    from jax._src import config as jax_config
+
+    original = compiler._cache_write
+    if getattr(original, "_every_process", False):
+        return
+
+    def write(cache_key: str, compile_time_secs: float, module_name: str, backend: Any, executable: Any,
+              host_callbacks: Any) -> None:
+        if (distributed.global_state.process_id == 0 or host_callbacks
+                or compile_time_secs < jax_config.persistent_cache_min_compile_time_secs.value):
+            original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+            return
+        try:
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                      int(compile_time_secs))
+        except Exception as ex:  # noqa: BLE001 - a cache that cannot be written only costs a compile next time
+            warnings.warn(f"Error writing persistent compilation cache entry for '{module_name}': "
+                          f"{type(ex).__name__}: {ex}", stacklevel=2)
+
+    write._every_process = True  # type: ignore[attr-defined]
+    compiler._cache_write = write

@@ -11,6 +11,7 @@ is started with `engine="toy"`, the tiny stand-in of raydeploy.gang.toy.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -22,10 +23,13 @@ def join_distributed(cfg: Config, rank: int, coordinator_address: str) -> dict[s
     import jax
 
     from raydeploy.engine import compile_cache
+    from raydeploy.gang.preflight import jax_platform_of
 
     c = cfg.cluster
-    # Every rank reads the shared cache (JAX writes it from process 0); binaries are shared between hosts.
-    compile_cache.enable(cfg.engine.compilation_cache_dir)
+    # Every rank reads the shared cache. On TPU/GPU, JAX writes it from process 0 and hands a missing
+    # program's binary to the other processes; on XLA:CPU keys differ per process, so each writes its own.
+    on_cpu = jax_platform_of(os.environ) == "cpu"
+    compile_cache.enable(cfg.engine.compilation_cache_dir, share_between_hosts=not on_cpu, every_process_writes=on_cpu)
     bind = None
     if rank == 0:
         port = coordinator_address.rsplit(":", 1)[1]
