@@ -33,7 +33,7 @@ def _cfg(*extra: str):
 
 @pytest.mark.ray
 def test_ingress_waits_until_the_gang_is_ready(ray_cluster):
-    cfg = _cfg()
+    cfg = load_config(None, ["engine.max_slots=2"])  # default timeouts: a busy machine still brings it up
     gang = start_gang(cfg, engine="toy")
     try:
         assert gang.state()["state"] != "ready"  # still starting: the wait below has something to wait for
