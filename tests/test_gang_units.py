@@ -234,8 +234,10 @@ def test_gang_errors_cross_ray_intact():
 
     from raydeploy.gang.coordinator import GangUnavailableError
     from raydeploy.gang.placement import PlacementError
+    from raydeploy.gang.preflight import PreflightError
 
     for err in (GangError("phase 'init' failed", phase="init", retriable=False), PlacementError("cannot place"),
+                PreflightError("TPU_NAME not set"),
                 FingerprintMismatchError("gang refused"), GangUnavailableError("restarting", retriable=True)):
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err)
@@ -263,3 +265,40 @@ def test_host_module_does_not_import_jax():
             "print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_gpu_hosts_run_cuda_and_the_coordinator_port_is_fixed_on_real_clusters():
+    from raydeploy.config import config_from_dict
+    from raydeploy.gang.host import JAX_COORDINATOR_PORT, coordinator_port, host_env
+
+    def cfg(**cluster):
+        return config_from_dict({"cluster": {"num_hosts": 2, "devices_per_host": 8, **cluster},
+                                 "mesh": {"axes": {"dp": 2, "tp": 8}}})
+
+    gpu = cfg(platform="gpu", simulated=False, host_resources={"GPU": 8})
+    assert host_env(gpu)["JAX_PLATFORMS"] == "cuda" and "XLA_FLAGS" not in host_env(gpu)
+    assert coordinator_port(gpu) == JAX_COORDINATOR_PORT == 8476
+    assert coordinator_port(cfg(platform="gpu", simulated=False, coordinator_port=9000)) == 9000
+    assert coordinator_port(cfg(platform="gpu", simulated=False, coordinator_port=0)) == 0
+    assert coordinator_port(cfg()) == 0  # simulated: a free port at each start
+
+
+def test_preflight_errors_are_not_retried_even_wrapped_by_ray():
+    from raydeploy.gang.preflight import PreflightError
+
+    class RayTaskErrorLike(RuntimeError):  # what Ray raises for a remote error: the original as .cause
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__(str(cause))
+            self.cause = cause
+
+    async def fail(e: BaseException) -> None:
+        raise e
+
+    async def run(e: BaseException) -> GangError:
+        with pytest.raises(GangError) as info:
+            await gather_phase("preflight", [fail(e), asyncio.sleep(0)], 5.0)
+        return info.value
+
+    final = asyncio.run(run(RayTaskErrorLike(PreflightError("TPU_NAME not set"))))
+    assert not final.retriable and "host 0 failed: PreflightError: TPU_NAME not set" in str(final)
+    assert asyncio.run(run(RuntimeError("flaky"))).retriable
