@@ -37,7 +37,9 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 INDEX_FILE = "index.json"
 CONFIG_FILE = "config.json"
-DEFAULT_BLOCK_BYTES = 1 << 20
+# A host reads whole checksum blocks: 256 KiB keeps the over-read of a slice small on small tensors
+# (1 MiB blocks made an fsdp=2 host of the demo model read 74% of the checkpoint instead of 59%).
+DEFAULT_BLOCK_BYTES = 256 << 10
 # flax.serialization.MAX_CHUNK_SIZE: arrays bigger than this are stored as flax "chunked arrays".
 FLAX_MAX_CHUNK_BYTES = 1 << 30
 # Raw tensor bytes start at offsets aligned to this (CPU runtimes can then alias them without a copy).
