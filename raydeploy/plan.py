@@ -232,8 +232,8 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
     p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[cfg.model.dtype]
     param_count = sum(s.numel for s in specs.values())
     p_dev = sum(_shard_numel(s, rules, mesh) for s in specs.values()) * p_item
-    kv_total = 2 * model.num_layers * kv_spec.numel * kv_item
-    kv_dev = 2 * model.num_layers * _shard_numel(kv_spec, rules, mesh) * kv_item
+    kv_total = 2 * kv_spec.numel * kv_item
+    kv_dev = 2 * _shard_numel(kv_spec, rules, mesh) * kv_item
 
     mem, mem_from = device_memory(cfg)
     usable = int(mem * USABLE_FRACTION[c.platform])
