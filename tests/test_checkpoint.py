@@ -7,7 +7,9 @@ real model matters (1-device vs 2x2 mesh equality).
 from __future__ import annotations
 
 import json
+import math
 import pickle
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -520,3 +522,237 @@ def test_multi_process_load_reads_only_local_rows(tiny_ckpt):
         assert res["bytes_read"] == res["planned_bytes"] == res["expected_bytes"] < total
         assert res["shards_checked"] == 2 * len(tiny_specs())
     assert results[0]["fingerprint"] == results[1]["fingerprint"]
+
+
+# ---------------------------------------------------------------- format version 2: tensors stored split
+
+FSDP_TP = {"fsdp": 2, "tp": 2}
+HEADS_REPLICATED = {"q_heads": None, "kv_heads": None}  # as in configs/cpu-fsdp.yaml
+
+
+def split_plan_for(mesh_shape: dict[str, int], overrides: dict) -> dict[str, tuple[int, int]]:
+    from raydeploy.checkpoint.layout import SplitPlan, column_splits
+
+    return SplitPlan.build(LlamaConfig.from_hf_dict(TINY_HF), column_splits(mesh_shape, merge_rules(overrides))).splits
+
+
+def write_split(dst: Path, params: dict[str, np.ndarray] | None = None, plan: dict | None = None,
+                **writer_kw) -> Path:
+    params = tiny_params() if params is None else params
+    plan = split_plan_for(FSDP_TP, HEADS_REPLICATED) if plan is None else plan
+    with CheckpointWriter(dst, **writer_kw) as w:
+        for n, a in params.items():
+            w.add(n, a, split=plan.get(n))
+        w.close(config=TINY_HF)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def split_ckpt(tmp_path_factory) -> Path:
+    return write_split(tmp_path_factory.mktemp("split") / "tiny", shard_size_bytes=4096, block_bytes=256)
+
+
+def test_split_plan_cuts_the_column_dims_the_mesh_shards():
+    plan = split_plan_for(FSDP_TP, HEADS_REPLICATED)
+    # embed -> fsdp, mlp and vocab -> tp; heads replicated: q/k/v are cut along dim 0 only (rows: no split)
+    assert plan["embed.embedding"] == (1, 2) and plan["lm_head.kernel"] == (1, 2)
+    assert plan["layers.0.attn.o_proj.kernel"] == (2, 2)
+    assert plan["layers.1.mlp.gate_proj.kernel"] == plan["layers.1.mlp.down_proj.kernel"] == (1, 2)
+    assert "layers.0.attn.q_proj.kernel" not in plan and "final_norm.scale" not in plan
+    # heads over tp=2 too: q is then cut along its heads dim; k/v (2 KV heads) as well
+    assert split_plan_for(FSDP_TP, {})["layers.0.attn.q_proj.kernel"] == (1, 2)
+    # tp=4 over mlp and vocab only: gate/up and the head are cut into 4 column parts; down_proj's mlp is its
+    # first dim (rows: no split); dp only: nothing to split
+    tp4 = split_plan_for({"tp": 4}, {"embed": None, "q_heads": None, "kv_heads": None})
+    assert tp4["layers.0.mlp.up_proj.kernel"] == tp4["lm_head.kernel"] == (1, 4)
+    assert "layers.0.mlp.down_proj.kernel" not in tp4 and "embed.embedding" not in tp4
+    assert split_plan_for({"dp": 2}, {}) == {}
+
+
+def test_split_round_trip_index_and_flax_view(split_ckpt):
+    from flax.serialization import msgpack_restore
+
+    params = tiny_params()
+    r = CheckpointReader(split_ckpt)
+    assert r.index.version == 2 and json.loads((split_ckpt / INDEX_FILE).read_text())["version"] == 2
+    e = r.index.tensors["layers.0.attn.o_proj.kernel"]
+    assert e.split == (2, 2) and e.shape == (4, 4, 16) and e.row_shape == (4, 8) and e.stored_rows == 8
+    assert json.loads((split_ckpt / INDEX_FILE).read_text())["tensors"][e.name]["split"] == [2, 2]
+    for n, a in params.items():
+        np.testing.assert_array_equal(r.read_tensor(n), a, err_msg=n)
+        e = r.index.tensors[n]
+        stored = msgpack_restore((split_ckpt / e.file).read_bytes())[n]  # flax sees the stacked pieces
+        want = np.stack(np.split(a, e.split[1], axis=e.split[0])) if e.split else a
+        np.testing.assert_array_equal(stored, want, err_msg=n)
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+@pytest.mark.parametrize("mesh_shape,overrides", [
+    (FSDP_TP, HEADS_REPLICATED), ({"dp": 2, "tp": 2}, HEADS_REPLICATED), ({"tp": 1}, {}),
+    ({"tp": 4}, {"embed": None, "q_heads": None, "kv_heads": None}), ({"fsdp": 4}, {})])
+def test_split_checkpoint_loads_on_any_mesh(split_ckpt, use_mmap, mesh_shape, overrides):
+    """Stored split for fsdp=2 x tp=2, read on meshes that cut the pieces differently (whole tensors,
+    rows only, four column parts): every device shard equals the tensor's slice."""
+    import ml_dtypes
+
+    params = tiny_params()
+    r = CheckpointReader(split_ckpt)
+    devices = _devices()[:math.prod(mesh_shape.values())]
+    for dtype in ("float32", "bfloat16"):
+        loaded, stats = r.load(tiny_specs(), build_mesh(mesh_shape, devices=devices), merge_rules(overrides),
+                               dtype=dtype, threads=2, progress=False, use_mmap=use_mmap)
+        assert stats.bytes_read == r.index.total_bytes  # one process holds every device
+        for n, a in params.items():
+            want = a.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else a
+            for shard in loaded[n].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=n)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_split_checkpoint_on_its_mesh_is_copied_nowhere(split_ckpt, tiny_ckpt):
+    """On the mesh it was split for, every float32 device shard of every tensor is a view of the mapped
+    shard file; the same mesh on the unsplit checkpoint must copy the column slices."""
+    mesh, rules = build_mesh(FSDP_TP), merge_rules(HEADS_REPLICATED)
+
+    def aliased(ckpt: Path) -> dict[str, bool]:
+        r = CheckpointReader(ckpt)
+        loaded, _ = r.load(tiny_specs(), mesh, rules, progress=False)
+        maps = []
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 6 and fields[5].startswith(str(ckpt)):
+                maps.append(tuple(int(x, 16) for x in fields[0].split("-")))
+        return {n: all(any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in maps)
+                       for s in arr.addressable_shards) for n, arr in loaded.items()}
+
+    assert all(aliased(split_ckpt).values())
+    plain = aliased(tiny_ckpt)
+    assert not plain["layers.0.mlp.gate_proj.kernel"] and not plain["embed.embedding"]
+
+
+def _host_bytes(r: CheckpointReader, specs, mesh, rules, devices) -> int:
+    """Bytes of the union of the devices' slices, counted element by element from jax's own index map."""
+    from jax.sharding import NamedSharding
+
+    from raydeploy.model.sharding import partition_spec
+
+    total = 0
+    for name, spec in specs.items():
+        sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules, dict(mesh.shape)))
+        need = np.zeros(spec.shape, bool)
+        for d, idx in sharding.devices_indices_map(spec.shape).items():
+            if d in devices:
+                need[idx] = True
+        total += int(need.sum()) * r.index.tensors[name].itemsize
+    return total
+
+
+def test_split_partial_reads_on_fsdp_tp_read_only_the_host_bytes(tmp_path):
+    """A host of fsdp=2 x tp=2 (one fsdp row: 2 devices) plans exactly the bytes of its devices' slices
+    (checksum blocks of one element: no widening), half the checkpoint; unsplit, it reads more."""
+    params = tiny_params()
+    specs, mesh, rules = tiny_specs(), build_mesh(FSDP_TP), merge_rules(HEADS_REPLICATED)
+    split = CheckpointReader(write_split(tmp_path / "s", params, block_bytes=4))
+    plain = CheckpointReader(write_tiny(tmp_path / "p", params, block_bytes=4))
+    for host in range(2):
+        devices = list(mesh.devices[host])  # fsdp index = host, both tp devices
+        need = _host_bytes(split, specs, mesh, rules, devices)
+        got = sum(b - a for rs in split.byte_ranges(specs, mesh, rules, devices=devices).values() for a, b in rs)
+        assert got == need
+        norms = sum(e.length for n, e in split.index.tensors.items() if n.endswith(".scale"))  # replicated
+        assert got == (split.index.total_bytes - norms) // 2 + norms
+        plain_got = sum(b - a for rs in plain.byte_ranges(specs, mesh, rules, devices=devices).values()
+                        for a, b in rs)
+        assert plain_got > 1.3 * got  # column slices of unsplit tensors: whole rows (o_proj, down_proj, embedding)
+
+
+def test_split_checksum_mismatch_names_file_and_tensor(tmp_path, split_ckpt):
+    d = _copy(split_ckpt, tmp_path / "crc")
+    e = CheckpointReader(d).index.tensors["layers.1.mlp.down_proj.kernel"]
+    assert e.split
+    data = bytearray((d / e.file).read_bytes())
+    data[e.offset + e.length - 1] ^= 0xFF  # the last stored row of the second piece
+    (d / e.file).write_bytes(bytes(data))
+    r = CheckpointReader(d)
+    for mesh_shape, overrides in ((FSDP_TP, HEADS_REPLICATED), ({"tp": 1}, {})):
+        mesh = build_mesh(mesh_shape, devices=_devices()[:math.prod(mesh_shape.values())])
+        for use_mmap in (True, False):
+            with pytest.raises(CheckpointError, match=rf"file .*{e.file}, tensor layers\.1\.mlp\.down_proj\.kernel: "
+                                                      r"checksum mismatch in block \d+"):
+                r.load(tiny_specs(), mesh, merge_rules(overrides), progress=False, use_mmap=use_mmap)
+    with pytest.raises(CheckpointError, match=r"tensor layers\.1\.mlp\.down_proj\.kernel: checksum mismatch"):
+        r.read_tensor("layers.1.mlp.down_proj.kernel")
+
+
+def test_split_truncated_shard_names_the_file(tmp_path, split_ckpt):
+    d = _copy(split_ckpt, tmp_path / "trunc")
+    e = CheckpointReader(d).index.tensors["embed.embedding"]
+    (d / e.file).write_bytes((d / e.file).read_bytes()[:e.offset + e.length // 2])
+    with pytest.raises(CheckpointError, match=rf"{e.file}.*index declares"):
+        CheckpointReader(d)
+    # an index that agrees with the truncated file still cannot place the tensor's bytes
+    _edit_index(d, lambda i: i["files"].update({e.file: e.offset + e.length // 2}))
+    with pytest.raises(CheckpointError, match=r"tensor embed\.embedding: bytes .* lie beyond the end"):
+        CheckpointReader(d)
+
+
+def test_split_index_errors_name_the_tensor(tmp_path, split_ckpt, tiny_ckpt):
+    name = "layers.0.mlp.gate_proj.kernel"
+    cases = [([0, 2], r"split dim 0 must be a dimension after the first"),
+             ([1, 3], r"3 parts must be >= 2 parts that divide dimension 1 \(size 32\)"),
+             ([1, 1], r"must be >= 2 parts"), ("1x2", r"must be \[dim, parts\]")]
+    for i, (split, msg) in enumerate(cases):
+        d = _copy(split_ckpt, tmp_path / f"bad{i}")
+        _edit_index(d, lambda idx, s=split: idx["tensors"][name].update(split=s))
+        with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: .*{msg}"):
+            CheckpointReader(d)
+    d = _copy(tiny_ckpt, tmp_path / "v1split")
+    _edit_index(d, lambda idx: idx.update(version=1) or idx["tensors"][name].update(split=[1, 2]))
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: 'split' needs format version 2"):
+        CheckpointReader(d)
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: split into 3 parts"):
+        CheckpointWriter(tmp_path / "w").add(name, tiny_params()[name], split=(1, 3))
+
+
+def test_version_1_checkpoint_still_reads(tmp_path):
+    """An index written by the version-1 writer (no splits, "version": 1) loads as before and keeps its
+    version (and so its fingerprint) when re-serialised."""
+    params = tiny_params(4)
+    d = write_tiny(tmp_path / "v1", params, block_bytes=1 << 20)
+    _edit_index(d, lambda i: i.update(version=1))
+    r = CheckpointReader(d)
+    assert r.index.version == 1 and r.index.to_json()["version"] == 1
+    loaded, stats = r.load(tiny_specs(), build_mesh(FSDP_TP), merge_rules(HEADS_REPLICATED), progress=False)
+    assert stats.bytes_read == r.index.total_bytes
+    for n, a in params.items():
+        np.testing.assert_array_equal(np.asarray(loaded[n]), a)
+
+
+def test_demo_cache_split_for_config_and_stale_version_1(tmp_path, monkeypatch):
+    """A cached version-1 demo conversion is used as it is; a config whose mesh cuts column dims gets its
+    own conversion, split for that mesh."""
+    import raydeploy.checkpoint.convert_gguf as cg
+    from raydeploy.checkpoint import demo
+    from raydeploy.config import load_config
+
+    monkeypatch.setenv("RAYDEPLOY_CACHE", str(tmp_path))
+    stale = write_tiny(tmp_path / "smollm2-135m-instruct")
+    _edit_index(stale, lambda i: i.update(version=1))
+    calls = []
+
+    def fake_convert(src, dst, splits=None, **kw):
+        calls.append(splits)
+        from raydeploy.checkpoint.layout import SplitPlan
+
+        write_split(Path(dst), plan=SplitPlan.build(LlamaConfig.from_hf_dict(TINY_HF), splits).splits)
+
+    monkeypatch.setattr(cg, "convert_gguf", fake_convert)
+    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct") == stale and calls == []
+    dp = load_config(None, ["cluster.num_hosts=2", "cluster.devices_per_host=1", "mesh.axes={dp: 2}"])
+    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=dp) == stale and calls == []
+    fsdp = load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu-fsdp.yaml", [])
+    got = demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=fsdp)
+    assert got == tmp_path / "smollm2-135m-instruct@embed2-mlp2-vocab2"
+    assert calls == [{"embed": 2, "mlp": 2, "vocab": 2}]
+    assert CheckpointReader(got).index.tensors["layers.0.mlp.up_proj.kernel"].split == (1, 2)
+    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=fsdp) == got and len(calls) == 1
