@@ -492,6 +492,21 @@ def test_demo_failed_conversion_leaves_no_checkpoint(tmp_path, monkeypatch):
 def test_multi_process_load_reads_only_local_rows(tiny_ckpt):
     """Two processes with two CPU devices each share one tp=4 mesh: each reads only its devices' rows
     (less than the whole checkpoint, exactly its planned byte ranges) and gets correct shards."""
+    results = _run_two_processes(tiny_ckpt, "tp4")
+    assert results[0]["fingerprint"] == results[1]["fingerprint"]
+
+
+def test_multi_process_fsdp_tp_split_reads_only_the_host_slices(tmp_path):
+    """Two processes (hosts) of fsdp=2 x tp=2 on a checkpoint split for that mesh, checksum blocks of one
+    element: each reads exactly the bytes of its devices' slices (jax's index map, element by element)."""
+    ckpt = write_split(tmp_path / "split", block_bytes=4)
+    results = _run_two_processes(ckpt, "fsdp_tp")
+    norms = sum(e.length for n, e in CheckpointReader(ckpt).index.tensors.items() if n.endswith(".scale"))
+    total = results[0]["total_bytes"]
+    assert results[0]["bytes_read"] == results[1]["bytes_read"] == (total - norms) // 2 + norms
+
+
+def _run_two_processes(ckpt: Path, mode: str) -> list[dict]:
     import os
     import socket
     import subprocess
@@ -503,7 +518,7 @@ def test_multi_process_load_reads_only_local_rows(tiny_ckpt):
     worker = Path(__file__).with_name("checkpoint_mp_worker.py")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    procs = [subprocess.Popen([sys.executable, str(worker), str(tiny_ckpt), f"127.0.0.1:{port}", "2", str(i)],
+    procs = [subprocess.Popen([sys.executable, str(worker), str(ckpt), f"127.0.0.1:{port}", "2", str(i), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
     results = []
@@ -521,7 +536,7 @@ def test_multi_process_load_reads_only_local_rows(tiny_ckpt):
         assert res["local_devices"] == 2
         assert res["bytes_read"] == res["planned_bytes"] == res["expected_bytes"] < total
         assert res["shards_checked"] == 2 * len(tiny_specs())
-    assert results[0]["fingerprint"] == results[1]["fingerprint"]
+    return results
 
 
 # ---------------------------------------------------------------- format version 2: tensors stored split
