@@ -85,6 +85,23 @@ def assert_checkpoint_equals(ckpt: Path, expected: dict[str, np.ndarray]) -> Che
     return r
 
 
+# what the mesh of configs/cpu-fsdp.yaml cuts: embed over fsdp=2, mlp and vocab over tp=2
+FSDP_TP_SPLITS = {"embed": 2, "mlp": 2, "vocab": 2}
+
+
+def assert_split_for_fsdp_tp(r: CheckpointReader) -> None:
+    """The converter stored the column-cut tensors split (format version 2), and only those."""
+    assert r.index.version == 2
+    for n, e in r.index.tensors.items():
+        if n.endswith(("o_proj.kernel",)):
+            assert e.split == (2, 2), n
+        elif n.endswith(("gate_proj.kernel", "up_proj.kernel", "down_proj.kernel")) or n in ("embed.embedding",
+                                                                                          "lm_head.kernel"):
+            assert e.split == (1, 2), n
+        else:
+            assert e.split is None, n
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     src = tmp_path_factory.mktemp("hf") / "llama"
@@ -101,6 +118,9 @@ def test_safetensors_llama_sharded_round_trip(tiny_llama, tmp_path):
     assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert r.llama_config.num_kv_heads == 2 and not r.llama_config.tie_word_embeddings
+    assert all(e.split is None for e in r.index.tensors.values())
+    convert(src, tmp_path / "split", shard_size_bytes=8192, progress=False, splits=FSDP_TP_SPLITS)
+    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(sd)))
 
 
 def test_safetensors_qwen2_bias_tied_bf16(tmp_path):
@@ -153,6 +173,8 @@ def test_easydel_stream_converts_like_safetensors(tiny_llama, tmp_path, wrapped)
     convert(stream, tmp_path / "out", hf_config=str(src / "config.json"), progress=False)
     assert_checkpoint_equals(tmp_path / "out", expected_ours(sd))
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+    convert(stream, tmp_path / "split", hf_config=str(src / "config.json"), progress=False, splits=FSDP_TP_SPLITS)
+    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(sd)))
 
 
 def test_easydel_errors(tiny_llama, tmp_path):
@@ -220,6 +242,14 @@ def test_convert_command(tiny_llama, tmp_path, capsys):
     assert "raydeploy convert:" in err and "nothing" in err and "does not exist" in err
     assert main(["convert", str(src), str(tmp_path / "e"), "--shard-size", "huge"]) == 1
     assert "'huge' is not a number" in capsys.readouterr().err
+    fsdp_yaml = Path(__file__).resolve().parents[1] / "configs" / "cpu-fsdp.yaml"
+    assert main(["convert", str(src), str(tmp_path / "s"), "--split-for", str(fsdp_yaml)]) == 0
+    assert "split for" in capsys.readouterr().out
+    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "s", expected_ours(sd)))
+    assert main(["convert", str(src), str(tmp_path / "f"), "--split-for", str(tmp_path / "no.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "raydeploy convert:" in err and "no.yaml" in err
+    assert not (tmp_path / "f" / "index.json").exists()
 
 
 @pytest.mark.model
@@ -326,6 +356,9 @@ def test_gguf_tiny_round_trip_unpermutes_and_dequantizes(tmp_path):
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps) == (4, 2, 16, 500000.0, 1e-6)
     assert not cfg.tie_word_embeddings
     assert not (tmp_path / "out" / "tokenizer.json").exists()  # none embedded in this file
+    convert(path, tmp_path / "split", dtype="float32", progress=False, splits=FSDP_TP_SPLITS)
+    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(hf, nh=nh, nkv=nkv, hd=hd,
+                                                                                         d=d)))
 
 
 def test_gguf_rejects_other_architectures(tmp_path):

@@ -3,6 +3,8 @@
 Formats: a Hugging Face safetensors directory, a GGUF file, or an EasyDeL/fjformer streaming msgpack file
 (`--from auto` guesses from the path). The result is a checkpoint directory (docs/checkpoint-format.md)
 that `CheckpointReader` loads. User errors print one line naming the file/tensor and return 1.
+`--split-for CONFIG` stores the tensors whose column dimensions that config's mesh cuts split into those
+parts (format version 2), so its hosts read their slices without copying them; any mesh still reads it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +37,10 @@ def detect_format(src: Path) -> str:
 
 
 def convert(src: str | Path, dst: str | Path, src_format: str = "auto", hf_config: str | None = None,
-            shard_size_bytes: int = 1 << 30, dtype: str = "keep", progress: bool = True) -> dict[str, Any]:
-    """Convert SRC into a checkpoint at DST. Returns {'format', 'bytes', 'tensors', 'seconds'}."""
+            shard_size_bytes: int = 1 << 30, dtype: str = "keep", progress: bool = True,
+            splits: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Convert SRC into a checkpoint at DST (tensors stored split for `splits`: layout.column_splits).
+    Returns {'format', 'bytes', 'tensors', 'seconds'}."""
     src, dst = Path(src), Path(dst)
     if (dst / INDEX_FILE).exists():
         raise CheckpointError("destination already holds a checkpoint (remove it or choose another)", str(dst))
@@ -44,32 +49,50 @@ def convert(src: str | Path, dst: str | Path, src_format: str = "auto", hf_confi
     if fmt == "safetensors":
         from raydeploy.checkpoint.convert_safetensors import convert_safetensors
 
-        out = convert_safetensors(src, dst, dtype=dtype, shard_size_bytes=shard_size_bytes, progress=progress)
+        out = convert_safetensors(src, dst, dtype=dtype, shard_size_bytes=shard_size_bytes, progress=progress,
+                                  splits=splits)
     elif fmt == "gguf":
         from raydeploy.checkpoint.convert_gguf import convert_gguf
 
-        out = convert_gguf(src, dst, dtype=dtype, shard_size_bytes=shard_size_bytes, progress=progress)
+        out = convert_gguf(src, dst, dtype=dtype, shard_size_bytes=shard_size_bytes, progress=progress, splits=splits)
     elif fmt == "easydel":
         from raydeploy.checkpoint.convert_easydel import convert_easydel
 
         out = convert_easydel(src, dst, hf_config, dtype=dtype, shard_size_bytes=shard_size_bytes,
-                              progress=progress)
+                              progress=progress, splits=splits)
     else:
         raise CheckpointError(f"unknown source format {fmt!r} (safetensors, gguf, easydel)")
     return {"format": fmt, **out, "seconds": time.perf_counter() - t0}
 
 
+def splits_for_config(path: str | Path) -> dict[str, int]:
+    """The column splits of a raydeploy config file's mesh (its axes and sharding rules)."""
+    from raydeploy.checkpoint.layout import column_splits
+    from raydeploy.config import load_config
+    from raydeploy.model.sharding import merge_rules
+
+    cfg = load_config(path, [])
+    return column_splits(cfg.mesh_shape, merge_rules(cfg.mesh.rules))
+
+
 def run_convert(args: argparse.Namespace) -> int:
-    """CLI entry: args.src, args.dst, args.src_format, args.hf_config, args.shard_size, args.dtype."""
+    """CLI entry: args.src, args.dst, args.src_format, args.hf_config, args.shard_size, args.dtype,
+    args.split_for (a config file, or None)."""
+    from raydeploy.config import ConfigError
+
+    split_for = getattr(args, "split_for", None)
     try:
+        splits = splits_for_config(split_for) if split_for else None
         result = convert(args.src, args.dst, src_format=args.src_format, hf_config=args.hf_config,
                          shard_size_bytes=parse_size(args.shard_size), dtype=args.dtype,
-                         progress=sys.stderr.isatty())
-    except CheckpointError as e:
+                         progress=sys.stderr.isatty(), splits=splits)
+    except (CheckpointError, ConfigError) as e:
         print(f"raydeploy convert: {e}", file=sys.stderr)
         return 1
     gb = result["bytes"] / 1e9
     print(f"converted {result['format']} {args.src} -> {args.dst}: {result['tensors']} tensors, "
           f"{result['bytes']} bytes ({gb:.3f} GB) in {result['seconds']:.1f} s "
-          f"({gb / max(result['seconds'], 1e-9):.2f} GB/s)")
+          f"({gb / max(result['seconds'], 1e-9):.2f} GB/s)"
+          + (f", split for {split_for}: {', '.join(f'{k} in {v}' for k, v in sorted(splits.items()))}"
+             if splits else ""))
     return 0
