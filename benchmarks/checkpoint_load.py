@@ -4,8 +4,10 @@ Both run in the same process and the same run, alternating, with a warm page cac
 once before timing). The peer is `cat <shard files> > /dev/null`: the fastest a plain sequential reader
 gets here. Reported: GB/s of each (best and median of --repeat runs) and the ratio load/cat, for the
 default load (mmap + crc32 per block), without checksums, and with `use_mmap=False` (preadv into buffers).
+The demo checkpoint is read as the gang would: stored split for the mesh when it shards column dimensions
+(`--no-split` reads the plain conversion, whose column slices are copied).
 
-    python benchmarks/checkpoint_load.py [--checkpoint DIR|demo:smollm2-135m-instruct] [--mesh dp=1,tp=4]
+    python benchmarks/checkpoint_load.py [--checkpoint DIR|demo:smollm2-135m-instruct] [--mesh dp=1,tp=4] [--no-split]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-verify", action="store_true", help="skip crc32 checks (also reported separately)")
+    ap.add_argument("--no-split", action="store_true", help="demo: read the plain conversion, not one split for the mesh")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -36,21 +39,25 @@ def main() -> int:
     os.environ.setdefault("PJRT_NPROC", "8")
     import jax
 
-    from raydeploy.checkpoint.demo import resolve_checkpoint
+    from raydeploy.checkpoint.demo import DEMO_PREFIX, ensure_demo_checkpoint, resolve_checkpoint
+    from raydeploy.checkpoint.layout import column_splits
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.model.sharding import build_mesh, merge_rules
     from raydeploy.model.spec import param_specs
 
-    path = resolve_checkpoint(args.checkpoint)
+    mesh_shape = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
+    # attention heads of the demo model (9/3) do not split over 2 or 4: replicate them, shard MLP and vocab
+    rules = merge_rules({"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
+    if args.checkpoint.startswith(DEMO_PREFIX) and not args.no_split:
+        path = ensure_demo_checkpoint(args.checkpoint[len(DEMO_PREFIX):], splits=column_splits(mesh_shape, rules))
+    else:
+        path = resolve_checkpoint(args.checkpoint)
     reader = CheckpointReader(path)
     specs = param_specs(reader.llama_config)
-    mesh_shape = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
     n_dev = 1
     for v in mesh_shape.values():
         n_dev *= v
     mesh = build_mesh(mesh_shape, devices=jax.devices()[:n_dev])
-    # attention heads of the demo model (9/3) do not split over 2 or 4: replicate them, shard MLP and vocab
-    rules = merge_rules({"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
     files = [str(path / f) for f in sorted(reader.index.files)]
     file_bytes = sum(os.path.getsize(f) for f in files)
 
