@@ -99,3 +99,35 @@ def test_sampling_respects_top_k_over_many_draws():
 def test_large_seeds_are_reduced_not_rejected(seed):
     sp = SlotSampling.from_params([SamplingParams(temperature=1.0, seed=seed)])
     assert sp.seed.dtype == np.uint32 and int(sp.seed[0]) == seed % 2**32
+
+
+def _sorted_reference_mask(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Hugging Face's order with a full sort: top-k, then the smallest prefix of the renormalised top-k
+    distribution whose mass reaches top_p (ties at either threshold kept)."""
+    v = logits.shape[-1]
+    order = np.sort(logits)[::-1]
+    k = v if top_k <= 0 or top_k > v else top_k
+    kth = order[k - 1]
+    kept = order[:k].astype(np.float64)
+    probs = np.exp(kept - kept.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    n = max(int(np.sum(before < top_p)), 1) if top_p < 1 else k
+    return logits >= max(kth, order[n - 1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_threshold_search_equals_a_full_sort(seed):
+    """The sort-free top-k / top-p thresholds keep exactly the tokens a full sort keeps, ties included."""
+    rng = np.random.default_rng(seed)
+    v = 5000
+    lg = (rng.normal(size=(6, v)) * rng.uniform(0.5, 4)).astype(np.float32)
+    lg[1, :50] = lg[1, 0]  # a tie across the top-k boundary
+    lg[2] = np.round(lg[2], 1)  # many ties
+    ks = np.asarray([0, 10, 1, 50, v + 3, 300], np.int32)
+    ps = np.asarray([0.9, 1.0, 0.5, 0.3, 0.99, 0.05], np.float32)
+    got = np.asarray(top_k_top_p_mask(jnp.asarray(lg), jnp.asarray(ks), jnp.asarray(ps)))
+    for i in range(6):
+        want = _sorted_reference_mask(lg[i], int(ks[i]), float(ps[i]))
+        assert want.sum() >= 1
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}: top_k={ks[i]} top_p={ps[i]}")

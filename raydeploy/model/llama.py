@@ -291,59 +291,64 @@ def _attend(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bts: j
     return out.reshape(b, t, n, h)
 
 
-def _attend_one(q_bnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bs: jax.Array) -> jax.Array:
-    """Decode attention, one query token per row: q [B,N,H], head-major k/v [B,K,S,H], mask [B,S] -> [B,N,H].
+def _attend_one(q_bnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bs: jax.Array,
+                k_new_bkh: jax.Array, v_new_bkh: jax.Array) -> jax.Array:
+    """Decode attention, one query token per row: q [B,N,H] over the cached window k/v [B,K,S,H] (positions in
+    `mask` [B,S]) and the row's own new key/value [B,K,H], which is not in the cache yet -> [B,N,H].
 
     Broadcast-multiply-and-reduce rather than `_attend`'s einsums: with a single query row per KV head group
     the products are matrix-vector shaped, and on XLA CPU the reductions stream the cache window once where
     the batched dots did not (measured on the demo model, 8 rows, window 256: 39 -> 33 ms per decode step).
+    The new token's score joins the window's in one softmax, so the cache is only read inside the layer scan
+    and written once after it (a cache carried through the scan and updated per layer was copied whole by
+    XLA: 4 GiB of temporaries per chip for Llama-3-8B on v5e).
     """
     b, n, h = q_bnh.shape
     kv = k_bksh.shape[1]
     q = q_bnh.reshape(b, kv, n // kv, 1, h).astype(jnp.float32)
     scores = jnp.sum(q * k_bksh[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(h)  # [B,K,G,S]
     scores = jnp.where(mask_bs[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.sum(probs[..., None] * v_bksh[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,H]
+    own = jnp.sum(q[..., 0, :] * k_new_bkh[:, :, None].astype(jnp.float32), axis=-1)[..., None] / math.sqrt(h)
+    probs = jax.nn.softmax(jnp.concatenate([scores, own], axis=-1), axis=-1)  # [B,K,G,S+1]
+    out = jnp.sum(probs[..., :-1, None] * v_bksh[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,H]
+    out = out + probs[..., -1:] * v_new_bkh[:, :, None].astype(jnp.float32)
     return out.reshape(b, n, h).astype(q_bnh.dtype)
 
 
-def write_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, positions: jax.Array,
-               shard: ActivationSharding | None) -> jax.Array:
-    """Write one token's K or V per decoded row into one layer of the stacked cache, in place (the cache is
-    carried through the layer scan and donated by the engine).
+def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: ActivationSharding | None
+               ) -> jax.Array:
+    """Write one token's K or V of every layer per decoded row into the stacked cache, in place (donated).
 
     cache [L, G*M, K, S, H] holds G groups of M slots, G = the shards of the slot axis (`shard.slot_groups`);
-    new [G*R, K, H] and positions [G*R] are the first R <= M slots of each group:
-    cache[layer, g*M + r, :, positions[g*R + r]] = new[g*R + r]. Each device writes only the slots it holds, with
+    new [L, G*R, K, H] and positions [G*R] are the first R <= M slots of each group:
+    cache[:, g*M + r, :, positions[g*R + r]] = new[:, g*R + r]. Each device writes only the slots it holds, with
     plain dynamic-update-slices (under `shard_map` over the slot axes when G > 1). Two formulations that look
-    equivalent are much slower: `cache.at[arange(B), positions]` makes the SPMD partitioner gather indices and
-    updates and permute them across devices (and hosts) for every layer, and a vmapped scatter over the
-    groups makes XLA CPU copy the whole cache when R = 1. Positions must be in range.
+    equivalent are much slower: `cache.at[:, arange(B), :, positions]` makes the SPMD partitioner gather
+    indices and updates and permute them across devices (and hosts), and a vmapped scatter over the groups
+    makes XLA CPU copy the whole cache when R = 1. Positions must be in range.
     """
     groups = 1 if shard is None else shard.slot_groups
-    rows = new.shape[0] // groups
+    rows = new.shape[1] // groups
 
-    def local(c: jax.Array, lyr: jax.Array, x: jax.Array, p: jax.Array) -> jax.Array:
+    def local(c: jax.Array, x: jax.Array, p: jax.Array) -> jax.Array:
         for i in range(rows):
-            c = jax.lax.dynamic_update_slice(c, x[i][None, None, :, None], (lyr, i, 0, p[i], 0))
+            c = jax.lax.dynamic_update_slice(c, x[:, i][:, None, :, None], (0, i, 0, p[i], 0))
         return c
 
     if shard is None or groups == 1:
-        return local(cache, layer, new, positions)
+        return local(cache, new, positions)
     from jax.sharding import PartitionSpec
 
     spec = PartitionSpec(None, shard.slot_axes)
     rows_spec = PartitionSpec(shard.slot_axes)
-    return jax.shard_map(local, mesh=shard.mesh, in_specs=(spec, PartitionSpec(), rows_spec, rows_spec),
-                         out_specs=spec, axis_names=frozenset(shard.slot_axes), check_vma=False)(
-        cache, layer, new, positions)
+    return jax.shard_map(local, mesh=shard.mesh, in_specs=(spec, spec, rows_spec), out_specs=spec,
+                         axis_names=frozenset(shard.slot_axes), check_vma=False)(cache, new, positions)
 
 
 def read_window(cache: jax.Array, layer: jax.Array, rows: int, window: int, groups: int) -> jax.Array:
     """cache [L, G*M, K, S, H] -> [G*rows, K, window, H]: positions [0, window) of the first `rows` slots of
-    each group in one layer (one dynamic slice: it reads only as much cache as the decoded rows and window
-    need, never the whole layer)."""
+    each group in one layer (one dynamic slice of a loop-invariant input: it reads only as much cache as the
+    decoded rows and window need, never the whole layer)."""
     n, _, k, s, h = cache.shape
     grouped = cache.reshape(n, groups, -1, k, s, h)
     zero = jnp.zeros((), jnp.int32)
@@ -426,8 +431,8 @@ class Llama(nnx.Module):
         """tokens [B] at positions [B]; stacked caches [L, G*M, K, S, H] (G = `shard.slot_groups`, B = G*R,
         R <= M): row i is slot (i // R) * M + i % R, so a decode can cover a prefix of each group of slots
         (see `write_rows`).
-        Writes K/V at positions_b, attends over cache positions [0, window). Returns hidden [B, D] and the
-        updated caches (carried through the layer scan, so updated in place)."""
+        Attends over cache positions [0, window) below each row's position plus the row's new K/V, then writes
+        every layer's new K/V at positions_b. Returns hidden [B, D] and the updated caches (in place)."""
         inv = np.asarray(self.inv_freq, np.float32)
         b = tokens_b.shape[0]
         groups = 1 if shard is None else shard.slot_groups
@@ -435,22 +440,21 @@ class Llama(nnx.Module):
         x = _constrain(shard, self._embed(tokens_b)[:, None, :], ("act_batch", "act_seq", "act_embed"))
         pos_bt = positions_b[:, None]
         k_pos = jnp.broadcast_to(jnp.arange(window)[None, :], (b, window))
-        mask = _window_mask(pos_bt, k_pos, self.cfg.sliding_window)[:, 0]  # [B, window]
+        # cached positions only: the row's own position is attended from its new key, not from the cache
+        mask = _window_mask(pos_bt, k_pos, self.cfg.sliding_window)[:, 0] & (k_pos < positions_b[:, None])
 
-        def body(layer: DecoderLayer, carry: tuple[jax.Array, ...], i: jax.Array
-                 ) -> tuple[tuple[jax.Array, ...], None]:
-            x, kc, vc = carry
+        def body(layer: DecoderLayer, x: jax.Array, i: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
             q, k, v = layer.attn.qkv(layer.attn_norm(x), pos_bt, inv)
-            kc = write_rows(kc, i, k[:, 0].astype(kc.dtype), positions_b, shard)
-            vc = write_rows(vc, i, v[:, 0].astype(vc.dtype), positions_b, shard)
-            kw = read_window(kc, i, rows, window, groups)
-            vw = read_window(vc, i, rows, window, groups)
-            x = x + layer.attn.o_proj(_attend_one(q[:, 0], kw, vw, mask)[:, None])
+            kw = read_window(k_cache, i, rows, window, groups)
+            vw = read_window(v_cache, i, rows, window, groups)
+            x = x + layer.attn.o_proj(_attend_one(q[:, 0], kw, vw, mask, k[:, 0], v[:, 0])[:, None])
             x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
-            return (x, kc, vc), None
+            return x, (k[:, 0].astype(k_cache.dtype), v[:, 0].astype(v_cache.dtype))
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = self.layers.scan(body, (x, k_cache, v_cache), layer_ids)
+        x, (new_k, new_v) = self.layers.scan(body, x, layer_ids)  # new K/V [L, B, K, H]
+        k_cache = write_rows(k_cache, new_k, positions_b, shard)
+        v_cache = write_rows(v_cache, new_v, positions_b, shard)
         return x[:, 0], k_cache, v_cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
