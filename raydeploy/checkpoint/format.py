@@ -21,6 +21,7 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ class CheckpointError(ValueError):
         return (CheckpointError, (self.message, self.path, self.tensor))
 
 
+@cache
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a stored dtype name (bfloat16 comes from ml_dtypes, as in JAX and flax)."""
     if name == "bfloat16":
@@ -105,15 +107,15 @@ class TensorEntry:
     crc32: tuple[int, ...]
     split: tuple[int, int] | None = None
 
-    @property
+    @cached_property  # the reader asks per block: computed once per entry
     def itemsize(self) -> int:
         return numpy_dtype(self.dtype).itemsize
 
-    @property
+    @cached_property
     def parts(self) -> int:
         return self.split[1] if self.split else 1
 
-    @property
+    @cached_property
     def row_shape(self) -> tuple[int, ...]:
         """Shape of one stored row: shape[1:], with the split dimension cut to one piece."""
         rest = list(self.shape[1:])
@@ -121,11 +123,11 @@ class TensorEntry:
             rest[self.split[0] - 1] //= self.split[1]
         return tuple(rest)
 
-    @property
+    @cached_property
     def stored_rows(self) -> int:
         return self.parts * self.shape[0] if self.shape else 1
 
-    @property
+    @cached_property
     def row_bytes(self) -> int:
         """Bytes of one stored row (one index along dim 0 of one piece; the whole tensor for a scalar)."""
         return self.itemsize * math.prod(self.row_shape)
