@@ -4,7 +4,9 @@
   the same number of bytes from the same shard files (`os.read` in 16 MiB blocks, warm page cache);
 - whole gang: the slowest host's read and the bring-up's load phase (all hosts in parallel; the phase also
   builds the engine) versus one process with 4 devices reading the whole checkpoint for the same mesh shape.
-The mesh shards weights across hosts (fsdp=2 outermost) so each host reads only its part.
+The mesh shards weights across hosts (fsdp=2 outermost) so each host reads only its part. The checkpoint
+is the one bring-up reads: the demo converted for the config's mesh, so on fsdp x tp its column-sharded
+tensors are stored split (format version 2) and each host reads its slices without copying them.
 
     python benchmarks/gang_load.py [--mesh fsdp=2,tp=2] [--json]
 """
@@ -113,15 +115,16 @@ def main() -> int:
         hosts.append({"rank": h["rank"], "bytes_read": ld["bytes_read"], "seconds": ld["seconds"], "gbps": ld["gbps"],
                       "raw_read_gbps": raw_read_gbps(files, int(ld["bytes_read"]))})
     total = sum(os.path.getsize(f) for f in files)
-    out = {"mesh": args.mesh, "checkpoint_bytes": total, "hosts": hosts, "gang_load_phase_s": st["phase_s"]["load_s"],
+    out = {"mesh": args.mesh, "checkpoint": str(path), "checkpoint_bytes": total, "hosts": hosts, "gang_load_phase_s": st["phase_s"]["load_s"],
            "gang_read_s": max(h["seconds"] for h in hosts), "one_process": one}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"checkpoint {total / 1e6:.0f} MB, mesh {args.mesh}")
+    print(f"checkpoint {total / 1e6:.0f} MB ({Path(path).name}), mesh {args.mesh}")
     for h in hosts:
-        print(f"host {h['rank']}: read {h['bytes_read'] / 1e6:.0f} MB in {h['seconds']:.2f} s = {h['gbps']:.2f} GB/s "
-              f"(raw sequential read of the same bytes: {h['raw_read_gbps']:.2f} GB/s)")
+        print(f"host {h['rank']}: read {h['bytes_read'] / 1e6:.0f} MB in {h['seconds']:.3f} s = {h['gbps']:.2f} GB/s "
+              f"(raw sequential read of the same bytes: {h['raw_read_gbps']:.2f} GB/s; "
+              f"ratio {h['gbps'] / h['raw_read_gbps']:.2f}x, target >= 0.8x)")
     print(f"whole gang: slowest host's read {out['gang_read_s']:.2f} s, load phase (read + engine build) "
           f"{out['gang_load_phase_s']:.2f} s; one process reading everything "
           f"{one['seconds']:.2f} s ({one['bytes_read'] / 1e6:.0f} MB, {one['gbps']:.2f} GB/s)")
