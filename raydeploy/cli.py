@@ -55,12 +55,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", default="1GB", help="target shard file size, e.g. 512MB, 2GB (default 1GB)")
     p.add_argument("--dtype", choices=["keep", "float32", "bfloat16"], default="keep",
                    help="store tensors in this dtype (default: keep the source's; GGUF quantized -> float32)")
+    p.add_argument("--split-for", default=None, metavar="CONFIG",
+                   help="store the tensors whose column dims this config's mesh shards split into its shard "
+                        "count, so its hosts read their slices without copies (any mesh still reads it)")
 
     p = sub.add_parser("plan", help="show what a config would do, without any hardware",
                        description="Print hosts, devices, mesh, per-host parameter and KV-cache bytes and "
                                    "placement bundles; exit 1 on an impossible plan.")
     _add_config_args(p, positional=True)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    p = sub.add_parser("compile", help="compile every program of a config for its target without its hardware "
+                                       "(TPU deviceless through libtpu); memory per chip, collectives, cost",
+                       description="Compile every program the engine runs (prefill buckets, decode windows x rows, "
+                                   "gathers) for the config's target: a TPU slice deviceless through libtpu, CPU "
+                                   "as it is; GPU has no deviceless target. Reports per program the compile "
+                                   "seconds, bytes per chip against the chip's memory, the collectives and the "
+                                   "compiler's cost with a roofline time; exits 1 when a program does not fit.")
+    _add_config_args(p, positional=True)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--only", default=None, metavar="KINDS",
+                   help="comma-separated program kinds to compile: prefill, decode, gather (default all)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write the compiled programs into DIR as a persistent compilation cache; point "
+                        "engine.compilation_cache_dir at it and bring-up loads them instead of compiling")
 
     p = sub.add_parser("predict", help="offline batch inference over the gang (JSONL in, JSONL out)")
     _add_config_args(p, positional=True)
@@ -94,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from raydeploy.platform_env import keep_jax_off_missing_tpu
+
+    keep_jax_off_missing_tpu()  # before anything imports jax
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -61,6 +61,18 @@ def plan(args: argparse.Namespace) -> int:
 
 
 @_user_errors
+def compile_programs(args: argparse.Namespace) -> int:
+    from raydeploy.compile import prepare_environment, run_compile
+
+    cfg = load_config(args.config, args.overrides)
+    prepare_environment(cfg)  # before anything imports jax
+    return run_compile(cfg, args)
+
+
+compile = compile_programs  # noqa: A001 - `raydeploy compile` dispatches by command name
+
+
+@_user_errors
 def serve(args: argparse.Namespace) -> int:
     from raydeploy.serve.run import run_serve
 

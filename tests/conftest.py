@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu (test extra) must never ask a metadata server
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 # More virtual devices than cores: the CPU client's default thread pool can deadlock in the first
 # cross-device all-reduce; a larger pool avoids it.

@@ -146,7 +146,7 @@ def test_unknown_kernel_layout_is_named():
 
 
 def test_auto_layout_is_out_in_only_for_bfloat16_on_cpu():
-    from raydeploy.engine.engine import resolve_kernel_layout
+    from raydeploy.engine.programs import resolve_kernel_layout
 
     assert resolve_kernel_layout("auto", "bfloat16", "cpu") == "out_in"
     assert resolve_kernel_layout("auto", "float32", "cpu") == "in_out"

@@ -6,7 +6,8 @@ given the plan: sampling randomness comes from each request's seed and token pos
 state. Inputs are replicated global arrays built with `make_array_from_callback` and outputs (tokens,
 logprobs) are replicated, so the code never assumes one process and any host can read the results.
 
-Programs (each compiled once, on `warmup()` or first use):
+Programs (each compiled once, on `warmup()` or first use; `raydeploy.engine.programs` describes them, and
+`raydeploy compile` compiles the same list without weights):
 - `prefill[bucket]`: one prompt padded to a prefill bucket, with its true length carried explicitly (the pad
   id is also the eos id in chat prompts, so padding is never inferred from tokens); writes the prompt's K/V
   into its slot of the donated cache, resets the slot's repetition-penalty token set, samples token 0.
@@ -26,60 +27,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
 from raydeploy.engine.kv_slots import DecodeSlots, allocate_kv_cache
-from raydeploy.engine.sampling import SlotSampling, sample
+from raydeploy.engine.programs import PREFILL_INTS, ProgramSet
+from raydeploy.engine.sampling import SlotSampling
 from raydeploy.engine.step import StepPlan, StepResult
-from raydeploy.model.llama import DTYPES, ActivationSharding, build_model, stack_layers
-from raydeploy.model.sharding import partition_spec
+from raydeploy.model.llama import DTYPES, build_model, stack_layers
 from raydeploy.model.spec import LlamaConfig
 
 WARMUP_RUN_MAX_BUCKET = 512
 """Prefill buckets up to this many tokens are run once by `Engine.warmup`; longer ones are only compiled."""
-
-
-def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str) -> str:
-    """`EngineConfig.kernel_layout` with auto resolved: out_in for bfloat16 weights on CPU (measured on the
-    demo model, 8 decode rows: the bfloat16 projections take ~10 GB/s in_out, the [V, D]-shaped tied LM head
-    ~16 GB/s), in_out elsewhere (float32 on CPU is faster in_out; TPU/GPU compilers choose their own layouts)."""
-    if kernel_layout != "auto":
-        return kernel_layout
-    return "out_in" if param_dtype == "bfloat16" and platform == "cpu" else "in_out"
-
-
-def default_decode_rows(slots_per_group: int, min_rows: int = 1) -> list[int]:
-    """Decode row buckets per slot group: powers of two from `min_rows` below the group size, and the size."""
-    out, r = [], min(min_rows, slots_per_group)
-    while r < slots_per_group:
-        out.append(r)
-        r *= 2
-    return out + [slots_per_group]
-
-
-def default_decode_windows(max_seq_len: int, prefill_buckets: Sequence[int]) -> list[int]:
-    """Decode attention windows: every fourth power of two from the smallest bucket, capped by max_seq_len.
-
-    Fewer windows compile faster; a window at most 4x the live length keeps the cache read small.
-    """
-    w = max(16, min(prefill_buckets)) if prefill_buckets else max_seq_len
-    out = []
-    while w < max_seq_len:
-        out.append(w)
-        w *= 4
-    return out + [max_seq_len]
-
-
-def _pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
-    """[2, B] float32: the tokens' int32 bits and their logprobs, so a step returns (and, across processes,
-    gathers) one array, not two."""
-    return jnp.stack([jax.lax.bitcast_convert_type(tokens, jnp.float32), logprobs])
 
 
 def _unpack(out: jax.Array | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,51 +57,32 @@ class Engine:
                  rules: Mapping[str, Any], model_cfg: ModelConfig, engine_cfg: EngineConfig,
                  decode_windows: Sequence[int] | None = None) -> None:
         compile_cache.enable(engine_cfg.compilation_cache_dir)
+        self.programs_set = ps = ProgramSet(llama_cfg, mesh, dict(rules), model_cfg, engine_cfg, decode_windows)
         self.cfg = llama_cfg
         self.mesh = mesh
-        self.rules = dict(rules)
-        self._max_slots = engine_cfg.max_slots
-        self._max_seq_len = model_cfg.max_seq_len
-        self.buckets = sorted({min(b, self._max_seq_len) for b in engine_cfg.prefill_buckets})
-        windows = decode_windows or default_decode_windows(self._max_seq_len, self.buckets)
-        self.windows = sorted({min(w, self._max_seq_len) for w in windows} | {self._max_seq_len})
-        self.dtype = DTYPES[model_cfg.dtype]
-        self.kernel_layout = resolve_kernel_layout(engine_cfg.kernel_layout, model_cfg.param_dtype,
-                                                   mesh.devices.flat[0].platform)
+        self.rules = ps.rules
+        self._max_slots = ps.max_slots
+        self._max_seq_len = ps.max_seq_len
+        self.buckets = ps.buckets
+        self.windows = ps.windows
+        self.dtype = ps.dtype
+        self.kernel_layout = ps.kernel_layout
         params = stack_layers(llama_cfg, params, self.kernel_layout, mesh, self.rules)
-        self.graphdef, state = build_model(llama_cfg, params, model_cfg.dtype, model_cfg.param_dtype,
-                                           self.kernel_layout)
+        _, state = build_model(llama_cfg, params, model_cfg.dtype, model_cfg.param_dtype, self.kernel_layout)
         del params
-        self._param_leaves, self._param_treedef = jax.tree.flatten(state)
-        self._shard = ActivationSharding.create(mesh, self.rules)
+        self._param_leaves = jax.tree.leaves(state)
         self.k_cache, self.v_cache = allocate_kv_cache(llama_cfg, self._max_slots, self._max_seq_len,
                                                        DTYPES[model_cfg.dtype], mesh, self.rules)
-        mesh_shape = dict(mesh.shape)
-        self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._presence_sharding = NamedSharding(
-            mesh, partition_spec(("cache_batch", "act_vocab"), self.rules, mesh_shape, "presence"))
+        self._replicated = ps.replicated
         self.presence = jax.jit(lambda: jnp.zeros((self._max_slots, llama_cfg.vocab_size), bool),
-                                out_shardings=self._presence_sharding)()
+                                out_shardings=ps.presence_sharding)()
         self.slots = DecodeSlots(self._max_slots, self._max_seq_len)
-        self._groups = self._shard.slot_groups
-        self._group_size = self._max_slots // self._groups
-        # XLA CPU multiplies a single bfloat16 row through a slow path (~5x slower than two rows): decode at
-        # least two rows per group there.
-        slow_single_row = DTYPES[model_cfg.param_dtype] == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu"
-        self.decode_rows = default_decode_rows(self._group_size, 2 if slow_single_row else 1)
-        self.decode_steps = engine_cfg.decode_steps
-        slot_axes = self._shard.slot_axes or None
-        self._rows_sharding = NamedSharding(mesh, PartitionSpec(slot_axes))  # [B] over the slot groups
-        cache_sh = self.k_cache.sharding
-        self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2, 3),
-                                    out_shardings=(cache_sh, cache_sh, self._presence_sharding, self._replicated))
-        # A decode step's tokens and results stay on the devices of their rows (the next step of the same plan
-        # reads the tokens there); `_gather_jit` replicates a whole plan's results at once: one collective.
-        self._decode_jit = jax.jit(
-            self._decode_fn, static_argnums=(7, 8), donate_argnums=(1, 2, 3),
-            out_shardings=(cache_sh, cache_sh, self._presence_sharding, self._rows_sharding,
-                           NamedSharding(mesh, PartitionSpec(None, slot_axes))))
-        self._gather_jit = jax.jit(jnp.stack, out_shardings=self._replicated)
+        self._groups = ps.groups
+        self._group_size = ps.group_size
+        self.decode_rows = ps.decode_rows
+        self.decode_steps = ps.decode_steps
+        self._rows_sharding = ps.rows_sharding
+        self._prefill_jit, self._decode_jit, self._gather_jit = ps.prefill, ps.decode, ps.gather
         self.compile_s: dict[str, float] = {}
         self.programs: dict[str, dict[str, Any]] = {}  # name -> {seconds, source: cache|compiled|none}
 
@@ -160,53 +103,6 @@ class Engine:
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return tuple(self.cfg.eos_token_ids)
-
-    # -- jitted bodies
-    def _model(self, leaves: list[jax.Array]) -> nnx.Module:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self._param_treedef, leaves))
-
-    def _prefill_fn(self, leaves, k_cache, v_cache, presence, ints, floats):
-        """ints: [tokens (bucket)..., length, slot, top_k, seed]; floats: [temperature, top_p, penalty]."""
-        model = self._model(leaves)
-        t = ints.shape[0] - 4
-        tokens = ints[:t][None]
-        length, slot, top_k = ints[t], ints[t + 1], ints[t + 2]
-        seed = jax.lax.bitcast_convert_type(ints[t + 3], jnp.uint32)
-        h, ks, vs = model.prefill(tokens, jnp.arange(t)[None], self._shard)
-        last = jax.lax.dynamic_index_in_dim(h[0], length - 1, axis=0, keepdims=True)  # [1, D]
-        logits = model.logits(last)
-        valid = jnp.arange(t) < length
-        row = jnp.zeros((self.cfg.vocab_size,), bool).at[tokens[0]].max(valid)
-        tok, lp = sample(logits, row[None], floats[0:1], floats[1:2], top_k[None], floats[2:3], seed[None],
-                         length[None], floats[0] > 0)
-        row = row.at[tok[0]].set(True)
-        presence = jax.lax.dynamic_update_slice(presence, row[None], (slot, 0))
-        zero = jnp.zeros((), jnp.int32)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, ks.astype(k_cache.dtype), (zero, slot, zero, zero, zero))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, vs.astype(v_cache.dtype), (zero, slot, zero, zero, zero))
-        return k_cache, v_cache, presence, _pack(tok, lp)
-
-    def _decode_fn(self, leaves, k_cache, v_cache, presence, tokens, ints, floats, window, rows):
-        """The first `rows` slots of each group decode one token (B = groups * rows decoded rows).
-
-        tokens: [B] inputs (the previous step's outputs, on their rows' devices); ints: [5, B] = positions,
-        active, top_k, seed, any-row-samples flag (the same in every column); floats: [3, B] = temperature,
-        top_p, penalty. Returns the caches, presence, the next tokens [B] and packed results [2, B].
-        """
-        model = self._model(leaves)
-        positions, active, top_k = ints[0], ints[1].astype(bool), ints[2]
-        seed = jax.lax.bitcast_convert_type(ints[3], jnp.uint32)
-        g, v = self._groups, presence.shape[1]
-        h, k_cache, v_cache = model.decode(tokens, positions, k_cache, v_cache, window, self._shard)
-        logits = model.logits(h, self._shard)
-        grouped = presence.reshape(g, -1, v)
-        seen = grouped[:, :rows].reshape(g * rows, v)
-        tok, lp = sample(logits, seen, floats[0], floats[1], top_k, floats[2], seed, positions + 1, ints[4, 0] > 0)
-        # Elementwise (not a scatter), so each device updates only the rows and vocab columns it holds.
-        chosen = jnp.arange(v)[None, :] == tok[:, None]
-        seen = seen | (chosen & active[:, None])
-        presence = grouped.at[:, :rows].set(seen.reshape(g, rows, v)).reshape(presence.shape)
-        return k_cache, v_cache, presence, tok, _pack(tok, lp)
 
     # -- host side
     def _put(self, x: np.ndarray) -> jax.Array:
@@ -231,7 +127,7 @@ class Engine:
         bucket = self.bucket_for(n)
         if n >= self._max_seq_len:
             raise ValueError(f"prompt of {n} tokens leaves no room to generate in max_seq_len {self._max_seq_len}")
-        ints = np.zeros(bucket + 4, np.int32)
+        ints = np.zeros(bucket + PREFILL_INTS, np.int32)
         ints[:n] = tokens
         ints[bucket:] = [n, slot, sp.top_k[0], sp.seed.view(np.int32)[0]]
         floats = np.asarray([sp.temperature[0], sp.top_p[0], sp.repetition_penalty[0]], np.float32)
@@ -340,22 +236,21 @@ class Engine:
         if self.slots.active.any():
             raise RuntimeError("warmup() must run before any slot is active")
         greedy = SlotSampling.from_params([self.slots.sampling[0]])
-        for b in self.buckets:
-            prompt = np.zeros(min(b, self._max_seq_len - 1), np.int32)
-            with self._program(f"prefill_{b}"):
-                if b <= WARMUP_RUN_MAX_BUCKET:
-                    jax.block_until_ready(self._run_prefill(prompt, 0, greedy))
-                else:
-                    self._prefill_jit.lower(*self._prefill_args(prompt, 0, greedy)).compile()
-        for w in self.windows:
-            for r in self.decode_rows:
-                with self._program(f"decode_{w}x{r}"):
-                    self._run_decode(w, r, 1)
-        for r in self.decode_rows:  # the gathers of every plan length (tiny programs; no extra decode steps)
-            outs = self._decode_steps(self.windows[0], r, 1)
-            for n in range(2, self.decode_steps + 1):
-                with self._program(f"gather_{n}x{r}"):
-                    jax.block_until_ready(self._gather_jit(outs * n))
+        gather_inputs: dict[int, list[jax.Array]] = {}
+        for shape in self.programs_set.shapes():  # the one list of programs, as `raydeploy compile` sees it
+            with self._program(shape.name):
+                if shape.kind == "prefill":
+                    prompt = np.zeros(min(shape.bucket, self._max_seq_len - 1), np.int32)
+                    if shape.bucket <= WARMUP_RUN_MAX_BUCKET:
+                        jax.block_until_ready(self._run_prefill(prompt, 0, greedy))
+                    else:
+                        self._prefill_jit.lower(*self._prefill_args(prompt, 0, greedy)).compile()
+                elif shape.kind == "decode":
+                    jax.block_until_ready(self._decode_steps(shape.window, shape.rows, 1))
+                else:  # the gathers of every plan length (tiny programs; no extra decode steps)
+                    if shape.rows not in gather_inputs:
+                        gather_inputs[shape.rows] = self._decode_steps(self.windows[0], shape.rows, 1)
+                    jax.block_until_ready(self._gather_jit(gather_inputs[shape.rows] * shape.steps))
         return dict(self.compile_s)
 
     @contextmanager

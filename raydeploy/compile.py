@@ -1,0 +1,316 @@
+"""`raydeploy compile CONFIG`: compile every program of a config for its target, without its hardware.
+
+The target's devices come from the config: a TPU slice's are a deviceless topology through libtpu (no TPU
+needed: `jax.experimental.topologies`), a CPU config's are this process's CPU devices. GPU has no deviceless
+target in jax, so a GPU config is refused with that reason. Over those devices the same `ProgramSet` that
+bring-up uses lowers every program from shapes and shardings alone (no weights, no allocation) and compiles
+it. Per program the report gives the compile seconds, the bytes per chip (arguments, outputs, temporaries,
+code) against the chip's memory, the collectives (kind, count, bytes, with ops inside the layer scan counted
+once per layer), and the compiler's cost analysis with a roofline time on the target chip.
+
+With `--out DIR` the compiled programs are written into DIR as a persistent compilation cache, keyed as JAX
+keys them at bring-up; a deployment whose `engine.compilation_cache_dir` is DIR loads them instead of
+compiling. Keys include the device kind and topology, the mesh's device assignment, the XLA flags and the
+jax/libtpu versions, so DIR serves the same config with the same versions.
+
+The JAX environment must be set before jax initialises: `prepare_environment` does it for the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from raydeploy.config import Config, ConfigError
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Chip:
+    """Published figures of one accelerator chip (per chip, dense bfloat16)."""
+
+    name: str
+    hbm_gib: float
+    hbm_gbps: float
+    bf16_tflops: float
+
+
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("TPU v4", 32, 1228, 275),
+    "v5e": Chip("TPU v5e", 16, 819, 197),
+    "v5p": Chip("TPU v5p", 95, 2765, 459),
+    "v6e": Chip("TPU v6e", 32, 1640, 918),
+    "h100": Chip("H100 SXM", 80, 3350, 989),
+    "h200": Chip("H200", 141, 4800, 989),
+}
+
+# TPU topologies: chips per host and the slice's chip grid, by accelerator type (2-D slices of v5e/v6e).
+_TPU_GRIDS = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_HOST_BOUNDS = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+             "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+class CompileError(RuntimeError):
+    """A config that cannot be compiled for its target, or a program that does not fit its chip."""
+
+
+def tpu_topology(cfg: Config) -> tuple[str, tuple[int, int, int]]:
+    """(topology name for jax, chips per host bounds) of the config's TPU slice, e.g. ('v5e:4x4', (2, 2, 1))."""
+    c = cfg.cluster
+    kind = (c.accelerator_type or "").lower()
+    if kind not in ("v5e", "v6e"):
+        raise CompileError(f"cluster.accelerator_type {c.accelerator_type!r}: deviceless compile knows the 2-D "
+                           f"TPU slices v5e and v6e")
+    chips = c.num_hosts * c.devices_per_host
+    if chips not in _TPU_GRIDS or c.devices_per_host not in _HOST_BOUNDS:
+        raise CompileError(f"no {kind} slice has {c.num_hosts} hosts x {c.devices_per_host} chips "
+                           f"(slices: {', '.join(str(n) for n in _TPU_GRIDS)} chips; 1, 4 or 8 per host)")
+    return f"{kind}:{_TPU_GRIDS[chips]}", _HOST_BOUNDS[c.devices_per_host]
+
+
+def prepare_environment(cfg: Config) -> None:
+    """Set the JAX environment for compiling `cfg` in this process; must run before jax is imported.
+
+    A TPU target compiles through libtpu without a TPU: JAX itself runs on CPU, and libtpu is told not to
+    ask a cloud metadata server for a TPU that is not there. A CPU target needs as many CPU devices as the
+    config's mesh."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    if cfg.cluster.platform == "cpu" and "jax" not in sys.modules:
+        n = cfg.cluster.num_hosts * cfg.cluster.devices_per_host
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def target_devices(cfg: Config) -> list[Any]:
+    """The devices of the config's target: a deviceless TPU topology, or this process's CPU devices."""
+    import jax
+
+    c = cfg.cluster
+    if c.platform == "gpu":
+        raise CompileError("jax has no deviceless GPU target: compile a GPU config on a GPU host "
+                           "(bring-up compiles and caches it), or use `raydeploy plan` for its memory")
+    if c.platform == "tpu":
+        from jax.experimental import topologies
+
+        name, bounds = tpu_topology(cfg)
+        try:
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
+                                                chips_per_host_bounds=bounds, num_slices=1)
+        except Exception as e:  # noqa: BLE001 - libtpu's errors are plain RuntimeErrors
+            raise CompileError(f"could not describe TPU topology {name} (is libtpu installed? "
+                               f"`pip install 'jax[tpu]'`): {e}") from e
+        return list(topo.devices)
+    n = c.num_hosts * c.devices_per_host
+    devs = jax.devices("cpu")
+    if len(devs) < n:
+        raise CompileError(f"the config's mesh needs {n} CPU devices, this process has {len(devs)}: run "
+                           f"`raydeploy compile` in a fresh process (it sets the device count before jax starts)")
+    return devs[:n]
+
+
+@dataclass
+class Collective:
+    kind: str
+    count: int = 0
+    bytes: int = 0
+    largest: int = 0
+
+
+@dataclass
+class ProgramReport:
+    name: str
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    flops: float
+    bytes_accessed: float
+    roofline_s: float | None
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    largest_collective_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes live on one chip while the program runs: inputs, outputs not aliased to inputs, temporaries
+        and the program's code."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text):
+        if dtype in _ITEMSIZE:
+            total += _ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def collectives(hlo: str, loop_trips: int = 1) -> tuple[dict[str, Collective], int]:
+    """Collectives of an optimised HLO module: per kind, how many run, how many bytes they produce per
+    call of the program and the largest one's bytes. An op in the body of a while loop counts once per iteration: the loop's
+    known_trip_count where the HLO text gives it, else `loop_trips` (the engine's only loop over a
+    collective is the layer scan, so the caller passes the layer count). Also the largest single
+    collective's bytes."""
+    trips: dict[str, int] = {}
+    for line in hlo.splitlines():
+        m = re.search(r"\swhile\(.*?body=%?([\w.\-]+)", line)
+        if m:
+            known = re.search(r"known_trip_count[^0-9]*(\d+)", line)
+            trips[m.group(1)] = int(known.group(1)) if known else loop_trips
+    out: dict[str, Collective] = {}
+    largest = 0
+    current = ""
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = head.group(1)
+            continue
+        m = re.search(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(", line)
+        if not m:
+            continue
+        n = trips.get(current, 1)
+        b = _shape_bytes(m.group(1))
+        c = out.setdefault(m.group(2), Collective(m.group(2)))
+        c.count += n
+        c.bytes += n * b
+        c.largest = max(c.largest, b)
+        largest = max(largest, b)
+    return out, largest
+
+
+def _report(name: str, compiled: Any, seconds: float, chip: Chip | None, loop_trips: int = 1) -> ProgramReport:
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    flops = float(cost.get("flops", 0.0))
+    accessed = float(cost.get("bytes accessed", 0.0))
+    roofline = None
+    if chip is not None:
+        roofline = max(flops / (chip.bf16_tflops * 1e12), accessed / (chip.hbm_gbps * 1e9))
+    colls, largest = collectives(compiled.as_text() or "", loop_trips)
+    return ProgramReport(
+        name=name, compile_s=round(seconds, 3),
+        argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
+        code_bytes=int(mem.generated_code_size_in_bytes), flops=flops, bytes_accessed=accessed,
+        roofline_s=roofline, collectives={k: {"count": v.count, "bytes": v.bytes, "largest": v.largest} for k, v in colls.items()},
+        largest_collective_bytes=largest)
+
+
+@dataclass
+class CompileReport:
+    config: str
+    target: str
+    chip: str
+    chip_memory_bytes: int
+    programs: list[ProgramReport]
+    total_compile_s: float
+    weight_bytes_per_chip: int
+    kv_cache_bytes_per_chip: int
+    problems: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for p, rep in zip(d["programs"], self.programs, strict=True):
+            p["peak_bytes"] = rep.peak_bytes
+        return d
+
+
+def chip_for(cfg: Config) -> Chip | None:
+    kind = (cfg.cluster.accelerator_type or "").lower()
+    return CHIPS.get(kind)
+
+
+def compile_config(cfg: Config, out_dir: str | None = None, only: list[str] | None = None,
+                   progress: Any = None) -> CompileReport:
+    """Compile every program of `cfg` for its target; see the module docstring."""
+    import jax
+
+    from raydeploy.engine import compile_cache
+    from raydeploy.engine.programs import ProgramSet
+    from raydeploy.model.sharding import build_mesh, merge_rules
+    from raydeploy.model.spec import LlamaConfig
+    from raydeploy.plan import device_memory, make_plan, model_config_path
+
+    plan = make_plan(cfg)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        compile_cache.enable(out_dir)
+    devices = target_devices(cfg)
+    llama = LlamaConfig.from_json(model_config_path(cfg))
+    mesh = build_mesh(plan.mesh, devices)
+    ps = ProgramSet(llama, mesh, merge_rules(cfg.mesh.rules), cfg.model, cfg.engine)
+    chip = chip_for(cfg)
+    memory, _ = device_memory(cfg)
+    reports, problems = [], []
+    t_all = time.perf_counter()
+    for shape in ps.shapes():
+        if only and shape.kind not in only:
+            continue
+        t0 = time.perf_counter()
+        compiled = ps.lower(shape).compile()
+        rep = _report(shape.name, compiled, time.perf_counter() - t0, chip, llama.num_layers)
+        reports.append(rep)
+        if progress:
+            progress(rep)
+        if rep.peak_bytes > memory:
+            problems.append(f"program {rep.name} needs {rep.peak_bytes / GIB:.2f} GiB per chip "
+                            f"(arguments {rep.argument_bytes / GIB:.2f} + outputs {rep.output_bytes / GIB:.2f} - "
+                            f"aliased {rep.alias_bytes / GIB:.2f} + temporaries {rep.temp_bytes / GIB:.2f} + code "
+                            f"{rep.code_bytes / GIB:.3f} GiB), the chip has {memory / GIB:.2f} GiB")
+    del jax
+    return CompileReport(
+        config=plan.source, target=f"{cfg.cluster.platform} {len(devices)} devices ({devices[0].device_kind})",
+        chip=chip.name if chip else devices[0].device_kind, chip_memory_bytes=memory, programs=reports,
+        total_compile_s=round(time.perf_counter() - t_all, 2),
+        weight_bytes_per_chip=plan.param_bytes_per_device, kv_cache_bytes_per_chip=plan.kv_bytes_per_device,
+        problems=problems)
+
+
+def format_report(r: CompileReport) -> str:
+    lines = [f"{r.config}: {r.target}, chip {r.chip} with {r.chip_memory_bytes / GIB:.1f} GiB",
+             f"weights {r.weight_bytes_per_chip / GIB:.2f} GiB + KV cache {r.kv_cache_bytes_per_chip / GIB:.2f} GiB "
+             f"per chip",
+             f"{'program':<22}{'compile s':>10}{'peak GiB':>10}{'args':>8}{'out':>8}{'temp':>8}{'GFLOP':>9}"
+             f"{'GB acc':>9}{'roofline ms':>12}  collectives (count, MB per call)"]
+    for p in r.programs:
+        colls = ", ".join(f"{k} {v['count']}x {v['bytes'] / 1e6:.2f}" for k, v in sorted(p.collectives.items()))
+        roof = f"{p.roofline_s * 1e3:.3f}" if p.roofline_s is not None else "-"
+        lines.append(f"{p.name:<22}{p.compile_s:>10.2f}{p.peak_bytes / GIB:>10.2f}{p.argument_bytes / GIB:>8.2f}"
+                     f"{(p.output_bytes - p.alias_bytes) / GIB:>8.2f}{p.temp_bytes / GIB:>8.2f}"
+                     f"{p.flops / 1e9:>9.1f}{p.bytes_accessed / 1e9:>9.2f}{roof:>12}  {colls or 'none'}")
+    lines.append(f"{len(r.programs)} programs compiled in {r.total_compile_s:.1f} s")
+    lines += [f"DOES NOT FIT: {p}" for p in r.problems]
+    return "\n".join(lines)
+
+
+def run_compile(cfg: Config, args: argparse.Namespace) -> int:
+    try:
+        only = [k.strip() for k in args.only.split(",")] if args.only else None
+        bad = sorted(set(only or ()) - {"prefill", "decode", "gather"})
+        if bad:
+            raise CompileError(f"--only {args.only!r}: unknown program kind(s) {', '.join(bad)} "
+                               f"(kinds: prefill, decode, gather)")
+        report = compile_config(cfg, args.out, only, progress=None if args.json else
+                                (lambda p: print(f"  compiled {p.name} in {p.compile_s:.2f} s", file=sys.stderr)))
+    except CompileError as e:
+        raise ConfigError(str(e)) from e
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    if args.out:
+        print(f"compiled programs written to {args.out}: set engine.compilation_cache_dir to it", file=sys.stderr)
+    return 1 if report.problems else 0
