@@ -95,6 +95,11 @@ def is_remote(cache_dir: str) -> bool:
     return "://" in cache_dir
 
 
+def configured() -> bool:
+    """Whether this process already uses a persistent compilation cache."""
+    return bool(jax.config.jax_compilation_cache_dir)
+
+
 def enable(cache_dir: str | None, share_between_hosts: bool = True, every_process_writes: bool = False) -> None:
     """Use the persistent XLA compilation cache at `cache_dir` (a path or a gs:// URL); None leaves it off.
 

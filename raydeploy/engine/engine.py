@@ -56,7 +56,8 @@ class Engine:
     def __init__(self, llama_cfg: LlamaConfig, params: Mapping[str, jax.Array], mesh: jax.sharding.Mesh,
                  rules: Mapping[str, Any], model_cfg: ModelConfig, engine_cfg: EngineConfig,
                  decode_windows: Sequence[int] | None = None) -> None:
-        compile_cache.enable(engine_cfg.compilation_cache_dir)
+        if not compile_cache.configured():  # a gang host configured it for its platform before joining
+            compile_cache.enable(engine_cfg.compilation_cache_dir)
         self.programs_set = ps = ProgramSet(llama_cfg, mesh, dict(rules), model_cfg, engine_cfg, decode_windows)
         self.cfg = llama_cfg
         self.mesh = mesh

@@ -1,0 +1,176 @@
+"""`raydeploy compile`: every program of the real TPU configs compiled deviceless through libtpu.
+
+These run the real CLI in a fresh process (it must set the JAX environment before jax starts), with the real
+libtpu from the test extra and no TPU. Each TPU config is compiled once per session and its JSON report is
+shared by the checks below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+GIB = 1024**3
+
+
+def _run(*args: str, env: dict[str, str] | None = None, timeout_s: int = 1500) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "TPU_SKIP_MDS_QUERY", "PJRT_NPROC")}
+    return subprocess.run([sys.executable, "-m", "raydeploy", "compile", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s, env={**base, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def tpu_reports() -> dict[str, dict]:
+    pytest.importorskip("libtpu")
+    out = {}
+    for name in ("tpu-v5e-16", "tpu-v6e-16"):
+        r = _run(f"configs/{name}.yaml", "--json")
+        assert r.returncode == 0, f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        out[name] = json.loads(r.stdout)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tpu-v5e-16", "tpu-v6e-16"])
+def test_tpu_configs_compile_deviceless_and_every_program_fits(tpu_reports, name):
+    rep = tpu_reports[name]
+    assert "TPU v5 lite" in rep["target"] if name == "tpu-v5e-16" else "TPU v6" in rep["target"]
+    kinds = {p["name"].split("_")[0] for p in rep["programs"]}
+    assert kinds == {"prefill", "decode", "gather"}
+    assert rep["problems"] == []
+    for p in rep["programs"]:
+        assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
+    # the weights and cache are really arguments of the decode programs (the report is not empty)
+    decode = [p for p in rep["programs"] if p["name"].startswith("decode_")]
+    assert min(p["argument_bytes"] for p in decode) >= rep["weight_bytes_per_chip"] + rep["kv_cache_bytes_per_chip"]
+
+
+@pytest.mark.parametrize("name", ["tpu-v5e-16", "tpu-v6e-16"])
+def test_no_collective_moves_weights_tables_or_kv_cache(tpu_reports, name):
+    """No all-gather of weight or embedding-table size in decode; nothing KV-cache-sized crosses chips."""
+    from raydeploy.config import load_config
+    from raydeploy.model.spec import LlamaConfig
+    from raydeploy.plan import model_config_path
+
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    llama = LlamaConfig.from_json(model_config_path(cfg))
+    table_per_chip = llama.vocab_size * llama.hidden_size * 2 / 16  # the smallest shard the table could have
+    layer_kernel = llama.hidden_size * llama.intermediate_size * 2 / 16
+    rep = tpu_reports[name]
+    one_layer_kv = rep["kv_cache_bytes_per_chip"] / llama.num_layers  # K and V of one layer, every slot
+    for p in rep["programs"]:
+        gathered = p["collectives"].get("all-gather", {}).get("largest", 0)
+        assert gathered < min(table_per_chip, layer_kernel) / 8, p["name"]
+        # activations cross chips (a prefill's all-reduce of [tokens, hidden]); the cache never does
+        assert p["largest_collective_bytes"] < one_layer_kv, p["name"]
+    decode = next(p for p in rep["programs"] if p["name"].startswith("decode_"))
+    # the tp all-reduces of every layer are there, counted once per layer of the scan
+    assert decode["collectives"]["all-reduce"]["count"] >= 2 * llama.num_layers
+
+
+def test_an_override_that_cannot_fit_names_the_program_and_the_numbers():
+    pytest.importorskip("libtpu")
+    r = _run("configs/tpu-v5e-16.yaml", "--only", "decode", "--set", "engine.max_slots=256")
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "DOES NOT FIT: program decode_128x1 needs" in r.stdout
+    assert "GiB per chip" in r.stdout and "the chip has 16.00 GiB" in r.stdout
+
+
+def test_unknown_program_kind_is_named():
+    r = _run("configs/tpu-v5e-16.yaml", "--only", "decod")
+    assert r.returncode == 1
+    assert "unknown program kind(s) decod (kinds: prefill, decode, gather)" in r.stderr
+
+
+def test_gpu_configs_say_there_is_no_deviceless_gpu_target():
+    r = _run("configs/gpu-2x8-h100.yaml")
+    assert r.returncode == 1
+    assert "jax has no deviceless GPU target" in r.stderr
+
+
+def test_depth_does_not_grow_the_programs(tmp_path: Path):
+    """A 32-layer and an 80-layer model of the same width compile to programs of nearly the same size (the
+    layers are one scan), so compile time stops growing with depth; the times are printed for the record."""
+    pytest.importorskip("libtpu")
+    src = json.loads((REPO / "configs/models/llama-3-8b-instruct/config.json").read_text())
+    sizes, times = {}, {}
+    for layers in (32, 80):
+        d = tmp_path / f"l{layers}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**src, "num_hidden_layers": layers}))
+        r = _run("configs/tpu-v5e-16.yaml", "--json", "--only", "decode,prefill", "--set", f"model.hf_config={d}/config.json",
+                 "--set", "engine.prefill_buckets=[512]", "--set", "model.max_seq_len=512", "--set", "engine.max_slots=16")
+        assert r.returncode == 0, r.stderr[-2000:]
+        rep = json.loads(r.stdout)
+        sizes[layers] = sum(p["code_bytes"] for p in rep["programs"])
+        times[layers] = rep["total_compile_s"]
+    print(f"compile seconds 32 vs 80 layers: {times}; code bytes {sizes}")
+    assert sizes[80] <= sizes[32] * 1.1
+
+
+def test_cpu_target_compiles_the_embedded_default_like_bring_up(tmp_path: Path):
+    """A CPU config compiles over this process's CPU devices; --out writes a compilation cache."""
+    r = _run("configs/local.yaml", "--json", "--only", "gather,decode", "--out", str(tmp_path / "cache"),
+             "--set", "engine.prefill_buckets=[64]", "--set", "model.max_seq_len=64",
+             "--set", "engine.max_new_tokens=32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(r.stdout)
+    assert rep["target"].startswith("cpu 2 devices")
+    assert len(list((tmp_path / "cache").iterdir())) >= len(rep["programs"])
+
+
+_BRING_UP = """
+import json, sys
+import jax
+from raydeploy.checkpoint.reader import CheckpointReader
+from raydeploy.config import load_config
+from raydeploy.engine.engine import Engine
+from raydeploy.model.sharding import build_mesh, merge_rules
+from raydeploy.model.spec import param_specs
+from raydeploy.plan import make_plan
+
+cfg = load_config(sys.argv[1])
+mesh = build_mesh(make_plan(cfg).mesh, jax.devices()[:cfg.cluster.devices_per_host])
+rules = merge_rules(cfg.mesh.rules)
+reader = CheckpointReader(sys.argv[2])
+params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, cfg.model.param_dtype, 2, progress=False)
+engine = Engine(reader.llama_config, params, mesh, rules, cfg.model, cfg.engine)
+engine.warmup()
+print(json.dumps({"counts": engine.program_counts(), "programs": engine.programs}))
+"""
+
+
+@pytest.mark.model
+def test_bring_up_loads_the_programs_that_compile_wrote(tmp_path: Path, demo_checkpoint):
+    """`raydeploy compile --out DIR` then an engine bring-up over the same mesh with
+    engine.compilation_cache_dir=DIR: every program is loaded from DIR, none compiled (the cache keys of the
+    abstract programs and the real engine's are the same)."""
+    cache = tmp_path / "programs"
+    cfg = tmp_path / "one-host.yaml"
+    text = (REPO / "configs/local.yaml").read_text()
+    for old, new in [("num_hosts: 2", "num_hosts: 1"), ("devices_per_host: 1", "devices_per_host: 2"),
+                     ("max_seq_len: 2048", "max_seq_len: 256"), ("max_new_tokens: 256", "max_new_tokens: 64"),
+                     ("prefill_buckets: [32, 64, 128, 256, 512, 1024, 2048]", "prefill_buckets: [32, 256]"),
+                     ("engine:\n", f"engine:\n  compilation_cache_dir: {cache}\n")]:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    cfg.write_text(text)
+    r = _run(str(cfg), "--json", "--out", str(cache))
+    assert r.returncode == 0, r.stderr[-2000:]
+    compiled = {p["name"] for p in json.loads(r.stdout)["programs"]}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    b = subprocess.run([sys.executable, "-c", _BRING_UP, str(cfg), str(demo_checkpoint)], cwd=REPO,
+                       capture_output=True, text=True, timeout=1200, env=env)
+    assert b.returncode == 0, b.stderr[-3000:]
+    out = json.loads(b.stdout.strip().splitlines()[-1])
+    assert set(out["programs"]) == compiled  # one list of programs for compile and bring-up
+    assert out["counts"] == {"loaded": len(compiled), "compiled": 0}, out["programs"]
