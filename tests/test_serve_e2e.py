@@ -302,6 +302,62 @@ def test_chat_page_streams_an_answer_in_headless_chromium(live):
     assert pieces > 1, shown["stats"]
 
 
+FUZZ_EXAMPLES_PER_BODY_ROUTE = 15
+"""Per mode per POST route over the real gang: 4 x 2 x 15 = 120 bodies (the full run is test_fuzz_http.py)."""
+CONFIG_DEPENDENT = {"large max_tokens", "n times prompts above the server's capacity"}
+
+
+def _small_generation(case):
+    """Keep real generations short (a sample of bodies, not a load test) and deadlines long enough to meet."""
+    body = case.body
+    if isinstance(body, dict):
+        for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
+            v = body.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 4:
+                body[key] = 4
+        if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
+            body["n"] = 2
+            body.pop("best_of", None)
+        if isinstance(body.get("timeout_s"), int | float) and not isinstance(body.get("timeout_s"), bool) \
+                and body["timeout_s"] > 0:
+            body["timeout_s"] = max(body["timeout_s"], 300.0)
+    return case
+
+
+def test_fuzz_sample_and_hostile_bodies_through_ray_serve(live):
+    """A sample of the schema fuzz and every hand-written hostile body, through the Serve proxy to the real gang."""
+    import collections
+
+    import requests
+    import schemathesis
+    from schemathesis import GenerationMode
+    from test_fuzz_http import HOSTILE, check_answer, fuzz_route
+
+    _wait_idle(live)
+    schema = schemathesis.openapi.from_dict(httpx.get(live.url + "/openapi.json", timeout=30).json())
+    sent: collections.Counter[str] = collections.Counter()
+    statuses: collections.Counter[int] = collections.Counter()
+    session = requests.Session()
+    for op in (r.ok() for r in schema.get_all_operations()):
+        if op.body is None or not len(op.body):
+            continue
+        for mode in GenerationMode:
+            fuzz_route(op, mode, FUZZ_EXAMPLES_PER_BODY_ROUTE, live.url, session, sent, statuses, headers=AUTH,
+                       secret=KEY, adjust=_small_generation)
+    print(f"fuzz over Ray Serve: {sum(sent.values())} requests; by status {dict(sorted(statuses.items()))}")
+    assert not any(s >= 500 for s in statuses) and statuses[200] > 0, statuses
+    for name, route, raw, status, param, words in HOSTILE:
+        if name in CONFIG_DEPENDENT:
+            continue
+        r = httpx.post(live.url + route, content=raw, headers=AUTH | {"Content-Type": "application/json"}, timeout=60)
+        check_answer(r.status_code, r.headers.get("content-type", ""), r.text, name, KEY)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (name, r.text)
+        assert words.lower() in r.json()["error"]["message"].lower(), (name, r.text)
+    _wait_idle(live)
+    r = _post(live, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].strip(), r.text
+
+
 def test_host_kill_flips_readiness_and_service_resumes(live):
     """Runs last: kills host 1's process; /ready goes 503, requests get a retriable 503, then it all recovers."""
     pid = next(h["pid"] for h in live.gang.status()["host_status"] if h["rank"] == 1)
