@@ -2,7 +2,8 @@
 processes (2 virtual CPU devices each), using the stand-in engine so each bring-up takes seconds.
 
 Covered: a host killed mid-generation (rank 1, then rank 0) fails the request with a retriable error
-event within the heartbeat timeout and the gang restarts and serves again; a rank that never joins;
+event within the heartbeat timeout and the gang restarts and serves again, its new processes started
+only after every old one had exited; a rank that never joins;
 a fingerprint mismatch; a host stuck in a step (watchdog); no leaked processes or ports after shutdown.
 """
 
@@ -103,6 +104,11 @@ def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster,
         assert st["restarts"] == 1 and f"host {victim}" in (st["last_error"] or "") or st["history"], st
         _check_generation(gang, "after")
         assert not any(_pid_alive(p) for p in pids), "old host processes still alive"
+        # the restart waited until every old process had exited (checked on its node) before starting new ones
+        exits = st["history"][-1]["exits"]
+        assert sorted(e["pid"] for e in exits) == sorted(pids), exits
+        assert all(e["gone"] is True and e["checked"] == "node" for e in exits), exits
+        assert max(e["at"] for e in exits) <= min(h["started_at"] for h in st["hosts"]), (exits, st["hosts"])
     finally:
         gang.shutdown()
 
