@@ -495,9 +495,13 @@ def _batched_device_put() -> Callable[..., Any] | None:
     except ImportError:  # pragma: no cover - depends on the jax version
         return None
 
+    @lru_cache(maxsize=256)  # layers repeat a few (shape, dtype, sharding)
+    def aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
+        return update_aval_with_sharding(ShapedArray(shape, dtype), sharding)
+
     def put(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, xs: list[np.ndarray], devices: list[Any]) -> Any:
         # the same aval and call as make_array_from_callback, without its per-device Python checks
-        return batched_device_put(update_aval_with_sharding(ShapedArray(shape, dtype), sharding), sharding, xs, devices)
+        return batched_device_put(aval(shape, dtype, sharding), sharding, xs, devices)
     return put
 
 
