@@ -6,12 +6,15 @@ with a mesh that shards the weights across the hosts (fsdp=2 outermost, tp=2 ins
   hosts together read all of it.
 - Killing rank 1 mid-generation ends the request with a retriable error within the heartbeat timeout,
   the gang restarts (fresh processes, fresh coordinator port) and the next generation gives the same tokens.
+  The gang starts on an empty persistent compile cache (so the first gang compiles); the restarted gang
+  loads every program from that cache on every host and compiles none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import threading
 import time
@@ -29,12 +32,15 @@ HEARTBEAT_S = 5
 OVERRIDES = ["cluster.devices_per_host=2", "mesh.axes={fsdp: 2, tp: 2}",
              "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}", "model.max_seq_len=256", "engine.prefill_buckets=[256]",
              "engine.max_new_tokens=64", "engine.max_slots=2", f"cluster.heartbeat_timeout_s={HEARTBEAT_S}",
-             "cluster.init_timeout_s=60", "cluster.restart_backoff_s=0.2", "cluster.max_restarts=2"]
+             "cluster.init_timeout_s=60", "cluster.restart_backoff_s=0.2", "cluster.max_restarts=2",
+             "cluster.rpc_timeout_s=1200"]  # a cold compile on a busy 2-core machine can pass 300 s
 PROMPTS = [
     (1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198),
     (1, 4093, 198, 19161, 549, 7603, 5066, 30, 2, 198, 1, 520, 9531, 198),
 ]
 N_TOKENS = 20
+CACHE_DIR = f"/tmp/rdm-compile-cache-{os.getpid()}"  # empty at the start: the first gang must compile
+OVERRIDES.append(f"engine.compilation_cache_dir={CACHE_DIR}")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,7 @@ def gang(cfg, demo_checkpoint: Path):
     finally:
         g.shutdown()
         ray.shutdown()
+        shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
 def _greedy(rid: str, prompt: tuple[int, ...], n: int = N_TOKENS) -> GenerationRequest:
@@ -112,7 +119,9 @@ def test_each_host_reads_only_its_part_of_the_checkpoint(gang, demo_checkpoint):
 
 def test_kill_rank1_mid_generation_then_restart_and_generate_again(gang):
     before = [e.token_id for e in gang.generate(_greedy("before", PROMPTS[0]), timeout_s=300)]
-    pids = [h["pid"] for h in gang.status()["host_status"]]
+    first = gang.status()
+    pids = [h["pid"] for h in first["host_status"]]
+    assert sum(h["programs_compiled"] for h in first["host_status"]) > 0, first["host_status"]
     started, out = threading.Event(), {}
 
     def consume() -> None:
@@ -138,5 +147,10 @@ def test_kill_rank1_mid_generation_then_restart_and_generate_again(gang):
     assert out["ended_s"] - killed_s < HEARTBEAT_S + 5
     st = gang.wait_ready(900)
     assert st["restarts"] == 1 and "host 1" in st["history"][-1]["error"], st
+    # the restarted gang compiled nothing: every host loaded every program from the shared cache
+    programs = [h["programs"] for h in st["hosts"]]
+    assert len(programs) == 2 and all(p["compiled"] == 0 and p["loaded"] > 0 for p in programs), programs
+    rows = gang.status()["host_status"]
+    assert [h["programs_compiled"] for h in rows] == [0, 0] and all(h["programs_loaded"] > 0 for h in rows), rows
     after = [e.token_id for e in gang.generate(_greedy("after", PROMPTS[0]), timeout_s=300)]
     assert after == before
