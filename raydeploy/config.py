@@ -147,7 +147,7 @@ class EngineConfig:
 
     max_slots: int = 8
     """Batch slots decoded together (continuous batching); must divide evenly over dp."""
-    prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256, 512, 1024, 2048])
+    prefill_buckets: list[int] = field(default_factory=lambda: [64, 256, 1024, 2048])
     """Prompt lengths are padded up to the next bucket so compilations stay bounded; the last must be >= max_seq_len."""
     max_new_tokens: int = 256
     """Default and upper bound of tokens generated per request."""
@@ -163,7 +163,10 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/raydeploy/jax-compilation-cache"
     """Persistent XLA compilation cache every host reads: a path (a shared, writable mount on real clusters) or a gs:// URL (needs etils[epath] and gcsfs); null disables."""
     warmup: bool = True
-    """Compile every prefill bucket and the decode step before reporting ready."""
+    """Compile (or load from the compilation cache) every program before reporting ready."""
+    compile_threads: int = 0
+    """Programs compiled side by side at warmup; 0 = auto: 1 on CPU (simulated hosts share the cores), else
+    the host's cores up to 8."""
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ def test_last_position_logits_match_transformers(engine, prompt_ids, reference):
     import jax
     import jax.numpy as jnp
 
-    forward = jax.jit(lambda leaves, t: engine._model(leaves)(t))
+    forward = jax.jit(lambda leaves, t: engine.programs_set.model(leaves)(t))
     for ids, (_, _, ref_logits) in zip(prompt_ids, reference, strict=True):
         padded = np.full((1, 64), 2, np.int32)  # causal: padding after the prompt cannot change its logits
         padded[0, :len(ids)] = ids

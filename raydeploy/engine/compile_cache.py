@@ -52,15 +52,15 @@ class CacheCount:
 
 
 _lock = threading.Lock()
-_active: list[CacheCount] = []
+_active: dict[int, list[CacheCount]] = {}  # thread id -> the counts open in that thread
 _listening = False
 
 
 def _on_event(event: str, **_: object) -> None:
     if event not in (_HIT, _REQUEST):
         return
-    with _lock:
-        for c in _active:
+    with _lock:  # JAX records the events in the thread that compiles
+        for c in _active.get(threading.get_ident(), ()):
             if event == _HIT:
                 c.hits += 1
             else:
@@ -78,16 +78,20 @@ def _listen() -> None:
 
 @contextmanager
 def track() -> Iterator[CacheCount]:
-    """Count the persistent-cache lookups (and hits) made inside the block, in any thread."""
+    """Count the persistent-cache lookups (and hits) this thread makes inside the block (programs compiling
+    side by side in other threads are counted by their own blocks)."""
     _listen()
     count = CacheCount()
+    me = threading.get_ident()
     with _lock:
-        _active.append(count)
+        _active.setdefault(me, []).append(count)
     try:
         yield count
     finally:
         with _lock:
-            _active.remove(count)
+            _active[me].remove(count)
+            if not _active[me]:
+                del _active[me]
 
 
 def is_remote(cache_dir: str) -> bool:

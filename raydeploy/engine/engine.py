@@ -22,8 +22,10 @@ Programs (each compiled once, on `warmup()` or first use; `raydeploy.engine.prog
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,14 +36,18 @@ import numpy as np
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
 from raydeploy.engine.kv_slots import DecodeSlots, allocate_kv_cache
-from raydeploy.engine.programs import PREFILL_INTS, ProgramSet
+from raydeploy.engine.programs import PREFILL_INTS, ProgramSet, ProgramShape
 from raydeploy.engine.sampling import SlotSampling
 from raydeploy.engine.step import StepPlan, StepResult
 from raydeploy.model.llama import DTYPES, build_model, stack_layers
 from raydeploy.model.spec import LlamaConfig
 
-WARMUP_RUN_MAX_BUCKET = 512
-"""Prefill buckets up to this many tokens are run once by `Engine.warmup`; longer ones are only compiled."""
+
+def compile_threads(configured: int, platform: str) -> int:
+    """`EngineConfig.compile_threads` with auto (0) resolved for this host."""
+    if configured > 0:
+        return configured
+    return 1 if platform == "cpu" else max(1, min(8, os.cpu_count() or 1))
 
 
 def _unpack(out: jax.Array | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +89,7 @@ class Engine:
         self.decode_rows = ps.decode_rows
         self.decode_steps = ps.decode_steps
         self._rows_sharding = ps.rows_sharding
-        self._prefill_jit, self._decode_jit, self._gather_jit = ps.prefill, ps.decode, ps.gather
+        self._executables: dict[ProgramShape, Any] = {}  # compiled from the ProgramSet's abstract inputs
         self.compile_s: dict[str, float] = {}
         self.programs: dict[str, dict[str, Any]] = {}  # name -> {seconds, source: cache|compiled|none}
 
@@ -134,8 +140,21 @@ class Engine:
         floats = np.asarray([sp.temperature[0], sp.top_p[0], sp.repetition_penalty[0]], np.float32)
         return (self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats))
 
+    def executable(self, shape: ProgramShape) -> Any:
+        """The compiled program for `shape`: compiled (or loaded from the persistent cache) on first use from
+        the ProgramSet's abstract inputs, exactly as `raydeploy compile` compiles it; every call of the
+        engine goes through one, so nothing is traced or compiled behind the program list's back."""
+        exe = self._executables.get(shape)
+        if exe is None:
+            with self._program(shape.name):
+                exe = self.programs_set.lower(shape).compile()
+            self._executables[shape] = exe
+        return exe
+
     def _run_prefill(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> jax.Array:
-        self.k_cache, self.v_cache, self.presence, out = self._prefill_jit(*self._prefill_args(tokens, slot, sp))
+        args = self._prefill_args(tokens, slot, sp)
+        exe = self.executable(self.programs_set.prefill_shape(self.bucket_for(int(tokens.shape[0]))))
+        self.k_cache, self.v_cache, self.presence, out = exe(*args)
         return out
 
     def rows_for(self, active: np.ndarray) -> int:
@@ -152,10 +171,11 @@ class Engine:
         """Dispatch `steps` decode steps of the first `rows` slots per group; their packed results stay on the
         devices of their rows ([2, rows*groups] each)."""
         tokens, floats, ints = self._decode_inputs(rows)
+        exe = self.executable(self.programs_set.decode_shape(window, rows))
         outs = []
         for k in range(steps):  # no host round trip between the steps of a plan
-            self.k_cache, self.v_cache, self.presence, tokens, out = self._decode_jit(
-                self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, ints(k), floats, window, rows)
+            self.k_cache, self.v_cache, self.presence, tokens, out = exe(
+                self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, ints(k), floats)
             outs.append(out)
         return outs
 
@@ -178,8 +198,14 @@ class Engine:
         return tokens, floats, ints
 
     def _run_decode(self, window: int, rows: int, steps: int) -> np.ndarray:
-        """`steps` decode steps, gathered to every host at once: packed results [steps, 2, rows*groups]."""
-        return np.asarray(self._gather_jit(self._decode_steps(window, rows, steps)))
+        """`steps` decode steps, gathered to every host at once: packed results [steps, 2, rows*groups]. The
+        gather always takes `decode_steps` results (a shorter plan repeats its last), so one program serves
+        every plan length."""
+        if not 1 <= steps <= self.decode_steps:
+            raise ValueError(f"a plan decodes 1..{self.decode_steps} steps (engine.decode_steps), got {steps}")
+        outs = self._decode_steps(window, rows, steps)
+        padded = outs + [outs[-1]] * (self.decode_steps - steps)
+        return np.asarray(self.executable(self.programs_set.gather_shape(rows))(padded))[:steps]
 
     def step(self, plan: StepPlan) -> StepResult:
         """Apply one plan: release slots, prefill each item into its slot, then decode every active slot."""
@@ -218,40 +244,28 @@ class Engine:
 
     def decode_hlo(self, window: int, rows: int) -> str:
         """The optimised HLO of the decode program for (window, rows): to inspect its collectives and copies."""
-        tokens, floats, ints = self._decode_inputs(rows)
-        text = self._decode_jit.lower(self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens,
-                                      ints(0), floats, window, rows).compile().as_text()
+        text = self.executable(self.programs_set.decode_shape(window, rows)).as_text()
         if text is None:
             raise RuntimeError(f"the backend gave no HLO text for decode {window}x{rows}")
         return text
 
-    def warmup(self) -> dict[str, float]:
-        """Compile (or load from the persistent cache) every prefill bucket and decode window.
+    def warmup(self, threads: int = 1) -> dict[str, float]:
+        """Compile (or load from the persistent cache) every program of the ProgramSet, without running any.
 
-        Runs each program once on idle slots (its first run also sets up its buffers and threads), except
-        prefill buckets longer than `WARMUP_RUN_MAX_BUCKET` tokens, which are compiled ahead of time without
-        running: a 2048-token prefill computes for about 10 s on a CPU host just to warm up. Must be called
-        before any request is in a slot. Returns seconds per program, e.g. {"prefill_64": 9.8,
-        "decode_256x4": 10.4} (window x rows per group).
+        With `threads` > 1, programs compile side by side (XLA compiles without the GIL; worth it on hosts
+        with many cores, such as TPU VMs). Must be called before any request is in a slot. Returns seconds
+        per program, e.g. {"prefill_64": 9.8, "decode_256x4": 10.4} (window x rows per group); `programs`
+        also says per program whether it came from the cache.
         """
         if self.slots.active.any():
             raise RuntimeError("warmup() must run before any slot is active")
-        greedy = SlotSampling.from_params([self.slots.sampling[0]])
-        gather_inputs: dict[int, list[jax.Array]] = {}
-        for shape in self.programs_set.shapes():  # the one list of programs, as `raydeploy compile` sees it
-            with self._program(shape.name):
-                if shape.kind == "prefill":
-                    prompt = np.zeros(min(shape.bucket, self._max_seq_len - 1), np.int32)
-                    if shape.bucket <= WARMUP_RUN_MAX_BUCKET:
-                        jax.block_until_ready(self._run_prefill(prompt, 0, greedy))
-                    else:
-                        self._prefill_jit.lower(*self._prefill_args(prompt, 0, greedy)).compile()
-                elif shape.kind == "decode":
-                    jax.block_until_ready(self._decode_steps(shape.window, shape.rows, 1))
-                else:  # the gathers of every plan length (tiny programs; no extra decode steps)
-                    if shape.rows not in gather_inputs:
-                        gather_inputs[shape.rows] = self._decode_steps(self.windows[0], shape.rows, 1)
-                    jax.block_until_ready(self._gather_jit(gather_inputs[shape.rows] * shape.steps))
+        shapes = [s for s in self.programs_set.shapes() if s not in self._executables]
+        if threads > 1 and len(shapes) > 1:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compile") as pool:
+                list(pool.map(self.executable, shapes))
+        else:
+            for shape in shapes:
+                self.executable(shape)
         return dict(self.compile_s)
 
     @contextmanager

@@ -7,7 +7,8 @@ program families:
   its slot of the donated stacked cache, resets the slot's repetition-penalty token set, samples token 0.
 - `decode_{window}x{rows}`: one token for the first `rows` slots of every slot group, attending over the first
   `window` cache positions.
-- `gather_{steps}x{rows}`: replicates a plan's decode results to every host in one collective.
+- `gather_{rows}`: replicates a plan's decode results to every host in one collective (a plan of fewer than
+  `decode_steps` steps pads its list, so one program serves every plan length).
 
 The real `Engine` calls these bodies with real arrays; `abstract_args(name)` gives the same calls'
 arguments as `jax.ShapeDtypeStruct`s with the same shardings, so `raydeploy compile` lowers exactly the
@@ -63,12 +64,18 @@ def default_decode_rows(slots_per_group: int, min_rows: int = 1) -> list[int]:
     return out + [slots_per_group]
 
 
+MIN_DECODE_WINDOW = 256
+"""Smallest decode window: below it the window's cache read is a few percent of a step's weight read (demo
+model, 4 rows, window 256: 18 MB of K/V against 538 MB of weights), not worth a program of its own."""
+
+
 def default_decode_windows(max_seq_len: int, prefill_buckets: Sequence[int]) -> list[int]:
-    """Decode attention windows: every fourth power of two from the smallest bucket, capped by max_seq_len.
+    """Decode attention windows: every fourth power of two from `MIN_DECODE_WINDOW` (or the smallest bucket,
+    if larger), capped by max_seq_len.
 
     Fewer windows compile faster; a window at most 4x the live length keeps the cache read small.
     """
-    w = max(16, min(prefill_buckets)) if prefill_buckets else max_seq_len
+    w = max(MIN_DECODE_WINDOW, min(prefill_buckets)) if prefill_buckets else max_seq_len
     out = []
     while w < max_seq_len:
         out.append(w)
@@ -98,7 +105,7 @@ class ProgramShape:
             return f"prefill_{self.bucket}"
         if self.kind == "decode":
             return f"decode_{self.window}x{self.rows}"
-        return f"gather_{self.steps}x{self.rows}"
+        return f"gather_{self.rows}"
 
 
 class ProgramSet:
@@ -160,9 +167,17 @@ class ProgramSet:
         """Every program bring-up compiles, in warmup order."""
         out = [ProgramShape("prefill", bucket=b) for b in self.buckets]
         out += [ProgramShape("decode", window=w, rows=r) for w in self.windows for r in self.decode_rows]
-        out += [ProgramShape("gather", steps=n, rows=r) for r in self.decode_rows
-                for n in range(1, self.decode_steps + 1)]
+        out += [ProgramShape("gather", steps=self.decode_steps, rows=r) for r in self.decode_rows]
         return out
+
+    def prefill_shape(self, bucket: int) -> ProgramShape:
+        return ProgramShape("prefill", bucket=bucket)
+
+    def decode_shape(self, window: int, rows: int) -> ProgramShape:
+        return ProgramShape("decode", window=window, rows=rows)
+
+    def gather_shape(self, rows: int) -> ProgramShape:
+        return ProgramShape("gather", steps=self.decode_steps, rows=rows)
 
     # -- jitted bodies
     def model(self, leaves: list[jax.Array]) -> nnx.Module:

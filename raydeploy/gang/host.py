@@ -184,7 +184,9 @@ class HostActor:
 
     def _compile_sync(self) -> dict[str, Any]:
         if self.cfg.engine.warmup and self.engine is not None and hasattr(self.engine, "warmup"):
-            info = self.engine.warmup()
+            from raydeploy.engine.engine import compile_threads
+
+            info = self.engine.warmup(compile_threads(self.cfg.engine.compile_threads, self.cfg.cluster.platform))
             out = dict(info) if isinstance(info, dict) else {}
             if hasattr(self.engine, "program_counts"):  # the real engine: which programs came from the cache
                 self.programs = dict(self.engine.program_counts())

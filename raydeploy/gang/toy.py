@@ -66,7 +66,7 @@ class ToyEngine:
         arr = jax.make_array_from_callback(last.shape, self._replicated, lambda idx: last[idx])
         return np.asarray(self._step(self._table, arr))
 
-    def warmup(self) -> dict[str, Any]:
+    def warmup(self, threads: int = 1) -> dict[str, Any]:
         self._run(np.zeros((self.max_slots,), np.int32))
         return {"programs": 1}
 
