@@ -101,7 +101,7 @@ def is_remote(cache_dir: str) -> bool:
 
 def configured() -> bool:
     """Whether this process already uses a persistent compilation cache."""
-    return bool(jax.config.jax_compilation_cache_dir)
+    return bool(getattr(jax.config, "jax_compilation_cache_dir", None))  # a flag the stubs do not list
 
 
 def enable(cache_dir: str | None, share_between_hosts: bool = True, every_process_writes: bool = False) -> None:
