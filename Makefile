@@ -60,6 +60,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/gang_load.py
 	$(PY) benchmarks/serve_load.py
 	$(PY) benchmarks/predict_throughput.py
+	$(PY) benchmarks/bringup.py
+	$(PY) benchmarks/tpu_decode_model.py
 
 # Build the images (needs a Docker daemon with BuildKit; the context is the repository root, of which the
 # images/Dockerfile.*.dockerignore files let through only the package sources). Push them yourself:
