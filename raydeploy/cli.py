@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "placement bundles; exit 1 on an impossible plan.")
     _add_config_args(p, positional=True)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--compile", action="store_true",
+                   help="also compile every program for the target (as `raydeploy compile`) and check each one's "
+                        "memory per device, temporaries included")
 
     p = sub.add_parser("compile", help="compile every program of a config for its target without its hardware "
                                        "(TPU deviceless through libtpu); memory per chip, collectives, cost",

@@ -57,6 +57,10 @@ def plan(args: argparse.Namespace) -> int:
     from raydeploy.plan import run_plan
 
     cfg = load_config(args.config, args.overrides)
+    if args.compile:
+        from raydeploy.compile import prepare_environment
+
+        prepare_environment(cfg)  # before anything imports jax
     return run_plan(cfg, args)
 
 

@@ -263,7 +263,17 @@ def compile_config(cfg: Config, out_dir: str | None = None, only: list[str] | No
         if only and shape.kind not in only:
             continue
         t0 = time.perf_counter()
-        compiled = ps.lower(shape).compile()
+        try:
+            compiled = ps.lower(shape).compile()
+        except Exception as e:  # noqa: BLE001 - XLA raises plain runtime errors; an out-of-memory one is a finding
+            text = str(e)
+            if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+                raise CompileError(f"program {shape.name} failed to compile for {devices[0].device_kind}: "
+                                   f"{text.splitlines()[0] if text else type(e).__name__}") from e
+            detail = next((ln.strip() for ln in text.splitlines() if "memory" in ln.lower()), text.splitlines()[0])
+            problems.append(f"program {shape.name} does not fit the chip's {memory / GIB:.2f} GiB: the compiler "
+                            f"says: {detail}")
+            continue
         rep = _report(shape.name, compiled, time.perf_counter() - t0, chip, llama.num_layers)
         reports.append(rep)
         if progress:

@@ -322,10 +322,28 @@ def format_plan(plan: Plan) -> str:
 def run_plan(cfg: Config, args: argparse.Namespace) -> int:
     """`raydeploy plan`: print the plan (text or --json); exit 1 when it is impossible."""
     plan = make_plan(cfg)
+    programs = None
+    if getattr(args, "compile", False) and plan.ok:
+        # the same memory figures as `raydeploy compile`: every program compiled for the target
+        from raydeploy.compile import CompileError, compile_config
+
+        try:
+            programs = compile_config(cfg)
+        except CompileError as e:
+            raise ConfigError(str(e)) from e
+        plan = dataclasses.replace(plan, problems=[*plan.problems, *programs.problems])
     if getattr(args, "json", False):
-        print(json.dumps(plan.to_dict(), indent=2))
+        d = plan.to_dict()
+        if programs is not None:
+            d["programs"] = {p.name: {"peak_bytes": p.peak_bytes, "temp_bytes": p.temp_bytes}
+                             for p in programs.programs}
+        print(json.dumps(d, indent=2))
     else:
         print(format_plan(plan))
+        if programs is not None and programs.programs:
+            worst = max(programs.programs, key=lambda p: p.peak_bytes)
+            print(f"programs      {len(programs.programs)} compiled for {programs.target}; largest "
+                  f"{worst.name}: {_gib(worst.peak_bytes)} per device with temporaries {_gib(worst.temp_bytes)}")
     if not plan.ok:
         for p in plan.problems:
             print(f"raydeploy plan: {p}", file=sys.stderr)

@@ -101,6 +101,7 @@ class HostActor:
         self.started_at = time.time()
         self.preflight_info: dict[str, Any] = {}
         self.programs: dict[str, int] | None = None  # {loaded, compiled} after warmup (the real engine)
+        self.program_sources: dict[str, dict[str, Any]] = {}  # per program: seconds, loaded from cache or compiled
 
     # -- bring-up phases ----------------------------------------------------------------------------
     async def node_ip(self) -> str:
@@ -190,6 +191,7 @@ class HostActor:
             out = dict(info) if isinstance(info, dict) else {}
             if hasattr(self.engine, "program_counts"):  # the real engine: which programs came from the cache
                 self.programs = dict(self.engine.program_counts())
+                self.program_sources = dict(self.engine.programs)  # name -> {seconds, source}
                 out["programs"] = self.programs
             return out
         return {}
@@ -262,6 +264,7 @@ class HostActor:
         if self.programs is not None:
             out["programs_loaded"] = self.programs.get("loaded", 0)
             out["programs_compiled"] = self.programs.get("compiled", 0)
+            out["program_sources"] = self.program_sources
         if self.mesh is not None:
             out["device_memory"] = device_memory()
         if self.clock is not None:
