@@ -127,6 +127,7 @@ class Collective:
     count: int = 0
     bytes: int = 0
     largest: int = 0
+    shapes: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -188,6 +189,7 @@ def collectives(hlo: str, loop_trips: int = 1) -> tuple[dict[str, Collective], i
         c.count += n
         c.bytes += n * b
         c.largest = max(c.largest, b)
+        c.shapes.update(re.findall(r"\b[a-z]+\d*\[[\d,]*\]", m.group(1)))
         largest = max(largest, b)
     return out, largest
 
@@ -208,7 +210,8 @@ def _report(name: str, compiled: Any, seconds: float, chip: Chip | None, loop_tr
         argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
         code_bytes=int(mem.generated_code_size_in_bytes), flops=flops, bytes_accessed=accessed,
-        roofline_s=roofline, collectives={k: {"count": v.count, "bytes": v.bytes, "largest": v.largest} for k, v in colls.items()},
+        roofline_s=roofline, collectives={k: {"count": v.count, "bytes": v.bytes, "largest": v.largest, "shapes": sorted(v.shapes)}
+                     for k, v in colls.items()},
         largest_collective_bytes=largest)
 
 
