@@ -142,7 +142,7 @@ class ProgramReport:
     flops: float
     bytes_accessed: float
     roofline_s: float | None
-    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    collectives: dict[str, dict[str, Any]] = field(default_factory=dict)
     largest_collective_bytes: int = 0
 
     @property

@@ -191,7 +191,7 @@ class HostActor:
             out = dict(info) if isinstance(info, dict) else {}
             if hasattr(self.engine, "program_counts"):  # the real engine: which programs came from the cache
                 self.programs = dict(self.engine.program_counts())
-                self.program_sources = dict(self.engine.programs)  # name -> {seconds, source}
+                self.program_sources = dict(getattr(self.engine, "programs", {}))  # name -> {seconds, source}
                 out["programs"] = self.programs
             return out
         return {}
