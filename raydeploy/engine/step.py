@@ -1,5 +1,9 @@
 """The per-step control message every host executes, and what a step returns.
 
+Two plan forms share `StepPlan` while the engine moves from slot windows to a paged KV cache: the slot form
+(`prefills`, `decode`) and the paged form (`seqs`, `pages`: one ragged mixed step of prefill chunks and decode
+rows, with the page-table changes the scheduler made). A plan uses one form, never both.
+
 The coordinator (rank 0) decides one `StepPlan` per engine step; the dispatcher broadcasts it (as the bytes
 of `StepPlan.to_bytes`) and every host runs `Engine.step(plan)` with it, in the same order, so all hosts
 issue identical jitted calls with identical inputs. Plans are plain data (numpy + ints), small and cheap to
@@ -42,6 +46,59 @@ class PrefillItem:
 
 
 @dataclass(frozen=True)
+class SeqStep:
+    """One sequence's work in a paged step.
+
+    `tokens` are the new input tokens (a prompt chunk); empty for a decode row, whose input is the slot's last
+    sampled token (the engine keeps it on the devices). `start` is the position of the first new token (the
+    tokens already in the slot's pages). `sample`: draw one token after the last new token (a prompt's last
+    chunk, or a decode row). `sampling` is set on a request's first chunk only: the engine keeps it for the
+    slot and resets the slot's repetition-penalty set to `prefix_tokens`, the prompt ids [0, start) that reused
+    (prefix-cached) pages already hold.
+    """
+
+    slot: int
+    tokens: np.ndarray
+    start: int
+    sample: bool
+    sampling: SamplingParams | None = None
+    prefix_tokens: np.ndarray | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this step computes for the sequence (a decode row computes one)."""
+        return max(int(np.asarray(self.tokens).shape[0]), 1)
+
+    def to_list(self) -> list:
+        return [self.slot, np.asarray(self.tokens, np.int32).tobytes(), self.start, self.sample,
+                None if self.sampling is None else self.sampling.to_list(),
+                None if self.prefix_tokens is None else np.asarray(self.prefix_tokens, np.int32).tobytes()]
+
+    @classmethod
+    def from_list(cls, v: list) -> SeqStep:
+        return cls(int(v[0]), np.frombuffer(v[1], np.int32), int(v[2]), bool(v[3]),
+                   None if v[4] is None else SamplingParams.from_list(v[4]),
+                   None if v[5] is None else np.frombuffer(v[5], np.int32))
+
+
+@dataclass(frozen=True)
+class PageUpdate:
+    """page_table[slot, first : first + len(pages)] = pages, with page ids local to the slot's dp group (row
+    entry i holds the slot's tokens [i * page_size, (i + 1) * page_size))."""
+
+    slot: int
+    first: int
+    pages: np.ndarray
+
+    def to_list(self) -> list:
+        return [self.slot, self.first, np.asarray(self.pages, np.int32).tobytes()]
+
+    @classmethod
+    def from_list(cls, v: list) -> PageUpdate:
+        return cls(int(v[0]), int(v[1]), np.frombuffer(v[2], np.int32))
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One engine step: release slots, prefill zero or more prompts into slots, then decode all active slots
     `decode_steps` times in a row (several tokens per plan: the per-plan costs, broadcast to the hosts and the
@@ -53,21 +110,27 @@ class StepPlan:
     release: tuple[int, ...] = ()
     shutdown: bool = False
     decode_steps: int = 1
+    seqs: tuple[SeqStep, ...] = ()
+    """Paged form: each sequence's work this step (prefill chunks and decode rows in one ragged step)."""
+    pages: tuple[PageUpdate, ...] = ()
+    """Paged form: page-table changes, applied before the step runs."""
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([
             self.step_id,
             [[p.slot, np.asarray(p.tokens, np.int32).tobytes(), p.sampling.to_list()] for p in self.prefills],
             self.decode, list(self.release), self.shutdown, self.decode_steps,
+            [q.to_list() for q in self.seqs], [u.to_list() for u in self.pages],
         ], use_bin_type=True)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StepPlan:
-        step_id, prefills, decode, release, shutdown, decode_steps = msgpack.unpackb(data, raw=False)
+        step_id, prefills, decode, release, shutdown, decode_steps, seqs, pages = msgpack.unpackb(data, raw=False)
         items = tuple(PrefillItem(int(s), np.frombuffer(t, np.int32), SamplingParams.from_list(sp))
                       for s, t, sp in prefills)
         return cls(int(step_id), items, bool(decode), tuple(int(r) for r in release), bool(shutdown),
-                   int(decode_steps))
+                   int(decode_steps), tuple(SeqStep.from_list(q) for q in seqs),
+                   tuple(PageUpdate.from_list(u) for u in pages))
 
 
 @dataclass
@@ -84,3 +147,7 @@ class StepResult:
     prefill_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.float32))
     decode_tokens: np.ndarray | None = None
     decode_logprobs: np.ndarray | None = None
+    tokens: np.ndarray | None = None
+    """Paged form: [decode_steps, len(plan.seqs)] int32; column i is plan.seqs[i] (meaningful where it samples)."""
+    logprobs: np.ndarray | None = None
+    """Paged form: the chosen tokens' logprobs, shaped like `tokens`."""
