@@ -194,6 +194,35 @@ class ServingConfig:
 
 
 @dataclass(frozen=True)
+class ReplicasConfig:
+    """Gangs behind one endpoint: each Ray Serve replica owns one gang in a placement group Serve reserves for it;
+    Serve routes requests over the replicas and scales their count (names follow Ray Serve's autoscaling_config)."""
+
+    min: int = 1
+    """Fewest gangs kept running (Serve's min_replicas); min == max runs exactly that many, without autoscaling."""
+    max: int = 1
+    """Most gangs load may raise the count to (Serve's max_replicas)."""
+    initial: int | None = None
+    """Gangs started at deploy time (Serve's initial_replicas); null means `min`."""
+    target_ongoing_requests: float | None = None
+    """Autoscaling target: requests per gang, running and waiting (Serve's target_ongoing_requests); null means engine.max_slots (a full gang)."""
+    upscale_delay_s: float = 30.0
+    """Seconds load must stay above the target before another gang starts (Serve's upscale_delay_s)."""
+    downscale_delay_s: float = 600.0
+    """Seconds load must stay below the target before a gang is stopped, after its requests finish (Serve's downscale_delay_s)."""
+    look_back_period_s: float = 30.0
+    """Seconds of load the autoscaler averages over (Serve's look_back_period_s)."""
+    upscaling_factor: float | None = None
+    """Damping of each upscaling decision (Serve's upscaling_factor); null is Serve's default."""
+    downscaling_factor: float | None = None
+    """Damping of each downscaling decision (Serve's downscaling_factor); null is Serve's default."""
+    health_check_period_s: float = 10.0
+    """Seconds between Serve's health checks of a replica; a gang that has failed for good fails it and Serve replaces the replica."""
+    routing_stats_period_s: float = 1.0
+    """Seconds between a replica's readiness reports to Serve's router (a gang being rebuilt gets no new requests)."""
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole deployment."""
 
@@ -207,6 +236,8 @@ class Config:
     """Jitted engine."""
     serving: ServingConfig = field(default_factory=ServingConfig)
     """HTTP serving."""
+    replicas: ReplicasConfig = field(default_factory=ReplicasConfig)
+    """Gangs behind the endpoint (Serve replicas) and their autoscaling."""
     source: str = "<defaults>"
     """Where this config came from (set by the loader)."""
 
@@ -440,6 +471,27 @@ def validate(cfg: Config) -> None:
         pass  # the gang turns STRICT_SPREAD into PACK for simulated hosts on one node
     if s.api_keys_env and s.api_keys_file:
         raise ConfigError("set api_keys_env or api_keys_file, not both", file=src, key="serving.api_keys_file")
+    _validate_replicas(cfg.replicas, src)
+
+
+def _validate_replicas(r: ReplicasConfig, src: str) -> None:
+    if r.min < 1:
+        raise ConfigError(f"must be >= 1 (a deployment serves with at least one gang), found {r.min}", file=src,
+                          key="replicas.min")
+    if r.max < r.min:
+        raise ConfigError(f"must be >= replicas.min={r.min}, found {r.max}", file=src, key="replicas.max")
+    if r.initial is not None and not r.min <= r.initial <= r.max:
+        raise ConfigError(f"must lie between replicas.min={r.min} and replicas.max={r.max}, found {r.initial}",
+                          file=src, key="replicas.initial")
+    for key, val in {"target_ongoing_requests": r.target_ongoing_requests, "look_back_period_s": r.look_back_period_s,
+                     "upscaling_factor": r.upscaling_factor, "downscaling_factor": r.downscaling_factor,
+                     "health_check_period_s": r.health_check_period_s,
+                     "routing_stats_period_s": r.routing_stats_period_s}.items():
+        if val is not None and val <= 0:
+            raise ConfigError(f"must be > 0, found {val}", file=src, key=f"replicas.{key}")
+    for key, val in {"upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s}.items():
+        if val < 0:
+            raise ConfigError(f"must be >= 0, found {val}", file=src, key=f"replicas.{key}")
 
 
 # -- introspection for docs ---------------------------------------------------------------------------
@@ -465,7 +517,7 @@ def config_reference_markdown() -> str:
     """The config reference table for docs/config.md, generated from the dataclasses above."""
     lines = ["# Config reference", "", "Generated from `raydeploy/config.py` (`raydeploy config-reference`).", ""]
     hints_cfg = typing.get_type_hints(Config)
-    for section in ("cluster", "mesh", "model", "engine", "serving"):
+    for section in ("cluster", "mesh", "model", "engine", "serving", "replicas"):
         cls = hints_cfg[section]
         lines += [f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |",
                   "| --- | --- | --- | --- |"]
