@@ -167,6 +167,20 @@ class EngineConfig:
     compile_threads: int = 0
     """Programs compiled side by side at warmup; 0 = auto: 1 on CPU (simulated hosts share the cores), else
     the host's cores up to 8."""
+    page_size: int = 16
+    """Tokens per page of the paged KV cache (each dp group has its own pool of pages)."""
+    num_pages: int = 0
+    """Pages in each dp group's pool; 0 = auto: enough for every slot of the group at max_seq_len (the memory of
+    a slot cache of the same size), so requests never wait for pages while a slot is free."""
+    prefill_chunk: int = 256
+    """Most tokens one engine step computes per dp group (prompt chunks plus decode rows): a longer prompt is
+    prefilled over several steps, between which running streams keep decoding."""
+    attention: Literal["auto", "xla", "pallas"] = "auto"
+    """Attention backend: pallas (jax's ragged paged attention kernels, TPU/GPU), xla (plain XLA, any
+    platform), auto = pallas on TPU/GPU, xla on CPU."""
+    prefix_caching: bool = True
+    """Reuse the KV pages of full pages whose token prefix matches an earlier request's (shared system
+    prompts are prefilled once)."""
 
 
 @dataclass(frozen=True)
@@ -456,6 +470,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"max_new_tokens {e.max_new_tokens} leaves no room for a prompt in max_seq_len {m.max_seq_len}",
                           file=src, key="engine.max_new_tokens")
     dp = mesh.get("dp", 1)
+    for key, val in {"engine.page_size": e.page_size, "engine.prefill_chunk": e.prefill_chunk}.items():
+        if val <= 0:
+            raise ConfigError(f"must be > 0, found {val}", file=src, key=key)
+    if e.num_pages < 0:
+        raise ConfigError(f"must be >= 0 (0 = auto), found {e.num_pages}", file=src, key="engine.num_pages")
     if e.max_slots % dp:
         raise ConfigError(f"max_slots {e.max_slots} is not divisible by mesh dp={dp}", file=src, key="engine.max_slots")
     sp = e.sampling
