@@ -1,0 +1,67 @@
+"""Attention backends for the paged KV cache, chosen once per engine (`engine.attention`).
+
+Every backend is one function with the signature of jax's TPU ragged paged attention kernel:
+
+    ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                           sliding_window=None, soft_cap=None) -> out
+
+q [T, Hq, D] holds the new tokens of every sequence back to back (decode rows and prefill chunks mixed),
+kv_pages [P, page_size, 2*Hkv, D] the page pool with K and V interleaved on the head axis, and the int32
+kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1] describe the sequences. The engine
+writes this step's K/V into the pages before it calls the backend, and calls it per shard inside `shard_map`.
+
+- `xla`: plain XLA (`xla.py`); the CPU backend and the reference for the others; runs anywhere.
+- `pallas` on TPU: jax's own Pallas TPU kernel with block sizes chosen from the shapes (`pallas_tpu.py`).
+- `pallas` on GPU: jax's Pallas GPU paged attention for decode steps, XLA for steps with prefill rows
+  (`pallas_gpu.py`).
+- `auto`: `pallas` on TPU and GPU, `xla` on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+
+BACKEND_NAMES = ("auto", "xla", "pallas")
+PLATFORMS = ("cpu", "tpu", "gpu")
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+                 cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array: ...
+
+
+def resolve(name: str, platform: str) -> tuple[str, str]:
+    """(backend, platform) that `name` means on `platform` ("auto" resolved); ValueError naming the valid
+    choices for an unknown name or platform, or for `pallas` on CPU."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"engine.attention: unknown attention backend {name!r}; valid: {', '.join(BACKEND_NAMES)}")
+    plat = _PLATFORM_ALIASES.get(platform, platform)
+    if plat not in PLATFORMS:
+        raise ValueError(f"engine.attention: unknown platform {platform!r}; valid: {', '.join(PLATFORMS)}")
+    if name == "auto":
+        name = "xla" if plat == "cpu" else "pallas"
+    if name == "pallas" and plat == "cpu":
+        raise ValueError("engine.attention: 'pallas' needs a TPU or GPU platform, got 'cpu'; use 'xla' or "
+                         "'auto' on CPU")
+    return name, plat
+
+
+def get_backend(name: str, platform: str) -> AttentionBackend:
+    """The attention function for backend `name` ("auto" | "xla" | "pallas") on `platform` ("cpu" | "tpu" |
+    "gpu"; "cuda" and "rocm" mean "gpu")."""
+    backend, plat = resolve(name, platform)
+    if backend == "xla":
+        from raydeploy.engine.attention import xla
+
+        return xla.ragged_paged_attention
+    if plat == "tpu":
+        from raydeploy.engine.attention import pallas_tpu
+
+        return pallas_tpu.ragged_paged_attention
+    from raydeploy.engine.attention import pallas_gpu
+
+    return pallas_gpu.ragged_paged_attention

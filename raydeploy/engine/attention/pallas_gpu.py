@@ -1,0 +1,93 @@
+"""GPU backend: jax's Pallas GPU paged attention for decode steps, the XLA path for steps with prefill rows.
+
+jax's GPU kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton) is decode-only: one query token
+per sequence attending to all of its `lengths` cached tokens, with soft cap but without a sliding window. A
+step whose live sequences all carry one token (every decode step) runs it: a sequence's single token sits at
+position kv_len - 1, so "all cached tokens" is exactly its causal window. A step with a prefill chunk in it
+(any live sequence with more than one token) runs `xla.ragged_paged_attention` instead; the choice is a
+`lax.cond` on the step's data, so one compiled program serves both. A sliding window always takes the XLA path.
+
+Layout. The kernel wants K and V apart and head-major, [Hkv, pages, page_size, D], and reads pages through
+its own block tables; the pool is [P, page_size, 2*Hkv, D] with K and V interleaved. The wrapper gathers the
+pages named in `page_indices` (only those: the engine may cut the table to a page-count bucket), splits K and
+V, and hands the kernel that compact pool with block tables 0..S*pages_per_seq-1. The copy is the size of
+what the kernel then reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from raydeploy.engine.attention import xla
+
+BLOCK_H = 16                  # query heads per kernel block (the kernel requires a multiple of 16)
+MAX_K_SPLITS = 16             # partitions of a sequence's pages computed in parallel, merged after
+MAX_PAGES_PER_COMPUTE_BLOCK = 8
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(k for k in range(1, min(n, cap) + 1) if n % k == 0)
+
+
+def split_sizes(pages_per_seq: int) -> tuple[int, int]:
+    """(k_splits, pages_per_compute_block): the kernel needs k_splits | pages_per_seq and
+    pages_per_compute_block | pages_per_seq / k_splits."""
+    k_splits = _largest_divisor_at_most(pages_per_seq, MAX_K_SPLITS)
+    per_partition = pages_per_seq // k_splits
+    return k_splits, _largest_divisor_at_most(per_partition, MAX_PAGES_PER_COMPUTE_BLOCK)
+
+
+def decode_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+                     cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float, soft_cap: float | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """The kernel on a step whose live sequences carry at most one token each (their last token is taken) ->
+    [T, Hq, D], zeros for tokens of no live sequence."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    t, hq, d = q.shape
+    num_pages, page_size, kv2, _ = kv_pages.shape
+    hkv = kv2 // 2
+    s, pps = page_indices.shape
+    live = (jnp.arange(s, dtype=jnp.int32) < num_seqs[0]) & (cu_q_lens[1:] > cu_q_lens[:-1])
+    tok = jnp.clip(cu_q_lens[1:] - 1, 0, t - 1)                               # each sequence's last token
+    lens = jnp.where(live, kv_lens, 0)                                        # 0: the kernel skips the row
+    pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
+    kv = jnp.take(kv_pages, pages, axis=0, mode="clip").reshape(s * pps, page_size, hkv, 2, d)
+    k_pages = kv[:, :, :, 0].transpose(2, 0, 1, 3)                            # [Hkv, S*pps, page_size, D]
+    v_pages = kv[:, :, :, 1].transpose(2, 0, 1, 3)
+    tables = jnp.arange(s * pps, dtype=jnp.int32).reshape(s, pps)
+    k_splits, per_block = split_sizes(pps)
+    q_s = (jnp.take(q, tok, axis=0).astype(jnp.float32) * sm_scale).astype(q.dtype)
+    o = gpu_paged.paged_attention(q_s, k_pages, v_pages, tables, lens, block_h=BLOCK_H,
+                                  pages_per_compute_block=per_block, k_splits=k_splits, interpret=interpret,
+                                  attn_logits_soft_cap=soft_cap)
+    dest = jnp.where(live, tok, t)                                            # t: dropped
+    return jnp.zeros_like(q).at[dest].set(o.astype(q.dtype), mode="drop")
+
+
+def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+                           cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           interpret: bool = False) -> jax.Array:
+    """The contract's attention (see the package docstring) on GPU: Pallas paged attention when every live
+    sequence has one token, XLA otherwise. `interpret=True` runs the kernel in Pallas interpret mode (tests)."""
+    xla.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    xla.check_options(sliding_window, soft_cap)
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+
+    def mixed(*a: Any) -> jax.Array:
+        return xla.ragged_paged_attention(*a, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
+    if sliding_window is not None:
+        return mixed(*args)
+
+    def decode(*a: Any) -> jax.Array:
+        return decode_attention(*a, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret)
+
+    s = page_indices.shape[0]
+    live = jnp.arange(s, dtype=jnp.int32) < num_seqs[0]
+    longest = jnp.max(jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0))
+    return jax.lax.cond(longest <= 1, decode, mixed, *args)
