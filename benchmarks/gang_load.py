@@ -2,14 +2,17 @@
 
 - per host: each host's bytes read, seconds and GB/s during bring-up, versus a raw sequential read of
   the same number of bytes from the same shard files (`os.read` in 16 MiB blocks, warm page cache; the
-  median of 3 reads, taken after the gang has stopped);
+  median of 3 reads, taken after the gang has stopped). Two peers: every host's raw read run at the same
+  time, one process per host (the condition the hosts read under here, where the simulated hosts share
+  one machine's cores and memory bandwidth; on a real cluster each host has its own), and one raw read
+  alone (the machine's single-stream figure);
 - whole gang: the slowest host's read and the bring-up's load phase (all hosts in parallel; the phase also
   builds the engine) versus one process with 4 devices reading the whole checkpoint for the same mesh shape.
 The mesh shards weights across hosts (fsdp=2 outermost) so each host reads only its part. The checkpoint
 is the one bring-up reads: the demo converted for the config's mesh, so on fsdp x tp its column-sharded
 tensors are stored split (format version 2) and each host reads its slices without copying them.
 
-    python benchmarks/gang_load.py [--mesh fsdp=2,tp=2] [--json]
+    python benchmarks/gang_load.py [--mesh fsdp=2,tp=2] [--starts 3] [--json]
 """
 
 from __future__ import annotations
@@ -64,6 +67,23 @@ def raw_read_gbps(files: list[str], nbytes: int) -> float:
     return (nbytes - max(left, 0)) / (time.perf_counter() - t0) / 1e9
 
 
+def _raw_read_worker(args: tuple) -> float:
+    files, nbytes, barrier = args
+    barrier.wait(timeout=60)
+    return raw_read_gbps(files, nbytes)
+
+
+def concurrent_raw_read_gbps(files: list[str], sizes: list[int]) -> list[float]:
+    """One process per host, each reading its byte count at the same time (after a barrier); GB/s per host."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    with ctx.Manager() as mgr:
+        barrier = mgr.Barrier(len(sizes))
+        with ctx.Pool(len(sizes)) as pool:
+            return pool.map(_raw_read_worker, [(files, n, barrier) for n in sizes])
+
+
 def peer(mesh: str) -> dict:
     import jax
 
@@ -87,6 +107,7 @@ def main() -> int:
     ap.add_argument("--mesh", default="fsdp=2,tp=2")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--starts", type=int, default=3, help="bring-ups to take the median of (default 3)")
     args = ap.parse_args()
     if args.peer:
         print(json.dumps(peer(args.mesh)))
@@ -108,18 +129,29 @@ def main() -> int:
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(num_cpus=2, _temp_dir=f"/tmp/rdl-{os.getpid()}", include_dashboard=False, log_to_driver=False)
+    starts = []
     try:
-        g = start_gang(cfg, checkpoint_path=path)
-        st = g.wait_ready(1800)
-        g.shutdown()
+        for _ in range(args.starts):
+            g = start_gang(cfg, checkpoint_path=path)
+            starts.append(g.wait_ready(1800))
+            g.shutdown()
     finally:
         ray.shutdown()
+    # a host reads for ~0.1 s here, so one bring-up's figure is mostly noise: per rank, the bring-up with its
+    # median read time
+    st = dict(starts[0])
+    st["hosts"] = [sorted((s["hosts"][r] for s in starts), key=lambda h: h["load"]["seconds"])[len(starts) // 2]
+                   for r in range(len(starts[0]["hosts"]))]
+    st["phase_s"] = {"load_s": statistics.median(s["phase_s"]["load_s"] for s in starts)}
+    sizes = [int(h["load"]["bytes_read"]) for h in st["hosts"]]
+    together = [statistics.median(col) for col in zip(*(concurrent_raw_read_gbps(files, sizes) for _ in range(3)))]
     hosts = []
-    for h in st["hosts"]:
+    for h, raw_together in zip(st["hosts"], together):
         ld = h["load"]
         hosts.append({"rank": h["rank"], "bytes_read": ld["bytes_read"], "seconds": ld["seconds"], "gbps": ld["gbps"],
                       # median of 3: one raw read on a shared machine swung 1-5 GB/s
-                      "raw_read_gbps": statistics.median(raw_read_gbps(files, int(ld["bytes_read"])) for _ in range(3))})
+                      "raw_read_gbps": statistics.median(raw_read_gbps(files, int(ld["bytes_read"])) for _ in range(3)),
+                      "raw_read_together_gbps": raw_together})
     total = sum(os.path.getsize(f) for f in files)
     out = {"mesh": args.mesh, "checkpoint": str(path), "checkpoint_bytes": total, "hosts": hosts, "gang_load_phase_s": st["phase_s"]["load_s"],
            "gang_read_s": max(h["seconds"] for h in hosts), "one_process": one}
@@ -129,8 +161,9 @@ def main() -> int:
     print(f"checkpoint {total / 1e6:.0f} MB ({Path(path).name}), mesh {args.mesh}")
     for h in hosts:
         print(f"host {h['rank']}: read {h['bytes_read'] / 1e6:.0f} MB in {h['seconds']:.3f} s = {h['gbps']:.2f} GB/s "
-              f"(raw sequential read of the same bytes: {h['raw_read_gbps']:.2f} GB/s; "
-              f"ratio {h['gbps'] / h['raw_read_gbps']:.2f}x, target >= 0.8x)")
+              f"(raw read of the same bytes with every host reading at once: {h['raw_read_together_gbps']:.2f} GB/s, "
+              f"ratio {h['gbps'] / h['raw_read_together_gbps']:.2f}x, target >= 0.8x; "
+              f"alone: {h['raw_read_gbps']:.2f} GB/s, ratio {h['gbps'] / h['raw_read_gbps']:.2f}x)")
     print(f"whole gang: slowest host's read {out['gang_read_s']:.2f} s, load phase (read + engine build) "
           f"{out['gang_load_phase_s']:.2f} s; one process reading everything "
           f"{one['seconds']:.2f} s ({one['bytes_read'] / 1e6:.0f} MB, {one['gbps']:.2f} GB/s)")
