@@ -10,7 +10,7 @@ import pytest
 
 from raydeploy.engine.local import LocalRunner
 from raydeploy.engine.request import GenerationRequest, TokenEvent
-from raydeploy.engine.scheduler import QueueFullError, Scheduler
+from raydeploy.engine.scheduler import Paging, QueueFullError, Scheduler
 from raydeploy.engine.step import StepPlan, StepResult
 
 EOS = 2
@@ -248,3 +248,309 @@ def test_decode_steps_group_tokens_but_not_first_tokens_or_past_the_end():
     out = collect(LocalRunner(eng, sched), req("c", prompt=tuple(range(100, 112)), max_tokens=50))
     assert out["c"].token_ids == list(range(112, 116)) and out["c"].finish_reason == "length"
     assert [p.decode_steps for p in eng.plans if p.decode] == [1, 3]
+
+
+# -- the paged form ---------------------------------------------------------------------------------------------
+# `PagedTokenEngine` is a paged KV cache whose "K/V" are the token ids themselves: a step writes each new input
+# token into the page its slot's row names, and a sampled token is a function of the whole sequence READ BACK
+# FROM THE PAGES. A wrong, stale or overwritten page therefore changes the tokens, and the expected tokens of a
+# request are those of `alone(prompt, n)`, computed without any paging. It also checks the plan rules the
+# real engine checks (one seq per slot, the token budget per dp group, page rows covering every write, multi-step
+# plans of decode rows only, sampling on the first chunk).
+
+V = 1000
+
+
+def next_token(seq) -> int:
+    return 3 + sum((i + 1) * int(t) for i, t in enumerate(seq)) % (V - 3)  # never eos (2)
+
+
+def alone(prompt, n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(next_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+class PagedTokenEngine:
+    def __init__(self, max_slots=4, groups=2, page_size=4, pages_per_group=32, max_seq_len=64, step_tokens=16):
+        self.max_slots, self.groups, self.page_size = max_slots, groups, page_size
+        self.pages_per_group, self.max_seq_len, self.max_step_tokens = pages_per_group, max_seq_len, step_tokens
+        self.slots_per_group = max_slots // groups
+        self.max_pages_per_seq = -(-max_seq_len // page_size)
+        self.slot_order = [g * self.slots_per_group + r for r in range(self.slots_per_group) for g in range(groups)]
+        self.eos_ids = (EOS,)
+        self.pool = np.full((groups, pages_per_group, page_size), -1, np.int64)
+        self.table = np.full((max_slots, self.max_pages_per_seq), -1, np.int64)
+        self.last = np.zeros(max_slots, np.int64)
+        self.started = np.zeros(max_slots, bool)
+        self.plans: list[StepPlan] = []
+        self.writes: list[tuple[int, int]] = []  # (group, page) written, in order
+
+    def _addr(self, slot: int, pos: int) -> tuple[int, int, int]:
+        page = int(self.table[slot, pos // self.page_size])
+        assert page >= 0, f"slot {slot} writes or reads position {pos} with no page in its row"
+        return slot // self.slots_per_group, page, pos % self.page_size
+
+    def _read(self, slot: int, n: int) -> list[int]:
+        out = []
+        for pos in range(n):
+            g, p, o = self._addr(slot, pos)
+            out.append(int(self.pool[g, p, o]))
+        return out
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        assert not plan.prefills and not plan.decode, "paged plans use seqs"
+        for s in plan.release:
+            self.table[s] = -1
+            self.started[s] = False
+        for u in plan.pages:
+            assert 0 <= u.first and u.first + len(u.pages) <= self.max_pages_per_seq
+            assert all(0 <= int(p) < self.pages_per_group for p in u.pages)
+            self.table[u.slot, u.first:u.first + len(u.pages)] = u.pages
+        slots = [q.slot for q in plan.seqs]
+        assert len(slots) == len(set(slots)), "one seq per slot"
+        per_group = np.zeros(self.groups, int)
+        for q in plan.seqs:
+            per_group[q.slot // self.slots_per_group] += q.num_tokens
+            if q.sampling is not None:
+                self.started[q.slot] = True
+            assert self.started[q.slot], f"slot {q.slot} runs before its first chunk carried sampling"
+            if plan.decode_steps > 1:
+                assert len(q.tokens) == 0 and q.sample
+        assert per_group.max(initial=0) <= self.max_step_tokens, per_group
+        tokens = np.zeros((plan.decode_steps, len(plan.seqs)), np.int32)
+        for k in range(plan.decode_steps):
+            for i, q in enumerate(plan.seqs):
+                new = list(q.tokens) if len(q.tokens) else [int(self.last[q.slot])]
+                start = q.start + k
+                assert start + len(new) <= self.max_seq_len
+                for j, t in enumerate(new):
+                    g, p, o = self._addr(q.slot, start + j)
+                    self.pool[g, p, o] = t
+                    self.writes.append((g, p))
+                if q.sample:
+                    tokens[k, i] = self.last[q.slot] = next_token(self._read(q.slot, start + len(new)))
+        return StepResult(plan.step_id, tokens=tokens, logprobs=np.full(tokens.shape, -0.5, np.float32))
+
+
+def paged(eng: PagedTokenEngine, max_queue=16, decode_steps=1, prefix_caching=True, clock=None) -> Scheduler:
+    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, prefix_caching)
+    return Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, max_queue, [], clock=clock or Clock(),
+                     slot_order=eng.slot_order, decode_steps=decode_steps, paging=paging)
+
+
+def prompt_of(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(3 + (seed * 131 + 7 * i) % 900 for i in range(n))
+
+
+def test_paged_tokens_equal_each_request_run_alone():
+    eng = PagedTokenEngine()
+    sched = paged(eng, decode_steps=3)
+    reqs = [req(f"r{i}", prompt=prompt_of(3 + 7 * i, i), max_tokens=5 + i) for i in range(6)]
+    outs = collect(LocalRunner(eng, sched), *reqs)
+    for r in reqs:
+        assert outs[r.request_id].token_ids == alone(r.prompt_token_ids, r.max_tokens)
+        assert outs[r.request_id].finish_reason == "length"
+    assert outs["r0"].logprobs[0] == -0.5
+    st = sched.stats()
+    assert st["pages_used"] == 0 and st["pages_reserved"] == 0 and st["slots_in_use"] == 0
+    assert st["prefills"] == 6 and st["tokens_generated"] == sum(r.max_tokens for r in reqs)
+
+
+def test_chunked_prefill_rides_with_decode_rows_within_the_token_budget():
+    eng = PagedTokenEngine(max_slots=2, groups=1, step_tokens=8)
+    sched = paged(eng)
+    runner = LocalRunner(eng, sched)
+    a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=12))
+    runner.step_once()
+    long_prompt = prompt_of(30, 2)
+    b = runner.submit(req("b", prompt=long_prompt, max_tokens=2))
+    runner.run_until_idle()
+    assert a.result(5).token_ids == alone(prompt_of(3, 1), 12)
+    assert b.result(5).token_ids == alone(long_prompt, 2)
+    b_steps = [(p, q) for p in eng.plans for q in p.seqs if q.slot == 1]
+    chunks = [q for _, q in b_steps if len(q.tokens)]
+    # a decodes in every step while b's 30 prompt tokens go in chunks of 7 (8 minus a's decode row)
+    assert [len(q.tokens) for q in chunks] == [7, 7, 7, 7, 2]
+    assert [q.start for q in chunks] == [0, 7, 14, 21, 28]
+    assert [q.sample for q in chunks] == [False] * 4 + [True]
+    assert chunks[0].sampling is not None and all(q.sampling is None for q in chunks[1:])
+    for p, _ in b_steps[:5]:
+        assert any(x.slot == 0 and len(x.tokens) == 0 for x in p.seqs), "a's decode row rides in every step"
+
+
+def test_many_arriving_prompts_prefill_together_on_the_group_that_owns_their_slot():
+    eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
+    sched = paged(eng)
+    reqs = [req(f"r{i}", prompt=prompt_of(5, i), max_tokens=3) for i in range(4)]
+    outs = collect(LocalRunner(eng, sched), *reqs)
+    first = eng.plans[0]  # all four prompts in the first step, two on each dp group, each only there
+    assert [q.slot for q in first.seqs] == [0, 2, 1, 3] and all(q.sample and q.start == 0 for q in first.seqs)
+    assert sorted(u.slot for u in first.pages) == [0, 1, 2, 3]
+    assert sorted(g for g, _ in eng.writes[:20]) == [0] * 10 + [1] * 10
+    for r in reqs:
+        assert outs[r.request_id].token_ids == alone(r.prompt_token_ids, 3)
+
+
+def test_prefix_cache_reuses_full_pages_and_starts_after_them():
+    eng = PagedTokenEngine(max_slots=2, groups=1)
+    sched = paged(eng)
+    system = prompt_of(18, 5)  # 4 full pages of 4 + 2 tokens
+    first = req("a", prompt=system + (11, 12), max_tokens=4)
+    runner = LocalRunner(eng, sched)
+    assert collect(runner, first)["a"].token_ids == alone(first.prompt_token_ids, 4)
+    n_plans = len(eng.plans)
+    a_row = [int(p) for pl in eng.plans for u in pl.pages for p in u.pages]
+    second = req("b", prompt=system + (21, 22, 23), max_tokens=4)
+    assert collect(runner, second)["b"].token_ids == alone(second.prompt_token_ids, 4)
+    q = eng.plans[n_plans].seqs[0]
+    assert q.start == 16 and list(q.tokens) == list(system[16:]) + [21, 22, 23]  # 4 pages reused
+    assert list(q.prefix_tokens) == list(system[:16]) and q.sampling is not None
+    row = [int(p) for p in eng.plans[n_plans].pages[0].pages]
+    assert row[:4] == a_row[:4] and row[4] != a_row[4]  # a's 5th page holds a's tokens 16-19: b has its own
+    st = sched.stats()
+    assert st["prefix_cache_hits"] == 4 and st["prefix_cache_misses"] == 4 + 1 and st["prefix_hit_tokens"] == 16
+    assert st["prefill_tokens"] == 20 + 5
+
+
+def test_divergence_mid_page_recomputes_that_page_and_leaves_the_cached_one_intact():
+    eng = PagedTokenEngine(max_slots=2, groups=1)
+    sched = paged(eng)
+    base = prompt_of(17, 9)
+    runner = LocalRunner(eng, sched)
+    a = runner.submit(req("a", prompt=base, max_tokens=20))  # stays running while b diverges from it
+    runner.step_once()
+    runner.step_once()
+    diverged = base[:6] + (999,) + base[7:]  # differs at position 6, inside page 1
+    b = runner.submit(req("b", prompt=diverged, max_tokens=6))
+    runner.run_until_idle()
+    assert a.result(5).token_ids == alone(base, 20)
+    assert b.result(5).token_ids == alone(diverged, 6)
+    b_first = next(q for p in eng.plans for q in p.seqs if q.slot == 1)
+    assert b_first.start == 4  # only page 0 is shared; page 1 is b's own and recomputed from position 4
+    # a third request with a's prompt still finds all of a's pages intact
+    n_plans = len(eng.plans)
+    c = req("c", prompt=base, max_tokens=3)
+    assert collect(runner, c)["c"].token_ids == alone(base, 3)
+    assert eng.plans[n_plans].seqs[0].start == 16
+
+
+def test_prefix_caching_off_reuses_nothing():
+    eng = PagedTokenEngine(max_slots=2, groups=1)
+    sched = paged(eng, prefix_caching=False)
+    p = prompt_of(20, 3)
+    runner = LocalRunner(eng, sched)
+    outs = collect(runner, req("a", prompt=p, max_tokens=2))
+    outs.update(collect(runner, req("b", prompt=p, max_tokens=2)))
+    assert outs["a"].token_ids == outs["b"].token_ids == alone(p, 2)
+    assert [q.start for pl in eng.plans for q in pl.seqs if q.sampling is not None] == [0, 0]
+    st = sched.stats()
+    assert st["prefix_cache_hits"] == 0 and st["prefix_cache_misses"] == 0 and st["pages_cached_idle"] == 0
+
+
+def test_exhausted_pool_queues_requests_that_complete_later_unchanged():
+    # 8 pages of 4 tokens: each request below reserves 4 pages (prompt 6 + 10 new), so two run at a time
+    eng = PagedTokenEngine(max_slots=4, groups=1, pages_per_group=8, max_seq_len=32)
+    sched = paged(eng)
+    reqs = [req(f"r{i}", prompt=prompt_of(6, 20 + i), max_tokens=10) for i in range(4)]
+    runner = LocalRunner(eng, sched)
+    streams = [runner.submit(r) for r in reqs]
+    runner.step_once()
+    assert sched.slots_in_use == 2 and sched.queue_depth == 2  # slots are free, pages are not
+    assert sched.stats()["pages_reserved"] + sched.stats()["pages_used"] == 8
+    runner.run_until_idle()
+    for r, s in zip(reqs, streams, strict=True):
+        out = s.result(5)
+        assert out.token_ids == alone(r.prompt_token_ids, 10) and out.finish_reason == "length"
+    assert max(sum(1 for q in p.seqs) for p in eng.plans) == 2
+    st = sched.stats()
+    assert st["pages_used"] == 0 and st["pages_reserved"] == 0
+
+
+def test_request_that_can_never_fit_the_pool_is_refused_with_the_reason():
+    eng = PagedTokenEngine(max_slots=2, groups=1, pages_per_group=4, max_seq_len=64)
+    sched = paged(eng)
+    with pytest.raises(ValueError, match=r"request big: needs up to 5 KV pages of 4 tokens \(prompt 10 \+ max_tokens "
+                                          r"10\), more than the 4 pages of a dp group's pool \(engine.num_pages\)"):
+        sched.submit(req("big", prompt=prompt_of(10, 1), max_tokens=10), lambda e: None)
+    with pytest.raises(ValueError, match=r"prompt has 64 tokens, more than the 63 this engine accepts \(max_seq_len "
+                                          r"64, at least one token"):
+        sched.submit(req("long", prompt=prompt_of(64, 1)), lambda e: None)
+    assert sched.queue_depth == 0
+
+
+def test_abort_and_stop_return_pages_and_keep_computed_full_pages_cached():
+    eng = PagedTokenEngine(max_slots=2, groups=1, step_tokens=8)
+    sched = paged(eng)
+    runner = LocalRunner(eng, sched)
+    p = prompt_of(20, 4)
+    a = runner.submit(req("a", prompt=p, max_tokens=50))
+    runner.step_once()  # 8 prompt tokens computed: pages 0 and 1 full
+    assert sched.stats()["pages_reserved"] > 0
+    assert sched.abort("a") is True
+    assert a.result(5).finish_reason == "abort"
+    st = sched.stats()
+    assert st["pages_used"] == 0 and st["pages_reserved"] == 0 and st["pages_cached_idle"] == 2
+    nxt = sched.next_plan()
+    assert nxt is not None and nxt.release == (0,) and not nxt.seqs
+    sched.on_result(nxt, eng.step(nxt))
+    # a stop token ends a request and frees its pages
+    stop_at = alone(p, 3)[2]
+    assert stop_at not in alone(p, 2)
+    n_plans = len(eng.plans)
+    out = collect(runner, req("b", prompt=p, max_tokens=10, stop_token_ids=(stop_at,)))["b"]
+    assert out.token_ids == alone(p, 2) and out.finish_reason == "stop"
+    assert eng.plans[n_plans].seqs[0].start == 8  # the 2 pages a computed before its abort are reused
+    assert sched.stats()["pages_used"] == 0 and sched.stats()["prefix_cache_hits"] == 2
+
+
+def test_fail_all_forgets_the_prefix_cache_and_releases_every_slot():
+    eng = PagedTokenEngine(max_slots=2, groups=1)
+    sched = paged(eng)
+    runner = LocalRunner(eng, sched)
+    p = prompt_of(12, 6)
+    collect(runner, req("a", prompt=p, max_tokens=2))
+    b = runner.submit(req("b", prompt=p, max_tokens=30))
+    runner.step_once()
+    sched.fail_all("host 1 died", retriable=True)
+    assert b.result(5).finish_reason == "error"
+    st = sched.stats()
+    assert st["pages_used"] == 0 and st["pages_cached_idle"] == 0 and st["pages_free"] == eng.pages_per_group
+    plan = sched.next_plan()
+    assert plan is not None and plan.release == (0, 1)
+
+
+def test_paged_multi_step_decode_stays_within_reservations_and_max_seq_len():
+    eng = PagedTokenEngine(max_slots=2, groups=1, max_seq_len=24)
+    sched = paged(eng, decode_steps=4)
+    reqs = [req("a", prompt=prompt_of(5, 1), max_tokens=9), req("b", prompt=prompt_of(17, 2), max_tokens=50)]
+    outs = collect(LocalRunner(eng, sched), *reqs)
+    assert outs["a"].token_ids == alone(reqs[0].prompt_token_ids, 9)
+    assert outs["b"].token_ids == alone(reqs[1].prompt_token_ids, 7) and outs["b"].finish_reason == "length"
+    assert 4 in [p.decode_steps for p in eng.plans]
+    assert all(p.decode_steps == 1 for p in eng.plans if any(len(q.tokens) for q in p.seqs))
+
+
+def test_paging_checks_its_engine_figures():
+    with pytest.raises(ValueError, match="max_slots 4 does not divide over 3 dp groups"):
+        Scheduler(4, 64, (EOS,), 4, [], paging=Paging(4, 8, 3, 16))
+    with pytest.raises(ValueError, match=r"a step's 1 tokens per dp group \(engine.prefill_chunk\) cannot hold a "
+                                         r"decode row for each of the group's 2 slots"):
+        Scheduler(4, 64, (EOS,), 4, [], paging=Paging(4, 8, 2, 1))
+
+
+def test_for_engine_picks_the_paged_form_for_a_paged_engine():
+    from raydeploy.config import Config
+
+    eng = PagedTokenEngine()
+    sched = Scheduler.for_engine(eng, Config())
+    assert sched.paging == Paging(4, 32, 2, 16, True) and len(sched.pools) == 2
+    assert sched.max_prompt_len == 63
+
+    class SlotEngine:  # the slot engine's figures: no pages
+        max_slots, max_seq_len, eos_ids, slot_order = 2, 64, (EOS,), [0, 1]
+
+    assert Scheduler.for_engine(SlotEngine(), Config()).paging is None

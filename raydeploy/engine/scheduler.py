@@ -13,6 +13,18 @@ New requests join free slots between decode steps. A request's events: one per g
 - "abort" (after `abort`) and "error" (after `fail_all`, with `error` and `retriable`): `token_id=None`.
 `submit`, `abort` and `fail_all` may be called from other threads; sinks are called outside the lock and must
 not block (put into a queue).
+
+Two plan forms, chosen by the engine (`Scheduler.for_engine`):
+- slot form (`Engine`): whole prompts prefilled into slots, then decode of every running slot.
+- paged form (`PagedEngine`, `paging` set): one mixed step per plan. Each dp group has a page pool
+  (`raydeploy.engine.pages`); a request gets a slot (a page-table row) in one group and is prefilled only
+  there. Every plan carries the decode rows of all running streams plus prompt chunks up to the group's token
+  budget (`max_step_tokens`), in arrival order, so a long prompt never stalls running streams and many
+  arriving prompts prefill together. A prompt whose full pages are in the group's prefix cache starts after
+  them with those pages shared in its table. Admission reserves every page a request may need (prompt +
+  max_tokens within max_seq_len), so a running request never runs out of pages: a request waits in the queue
+  (first come, first served) until its pages fit, and one that could never fit a whole pool is refused at
+  submit. Page-table changes travel in the plan (`StepPlan.pages`), so every host holds the same tables.
 """
 
 from __future__ import annotations
@@ -26,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from raydeploy.engine.pages import PagePool, SequencePages
 from raydeploy.engine.request import FinishReason, GenerationRequest, TokenEvent
-from raydeploy.engine.step import PrefillItem, StepPlan, StepResult
+from raydeploy.engine.step import PageUpdate, PrefillItem, SeqStep, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from raydeploy.config import Config
@@ -47,6 +60,31 @@ class QueueFullError(RuntimeError):
         return (QueueFullError, (self.queue_depth, self.max_queue))
 
 
+@dataclass(frozen=True)
+class Paging:
+    """What the paged form needs to know about the engine's KV pages."""
+
+    page_size: int
+    """Tokens per page."""
+    pages_per_group: int
+    """Pages in each dp group's pool."""
+    groups: int
+    """dp groups; slot s belongs to group s // (max_slots // groups)."""
+    max_step_tokens: int
+    """Most tokens one step computes per dp group (prompt chunks plus one per decode row)."""
+    prefix_caching: bool = True
+    """Reuse cached full pages of matching prompt prefixes."""
+
+
+@dataclass
+class _Queued:
+    req: GenerationRequest
+    sink: Sink
+    submitted_s: float
+    keys: list[bytes] | None = None
+    """Paged form: the prompt's prefix keys, computed once."""
+
+
 @dataclass
 class _Running:
     req: GenerationRequest
@@ -56,15 +94,26 @@ class _Running:
     generated: int = 0
     first_token_s: float | None = None
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    # paged form
+    pages: SequencePages | None = None
+    tokens: list[int] = field(default_factory=list)
+    """Prompt and emitted tokens (position i holds tokens[i])."""
+    computed: int = 0
+    """Positions whose K/V is in the slot's pages: prefill progress, then len(tokens) - 1 while decoding."""
+    cap: int = 0
+    """Positions this request's reservation covers."""
+    started: bool = False
+    """Its first chunk was planned (the engine has its sampling parameters)."""
 
 
 class Scheduler:
-    """Queue + slot table. Thread-safe; the step loop itself (next_plan/on_result) runs in one thread."""
+    """Queue + slot table (+ page pools in the paged form). Thread-safe; the step loop itself
+    (next_plan/on_result) runs in one thread."""
 
     def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int,
                  prefill_buckets: Sequence[int], clock: Callable[[], float] = time.monotonic,
                  max_prefills_per_step: int | None = None, slot_order: Sequence[int] | None = None,
-                 decode_steps: int = 1) -> None:
+                 decode_steps: int = 1, paging: Paging | None = None) -> None:
         self.max_slots = max_slots
         self.slot_order = list(range(max_slots)) if slot_order is None else [int(s) for s in slot_order]
         if sorted(self.slot_order) != list(range(max_slots)):
@@ -77,34 +126,67 @@ class Scheduler:
         self.clock = clock
         self.max_prefills_per_step = max_prefills_per_step or max_slots
         self.decode_steps = decode_steps
+        self.paging = paging
+        self.pools: list[PagePool] = []
+        if paging is not None:
+            self._check_paging(paging)
+            self.max_prompt_len = max_seq_len - 1
+            self.pools = [PagePool(paging.pages_per_group, paging.page_size, g) for g in range(paging.groups)]
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._queue: deque[tuple[GenerationRequest, Sink, float]] = deque()
+        self._queue: deque[_Queued] = deque()
         self._slots: list[_Running | None] = [None] * max_slots
         self._release: list[int] = []
         self._inflight: dict[int, tuple[list[int], list[int]]] = {}  # step_id -> (prefill slots, decode slots)
+        self._paged_inflight: dict[int, list[tuple[int, _Running]]] = {}  # step_id -> (slot, request) per seq
+        self._prefilling: list[int] = []  # paged: slots whose prompt is not fully computed, in arrival order
         self._step_id = 0
         # counters
         self.steps = 0
         self.tokens_generated = 0
         self.prefills = 0
+        self.prefill_tokens = 0
+        """Paged form: prompt tokens computed (prefix-cache hits excluded)."""
+        self.prefix_hit_tokens = 0
+        """Paged form: prompt tokens not computed because their pages were in the prefix cache."""
         self.ttft_s: deque[float] = deque(maxlen=256)
         """Recent times from submit to first token (seconds), for metrics."""
 
+    def _check_paging(self, p: Paging) -> None:
+        if p.groups < 1 or self.max_slots % p.groups:
+            raise ValueError(f"paging: max_slots {self.max_slots} does not divide over {p.groups} dp groups")
+        if p.max_step_tokens < self.max_slots // p.groups:
+            raise ValueError(f"paging: a step's {p.max_step_tokens} tokens per dp group (engine.prefill_chunk) "
+                             f"cannot hold a decode row for each of the group's {self.max_slots // p.groups} slots")
+
     @classmethod
     def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic) -> Scheduler:
-        """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids, the order to fill slots in) with the
-        config's queue and buckets."""
+        """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids, the order to fill slots in; pages
+        when the engine is paged) with the config's queue, buckets and decode steps."""
+        paging = None
+        if hasattr(engine, "pages_per_group"):
+            paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
+                            cfg.engine.prefix_caching)
         return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
                    cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order,
-                   decode_steps=cfg.engine.decode_steps)
+                   decode_steps=cfg.engine.decode_steps, paging=paging)
 
     def stats(self) -> dict[str, Any]:
-        """Counters for metrics and /status."""
+        """Counters for metrics and /status (the paged form adds its pages and prefix cache, summed over the
+        dp groups: hits, misses and evictions count pages)."""
         ttft = sorted(self.ttft_s)
-        return {"queue_depth": self.queue_depth, "slots_in_use": self.slots_in_use, "max_slots": self.max_slots,
-                "steps": self.steps, "tokens_generated": self.tokens_generated, "prefills": self.prefills,
-                "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
+        out: dict[str, Any] = {
+            "queue_depth": self.queue_depth, "slots_in_use": self.slots_in_use, "max_slots": self.max_slots,
+            "steps": self.steps, "tokens_generated": self.tokens_generated, "prefills": self.prefills,
+            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
+        if self.paging is not None:
+            with self._lock:
+                for pool in self.pools:
+                    for k, v in pool.stats().items():
+                        out[k] = out.get(k, 0) + v
+            out["prefill_tokens"] = self.prefill_tokens
+            out["prefix_hit_tokens"] = self.prefix_hit_tokens
+        return out
 
     # -- counters
     @property
@@ -120,17 +202,31 @@ class Scheduler:
             return not self._queue and self.slots_in_use == 0 and not self._release
 
     # -- requests
+    def _reserve_for(self, prompt_len: int, max_tokens: int) -> int:
+        """Positions a paged request may write: its prompt, all but its last generated token, and the
+        positions a multi-step decode plan may run past a stop (within max_seq_len)."""
+        return min(prompt_len + max_tokens - 1 + max(self.decode_steps - 1, 0), self.max_seq_len)
+
     def validate(self, req: GenerationRequest) -> None:
         """Raise ValueError saying what is wrong with a request that can never run."""
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError(f"request {req.request_id}: prompt is empty (prompt_token_ids has no tokens)")
         if n > self.max_prompt_len:
+            limit = (f"largest prefill bucket {self.buckets[-1] if self.buckets else 'none'}, "
+                     if self.paging is None else "")
             raise ValueError(f"request {req.request_id}: prompt has {n} tokens, more than the {self.max_prompt_len} "
-                             f"this engine accepts (max_seq_len {self.max_seq_len}, largest prefill bucket "
-                             f"{self.buckets[-1] if self.buckets else 'none'}, at least one token must be generated)")
+                             f"this engine accepts (max_seq_len {self.max_seq_len}, {limit}at least one token must "
+                             f"be generated)")
         if req.max_tokens < 1:
             raise ValueError(f"request {req.request_id}: max_tokens must be >= 1, found {req.max_tokens}")
+        if self.paging is not None:
+            ps = self.paging.page_size
+            need = -(-self._reserve_for(n, req.max_tokens) // ps)
+            if need > self.paging.pages_per_group:
+                raise ValueError(f"request {req.request_id}: needs up to {need} KV pages of {ps} tokens (prompt {n} + "
+                                 f"max_tokens {req.max_tokens}), more than the {self.paging.pages_per_group} pages of a "
+                                 f"dp group's pool (engine.num_pages); lower max_tokens or shorten the prompt")
 
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
         """Queue a request; raises ValueError (never fits) or QueueFullError (try later)."""
@@ -138,17 +234,17 @@ class Scheduler:
         with self._lock:
             if len(self._queue) >= self.max_queue:
                 raise QueueFullError(len(self._queue), self.max_queue)
-            self._queue.append((req, sink, self.clock()))
+            self._queue.append(_Queued(req, sink, self.clock()))
             self._work.notify_all()
 
     def abort(self, request_id: str) -> bool:
         """Stop a queued or running request (its sink gets a final "abort" event); False if unknown."""
         events: list[tuple[Sink, TokenEvent]] = []
         with self._lock:
-            for i, (req, sink, _) in enumerate(self._queue):
-                if req.request_id == request_id:
+            for i, q in enumerate(self._queue):
+                if q.req.request_id == request_id:
                     del self._queue[i]
-                    events.append((sink, TokenEvent(request_id, None, index=0, finish_reason="abort")))
+                    events.append((q.sink, TokenEvent(request_id, None, index=0, finish_reason="abort")))
                     break
             else:
                 for slot, run in enumerate(self._slots):
@@ -164,17 +260,24 @@ class Scheduler:
         events: list[tuple[Sink, TokenEvent]] = []
         with self._lock:
             while self._queue:
-                req, sink, _ = self._queue.popleft()
-                events.append((sink, TokenEvent(req.request_id, None, finish_reason="error", error=error,
-                                                retriable=retriable)))
+                q = self._queue.popleft()
+                events.append((q.sink, TokenEvent(q.req.request_id, None, finish_reason="error", error=error,
+                                                  retriable=retriable)))
             for slot, run in enumerate(self._slots):
                 if run is not None:
                     events.append((run.sink, TokenEvent(run.req.request_id, None, index=run.generated,
                                                         finish_reason="error", error=error, retriable=retriable)))
+                    if run.pages is not None:
+                        run.pages.free()
                     self._slots[slot] = None
+            # The device cache is gone with the gang or no longer trusted: forget every cached prefix.
+            for pool in self.pools:
+                pool.clear_cache()
+            self._prefilling.clear()
             # The engine's slot table is gone with the gang, or it is cleared by these releases.
             self._release = [s for s in range(self.max_slots)]
             self._inflight.clear()
+            self._paged_inflight.clear()
             self._work.notify_all()
         self._emit(events)
 
@@ -189,16 +292,18 @@ class Scheduler:
     # -- the step loop
     def next_plan(self) -> StepPlan | None:
         """The next step: releases, prefills of queued requests into free slots, decode of running slots."""
+        if self.paging is not None:
+            return self._next_paged_plan(self.paging)
         with self._lock:
             prefills: list[PrefillItem] = []
             prefill_slots: list[int] = []
             free = [i for i in self.slot_order if self._slots[i] is None]
             while self._queue and free and len(prefills) < self.max_prefills_per_step:
-                req, sink, submitted = self._queue.popleft()
+                q = self._queue.popleft()
+                req = q.req
                 slot = free.pop(0)
-                self._slots[slot] = _Running(req, sink, len(req.prompt_token_ids), submitted,
-                                             stop_ids=frozenset(req.stop_token_ids)
-                                             | (frozenset() if req.ignore_eos else self.eos_ids))
+                self._slots[slot] = _Running(req, q.sink, len(req.prompt_token_ids), q.submitted_s,
+                                             stop_ids=self._stop_ids(req))
                 prefills.append(PrefillItem(slot, np.asarray(req.prompt_token_ids, np.int32), req.sampling))
                 prefill_slots.append(slot)
             decode_slots = [i for i, r in enumerate(self._slots) if r is not None]
@@ -214,6 +319,9 @@ class Scheduler:
             self._step_id += 1
             return plan
 
+    def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
+        return frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else self.eos_ids)
+
     def _decode_steps(self, prefilling: bool, decode_slots: list[int]) -> int:
         """Decode steps for the next plan: one while prompts are starting (their first token comes with the
         plan, so a long plan would delay it); otherwise `decode_steps`, but no more than the running requests
@@ -226,29 +334,188 @@ class Scheduler:
         wanted = max(r.req.max_tokens - r.generated for r in runs)
         return max(1, min(self.decode_steps, room, wanted))
 
+    # -- the paged form
+    def _next_paged_plan(self, p: Paging) -> StepPlan | None:
+        """Decode rows of every running stream, then prompt chunks (started prompts first, then queued requests
+        admitted while a slot, their pages and the group's token budget allow), then the page-table changes."""
+        with self._lock:
+            per_group = self.max_slots // p.groups
+            budget = [p.max_step_tokens] * p.groups
+            seqs: list[SeqStep] = []
+            entries: list[tuple[int, _Running]] = []
+            updates: list[PageUpdate] = []
+            decoding: list[tuple[int, _Running]] = []
+            for slot in self.slot_order:
+                run = self._slots[slot]
+                if run is not None and run.started and run.computed >= run.prompt_len:
+                    budget[slot // per_group] -= 1
+                    decoding.append((slot, run))
+            for slot in list(self._prefilling):
+                run = self._slots[slot]
+                assert run is not None
+                n = min(run.prompt_len - run.computed, budget[slot // per_group])
+                if n > 0:
+                    budget[slot // per_group] -= n
+                    seqs.append(self._chunk(slot, run, n, updates))
+                    entries.append((slot, run))
+            while self._queue:
+                placed = self._place(self._queue[0], p, budget)
+                if placed is None:
+                    break  # first come, first served: later requests wait behind the first that cannot start
+                q = self._queue.popleft()
+                slot, pages = placed
+                run = _Running(q.req, q.sink, len(q.req.prompt_token_ids), q.submitted_s,
+                               stop_ids=self._stop_ids(q.req), pages=pages, tokens=list(q.req.prompt_token_ids),
+                               computed=pages.shared * p.page_size,
+                               cap=self._reserve_for(len(q.req.prompt_token_ids), q.req.max_tokens))
+                self.prefix_hit_tokens += run.computed
+                self._slots[slot] = run
+                self._prefilling.append(slot)
+                n = min(run.prompt_len - run.computed, budget[slot // per_group])
+                budget[slot // per_group] -= n
+                seqs.append(self._chunk(slot, run, n, updates))
+                entries.append((slot, run))
+            steps = 1 if seqs else self._paged_decode_steps([r for _, r in decoding])
+            for slot, run in decoding:
+                self._grow(slot, run, run.computed + steps, updates)
+                seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True))
+                entries.append((slot, run))
+            release = tuple(self._release)
+            self._release = []
+            if not seqs and not release:
+                return None
+            plan = StepPlan(self._step_id, release=release, decode_steps=steps, seqs=tuple(seqs),
+                            pages=tuple(updates))
+            self._paged_inflight[plan.step_id] = entries
+            self._step_id += 1
+            return plan
+
+    def _place(self, q: _Queued, p: Paging, budget: list[int]) -> tuple[int, SequencePages] | None:
+        """A slot and pages for a queued request, or None if it cannot start in this step. Among the dp groups
+        with a free slot, room for its pages and token budget left, the one with the most cached prefix pages,
+        then the fewest running requests."""
+        req = q.req
+        per_group = self.max_slots // p.groups
+        if q.keys is None:
+            q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size) if p.prefix_caching else []
+        cap = self._reserve_for(len(req.prompt_token_ids), req.max_tokens)
+        best: tuple[tuple[int, int, int], int, int] | None = None
+        for slot in self.slot_order:
+            g = slot // per_group
+            if self._slots[slot] is not None or budget[g] <= 0 or (best is not None and best[1] == g):
+                continue
+            hit, fits = SequencePages.fits(self.pools[g], q.keys, cap)
+            if not fits:
+                continue
+            running = sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group])
+            rank = (hit, -running, -self.slot_order.index(slot))
+            if best is None or rank > best[0]:
+                best = (rank, g, slot)
+        if best is None:
+            return None
+        _, g, slot = best
+        pages = SequencePages.admit(self.pools[g], req.prompt_token_ids, cap, q.keys)
+        assert pages is not None  # `fits` said so, under the same lock
+        return slot, pages
+
+    def _grow(self, slot: int, run: _Running, positions: int, updates: list[PageUpdate]) -> None:
+        """Give `run` pages for `positions` positions (from its reservation); the new entries of its row go
+        into the plan. A first chunk sends the whole row, shared prefix pages included."""
+        assert run.pages is not None
+        before = len(run.pages.pages)
+        new = run.pages.grow(positions)
+        if not run.started:
+            updates.append(PageUpdate(slot, 0, np.asarray(run.pages.pages, np.int32)))
+        elif new:
+            updates.append(PageUpdate(slot, before, np.asarray(new, np.int32)))
+
+    def _chunk(self, slot: int, run: _Running, n: int, updates: list[PageUpdate]) -> SeqStep:
+        """The next `n` prompt tokens of `run` as a SeqStep (the first chunk carries sampling and the tokens
+        of the reused prefix, for the repetition penalty)."""
+        start = run.computed
+        self._grow(slot, run, start + n, updates)
+        first = not run.started
+        run.started = True
+        prompt = run.req.prompt_token_ids
+        return SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
+                       run.req.sampling if first else None,
+                       np.asarray(prompt[:start], np.int32) if first and start > 0 else None)
+
+    def _paged_decode_steps(self, runs: list[_Running]) -> int:
+        """Steps of a decode-only plan: `decode_steps`, but no more than the running requests still want and
+        never past a request's reserved positions (which include max_seq_len's bound)."""
+        if not runs:
+            return 1
+        room = min(r.cap - r.computed for r in runs)
+        wanted = max(r.req.max_tokens - r.generated for r in runs)
+        return max(1, min(self.decode_steps, room, wanted))
+
+    def _on_paged_result(self, plan: StepPlan, result: StepResult, events: list, now: float) -> None:
+        entries = self._paged_inflight.pop(plan.step_id, [])
+        if result.tokens is None:
+            raise ValueError(f"step {plan.step_id}: the engine returned no tokens for a paged plan")
+        if result.tokens.shape != (plan.decode_steps, len(entries)):
+            raise ValueError(f"step {plan.step_id}: tokens shaped {result.tokens.shape}, expected "
+                             f"{(plan.decode_steps, len(entries))} (decode_steps, sequences)")
+        lps = result.logprobs
+        for i, (seq, (slot, run)) in enumerate(zip(plan.seqs, entries, strict=True)):
+            n = int(np.asarray(seq.tokens).shape[0])
+            if n:  # a prompt chunk
+                if self._slots[slot] is not run:
+                    continue  # aborted (or failed) while the step ran
+                run.computed += n
+                self.prefill_tokens += n
+                if seq.sample:
+                    self._prefilling.remove(slot)
+                    self.prefills += 1
+                    run.first_token_s = now
+                    self.ttft_s.append(now - run.submitted_s)
+                    self._token(slot, int(result.tokens[0, i]), None if lps is None else float(lps[0, i]), events)
+                if self._slots[slot] is run:
+                    self._commit(run)
+                continue
+            for k in range(plan.decode_steps):  # tokens after a request finished are dropped
+                if self._slots[slot] is not run:
+                    break
+                run.computed += 1
+                self._token(slot, int(result.tokens[k, i]), None if lps is None else float(lps[k, i]), events)
+            if self._slots[slot] is run:
+                self._commit(run)
+
+    def _commit(self, run: _Running) -> None:
+        """Cache the request's pages that are now full and computed."""
+        if run.pages is not None and self.paging is not None and self.paging.prefix_caching:
+            run.pages.commit(run.tokens, run.computed)
+
     def on_result(self, plan: StepPlan, result: StepResult) -> None:
         """Turn a step's tokens into events; finish requests on stop tokens, max_tokens or max_seq_len."""
         events: list[tuple[Sink, TokenEvent]] = []
         now = self.clock()
         with self._lock:
-            prefill_slots, decode_slots = self._inflight.pop(plan.step_id, ([], []))
             self.steps += 1
-            self.prefills += len(prefill_slots)
-            for i, slot in enumerate(prefill_slots):
-                run = self._slots[slot]
-                if run is not None:
-                    run.first_token_s = now
-                    self.ttft_s.append(now - run.submitted_s)
-                    self._token(slot, int(result.prefill_tokens[i]), float(result.prefill_logprobs[i]), events)
-            if plan.decode and result.decode_tokens is not None:
-                for k in range(result.decode_tokens.shape[0]):  # tokens after a slot finished are dropped
-                    for slot in decode_slots:
-                        if self._slots[slot] is not None:
-                            lp = (float(result.decode_logprobs[k, slot]) if result.decode_logprobs is not None
-                                  else None)
-                            self._token(slot, int(result.decode_tokens[k, slot]), lp, events)
+            if plan.step_id in self._paged_inflight:
+                self._on_paged_result(plan, result, events, now)
+            else:
+                self._on_slot_result(plan, result, events, now)
             self._work.notify_all()
         self._emit(events)
+
+    def _on_slot_result(self, plan: StepPlan, result: StepResult, events: list, now: float) -> None:
+        prefill_slots, decode_slots = self._inflight.pop(plan.step_id, ([], []))
+        self.prefills += len(prefill_slots)
+        for i, slot in enumerate(prefill_slots):
+            run = self._slots[slot]
+            if run is not None:
+                run.first_token_s = now
+                self.ttft_s.append(now - run.submitted_s)
+                self._token(slot, int(result.prefill_tokens[i]), float(result.prefill_logprobs[i]), events)
+        if plan.decode and result.decode_tokens is not None:
+            for k in range(result.decode_tokens.shape[0]):  # tokens after a slot finished are dropped
+                for slot in decode_slots:
+                    if self._slots[slot] is not None:
+                        lp = (float(result.decode_logprobs[k, slot]) if result.decode_logprobs is not None
+                              else None)
+                        self._token(slot, int(result.decode_tokens[k, slot]), lp, events)
 
     # -- internals (lock held)
     def _token(self, slot: int, token: int, logprob: float | None, events: list) -> None:
@@ -259,23 +526,30 @@ class Scheduler:
             return
         run.generated += 1
         self.tokens_generated += 1
+        if run.pages is not None:
+            run.tokens.append(token)
         reason: FinishReason | None = None
         if run.generated >= run.req.max_tokens or run.prompt_len + run.generated >= self.max_seq_len:
             reason = "length"
         events.append((run.sink, TokenEvent(run.req.request_id, token, logprob, run.generated - 1, reason)))
         if reason is not None:
-            self._slots[slot] = None
-            self._release.append(slot)
+            self._finish(slot, reason)
 
     def _finish(self, slot: int, reason: FinishReason) -> TokenEvent:
+        """Take a request out of its slot: its slot is released in the next plan; in the paged form its
+        computed full pages are cached and every page and reservation goes back to the pool."""
         run = self._slots[slot]
         assert run is not None
         self._slots[slot] = None
         self._release.append(slot)
+        if run.pages is not None:
+            self._commit(run)
+            run.pages.free()
+            if slot in self._prefilling:
+                self._prefilling.remove(slot)
         return TokenEvent(run.req.request_id, None, index=run.generated, finish_reason=reason)
 
     @staticmethod
     def _emit(events: list[tuple[Sink, TokenEvent]]) -> None:
         for sink, ev in events:
             sink(ev)
-
