@@ -6,6 +6,13 @@ behind Ray Serve, streams chat completions with the official `openai` client, an
 step clock over the same windows. Writes a JSON of the figures and a PNG plot.
 
     .venv/bin/python benchmarks/serve_load.py [--rounds 2] [--max-tokens 64] [--out docs/serve_load]
+
+With `--replicas N` it compares gangs behind one endpoint instead, in one run: the same load (16 streams) on
+1 gang and on N gangs (each one host with one device), then, on the N gangs, a host of one gang killed while a
+client sends requests continuously: how many requests submitted after the failure succeeded, and how long the
+gang took to come back. Writes OUT.json (default docs/serve_replicas.json).
+
+    .venv/bin/python benchmarks/serve_load.py --replicas 2 [--max-tokens 32] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -94,13 +101,13 @@ def measure(serving, model: str, levels: list[int], rounds: int, max_tokens: int
     asyncio.run(_round(serving.url, None, model, 2, 8, temperature, 0))  # warm the HTTP path
     for c in levels:
         reqs, tokens, wall = [], 0, 0.0
-        before = serving.gang.status()["stats"]
+        before = serving.gangs.ready_gang().status()["stats"]
         for r in range(rounds):
             res, w = asyncio.run(_round(serving.url, None, model, c, max_tokens, temperature, r * c))
             reqs += res
             wall += w
             tokens += sum(x["tokens"] for x in res)
-        after = serving.gang.status()["stats"]
+        after = serving.gangs.ready_gang().status()["stats"]
         step_ms, steps = _window_step_ms(before, after)
         ttft = [x["ttft_s"] for x in reqs]
         tpot = [x["tpot_s"] for x in reqs]
@@ -117,6 +124,116 @@ def measure(serving, model: str, levels: list[int], rounds: int, max_tokens: int
     top = out["levels"][levels[-1]]
     out["speedup_top_vs_single"] = round(top["tokens_per_s"] / one["tokens_per_s"], 2)
     out["http_overhead_single_stream"] = round(one["tpot_ms"]["p50"] / one["engine_step_ms"] - 1.0, 4)
+    return out
+
+
+def _gang_requests(serving) -> dict[str, int]:
+    return {g["gang"]: (g.get("stats") or {}).get("requests_done", 0) for g in serving.gangs.status()["gangs"]}
+
+
+def measure_streams(serving, model: str, concurrency: int, rounds: int, max_tokens: int, temperature: float) -> dict:
+    """Aggregate output tokens/s of `concurrency` streams over every gang, and how the requests spread."""
+    asyncio.run(_round(serving.url, None, model, 2, 8, temperature, 0))  # warm the HTTP path
+    before = _gang_requests(serving)
+    tokens, wall, n = 0, 0.0, 0
+    for r in range(rounds):
+        res, w = asyncio.run(_round(serving.url, None, model, concurrency, max_tokens, temperature, r * concurrency))
+        tokens += sum(x["tokens"] for x in res)
+        wall += w
+        n += len(res)
+    after = _gang_requests(serving)
+    return {"concurrency": concurrency, "requests": n, "tokens": tokens, "wall_s": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 2),
+            "requests_per_gang": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+
+
+def failure_run(serving, model: str, max_tokens: int, after_s: float, ready_timeout_s: float) -> dict:
+    """A client sends requests continuously (2 at a time); a host of one gang is killed; returns the success
+    of the requests submitted after the kill (until `after_s` later) and the time to the gang's return."""
+    import signal
+    import threading
+
+    import httpx
+
+    sent: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=600) as c:
+            while not stop.is_set():
+                at = time.monotonic()
+                try:
+                    r = c.post(serving.url + "/v1/chat/completions", json={
+                        "model": model, "messages": [{"role": "user", "content": "Name a colour."}],
+                        "max_tokens": max_tokens, "temperature": 0})
+                    sent.append((at, r.status_code))
+                except httpx.HTTPError:
+                    sent.append((at, 0))
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 300
+        while len(sent) < 4:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the client got no answers before the kill")
+            time.sleep(0.1)
+        victim = serving.gangs.status()["gangs"][0]
+        pid = victim["host_status"][0]["pid"]
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(after_s)
+        window_end = time.monotonic()
+        back = serving.wait_ready(ready_timeout_s, count=len(serving.gangs.state()["gangs"]) or 1)
+        back_s = time.monotonic() - killed
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(600)
+    after = [status for at, status in sent if killed < at <= window_end]
+    return {"victim": victim["gang"], "requests_after_kill": len(after), "succeeded": after.count(200),
+            "success_pct": round(100.0 * after.count(200) / max(1, len(after)), 2),
+            "statuses_after_kill": {str(s): after.count(s) for s in sorted(set(after))},
+            "window_s": after_s, "ready_gangs_back_after_s": round(back_s, 1),
+            "ready_gangs_at_end": back["ready_gangs"]}
+
+
+def compare_replicas(args: argparse.Namespace) -> dict:
+    """1 gang, then `args.replicas` gangs, each one host with one device; the N-gang run also loses a host."""
+    import ray
+
+    from raydeploy.serve.run import connect_ray, start_serving
+
+    one_host = ["cluster.num_hosts=1", "cluster.devices_per_host=1", "mesh.axes={dp: 1}",
+                "cluster.heartbeat_timeout_s=5"]
+    out: dict = {"runs": {}}
+    connect_ray(None, temp_dir=f"/tmp/rdb-{os.getpid()}")
+    try:
+        for n in (1, args.replicas):
+            cfg = load_config(None, [*args.overrides, *one_host, f"replicas.min={n}", f"replicas.max={n}",
+                                     f"serving.port={_free_port()}"])
+            serving = start_serving(cfg, engine=args.engine)
+            try:
+                t0 = time.perf_counter()
+                serving.wait_ready(1800, count=n)
+                run = {"gangs": n, "ready_s": round(time.perf_counter() - t0, 1)}
+                run["load"] = measure_streams(serving, cfg.model.name or "model", 16, args.rounds, args.max_tokens,
+                                              args.temperature)
+                print(json.dumps(run), flush=True)
+                if n > 1:
+                    run["failure"] = failure_run(serving, cfg.model.name or "model", 8, args.failure_window_s, 1800)
+                    print(json.dumps(run["failure"]), flush=True)
+                out["runs"][n] = run
+            finally:
+                serving.shutdown()
+    finally:
+        ray.shutdown()
+    one, many = out["runs"][1]["load"], out["runs"][args.replicas]["load"]
+    out["tokens_per_s_ratio"] = round(many["tokens_per_s"] / one["tokens_per_s"], 3)
+    out["config_overrides"] = args.overrides
+    out["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    out["cpu_count"] = os.cpu_count()
     return out
 
 
@@ -168,8 +285,21 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append",
                    default=["model.max_seq_len=512", "engine.prefill_buckets=[64,512]", "engine.max_slots=16",
                             "engine.max_new_tokens=128", "serving.max_queue=64"])
-    p.add_argument("--out", default="docs/serve_load", help="writes OUT.json and OUT.png")
+    p.add_argument("--out", default=None, help="writes OUT.json and OUT.png (default docs/serve_load; with "
+                                               "--replicas docs/serve_replicas, JSON only)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="compare this many gangs (one 1-device host each) with one, and lose a host of one")
+    p.add_argument("--failure-window-s", type=float, default=60.0,
+                   help="with --replicas: seconds of requests counted after the host is killed")
     args = p.parse_args()
+    if args.replicas is not None:
+        if args.replicas < 2:
+            p.error(f"--replicas compares N >= 2 gangs with 1, found {args.replicas}")
+        res = compare_replicas(args)
+        out = Path(args.out or "docs/serve_replicas").with_suffix(".json")
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=2))
+        return 0
 
     import ray
 
@@ -191,7 +321,7 @@ def main() -> int:
         res["config_overrides"] = args.overrides
         res["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)  # other work on the machine skews figures
         res["cpu_count"] = os.cpu_count()
-        out = Path(args.out)
+        out = Path(args.out or "docs/serve_load")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
         plot(res, out.with_suffix(".png"))

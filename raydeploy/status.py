@@ -75,7 +75,9 @@ def get_status(base_url: str, api_key: str | None, timeout_s: float = DEFAULT_TI
 def format_status(info: dict[str, Any]) -> str:
     rb = info["ready_body"] if isinstance(info["ready_body"], dict) else {}
     lines = [f"url           {info['url']}",
-             f"ready         {'yes' if info['ready'] else 'no'} (gang state {rb.get('state', '?')})"]
+             f"ready         {'yes' if info['ready'] else 'no'} (gang state {rb.get('state', '?')}"
+             + (f", {rb['ready_gangs']} of {rb.get('total_gangs')} gang(s) ready)" if rb.get("ready_gangs") is not None
+                else ")")]
     st = info["status"]
     if info["status_error"]:
         lines.append(f"status        {info['status_error']}")
@@ -99,21 +101,35 @@ def format_status(info: dict[str, Any]) -> str:
         if engine:
             lines.append("engine        " + ", ".join(f"{k}={v}" for k, v in engine.items()
                                                       if not isinstance(v, dict | list)))
-        gang = st.get("gang") or {}
-        placement = gang.get("placement") or {}
-        if placement.get("slice"):
-            lines.append(f"placement     TPU slice {placement['slice']}, bundle per rank {placement.get('rank_bundle')} "
-                         f"(ranks follow TPU_WORKER_ID)")
-        for h in gang.get("host_status") or []:
-            if isinstance(h, dict):
-                lines.append("host          " + ", ".join(f"{k}={v}" for k, v in h.items()
-                                                          if not isinstance(v, dict | list)))
-        for row in gang.get("hosts") or []:
-            if isinstance(row, dict) and isinstance(row.get("programs"), dict):
-                p = row["programs"]
-                lines.append(f"programs      host {row.get('rank')}: {p.get('loaded', 0)} loaded from the compile "
-                             f"cache, {p.get('compiled', 0)} compiled")
+        summary = st.get("gang") or {}
+        listed = summary.get("gangs")
+        gangs: list[Any] = listed if isinstance(listed, list) else [summary]
+        for gang in gangs:
+            if not isinstance(gang, dict):
+                continue
+            if gang.get("gang"):
+                lines.append(f"gang          {gang['gang']}: {gang.get('state')}, restarts {gang.get('restarts')}, "
+                             f"last error {gang.get('last_error') or '-'}")
+            lines += _gang_lines(gang)
     return "\n".join(lines)
+
+
+def _gang_lines(gang: dict[str, Any]) -> list[str]:
+    lines = []
+    placement = gang.get("placement") or {}
+    if placement.get("slice"):
+        lines.append(f"placement     TPU slice {placement['slice']}, bundle per rank {placement.get('rank_bundle')} "
+                     f"(ranks follow TPU_WORKER_ID)")
+    for h in gang.get("host_status") or []:
+        if isinstance(h, dict):
+            lines.append("host          " + ", ".join(f"{k}={v}" for k, v in h.items()
+                                                      if not isinstance(v, dict | list)))
+    for row in gang.get("hosts") or []:
+        if isinstance(row, dict) and isinstance(row.get("programs"), dict):
+            p = row["programs"]
+            lines.append(f"programs      host {row.get('rank')}: {p.get('loaded', 0)} loaded from the compile "
+                         f"cache, {p.get('compiled', 0)} compiled")
+    return lines
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 `FakeBackend` implements raydeploy.serve.backend.Backend: it emits a fixed script of token ids one per
 `step_s`, honours max_tokens, eos, stop ids and abort, and can be switched to other gang states, made to
-fail mid-stream, or made to report a full queue.
+fail mid-stream, or made to report a full queue. With `capacity` it refuses requests beyond that many at
+once, as Serve's router does beyond the gangs' slots and its queue.
 """
 
 from __future__ import annotations
@@ -37,29 +38,31 @@ def tokenizer_dir() -> Path:
 
 
 class FakeBackend:
-    def __init__(self, script_ids: list[int], eos_id: int, step_s: float = 0.002) -> None:
+    def __init__(self, script_ids: list[int], eos_id: int, step_s: float = 0.002, capacity: int | None = None) -> None:
         self.script_ids = list(script_ids)
         self.eos_id = eos_id
         self.step_s = step_s
         self.gang_state = "ready"
         self.fail_after_tokens: int | None = None
         self.queue_full = False
-        self.refuse_next = 0
-        """Refuse this many submits with a full queue (a transient race), then accept."""
+        self.capacity = capacity
+        self.submits = 0
         self.active: dict[str, int] = {}
         self.aborted: list[str] = []
         self.requests: list[GenerationRequest] = []
         self.peak_active = 0
 
     async def state(self) -> dict[str, Any]:
-        return {"state": self.gang_state, "restarts": 0, "last_error": None}
+        ready = int(self.gang_state == "ready")
+        return {"state": self.gang_state, "restarts": 0, "last_error": None, "ready_gangs": ready, "total_gangs": 1,
+                "gangs": [{"gang": "fake-gang", "state": self.gang_state, "restarts": 0}]}
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
+        self.submits += 1
         if self.gang_state != "ready":
             raise ServiceUnavailable(f"the model gang is {self.gang_state}; retry shortly")
-        if self.queue_full or self.refuse_next > 0:
-            self.refuse_next = max(0, self.refuse_next - 1)
-            raise Overloaded("the request queue is full; retry shortly")
+        if self.queue_full or (self.capacity is not None and len(self.active) >= self.capacity):
+            raise Overloaded("every gang is busy and the request queue is full; retry shortly")
         self.requests.append(req)
         self.active[req.request_id] = 0
         self.peak_active = max(self.peak_active, len(self.active))
@@ -90,10 +93,12 @@ class FakeBackend:
         return self.active.pop(request_id, None) is not None
 
     async def stats(self) -> dict[str, Any]:
-        return {"slots_in_use": len(self.active), "queue_depth": 0, "steps": 0}
+        own = {"slots_in_use": len(self.active), "queue_depth": 0, "steps": 0}
+        return {**own, "gangs": {"fake-gang": own}}
 
     async def status(self) -> dict[str, Any]:
-        return {"state": self.gang_state, "hosts": [{"rank": 0, "rss_bytes": 1}, {"rank": 1, "rss_bytes": 1}]}
+        return {**await self.state(), "gangs": [{"gang": "fake-gang", "state": self.gang_state,
+                                                 "hosts": [{"rank": 0, "rss_bytes": 1}, {"rank": 1, "rss_bytes": 1}]}]}
 
 
 class ThreadedServer:

@@ -19,10 +19,15 @@ STATUS = {"status": "Ready", "state": "ready", "restarts": 1, "last_error": None
           "config": {"num_hosts": 2, "devices_per_host": 2}, "devices": 4, "process_count": 2,
           "mesh": {"dp": 2, "tp": 2}, "uptime_s": 12.5, "requests_served": 7,
           "serving": {"queue_capacity": 64, "admitted": 0}, "engine": {"steps": 120},
-          "gang": {"host_status": [{"rank": 0, "pid": 101}, {"rank": 1, "pid": 102}],
-                   "placement": {"slice": "slice-a", "rank_bundle": [1, 0]},
-                   "hosts": [{"rank": 0, "programs": {"loaded": 12, "compiled": 0}},
-                             {"rank": 1, "programs": {"loaded": 9, "compiled": 3}}]}}
+          "ready_gangs": 1, "total_gangs": 2,
+          "gang": {"state": "ready", "ready_gangs": 1, "total_gangs": 2, "gangs": [
+              {"gang": "raydeploy-gang-raydeploy-a1", "state": "ready", "restarts": 1, "last_error": None,
+               "host_status": [{"rank": 0, "pid": 101}, {"rank": 1, "pid": 102}],
+               "placement": {"slice": "slice-a", "rank_bundle": [1, 0]},
+               "hosts": [{"rank": 0, "programs": {"loaded": 12, "compiled": 0}},
+                         {"rank": 1, "programs": {"loaded": 9, "compiled": 3}}]},
+              {"gang": "raydeploy-gang-raydeploy-b2", "state": "restarting", "restarts": 0,
+               "last_error": "host 0 failed: RayActorError", "host_status": [{"rank": 0, "pid": 201}]}]}}
 
 
 def _server(ready: bool, key: str | None):
@@ -32,7 +37,7 @@ def _server(ready: bool, key: str | None):
         def do_GET(self) -> None:  # noqa: N802
             seen.append(self.headers.get("Authorization"))
             if self.path == "/ready":
-                code, body = (200, {"ready": True, "state": "ready"}) if ready else \
+                code, body = (200, {"ready": True, "state": "ready", "ready_gangs": 1, "total_gangs": 2}) if ready else \
                     (503, {"ready": False, "state": "loading"})
             elif self.path == "/status" and key and self.headers.get("Authorization") != f"Bearer {key}":
                 code, body = 401, {"error": {"message": "missing or invalid API key", "type": "authentication_error"}}
@@ -62,7 +67,10 @@ def test_ready_deployment(capsys: pytest.CaptureFixture) -> None:
     finally:
         srv.shutdown()
     out = capsys.readouterr().out
-    assert "ready         yes (gang state ready)" in out
+    assert "ready         yes (gang state ready, 1 of 2 gang(s) ready)" in out
+    assert "gang          raydeploy-gang-raydeploy-a1: ready, restarts 1, last error -" in out
+    assert "gang          raydeploy-gang-raydeploy-b2: restarting, restarts 0, last error host 0 failed" in out
+    assert "host          rank=0, pid=201" in out
     assert "state         ready, restarts 1" in out
     assert "{'dp': 2, 'tp': 2} over 4 device(s) in 2 process(es)" in out
     assert "host          rank=1, pid=102" in out

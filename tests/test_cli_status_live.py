@@ -53,7 +53,8 @@ def test_status_of_a_live_deployment(demo_checkpoint, capsys: pytest.CaptureFixt
         info = json.loads(capsys.readouterr().out)
         st = info["status"]
         assert info["ready"] and st["state"] == "ready" and st["process_count"] == 2 and st["devices"] == 2
-        assert len(st["gang"]["host_status"]) == 2
+        assert st["ready_gangs"] == 1 and len(st["gang"]["gangs"]) == 1
+        assert len(st["gang"]["gangs"][0]["host_status"]) == 2
         monkeypatch.delenv("RAYDEPLOY_API_KEY", raising=False)
         assert main(["status", url]) == 1
         assert "/status needs an API key" in capsys.readouterr().out

@@ -20,7 +20,7 @@ import pytest
 from raydeploy.config import load_config
 from raydeploy.engine.request import GenerationRequest
 from raydeploy.gang.gang import start_gang, stream_events
-from raydeploy.gang.toy import toy_expected_tokens
+from raydeploy.testing.toy import toy_expected_tokens
 
 pytestmark = pytest.mark.ray
 

@@ -184,7 +184,7 @@ def test_gather_phase_names_failed_and_missing_hosts():
 
 def test_coordinator_streams_events_and_fail_all_ends_requests():
     from raydeploy.gang.coordinator import Coordinator, GangUnavailableError
-    from raydeploy.gang.toy import ToyScheduler
+    from raydeploy.testing.toy import ToyScheduler
 
     class BlockingEngine:
         """Steps normally; once armed, every step after the next prefill hangs like a host stuck in a

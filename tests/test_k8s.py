@@ -321,7 +321,8 @@ def test_embedded_config_loads_and_plans(path: Path, name: str, tmp_path: Path) 
         if acc:
             hosts += g["replicas"] * g.get("numOfHosts", 1)
             per_pod.add(acc[0])
-    assert hosts == cfg.cluster.num_hosts and per_pod == {cfg.cluster.devices_per_host}
+    # every gang the replicas section allows has its own hosts (one gang: replicas.max 1)
+    assert hosts == cfg.cluster.num_hosts * cfg.replicas.max and per_pod == {cfg.cluster.devices_per_host}
     # the compile cache is one writable bucket mount shared by every host pod (not per-pod, not read-only)
     cache_dir = cfg.engine.compilation_cache_dir
     assert cache_dir and not cache_dir.startswith("/mnt/checkpoints"), cache_dir

@@ -124,7 +124,7 @@ def _hosts_on_slice(gang, fake_cluster) -> tuple[str, dict]:
 
 def test_two_gangs_one_slice_each_ranked_by_worker_id_and_restart_waits_on_every_node(fake_cluster):
     from raydeploy.engine.request import GenerationRequest
-    from raydeploy.gang.toy import toy_expected_tokens
+    from raydeploy.testing.toy import toy_expected_tokens
 
     cfg = _cfg(2)
     a = _ready_gang(cfg, "gang-a")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from raydeploy.config import load_config
-from raydeploy.gang.toy import toy_expected_tokens
 from raydeploy.predict import run_predict
+from raydeploy.testing.toy import toy_expected_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.ray, pytest.mark.model]

@@ -75,7 +75,7 @@ def _wait_http_ready(url: str, timeout_s: float) -> None:
 
 
 def _stats(live) -> dict:
-    return live.gang.status()["stats"] or {}
+    return live.gangs.ready_gang().status()["stats"] or {}
 
 
 def _slots_in_use(stats: dict) -> int:
@@ -118,7 +118,8 @@ def test_openai_client_greedy_matches_the_engine(live):
     chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     text = chat.choices[0].message.content
     ids = codec.encode_chat(codec.chat_prompt(messages))
-    events = live.gang.generate(GenerationRequest("e2e-ref-chat", tuple(ids), 24, SamplingParams(0.0)), 120)
+    events = live.gangs.ready_gang().generate(GenerationRequest("e2e-ref-chat", tuple(ids), 24, SamplingParams(0.0)),
+                                              120)
     want = codec.decode([e.token_id for e in events if e.token_id is not None])
     assert text == want and "Paris" in text, (text, want)
     assert chat.usage.prompt_tokens == len(ids)
@@ -132,8 +133,8 @@ def test_openai_client_greedy_matches_the_engine(live):
 
     prompt = "The three primary colors are"
     comp = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16, logprobs=0)
-    events = live.gang.generate(GenerationRequest("e2e-ref-comp", tuple(codec.encode(prompt)), 16,
-                                                  SamplingParams(0.0)), 120)
+    events = live.gangs.ready_gang().generate(GenerationRequest("e2e-ref-comp", tuple(codec.encode(prompt)), 16,
+                                                                SamplingParams(0.0)), 120)
     assert comp.choices[0].text == codec.decode([e.token_id for e in events if e.token_id is not None])
     lps = comp.choices[0].logprobs.token_logprobs
     assert len(lps) == comp.usage.completion_tokens and all(lp <= 0 for lp in lps)
@@ -246,8 +247,9 @@ def test_input_limits_and_security(live):
     assert st.status_code == 200 and KEY not in st.text and "sk-other" not in st.text
     body = st.json()
     assert body["devices"] == 2 and body["process_count"] == 2 and body["mesh"] == {"dp": 2}
-    assert len(body["gang"]["host_status"]) == 2 and body["requests_served"] >= 1
-    assert all(h.get("rss_bytes") for h in body["gang"]["host_status"])
+    (gang,) = body["gang"]["gangs"]
+    assert len(gang["host_status"]) == 2 and body["requests_served"] >= 1 and body["ready_gangs"] == 1
+    assert all(h.get("rss_bytes") for h in gang["host_status"])
 
 
 def test_timeout_and_disconnect_free_the_slot(live):
@@ -282,11 +284,11 @@ def test_queue_limit_answers_503_with_retry_after(live):
 
     results = asyncio.run(burst())
     codes = [r.status_code for r in results]
-    # 8 slots + 8 queued are admitted; the rest are turned away at once
+    # 8 slots + 8 queued in Serve's router are admitted; the rest are turned away at once
     assert set(codes) <= {200, 503} and codes.count(503) >= 8 and codes.count(200) >= 8, codes
     rejected = next(r for r in results if r.status_code == 503)
     assert int(rejected.headers["Retry-After"]) >= 1
-    assert _err(rejected, 503, None, "capacity")["code"] == "overloaded"
+    assert _err(rejected, 503, None, "queue is full")["code"] == "overloaded"
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in results if r.status_code == 200)
 
 
@@ -360,7 +362,7 @@ def test_fuzz_sample_and_hostile_bodies_through_ray_serve(live):
 
 def test_host_kill_flips_readiness_and_service_resumes(live):
     """Runs last: kills host 1's process; /ready goes 503, requests get a retriable 503, then it all recovers."""
-    pid = next(h["pid"] for h in live.gang.status()["host_status"] if h["rank"] == 1)
+    pid = next(h["pid"] for h in live.gangs.ready_gang().status()["host_status"] if h["rank"] == 1)
     body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as resp:
         lines = resp.iter_lines()
@@ -384,6 +386,6 @@ def test_host_kill_flips_readiness_and_service_resumes(live):
     _wait_http_ready(live.url, READY_TIMEOUT_S)
     r = _post(live, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip(), r.text
-    assert live.gang.state()["restarts"] >= 1
+    assert live.gangs.state()["restarts"] >= 1
     metrics = httpx.get(live.url + "/metrics", timeout=30).text
     assert "raydeploy_gang_restarts_total 1" in metrics and "raydeploy_gang_ready 1" in metrics

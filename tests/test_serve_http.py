@@ -38,7 +38,8 @@ def cfg():
 
 @pytest.fixture()
 def served(codec, cfg):
-    backend = FakeBackend(codec.encode(SCRIPT) + list(codec.eos_token_ids), codec.eos_token_ids[0])
+    backend = FakeBackend(codec.encode(SCRIPT) + list(codec.eos_token_ids), codec.eos_token_ids[0],
+                          capacity=cfg.engine.max_slots + cfg.serving.max_queue)
     core = ServingCore(backend, codec, Limits.from_config(cfg, "smollm2-135m-instruct"))
     app = create_app(core, api_keys=ApiKeyCheck((KEY,)), max_body_bytes=cfg.serving.max_body_bytes,
                      info=ServerInfo(config={"model": {"max_seq_len": 128}}, devices=4, process_count=2,
@@ -290,21 +291,19 @@ def test_queue_limit_answers_503_with_retry_after(served):
     assert codes.count(200) == 6 and codes.count(503) == 4, codes  # 4 slots + 2 queued
     rejected = next(r for r in results if r.status_code == 503)
     assert rejected.headers["Retry-After"] == "1"
-    assert _err(rejected, 503, None, "capacity")["code"] == "overloaded"
+    assert _err(rejected, 503, None, "queue is full")["code"] == "overloaded"
     assert core.in_flight == 0
 
 
-def test_coordinator_queue_full_is_retried_then_503(served, monkeypatch):
-    import raydeploy.serve.generation as generation
-
+def test_a_full_deployment_answers_503_at_once(served):
     server, backend, _ = served
-    backend.refuse_next = 3  # a transient race with the step loop: retried, the client never sees it
-    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
-    assert backend.refuse_next == 0
-    monkeypatch.setattr(generation, "QUEUE_FULL_RETRY_S", 0.3)
-    backend.queue_full = True  # persistently full: a 503 with Retry-After after the bounded retries
+    backend.queue_full = True
+    before = backend.submits
     r = _post(server, "/v1/completions", {"prompt": "x"})
-    assert _err(r, 503, None, "queue is full")["code"] == "overloaded" and "Retry-After" in r.headers
+    assert _err(r, 503, None, "queue is full")["code"] == "overloaded" and r.headers["Retry-After"] == "1"
+    assert backend.submits == before + 1  # refused once, not submitted again and again
+    backend.queue_full = False
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_request_timeout_gives_504_and_frees_the_slot(served):
@@ -367,7 +366,8 @@ def test_status_metrics_and_page(served):
     st = httpx.get(server.url + "/status", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert st["status"] == "Ready" and st["devices"] == 4 and st["process_count"] == 2
     assert st["mesh"] == {"dp": 2, "tp": 2} and st["requests_served"] >= 1
-    assert st["number_of_served_request_until_last_up_time"] >= 1 and len(st["gang"]["hosts"]) == 2
+    assert st["number_of_served_request_until_last_up_time"] >= 1 and len(st["gang"]["gangs"][0]["hosts"]) == 2
+    assert st["ready_gangs"] == 1 and st["total_gangs"] == 1
     text = httpx.get(server.url + "/metrics").text
     for name in ("raydeploy_time_to_first_token_seconds_count", "raydeploy_time_per_output_token_seconds_bucket",
                  "raydeploy_tokens_generated_total", "raydeploy_engine_slots_in_use",
@@ -414,12 +414,14 @@ def test_api_key_sources_fail_clearly(tmp_path, cfg):
 
 def test_gang_errors_map_to_retriable_503s():
     import ray.exceptions as rex
+    from ray.serve.exceptions import BackPressureError
 
     from raydeploy.engine.scheduler import QueueFullError
     from raydeploy.gang.bringup import GangError
     from raydeploy.gang.coordinator import GangUnavailableError
     from raydeploy.gang.placement import PlacementError
-    from raydeploy.serve.backend import _is_gang_failure, _is_queue_full
+    from raydeploy.serve.backend import is_gang_failure as _is_gang_failure
+    from raydeploy.serve.backend import is_queue_full as _is_queue_full
 
     full = rex.RayTaskError("generate", "tb", QueueFullError(8, 8)).as_instanceof_cause()
     assert _is_queue_full(full) and not _is_gang_failure(full)
@@ -428,6 +430,7 @@ def test_gang_errors_map_to_retriable_503s():
     assert _is_gang_failure(GangError("bring-up failed", phase="init"))
     assert _is_gang_failure(rex.RayTaskError("get_coordinator", "tb", PlacementError("no room")))
     assert _is_gang_failure(rex.ActorDiedError())
+    assert _is_queue_full(BackPressureError(num_queued_requests=8, max_queued_requests=8))
     assert not _is_gang_failure(rex.RayTaskError("generate", "tb", ValueError("bad")).as_instanceof_cause())
 
     # matched by type, not by name: a class that only shares the name is someone else's error
@@ -481,6 +484,9 @@ def test_requests_served_counts_generations_not_polls(served):
     assert samples["raydeploy_requests_in_flight"] == 0 and samples["raydeploy_requests_waiting_first_token"] == 0
     assert samples["raydeploy_gang_ready"] == 1 and samples['raydeploy_gang_state{state="ready"}'] == 1
     assert samples["raydeploy_gang_restarts_total"] == 0
+    assert samples["raydeploy_gangs_ready"] == 1 and samples["raydeploy_gangs"] == 1
+    assert samples['raydeploy_gang_up{gang="fake_gang"}'] == 1
+    assert samples['raydeploy_gang_slots_in_use{gang="fake_gang"}'] == 0
     assert samples["raydeploy_engine_slots_in_use"] == 0 and samples["raydeploy_engine_queue_depth"] == 0
     for name in ("raydeploy_time_per_output_token_seconds", "raydeploy_request_duration_seconds",
                  "raydeploy_prompt_tokens_total", "raydeploy_http_requests_total"):

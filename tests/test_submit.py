@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from raydeploy.gang.toy import toy_expected_tokens
+from raydeploy.testing.toy import toy_expected_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

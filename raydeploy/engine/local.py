@@ -1,9 +1,11 @@
-"""Drive an `Engine` with a `Scheduler` in one process: for `raydeploy generate`, tests and benchmarks.
+"""The step loop, and the in-process runner over it (`raydeploy generate`, tests and benchmarks).
 
-The loop is the same one the gang's coordinator runs on rank 0, minus the fan-out to other hosts:
-`next_plan` -> `engine.step` -> `on_result`. It runs either in a background thread (`start`/`stop`, with
-`submit` returning a stream of events) or in the caller's thread (`run_until_idle`). A step that raises fails
-every request (their sinks get an "error" event) and stops the loop; the exception is kept in `.error`.
+`StepLoop` is the one loop that drives a scheduler: `plan = next_plan()` -> `run(plan)` -> `on_result(plan,
+result)`, with every scheduler call under one lock. The gang's coordinator (raydeploy.gang.coordinator) runs it
+with `run` = the dispatcher's broadcast to every host; `LocalRunner` runs it with `run` = one engine's step in
+this process. It runs either in a background thread (`start`/`stop`) or in the caller's thread
+(`step_once`, `run_until_idle`). A step that raises fails every request (their sinks get an "error" event,
+retriable or not as the owner says) and stops the loop; the exception is kept in `.error`.
 """
 
 from __future__ import annotations
@@ -11,17 +13,108 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from raydeploy.engine.interfaces import StepEngine, StepScheduler
 from raydeploy.engine.request import GenerationRequest, TokenEvent
-from raydeploy.engine.scheduler import Scheduler
 from raydeploy.engine.step import StepPlan, StepResult
 
+__all__ = ["GenerationOutput", "LocalRunner", "RequestStream", "StepEngine", "StepLoop"]
 
-class StepEngine(Protocol):
-    def step(self, plan: StepPlan) -> StepResult: ...
+FAIL_LOCK_WAIT_S = 5.0
+"""How long failing every request waits for the scheduler's lock (a step stuck in a collective holds none)."""
+
+
+class StepLoop:
+    """One scheduler, one `run(plan) -> result`, one thread (or the caller's)."""
+
+    def __init__(self, scheduler: StepScheduler, run: Callable[[StepPlan], StepResult], *, idle_wait_s: float,
+                 failure: str, retriable: bool, name: str = "raydeploy-step-loop") -> None:
+        self.scheduler = scheduler
+        self.run = run
+        self.idle_wait_s = idle_wait_s
+        self.failure = failure
+        """What every request's error event says when a step raises (the exception follows)."""
+        self.retriable = retriable
+        self.name = name
+        self.lock = threading.Lock()
+        """Held around every scheduler call; the owner takes it too for submit, abort and stats."""
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def step_once(self) -> bool:
+        """Run one plan if there is one; False when idle. A failing step fails every request and re-raises."""
+        with self.lock:
+            plan = self.scheduler.next_plan()
+        if plan is None:
+            return False
+        try:
+            result = self.run(plan)
+        except Exception as e:
+            self.error = e
+            self.fail_all(f"{self.failure}: {type(e).__name__}: {e}", self.retriable)
+            raise
+        with self.lock:
+            self.scheduler.on_result(plan, result)
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
+        """Step in this thread until nothing is queued or running; returns the number of steps."""
+        n = 0
+        while n < max_steps and self.step_once():
+            n += 1
+        return n
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.step_once():
+                    self.scheduler.wait_for_work(self.idle_wait_s)  # wakes on submit/abort
+            except Exception:  # in self.error and reported to every request; the trace goes to the log
+                traceback.print_exc()
+                return
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the current step (returns at once)."""
+        self._stop.set()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the current step; TimeoutError if the thread does not end within `timeout_s`."""
+        self._stop.set()
+        self.join(timeout_s)
+        if self._thread is not None and self._thread.is_alive():
+            raise TimeoutError(f"{self.name} did not stop within {timeout_s} s")
+        self._thread = None
+
+    def join(self, timeout_s: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def fail_all(self, error: str, retriable: bool) -> None:
+        """End every queued and running request with an error event and stop the loop. The lock is taken with
+        a bound: a step stuck in a collective must never keep the requests from being failed."""
+        got = self.lock.acquire(timeout=FAIL_LOCK_WAIT_S)
+        try:
+            self.scheduler.fail_all(error, retriable)
+        finally:
+            if got:
+                self.lock.release()
+        self._stop.set()
 
 
 @dataclass
@@ -81,69 +174,44 @@ class RequestStream:
 
 
 class LocalRunner:
-    """One engine, one scheduler, one loop."""
+    """One engine, one scheduler, one `StepLoop` in this process."""
 
-    def __init__(self, engine: StepEngine, scheduler: Scheduler, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: StepEngine, scheduler: StepScheduler, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self.scheduler = scheduler
-        self.idle_wait_s = idle_wait_s
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.loop = StepLoop(scheduler, engine.step, idle_wait_s=idle_wait_s, failure="engine step failed",
+                             retriable=False, name="raydeploy-engine-loop")
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.loop.error
 
     # -- driving
     def step_once(self) -> bool:
         """Run one plan if there is one; False when idle."""
-        plan = self.scheduler.next_plan()
-        if plan is None:
-            return False
-        try:
-            result = self.engine.step(plan)
-        except Exception as e:
-            self.error = e
-            self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}", retriable=False)
-            raise
-        self.scheduler.on_result(plan, result)
-        return True
+        return self.loop.step_once()
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Step in this thread until nothing is queued or running; returns the number of steps."""
-        n = 0
-        while n < max_steps and self.step_once():
-            n += 1
-        return n
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self.step_once():
-                    self.scheduler.wait_for_work(self.idle_wait_s)
-            except Exception:  # already recorded in self.error and reported to every request
-                return
+        return self.loop.run_until_idle(max_steps)
 
     def start(self) -> LocalRunner:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="raydeploy-engine-loop", daemon=True)
-            self._thread.start()
+        self.loop.start()
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise TimeoutError(f"engine loop did not stop within {timeout_s} s")
-            self._thread = None
+        self.loop.stop(timeout_s)
 
     # -- requests
     def submit(self, req: GenerationRequest) -> RequestStream:
         stream = RequestStream(req.request_id)
-        self.scheduler.submit(req, stream.put)
+        with self.loop.lock:
+            self.scheduler.submit(req, stream.put)
         return stream
 
     def generate(self, requests: Sequence[GenerationRequest], timeout_s: float = 600.0) -> list[GenerationOutput]:
         """Run requests to completion (in the loop thread if started, else in this thread)."""
         streams = [self.submit(r) for r in requests]
-        if self._thread is None:
+        if not self.loop.alive():
             self.run_until_idle()
         return [s.result(timeout_s) for s in streams]

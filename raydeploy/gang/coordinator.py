@@ -1,7 +1,7 @@
 """The coordinator inside rank 0: the scheduler, the step loop, and the entry points the HTTP layer calls.
 
-One thread runs the loop `plan = scheduler.next_plan(); result = dispatcher.run(plan);
-scheduler.on_result(plan, result)`; the dispatcher broadcasts each plan so every host runs the same step.
+One thread runs the step loop (raydeploy.engine.local.StepLoop, the same loop as the in-process runner) with
+`run` = the dispatcher, which broadcasts each plan so every host runs the same step.
 Requests arrive on the host actor's event loop (`submit`/`abort`), never blocking the loop thread; token
 events go back through a thread-safe sink into an asyncio queue per request. The scheduler is only ever
 touched under one lock. If the loop thread dies, or the supervisor declares the gang failed, every
@@ -12,13 +12,14 @@ new requests are refused with :class:`GangUnavailableError`.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-import traceback
 from collections.abc import AsyncIterator
 from typing import Any
 
+from raydeploy.engine.interfaces import StepScheduler
+from raydeploy.engine.local import StepLoop
 from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.engine.step import StepPlan, StepResult
 from raydeploy.gang.dispatch import Dispatcher
 
 
@@ -36,15 +37,15 @@ class GangUnavailableError(RuntimeError):
 class Coordinator:
     """Owns the scheduler and drives the dispatcher from one thread."""
 
-    def __init__(self, scheduler: Any, dispatcher: Dispatcher, idle_wait_s: float = 0.1) -> None:
+    def __init__(self, scheduler: StepScheduler, dispatcher: Dispatcher, idle_wait_s: float = 0.1) -> None:
         self.scheduler = scheduler
         self.dispatcher = dispatcher
         self.idle_wait_s = idle_wait_s
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.error: str | None = None
+        self.loop = StepLoop(scheduler, self._step, idle_wait_s=idle_wait_s,
+                             failure="gang failure, retry: coordinator step loop failed", retriable=True,
+                             name="raydeploy-coordinator")
+        self._lock = self.loop.lock
+        self._failed: str | None = None
         self.started_s = time.monotonic()
         self.tokens_generated = 0
         self.requests_done = 0
@@ -53,45 +54,34 @@ class Coordinator:
         """`generate` calls not yet finished (fail_all waits for them to deliver their last event)."""
 
     # -- the loop thread ------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="raydeploy-coordinator", daemon=True)
-        self._thread.start()
+    def _step(self, plan: StepPlan) -> StepResult:
+        """One plan through the dispatcher (broadcast, then run here); the loop never sends a shutdown plan."""
+        result = self.dispatcher.run(plan)
+        if result is None:
+            raise RuntimeError(f"the dispatcher returned no result for step {plan.step_id}")
+        return result
 
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                with self._lock:
-                    plan = self.scheduler.next_plan()
-                if plan is None:
-                    if hasattr(self.scheduler, "wait_for_work"):  # wakes on submit/abort
-                        self.scheduler.wait_for_work(self.idle_wait_s)
-                    else:
-                        self._wake.wait(self.idle_wait_s)
-                        self._wake.clear()
-                    continue
-                result = self.dispatcher.run(plan)
-                with self._lock:
-                    self.scheduler.on_result(plan, result)
-        except Exception as e:  # noqa: BLE001 - the loop must report any failure, then end the gang
-            self.error = f"gang failure, retry: coordinator step loop failed: {type(e).__name__}: {e}"
-            traceback.print_exc()
-            self.fail_all(self.error, retriable=True)
-            raise
+    @property
+    def error(self) -> str | None:
+        """Why the gang stopped taking requests: the supervisor's verdict or the loop's failure; None while well."""
+        if self._failed is not None:
+            return self._failed
+        e = self.loop.error
+        return None if e is None else f"{self.loop.failure}: {type(e).__name__}: {e}"
+
+    def start(self) -> None:
+        self.loop.start()
 
     def join(self, timeout_s: float | None = None) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self.loop.join(timeout_s)
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.loop.alive()
 
     def stop(self) -> None:
         """Stop after the current step and broadcast a shutdown plan so followers leave their loops."""
-        from raydeploy.engine.step import StepPlan
-
-        self._stop.set()
-        self._wake.set()
-        self.join(timeout_s=None if self._thread is None else 30.0)
+        self.loop.request_stop()
+        self.join(timeout_s=30.0)
         if self.error is None:
             self.dispatcher.publish(StepPlan(step_id=-1, shutdown=True))
 
@@ -103,14 +93,12 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
-        def sink(events: TokenEvent | list[TokenEvent]) -> None:  # called from the loop thread
-            for ev in events if isinstance(events, list | tuple) else [events]:
-                loop.call_soon_threadsafe(queue.put_nowait, ev)
+        def sink(ev: TokenEvent) -> None:  # called from the loop thread
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
 
         with self._lock:
             self.scheduler.submit(req, sink)  # QueueFullError propagates to the caller
             self.requests_submitted += 1
-        self._wake.set()
         finished = False
         self.open_streams += 1
         try:
@@ -131,28 +119,16 @@ class Coordinator:
     def abort(self, request_id: str) -> bool:
         with self._lock:
             found = bool(self.scheduler.abort(request_id))
-        self._wake.set()
         return found
 
     def fail_all(self, error: str, retriable: bool = True) -> None:
         """End every in-flight request with an error event; refuse new ones from now on."""
-        self.error = self.error or error
-        # the loop thread may be stuck inside a step holding no lock; take the lock with a bound so a stuck
-        # step never blocks failing the requests
-        got = self._lock.acquire(timeout=5.0)
-        try:
-            self.scheduler.fail_all(error, retriable)
-        finally:
-            if got:
-                self._lock.release()
-        self._stop.set()
-        self._wake.set()
+        self._failed = self.error or error
+        self.loop.fail_all(error, retriable)
 
     def stats(self) -> dict[str, Any]:
-        sched: dict[str, Any] = {}
-        if hasattr(self.scheduler, "stats"):
-            with self._lock:
-                sched = dict(self.scheduler.stats())
+        with self._lock:
+            sched = dict(self.scheduler.stats())
         clock = self.dispatcher.clock.snapshot()
         return {"tokens_generated": self.tokens_generated, **sched, **clock,
                 "requests_submitted": self.requests_submitted, "requests_done": self.requests_done,

@@ -10,7 +10,8 @@ Bring-up phases (called by raydeploy.gang.bringup in this order, on every host c
 `process_info` -> `preflight` (environment and devices, before JAX starts) -> `fingerprint` -> `init_distributed` -> `load` -> `compile` -> `serve` (the long-lived call: rank 0 runs
 the coordinator loop, followers the step loop; it returns on shutdown and raises on failure, which is
 how the supervisor notices a dead or broken host). Rank 0 also answers `generate`/`abort`/`stats`.
-`faults` injects failures for tests (never join, hang in a step, a different config).
+`engine` names the engine factory (raydeploy.gang.runtime.ENGINES, or "module:function"); `faults` injects
+failures for tests through raydeploy.testing.faults (never join, fail the load, hang in a step).
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from raydeploy.engine.request import GenerationRequest, TokenEvent
 if TYPE_CHECKING:  # names for annotations only: this module must not import JAX
     from jax.sharding import Mesh
 
-    from raydeploy.engine.engine import Engine
+    from raydeploy.engine.interfaces import StepEngine
     from raydeploy.gang.coordinator import Coordinator
     from raydeploy.gang.dispatch import FollowerLoop, StepClock
-    from raydeploy.gang.toy import ToyEngine
+    from raydeploy.gang.runtime import LoadedEngine
 
-FAULT_KEYS = ("never_join", "hang_at_step", "fail_load")
 JAX_COORDINATOR_PORT = 8476
 """JAX's own default coordinator port; the gang's coordinator listens here on real clusters."""
 
@@ -80,21 +80,24 @@ class HostActor:
     """One host of the gang. Create with `ray.remote(HostActor).options(**actor_options(...))`."""
 
     def __init__(self, cfg: Config, rank: int, generation: int, checkpoint_path: str | None,
-                 faults: dict[str, Any] | None = None) -> None:
+                 faults: dict[str, Any] | None = None, engine: str = "real") -> None:
         self.cfg = cfg
         self.rank = rank
         self.generation = generation
         self.checkpoint_path = checkpoint_path
+        self.engine_factory = engine
         self.faults = dict(faults or {})
-        unknown = set(self.faults) - set(FAULT_KEYS)
-        if unknown:
-            raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {FAULT_KEYS}")
+        if self.faults:
+            from raydeploy.testing.faults import check_faults
+
+            check_faults(self.faults)
         self.phase = "created"
         self.phase_times_s: dict[str, float] = {}
         self.init_info: dict[str, Any] = {}
         self.load_stats: dict[str, Any] = {}
         self.mesh: Mesh | None = None
-        self.engine: Engine | ToyEngine | None = None
+        self.loaded: LoadedEngine | None = None
+        self.engine: StepEngine | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.loop: FollowerLoop | Coordinator | None = None  # FollowerLoop on followers, Coordinator on rank 0
         self.clock: StepClock | None = None
@@ -152,9 +155,10 @@ class HostActor:
         return host_fingerprint(self.cfg, ckpt, library_versions())
 
     async def init_distributed(self, coordinator_address: str) -> dict[str, Any]:
-        if self.faults.get("never_join"):
-            await asyncio.sleep(float(self.faults["never_join"]))
-            raise RuntimeError(f"host {self.rank}: fault injected, did not join")
+        if self.faults:
+            from raydeploy.testing.faults import before_init
+
+            await before_init(self.faults, self.rank)
         return await self._phase("init", self._init_sync, coordinator_address)
 
     def _init_sync(self, coordinator_address: str) -> dict[str, Any]:
@@ -175,9 +179,13 @@ class HostActor:
     def _load_sync(self) -> dict[str, Any]:
         from raydeploy.gang.runtime import load_engine
 
-        if self.faults.get("fail_load"):
-            raise RuntimeError(f"host {self.rank}: fault injected in load")
-        self.engine, self.load_stats, self.eos_token_ids = load_engine(self.cfg, self.mesh, self.checkpoint_path)
+        if self.faults:
+            from raydeploy.testing.faults import before_load
+
+            before_load(self.faults, self.rank)
+        self.loaded = load_engine(self.engine_factory, self.cfg, self.mesh, self.checkpoint_path)
+        self.engine, self.load_stats = self.loaded.engine, self.loaded.load_stats
+        self.eos_token_ids = self.loaded.eos_token_ids
         return self.load_stats
 
     async def compile(self) -> dict[str, Any]:
@@ -211,8 +219,11 @@ class HostActor:
 
         self.clock = StepClock()
         client = jax_kv_client()
-        loaded = self._loaded_engine()
-        engine = _FaultyEngine(loaded, self.faults["hang_at_step"]) if "hang_at_step" in self.faults else loaded
+        engine = self._loaded_engine()
+        if self.faults:
+            from raydeploy.testing.faults import wrap_engine
+
+            engine = wrap_engine(self.faults, engine)
         self.phase = "serving"
         if self.rank == 0:
             from raydeploy.gang.coordinator import Coordinator
@@ -229,19 +240,15 @@ class HostActor:
         self.phase = "stopped"
         return {"rank": self.rank, "steps": self.clock.steps_done}
 
-    def _loaded_engine(self) -> Engine | ToyEngine:
+    def _loaded_engine(self) -> StepEngine:
         if self.engine is None:
             raise RuntimeError(f"host {self.rank}: the engine is not loaded yet (phase {self.phase})")
         return self.engine
 
     def _make_scheduler(self) -> Any:
-        if self.checkpoint_path is None:
-            from raydeploy.gang.toy import ToyScheduler
-
-            return ToyScheduler(self.cfg.engine.max_slots, self.eos_token_ids)
-        from raydeploy.engine.scheduler import Scheduler
-
-        return Scheduler.for_engine(self.engine, self.cfg)
+        if self.loaded is None:
+            raise RuntimeError(f"host {self.rank}: the engine is not loaded yet (phase {self.phase})")
+        return self.loaded.make_scheduler()
 
     async def stop(self) -> None:
         """Graceful stop: rank 0 broadcasts a shutdown plan, followers leave their loop."""
@@ -303,19 +310,3 @@ class HostActor:
             while self.loop.open_streams > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.2)
-
-
-class _FaultyEngine:
-    """Test fault: blocks forever (like a host stuck in a collective) when asked to run step n."""
-
-    def __init__(self, engine: Any, hang_at_step: int) -> None:
-        self.engine = engine
-        self.hang_at_step = int(hang_at_step)
-        self.n = 0
-
-    def step(self, plan: Any) -> Any:
-        if self.n == self.hang_at_step:
-            while True:
-                time.sleep(3600)
-        self.n += 1
-        return self.engine.step(plan)

@@ -84,6 +84,8 @@ class HostGroup:
     slice_name: str | None = None
     worker_ids: list[int] = field(default_factory=list)
     rank_bundle: list[int] = field(default_factory=list)
+    owned: bool = True
+    """False for a group someone else reserved (Serve, for the replica that owns this gang): never removed here."""
 
     def bundle_index(self, rank: int) -> int:
         return self.rank_bundle[rank] if self.rank_bundle else rank
@@ -107,6 +109,8 @@ class HostGroup:
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
+        if not self.owned:
+            return  # its owner (Serve) removes it with the replica
         for attr in ("pg", "head_pg"):
             if getattr(self, attr) is not None:
                 remove_placement_group(getattr(self, attr))
@@ -149,6 +153,13 @@ def reserve_hosts(cluster: ClusterConfig, name: str = "raydeploy-gang") -> HostG
     bundles = host_bundles(cluster)
     pg = placement_group(bundles, strategy=strategy, name=name)
     return HostGroup(pg=pg, bundles=bundles, strategy=strategy, wait_s=0.0, name=name)
+
+
+def external_group(cluster: ClusterConfig, pg: Any, name: str) -> HostGroup:
+    """The gang's hosts in a placement group reserved elsewhere (by Serve for the replica that owns the gang),
+    host `rank` in bundle `rank`; the group is already placed and is not removed with the gang."""
+    return HostGroup(pg=pg, bundles=host_bundles(cluster), strategy=placement_strategy(cluster), wait_s=0.0,
+                     name=name, owned=False)
 
 
 def _placement_error(cluster: ClusterConfig, group: HostGroup, what: str) -> PlacementError:

@@ -4,18 +4,51 @@ Runs inside a host actor's process only (it imports JAX lazily, after the actor'
 Phases, each called by the host actor on behalf of the bring-up sequence:
 `init_distributed` (join jax.distributed, check process count, build the global mesh), `load` (read this
 host's part of the checkpoint into sharded arrays, build the engine), `compile` (warm every program).
-The engine is either the real one (raydeploy.engine.engine.Engine over the checkpoint) or, when the gang
-is started with `engine="toy"`, the tiny stand-in of raydeploy.gang.toy.
+The engine comes from an engine factory named when the gang starts: "real" (raydeploy.engine.engine.Engine
+over the checkpoint), "toy" (the stand-in of raydeploy.testing.toy), or any "module:function" with the
+signature of `load_checkpoint_engine`.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from raydeploy.config import Config
+from raydeploy.engine.interfaces import StepEngine, StepScheduler
+
+ENGINES = {"real": "raydeploy.gang.runtime:load_checkpoint_engine",
+           "toy": "raydeploy.testing.toy:load_toy_engine"}
+"""Engine factories by name; a gang may also name any other as "module:function"."""
+
+
+@dataclass
+class LoadedEngine:
+    """What an engine factory returns on each host: the engine, how it loaded, and (used on rank 0) the
+    scheduler that plans its steps."""
+
+    engine: StepEngine
+    load_stats: dict[str, Any]
+    eos_token_ids: tuple[int, ...]
+    make_scheduler: Callable[[], StepScheduler]
+
+
+def engine_factory(name: str) -> Callable[[Config, Any, str | None], LoadedEngine]:
+    """The factory named `name` (a key of ENGINES or "module:function"); ValueError naming what is wrong."""
+    spec = ENGINES.get(name, name)
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"engine must be one of {sorted(ENGINES)} or 'module:function', found {name!r}")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"engine factory {spec!r} cannot be loaded: {type(e).__name__}: {e}") from None
+    return fn
 
 
 def join_distributed(cfg: Config, rank: int, coordinator_address: str) -> dict[str, Any]:
@@ -70,13 +103,15 @@ def checkpoint_fingerprint(checkpoint_path: str | None) -> str:
     return str(CheckpointReader(checkpoint_path).fingerprint())
 
 
-def load_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) -> tuple[Any, dict[str, Any], tuple[int, ...]]:
-    """Read this host's shards and build the engine: (engine, load stats, eos token ids)."""
+def load_engine(engine: str, cfg: Config, mesh: Any, checkpoint_path: str | None) -> LoadedEngine:
+    """Build this host's engine with the factory named `engine`."""
+    return engine_factory(engine)(cfg, mesh, checkpoint_path)
+
+
+def load_checkpoint_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) -> LoadedEngine:
+    """The real engine: read this host's shards of the checkpoint and build the engine over them."""
     if checkpoint_path is None:
-        from raydeploy.gang.toy import ToyEngine
-
-        return ToyEngine(mesh, cfg.engine.max_slots), {"bytes_read": 0, "seconds": 0.0, "gbps": 0.0}, (2,)
-
+        raise ValueError("the real engine needs a checkpoint path")
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.engine.engine import Engine
     from raydeploy.model.sharding import merge_rules
@@ -90,7 +125,13 @@ def load_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) -> tuple[An
                                 progress=False, verify=cfg.model.verify_checksums)
     seconds = time.perf_counter() - t0
     engine = Engine(llama_cfg, params, mesh, rules, cfg.model, cfg.engine)
-    return engine, _stats_dict(stats, seconds), tuple(llama_cfg.eos_token_ids)
+
+    def make_scheduler() -> StepScheduler:
+        from raydeploy.engine.scheduler import Scheduler
+
+        return Scheduler.for_engine(engine, cfg)
+
+    return LoadedEngine(engine, _stats_dict(stats, seconds), tuple(llama_cfg.eos_token_ids), make_scheduler)
 
 
 def _stats_dict(stats: Any, seconds: float) -> dict[str, Any]:

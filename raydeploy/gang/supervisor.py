@@ -56,13 +56,18 @@ class GangSupervisor:
 
     def __init__(self, cfg: Config, checkpoint_path: str | None, faults: dict[int, dict[str, Any]] | None = None,
                  host_configs: dict[int, Config] | None = None, poll_s: float = 0.5,
-                 sleep: Callable[[float], Awaitable[None]] | None = None, name: str = "raydeploy") -> None:
+                 sleep: Callable[[float], Awaitable[None]] | None = None, name: str = "raydeploy",
+                 placement_group: Any = None, engine: str = "real") -> None:
         self.cfg = cfg
         self.checkpoint_path = checkpoint_path
         self.faults = faults or {}
         self.host_configs = host_configs or {}
         self.poll_s = poll_s
         self.name = name
+        self.engine = engine
+        """The engine factory every host loads with (raydeploy.gang.runtime.ENGINES, or "module:function")."""
+        self.placement_group = placement_group
+        """A placement group reserved for this gang elsewhere (Serve's, for the replica owning the gang), or None."""
         self.procs: list[dict[str, Any]] = []  # per rank: pid, node_id, node_ip, started_at
         self.sleep = sleep or asyncio.sleep
         self.policy = RestartPolicy(cfg.cluster.max_restarts, cfg.cluster.restart_backoff_s)
@@ -85,7 +90,7 @@ class GangSupervisor:
             self._main = asyncio.get_running_loop().create_task(self._run())
 
     def get_state(self) -> dict[str, Any]:
-        return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error,
+        return {"gang": self.name, "state": self.state, "restarts": self.restarts, "last_error": self.last_error,
                 "generation": self.generation,
                 "coordinator_address": (self.bringup_info or {}).get("coordinator_address"),
                 "phase_s": {k: round(v, 3) for k, v in self.phase_s.items()},
@@ -115,6 +120,15 @@ class GangSupervisor:
             except Exception as e:  # noqa: BLE001 - status must answer even while the gang is breaking
                 out["stats"] = {"error": _root(e)}
         return out
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The coordinator's figures (slots in use, queue depth, tokens, steps); {} while the gang is not ready."""
+        if self.state != "ready" or not self.hosts:
+            return {}
+        try:
+            return dict(await self._bounded(self.hosts[0].stats.remote(), 10.0))
+        except Exception:  # noqa: BLE001 - the gang is breaking: no figures this time, the state says why
+            return {}
 
     async def shutdown(self) -> None:
         """Tear everything down: the loop, every host process, the placement group."""
@@ -161,7 +175,7 @@ class GangSupervisor:
         import ray
 
         from raydeploy.gang.host import HostActor, actor_options
-        from raydeploy.gang.placement import PlacementError, reserve_hosts, wait_placed
+        from raydeploy.gang.placement import PlacementError, external_group, reserve_hosts, wait_placed
         from raydeploy.gang.preflight import PreflightError, check_tpu_nodes
 
         self.generation += 1
@@ -174,10 +188,13 @@ class GangSupervisor:
             await check_tpu_nodes(self.cfg, min(60.0, self.cfg.cluster.rpc_timeout_s))
         except PreflightError as e:
             raise GangError(str(e), phase="preflight", retriable=False) from None
-        # Held before the first await: a shutdown that cancels the wait still finds (and removes) the group.
-        self.group = reserve_hosts(self.cfg.cluster, f"{self.name}-gang-{self.generation}")
+        if self.placement_group is not None:  # reserved (and placed) by Serve with the replica: kept across restarts
+            self.group = external_group(self.cfg.cluster, self.placement_group, self.name)
+        else:  # held before the first await: a shutdown that cancels the wait still finds (and removes) the group
+            self.group = reserve_hosts(self.cfg.cluster, f"{self.name}-gang-{self.generation}")
         try:
-            await wait_placed(self.group, self.cfg.cluster)
+            if self.group.owned:
+                await wait_placed(self.group, self.cfg.cluster)
         except PlacementError as e:  # retried: the cluster may grow (autoscaler, nodes coming back)
             self.group = None  # removed by wait_placed
             raise GangError(str(e), phase="placement") from None
@@ -195,7 +212,7 @@ class GangSupervisor:
             cfg = self.host_configs.get(rank, self.cfg)
             faults = self.faults.get(rank) if self.generation == 1 else None  # injected into the first gang only
             self.hosts.append(remote_cls.options(**opts).remote(cfg, rank, self.generation, self.checkpoint_path,
-                                                                faults))
+                                                                faults, self.engine))
         await self._record_procs()
         self.phase_s["actors_s"] = time.perf_counter() - t0
         self.bringup_info = await bring_up(self.cfg, self.hosts, self.phase_s, on_phase=self._on_phase)

@@ -265,13 +265,14 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
 
     @app.get("/ready")
     async def ready() -> Response:
-        st = await core.backend.state()
+        st = await core.backend.state()  # "ready" while at least one gang is
         state = st.get("state", "unknown")
+        gangs = {"ready_gangs": st.get("ready_gangs"), "total_gangs": st.get("total_gangs")}
         if state == "ready":
-            return JSONResponse({"ready": True, "state": state})
+            return JSONResponse({"ready": True, "state": state, **gangs})
         headers = {} if state == "failed" else {"Retry-After": "5"}
-        return JSONResponse({"ready": False, "state": state, "restarts": st.get("restarts"),
-                             "error": {"message": f"the model gang is {state}", "type": "server_error",
+        return JSONResponse({"ready": False, "state": state, "restarts": st.get("restarts"), **gangs,
+                             "error": {"message": f"no model gang is ready (state {state})", "type": "server_error",
                                        "param": None, "code": "not_ready"}},
                             status_code=503, headers=headers)
 
@@ -285,6 +286,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         return JSONResponse({
             "status": "Ready" if st.get("state") == "ready" else str(st.get("state", "unknown")).capitalize(),
             "state": st.get("state"), "restarts": st.get("restarts"), "last_error": st.get("last_error"),
+            "ready_gangs": st.get("ready_gangs"), "total_gangs": st.get("total_gangs"),
             "model": limits.model_name, "config": info.config, "devices": info.devices,
             "process_count": info.process_count, "mesh": info.mesh,
             "uptime_s": round(time.time() - info.started_at, 3),

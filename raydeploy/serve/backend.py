@@ -1,19 +1,23 @@
-"""The HTTP layer's one view of the gang: state, a token stream per request, abort, stats.
+"""The HTTP layer's one view of the gangs: their state, a token stream per request, stats and status.
 
-This is the only serve module that knows the gang's actor names and methods: the supervisor actor
-("raydeploy-supervisor" in namespace "raydeploy") reports the gang state and hands out the rank-0
-coordinator while the gang is ready; the coordinator streams `TokenEvent` lists for a
-`GenerationRequest` (a Ray streaming generator), aborts requests and reports stats. Every call is bounded
-by a timeout. Gang failures become `ServiceUnavailable` (503, retriable); a full queue becomes
-`Overloaded` (503 with Retry-After). Remote errors are matched by their class, imported from the gang
-and engine modules that define them.
+Generation requests go through a Ray Serve DeploymentHandle to the gang replicas (raydeploy.serve.replica):
+Serve's router sends each to a replica whose gang is ready, with a free slot (raydeploy.serve.routing), and
+holds at most `max_queued_requests` waiting for one; beyond that the handle raises BackPressureError, answered
+here at once as `Overloaded` (503 with Retry-After). State, status and stats come from every gang's
+supervisor (raydeploy.gang.directory): `/ready` is 200 while at least one gang is ready.
+
+Failover: a request the gang could not start (its gang is not ready, or broke before the first token: one
+retriable error event without tokens, or the replica died) is sent again through the handle, up to
+FAILOVER_ATTEMPTS times with a short backoff, so it lands on a healthy gang while the broken one is rebuilt;
+the client never sees it. A request that already streamed tokens ends with a retriable error (503, or an
+error event in the SSE stream). Remote errors are matched by their class, imported from the modules that
+define them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -27,13 +31,15 @@ from raydeploy.serve.errors import Overloaded, ServiceUnavailable
 
 log = logging.getLogger("raydeploy.serve")
 
-SUPERVISOR_NAME = "raydeploy-supervisor"
-NAMESPACE = "raydeploy"
 READY = "ready"
 GANG_ERRORS: tuple[type[BaseException], ...] = (GangUnavailableError, GangError, PlacementError,
                                                 FingerprintMismatchError)
 """Errors the gang raises when it cannot serve right now (503, retriable). These modules import no JAX, so
 the ingress stays JAX-free (tests/test_serve_http.py checks)."""
+FAILOVER_ATTEMPTS = 6
+"""Tries per request that no gang started (the first plus resubmissions to other replicas)."""
+FAILOVER_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 2.0)
+"""Waits between those tries: a broken gang's replica stops getting requests within one routing-stats period."""
 
 
 class Backend(Protocol):
@@ -66,11 +72,15 @@ def _raised(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
     return isinstance(exc, kinds) or isinstance(getattr(exc, "cause", None), kinds)
 
 
-def _is_queue_full(exc: BaseException) -> bool:
-    return _raised(exc, (QueueFullError,))
+def is_queue_full(exc: BaseException) -> bool:
+    """A gang's own queue was full, or Serve's router queue (`max_queued_requests`) was."""
+    from ray.serve.exceptions import BackPressureError
+
+    return _raised(exc, (QueueFullError, BackPressureError))
 
 
-def _is_gang_failure(exc: BaseException) -> bool:
+def is_gang_failure(exc: BaseException) -> bool:
+    """A gang, its coordinator or its replica failed or cannot serve now (retriable)."""
     import ray.exceptions as rex
 
     if isinstance(exc, (rex.RayActorError, rex.ActorUnavailableError, rex.ObjectLostError,
@@ -81,136 +91,90 @@ def _is_gang_failure(exc: BaseException) -> bool:
     return _raised(exc, GANG_ERRORS)
 
 
-class GangBackend:
-    """`Backend` over the supervisor and the rank-0 coordinator actor.
+def _refused(events: list[TokenEvent]) -> bool:
+    """A retriable error before any token: the gang never started the request, so another gang may."""
+    return any(ev.finish_reason == "error" and ev.retriable for ev in events) and \
+        not any(ev.token_id is not None for ev in events)
 
-    The coordinator handle is cached while the gang stays ready and dropped on any actor failure, so a
-    restart is picked up on the next request.
-    """
 
-    def __init__(self, rpc_timeout_s: float = 10.0, retry_after_s: float = 5.0,
-                 state_cache_s: float = 0.25) -> None:
-        self.rpc_timeout_s = rpc_timeout_s
+class ReplicaBackend:
+    """`Backend` over the gang replicas: requests through a Serve DeploymentHandle, state from the supervisors."""
+
+    def __init__(self, handle: Any, directory: Any, retry_after_s: float = 5.0) -> None:
+        self.handle = handle
+        self.directory = directory
         self.retry_after_s = retry_after_s
-        self._state_cache_s = state_cache_s
-        self._supervisor: Any = None
-        self._coordinator: Any = None
-        self._state: dict[str, Any] | None = None
-        self._state_at = 0.0
-
-    # -- handles -------------------------------------------------------------------------------------
-    def _get_supervisor(self) -> Any:
-        import ray
-
-        if self._supervisor is None:
-            try:
-                self._supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
-            except ValueError:
-                raise ServiceUnavailable("the gang supervisor is not running", self.retry_after_s) from None
-        return self._supervisor
-
-    async def _call(self, ref: Any) -> Any:
-        return await asyncio.wait_for(ref, timeout=self.rpc_timeout_s)
+        self.failovers = 0
+        """Requests resubmitted to another gang because theirs could not start them."""
 
     async def state(self) -> dict[str, Any]:
-        now = time.monotonic()
-        if self._state is not None and now - self._state_at < self._state_cache_s:
-            return self._state
         try:
-            st = await self._call(self._get_supervisor().get_state.remote())
-        except ServiceUnavailable:
-            return {"state": "starting", "restarts": 0, "last_error": "supervisor not running"}
+            return dict(await self.directory.state())
         except TimeoutError:
-            return {"state": "unknown", "restarts": None, "last_error": "supervisor did not answer in time"}
-        except Exception as e:  # the supervisor itself died: state unknown until it is back
-            if not _is_gang_failure(e):
-                raise
-            self._supervisor = None
-            return {"state": "unknown", "restarts": None, "last_error": "supervisor unreachable"}
-        self._state, self._state_at = dict(st), now
-        if st.get("state") != READY:
-            self._coordinator = None
-        return self._state
-
-    async def _get_coordinator(self) -> Any:
-        st = await self.state()
-        if st.get("state") != READY:
-            raise self._unavailable(st)
-        if self._coordinator is None:
-            coord = await self._call(self._get_supervisor().get_coordinator.remote())
-            if coord is None:
-                self._state = None
-                raise self._unavailable(await self.state())
-            self._coordinator = coord
-        return self._coordinator
+            return {"state": "unknown", "restarts": None, "ready_gangs": 0, "last_error": "gangs did not answer in time"}
 
     def _unavailable(self, st: dict[str, Any]) -> ServiceUnavailable:
         state = st.get("state", "unknown")
         if state == "failed":
-            return ServiceUnavailable("the model gang has failed and is not restarting; see /status", None)
-        return ServiceUnavailable(f"the model gang is {state}; retry shortly", self.retry_after_s)
+            return ServiceUnavailable("every model gang has failed; see /status", None)
+        return ServiceUnavailable(f"no model gang is ready (state {state}); retry shortly", self.retry_after_s)
 
-    def _lost(self, exc: BaseException) -> ServiceUnavailable:
-        self._coordinator = None
-        self._state = None
-        log.warning("gang call failed: %s", type(exc).__name__)
+    def _lost(self) -> ServiceUnavailable:
         return ServiceUnavailable("the model gang failed during the request and is restarting; retry shortly",
                                   self.retry_after_s)
 
-    # -- requests ------------------------------------------------------------------------------------
     async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
-        coord = await self._get_coordinator()
-        try:
-            gen = coord.generate.options(num_returns="streaming").remote(req)
-        except Exception as e:
-            if _is_gang_failure(e):
-                raise self._lost(e) from None
-            raise
-        try:
-            async for ref in gen:
-                try:
-                    events = await ref
-                except Exception as e:
-                    if _is_queue_full(e):
-                        raise Overloaded("the request queue is full; retry shortly") from None
-                    if _is_gang_failure(e):
-                        raise self._lost(e) from None
+        st = await self.state()
+        if not st.get("ready_gangs"):
+            raise self._unavailable(st)
+        for attempt in range(FAILOVER_ATTEMPTS):
+            if attempt:
+                self.failovers += 1
+                await asyncio.sleep(FAILOVER_BACKOFF_S[min(attempt - 1, len(FAILOVER_BACKOFF_S) - 1)])
+                st = await self.state()
+                if not st.get("ready_gangs"):
+                    raise self._unavailable(st)
+            streamed, refused, ended = False, False, False
+            gen = self.handle.options(stream=True).generate.remote(req)
+            try:
+                async for events in gen:
+                    events = list(events)
+                    if not streamed and _refused(events):
+                        refused = True
+                        log.info("request %s: %s; sending it to another gang", req.request_id,
+                                 next((ev.error for ev in events if ev.error), "refused"))
+                        break
+                    streamed = streamed or any(ev.token_id is not None for ev in events)
+                    ended = any(ev.finish_reason is not None for ev in events)
+                    yield events
+                if not refused:
+                    return
+            except Exception as e:
+                if is_queue_full(e):
+                    raise Overloaded("every gang is busy and the request queue is full; retry shortly") from None
+                if not is_gang_failure(e):
                     raise
-                yield list(events)
-        finally:
-            # Dropping the generator cancels the actor-side stream if it is still running.
-            del gen
+                log.warning("request %s: gang call failed: %s", req.request_id, type(e).__name__)
+                if streamed:
+                    raise self._lost() from None
+            finally:
+                if not ended:
+                    gen.cancel()  # the replica's stream ends and frees the gang slot
+        raise ServiceUnavailable(f"no gang could start the request after {FAILOVER_ATTEMPTS} tries; retry shortly",
+                                 self.retry_after_s)
 
     async def abort(self, request_id: str) -> bool:
-        coord = self._coordinator
-        if coord is None:
-            return False
-        try:
-            return bool(await self._call(coord.abort.remote(request_id)))
-        except Exception as e:
-            if _is_gang_failure(e) or isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-                self._coordinator = None
-                return False
-            raise
+        """Nothing to do: closing the stream cancels the request on its replica, which frees its slot."""
+        return False
 
     async def stats(self) -> dict[str, Any]:
         try:
-            coord = await self._get_coordinator()
-            return dict(await self._call(coord.stats.remote()))
-        except ServiceUnavailable:
+            return dict(await self.directory.stats())
+        except TimeoutError:
             return {}
-        except Exception as e:
-            if _is_gang_failure(e) or isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-                self._coordinator = None
-                return {}
-            raise
 
     async def status(self) -> dict[str, Any]:
         try:
-            return dict(await self._call(self._get_supervisor().get_status.remote()))
-        except ServiceUnavailable:
-            return {"state": "starting"}
-        except Exception as e:
-            if _is_gang_failure(e) or isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-                return {"state": "unknown", "last_error": "supervisor unreachable"}
-            raise
+            return dict(await self.directory.status())
+        except TimeoutError:
+            return {"state": "unknown", "last_error": "gangs did not answer in time", "gangs": []}

@@ -1,14 +1,20 @@
-"""The Ray Serve binding: one light ingress deployment (no JAX, num_cpus=0) that serves `create_app`.
+"""The Ray Serve binding: a light HTTP ingress deployment over a deployment of gang replicas.
 
-Each replica loads the tokenizer saved in the checkpoint directory, finds the gang supervisor by name, and
-builds the FastAPI app at replica start (`__serve_build_asgi_app__`), so the app holds live objects
-(backend, codec, metrics) rather than being pickled. `build_serve_app(cfg, checkpoint_dir)` returns the
-bound application for `serve.run`.
+- `raydeploy-gangs` (raydeploy.serve.replica.GangReplica): each replica owns one gang in a placement group
+  Serve reserves for it (`placement_group_bundles`: one bundle per host). Its count follows the config's
+  `replicas` section: `min == max` runs exactly that many; otherwise Serve's autoscaler moves it between them
+  on ongoing requests per gang (`target_ongoing_requests`). `max_ongoing_requests` is the gang's slot count
+  and `max_queued_requests` the deployment's queue, both from `Limits`: Serve's router is the one admission
+  authority, and its custom part (raydeploy.serve.routing) sends requests only to gangs that are ready.
+- `raydeploy-ingress` (no JAX, num_cpus=0) serves `create_app`: each replica loads the tokenizer saved in the
+  checkpoint directory, holds a DeploymentHandle to the gangs and a directory of their supervisors
+  (raydeploy.gang.directory), and builds the FastAPI app at replica start (`__serve_build_asgi_app__`).
 
-With `ready_timeout_s` (the RayService path, `raydeploy.serve.builder`), each replica's constructor waits,
-bounded, until the gang is ready: Serve then reports the application RUNNING only once the gang can serve, and
-KubeRay marks the RayService ready (and moves traffic to a new cluster during an upgrade) only then. Without
-it (`raydeploy serve`), HTTP answers at once and `/ready` tells when the gang is ready.
+`build_serve_app(cfg, checkpoint_dir)` returns the bound application for `serve.run`. With `ready_timeout_s`
+(the RayService path, `raydeploy.serve.builder`), each gang replica's constructor waits, bounded, until its
+gang is ready: Serve reports the application RUNNING only then, and KubeRay marks the RayService ready (and
+moves traffic to a new cluster during an upgrade) only then. Without it (`raydeploy serve`), HTTP answers at
+once and `/ready` turns 200 when the first gang is ready.
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ from typing import Any, cast
 
 from ray import serve
 
-from raydeploy.config import Config
+from raydeploy.config import Config, ConfigError
 from raydeploy.serve.app import ServerInfo, create_app
 from raydeploy.serve.auth import ApiKeyCheck, load_api_keys
-from raydeploy.serve.backend import GangBackend
+from raydeploy.serve.backend import ReplicaBackend
 from raydeploy.serve.generation import Limits, ServingCore
 from raydeploy.serve.metrics import ServingMetrics
 from raydeploy.serve.text import TextCodec
@@ -31,6 +37,7 @@ log = logging.getLogger("raydeploy.serve")
 
 APP_NAME = "raydeploy"
 DEPLOYMENT_NAME = "raydeploy-ingress"
+GANG_DEPLOYMENT_NAME = "raydeploy-gangs"
 
 
 def model_name(cfg: Config, checkpoint_dir: str | Path) -> str:
@@ -51,12 +58,13 @@ def public_config(cfg: Config) -> dict[str, Any]:
                   health_check_period_s=10, graceful_shutdown_timeout_s=30)
 @serve.ingress()
 class ServeIngress:
-    def __init__(self, cfg: Config, checkpoint_dir: str, ready_timeout_s: float | None = None) -> None:
-        if ready_timeout_s is not None:
-            wait_for_gang(cfg, ready_timeout_s)
+    def __init__(self, cfg: Config, checkpoint_dir: str, gangs: Any) -> None:
+        from raydeploy.gang.directory import GangDirectory
+
         codec = TextCodec.from_dir(checkpoint_dir)
         keys = ApiKeyCheck(load_api_keys(cfg.serving))
-        backend = GangBackend(rpc_timeout_s=min(cfg.cluster.rpc_timeout_s, 30.0))
+        app_name = serve.get_replica_context().app_name
+        backend = ReplicaBackend(gangs, GangDirectory(app_name, rpc_timeout_s=min(cfg.cluster.rpc_timeout_s, 30.0)))
         name = model_name(cfg, checkpoint_dir)
         self.core = ServingCore(backend, codec, Limits.from_config(cfg, name), ServingMetrics())
         info = ServerInfo(config=public_config(cfg), devices=cfg.total_devices, process_count=cfg.cluster.num_hosts,
@@ -69,22 +77,70 @@ class ServeIngress:
         return self._fastapi
 
 
-def wait_for_gang(cfg: Config, timeout_s: float) -> dict[str, Any]:
-    """Block until the gang supervisor reports `ready`; GangError on `failed`/`stopped` or after `timeout_s`."""
-    import ray
+def gang_deployment_options(cfg: Config) -> dict[str, Any]:
+    """Serve options of the gang deployment, from the config: placement, replica count or autoscaling,
+    admission (slots per replica, the router's queue), health checks and routing."""
+    from ray.serve.config import RequestRouterConfig
 
-    from raydeploy.gang.gang import Gang
-    from raydeploy.serve.backend import NAMESPACE, SUPERVISOR_NAME
+    from raydeploy.gang.placement import host_bundles, pins_tpu_slice, placement_strategy
+    from raydeploy.serve.routing import ReadyGangRouter
 
-    log.info("raydeploy ingress waits up to %.0f s for the gang to be ready", timeout_s)
-    return Gang(ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE), cfg).wait_ready(timeout_s, poll_s=1.0)
+    r, limits = cfg.replicas, Limits.from_config(cfg, "")
+    opts: dict[str, Any] = {
+        "name": GANG_DEPLOYMENT_NAME,
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": limits.max_slots,
+        "max_queued_requests": limits.max_queue,
+        # a replica stopped by downscaling first finishes its requests (each bounded by request_timeout_s)
+        "graceful_shutdown_timeout_s": limits.request_timeout_s + 30.0,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "health_check_period_s": r.health_check_period_s,
+        "health_check_timeout_s": max(30.0, r.health_check_period_s),
+        # pydantic's constructor: Ray's stubs type its fields loosely
+        "request_router_config": cast(Any, RequestRouterConfig)(
+            request_router_class=ReadyGangRouter, request_routing_stats_period_s=r.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(10.0, 2 * r.routing_stats_period_s)),
+    }
+    if not pins_tpu_slice(cfg.cluster):  # a TPU slice is pinned by the replica's supervisor (head first)
+        bundles = host_bundles(cfg.cluster)
+        empty = [i for i, b in enumerate(bundles) if not any(v > 0 for v in b.values())]
+        if empty:
+            raise ConfigError("a gang replica's placement group needs resources in every host bundle: set "
+                              "cluster.host_num_cpus > 0 or cluster.host_resources", file=cfg.source,
+                              key="cluster.host_num_cpus")
+        opts["placement_group_bundles"] = bundles
+        opts["placement_group_strategy"] = placement_strategy(cfg.cluster)
+    if r.min == r.max and r.initial in (None, r.min):
+        opts["num_replicas"] = r.min
+    else:
+        auto: dict[str, Any] = {
+            "min_replicas": r.min, "max_replicas": r.max, "initial_replicas": r.initial,
+            "target_ongoing_requests": r.target_ongoing_requests or float(limits.max_slots),
+            "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
+            "look_back_period_s": r.look_back_period_s}
+        if r.upscaling_factor is not None:
+            auto["upscaling_factor"] = r.upscaling_factor
+        if r.downscaling_factor is not None:
+            auto["downscaling_factor"] = r.downscaling_factor
+        opts["autoscaling_config"] = auto
+    return opts
 
 
-def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s: float | None = None) -> Any:
-    """The bound Serve application (pass to `serve.run(app, name=APP_NAME, route_prefix="/")`).
+def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s: float | None = None,
+                    engine: str = "real") -> Any:
+    """The bound Serve application (pass to `serve.run(app, name=APP_NAME, route_prefix="/")`): the ingress
+    over the gang replicas.
 
-    `ready_timeout_s`: each replica starts serving only once the gang is ready (waiting at most that long)."""
+    `ready_timeout_s`: each gang replica starts serving only once its gang is ready (waiting at most that long).
+    engine "toy" runs the gangs' stand-in engine (no weights; the checkpoint still gives the tokenizer)."""
     load_api_keys(cfg.serving)  # fail in the driver, with the config key named, before any replica starts
+    from raydeploy.gang.gang import check_engine
+    from raydeploy.serve.replica import GangReplica
+
+    check_engine(engine)
+    gang_replica = cast(serve.Deployment, serve.deployment(GangReplica))  # a class becomes a Deployment
+    gangs = gang_replica.options(**gang_deployment_options(cfg)).bind(
+        cfg, str(checkpoint_dir) if engine == "real" else None, engine, ready_timeout_s)
     # the decorators made the class a Deployment; mypy keeps the type of a decorated class
     ingress = cast(serve.Deployment, ServeIngress)
-    return ingress.options(num_replicas=cfg.serving.ingress_replicas).bind(cfg, str(checkpoint_dir), ready_timeout_s)
+    return ingress.options(num_replicas=cfg.serving.ingress_replicas).bind(cfg, str(checkpoint_dir), gangs)

@@ -1,10 +1,15 @@
 """From a validated HTTP body to generated text: limits, admission, per-choice streams, stop strings, timeouts.
 
 `ServingCore` turns prompts into `Job`s (token ids, max_tokens, sampling, stops), checked against the
-model's context and the server's limits with errors naming the offending field; admits them against the
-bounded queue; and runs each job as a stream of `Piece`s (text delta, token, logprob, finish reason)
-over the `Backend`. A job that ends early for any reason (stop string, timeout, client gone, error) is
-aborted on the gang so its slot is freed on every host.
+model's context and the server's limits with errors naming the offending field; and runs each job as a
+stream of `Piece`s (text delta, token, logprob, finish reason) over the `Backend`. A job that ends early for
+any reason (stop string, timeout, client gone, error) is aborted on the gang so its slot is freed on every
+host.
+
+`Limits` is the one statement of what the deployment accepts: the context and max_tokens checks here, and
+the queue, which Serve's router enforces for every gang together (each gang replica takes `max_slots`
+requests, the router holds at most `max_queue` more and refuses the rest at once with 503 + Retry-After; see
+raydeploy.serve.deployment). Nothing here counts or queues requests a second time.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from raydeploy.serve.errors import (
     APIError,
     InternalError,
     InvalidRequest,
-    Overloaded,
     RequestTimeout,
     ServiceUnavailable,
 )
@@ -34,13 +38,9 @@ from raydeploy.serve.text import StopMatcher, TextCodec
 
 log = logging.getLogger("raydeploy.serve")
 
-QUEUE_FULL_RETRY_S = 10.0
-"""How long an admitted request keeps re-submitting while the coordinator reports a full queue."""
-
-
 @dataclass(frozen=True)
 class Limits:
-    """What the server accepts, from the config."""
+    """What the deployment accepts: computed once from the config (the numbers the plan sizes each gang by)."""
 
     model_name: str
     max_seq_len: int
@@ -154,15 +154,13 @@ class ServingCore:
 
     # -- admission -----------------------------------------------------------------------------------
     def admit(self, n_jobs: int) -> None:
-        """Reserve room for `n_jobs` (slots + bounded queue) or answer 503 with Retry-After."""
+        """Refuse a request that could never be served whole (400); count the others. The queue bound itself
+        is Serve's router's (503 with Retry-After at once, through the backend)."""
         capacity = self.limits.max_slots + self.limits.max_queue
         if n_jobs > capacity:  # could never be admitted: not a retriable 503
             raise InvalidRequest(f"the request asks for {n_jobs} sequences (n times the prompts); this server "
                                  f"holds at most {capacity} at once ({self.limits.max_slots} slots and "
                                  f"{self.limits.max_queue} queued)", param="n", code="invalid_value")
-        if self._in_flight + n_jobs > capacity:
-            raise Overloaded(f"the server is at capacity ({self.limits.max_slots} slots busy and "
-                             f"{self.limits.max_queue} requests queued); retry shortly", retry_after_s=1.0)
         self._in_flight += n_jobs
 
     def release(self, n_jobs: int) -> None:
@@ -185,8 +183,6 @@ class ServingCore:
         n_out, first_at, finished, done_in_gang = 0, None, False, False
         deadline = arrived_s + job.timeout_s
         stream = self.backend.generate(req)
-        first_refusal_s: float | None = None
-        backoff_s = 0.02
         try:
             while True:
                 remaining_s = deadline - time.perf_counter()
@@ -201,19 +197,6 @@ class ServingCore:
                     raise ServiceUnavailable("the model gang ended the stream early; retry shortly", 1.0) from None
                 except TimeoutError:
                     raise RequestTimeout(job.timeout_s) from None
-                except Overloaded:
-                    # The coordinator's queue was full when this admitted request arrived: a race with the
-                    # step that moves queued requests into slots (admission here already bounds the total).
-                    # Submit again shortly, for a bounded time; then it is a real 503.
-                    waited_s = time.perf_counter() - (first_refusal_s or time.perf_counter())
-                    if n_out or waited_s > QUEUE_FULL_RETRY_S or remaining_s < backoff_s:
-                        raise
-                    first_refusal_s = first_refusal_s or time.perf_counter()
-                    await _close(stream)
-                    await asyncio.sleep(backoff_s)
-                    backoff_s = min(2 * backoff_s, 0.5)
-                    stream = self.backend.generate(req)
-                    continue
                 for ev in events:
                     if ev.finish_reason == "error":
                         done_in_gang = True

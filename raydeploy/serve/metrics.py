@@ -2,9 +2,11 @@
 
 Latency (time to first token, time per output token, request duration) is measured here, where the
 client's clock is, into `prometheus_client` histograms; request and token counts are its counters. Gang
-figures (state, restarts, queue depth, slots in use, engine steps, load and start-up times) are read from
-the supervisor and the coordinator at scrape time and exported as gauges by a collector made for that
-scrape. No label ever carries user input.
+figures are read from every gang's supervisor and coordinator at scrape time and exported by a collector
+made for that scrape: the deployment's (`raydeploy_gang_ready` is 1 while any gang is ready,
+`raydeploy_gangs_ready`, `raydeploy_gangs`, restarts and the coordinators' figures summed over gangs), and
+each gang's own with a `gang` label (`raydeploy_gang_up`, `raydeploy_gang_restarts_by_gang`,
+`raydeploy_gang_slots_in_use`, ...). No label ever carries user input (gang labels are supervisor names).
 
 Why `prometheus_client` and not `ray.util.metrics`: Ray exports its metrics only through each node's
 metrics agent, under names prefixed `ray_`, and only inside a Ray worker; this keeps the metric names of
@@ -34,6 +36,8 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
 PREFIX = "raydeploy"
 GENERATION_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat", "/instruct"})
 """The routes whose successful answers count as requests served."""
+PER_GANG_STATS = ("slots_in_use", "queue_depth", "tokens_generated", "requests_done", "steps_done")
+"""Coordinator figures also exported per gang (labelled `gang`)."""
 RECENT_SAMPLES = 4096
 """How many recent latencies /status keeps for its p50/p99 (the histograms keep every observation)."""
 
@@ -160,7 +164,12 @@ class _GangFigures:
         g = GaugeMetricFamily(f"{PREFIX}_gang_state", "The gang's state (1 for the current one).", labels=["state"])
         g.add_metric([_name_part(state)], 1)
         yield g
-        taken = {"gang_ready", "gang_state", "gang_restarts"}
+        ready_gangs, total = self.gang_state.get("ready_gangs"), self.gang_state.get("total_gangs")
+        if isinstance(ready_gangs, int) and isinstance(total, int):
+            yield GaugeMetricFamily(f"{PREFIX}_gangs_ready", "Gangs ready to serve.", value=ready_gangs)
+            yield GaugeMetricFamily(f"{PREFIX}_gangs", "Gangs running (any state).", value=total)
+        yield from self._per_gang()
+        taken = {"gang_ready", "gang_state", "gang_restarts", "gang_ready_gangs", "gang_total_gangs"}
         restarts = self.gang_state.get("restarts")
         if isinstance(restarts, int | float) and not isinstance(restarts, bool):
             yield CounterMetricFamily(f"{PREFIX}_gang_restarts", "Gang restarts since the server started.",
@@ -171,6 +180,32 @@ class _GangFigures:
                     continue
                 taken.add(key)
                 yield GaugeMetricFamily(f"{PREFIX}_{key}", f"Gang figure '{key}' reported by the {who}.", value=value)
+
+    def _per_gang(self) -> Iterator[Metric]:
+        """Each gang's state and its coordinator's figures, labelled with the gang's name."""
+        gangs = self.gang_state.get("gangs")
+        if not isinstance(gangs, list) or not gangs:
+            return
+        up = GaugeMetricFamily(f"{PREFIX}_gang_up", "1 when this gang is ready to serve.", labels=["gang"])
+        restarts = GaugeMetricFamily(f"{PREFIX}_gang_restarts_by_gang", "Restarts of this gang.", labels=["gang"])
+        for g in gangs:
+            name = _name_part(str(g.get("gang", "")))
+            up.add_metric([name], int(g.get("state") == "ready"))
+            if isinstance(g.get("restarts"), int):
+                restarts.add_metric([name], g["restarts"])
+        yield up
+        yield restarts
+        per_gang = self.engine_stats.get("gangs")
+        if not isinstance(per_gang, Mapping):
+            return
+        for key in PER_GANG_STATS:
+            fam = GaugeMetricFamily(f"{PREFIX}_gang_{key}", f"Coordinator figure '{key}' of this gang.",
+                                    labels=["gang"])
+            for name, stats in sorted(per_gang.items()):
+                v = stats.get(key) if isinstance(stats, Mapping) else None
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    fam.add_metric([_name_part(str(name))], float(v))
+            yield fam
 
 
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
@@ -190,6 +225,6 @@ def _numbers(d: Mapping[str, Any], prefix: str, depth: int = 0) -> dict[str, flo
             out[name] = float(v)
         elif isinstance(v, int | float) and math.isfinite(v):
             out[name] = float(v)
-        elif isinstance(v, Mapping) and depth < 2:
+        elif isinstance(v, Mapping) and depth < 2 and k != "gangs":  # per gang: labelled, in _per_gang
             out.update(_numbers(v, name, depth + 1))
     return out

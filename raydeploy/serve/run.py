@@ -1,8 +1,9 @@
 """`raydeploy serve`: join or start Ray, start the gang, serve it over HTTP, drain and tear down on a signal.
 
-`start_serving(cfg)` is the reusable part (the CLI, tests and benchmarks use it): it starts the gang
-supervisor and the Serve ingress and returns a `Serving` handle. HTTP answers at once (/health 200,
-/ready 503) while the gang starts, loads and compiles; `/ready` turns 200 when the gang is ready.
+`start_serving(cfg)` is the reusable part (the CLI, tests and benchmarks use it): it deploys the Serve
+application (the ingress and the gang replicas, each starting its own gang) and returns a `Serving` handle.
+HTTP answers at once (/health 200, /ready 503) while the gangs start, load and compile; `/ready` turns 200
+when the first gang is ready.
 `run_serve(cfg, args)` adds the driver around it: checks that serving.host:port can be listened on before
 it starts a local Ray (one line naming the address and the override when it cannot), prints where it
 listens and when it is ready, waits for Ctrl-C / SIGTERM, then drains in-flight requests (Serve's graceful
@@ -29,17 +30,18 @@ DRAIN_TIMEOUT_S = 30.0
 
 @dataclass
 class Serving:
-    """A running deployment: the gang and the HTTP ingress."""
+    """A running deployment: the gang replicas (`gangs`, a raydeploy.gang.directory.GangSet) and the ingress."""
 
     cfg: Config
-    gang: Any
+    gangs: Any
     url: str
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        return self.gang.wait_ready(timeout_s)
+    def wait_ready(self, timeout_s: float, count: int | None = None) -> dict[str, Any]:
+        """Wait until `count` gangs (default replicas.min) are ready."""
+        return self.gangs.wait_ready(timeout_s, count)
 
     def shutdown(self) -> None:
-        """Drain the ingress (in-flight requests finish), then stop the gang, then Serve."""
+        """Drain (in-flight requests finish), stop every gang replica and its gang, then Serve."""
         from ray import serve
 
         from raydeploy.serve.deployment import APP_NAME
@@ -47,10 +49,7 @@ class Serving:
         try:
             serve.delete(APP_NAME, _blocking=True)
         finally:
-            try:
-                self.gang.shutdown(timeout_s=self.cfg.cluster.rpc_timeout_s)
-            finally:
-                serve.shutdown()
+            serve.shutdown()
 
 
 def connect_ray(address: str | None, *, temp_dir: str | None = None, num_cpus: int | None = None) -> bool:
@@ -74,27 +73,29 @@ def connect_ray(address: str | None, *, temp_dir: str | None = None, num_cpus: i
 
 
 def start_serving(cfg: Config, *, checkpoint_path: str | None = None, engine: str = "real") -> Serving:
-    """Start the gang and the HTTP ingress on cfg.serving.host:port (Ray must be initialised).
+    """Deploy the gang replicas and the HTTP ingress on cfg.serving.host:port (Ray must be initialised);
+    returns once the replicas have started (their gangs go on starting: see `Serving.wait_ready`).
 
-    engine "toy" runs the gang's stand-in engine (no weights) behind the real HTTP stack; the checkpoint
+    engine "toy" runs the gangs' stand-in engine (no weights) behind the real HTTP stack; the checkpoint
     still provides the tokenizer.
     """
     from ray import serve
 
-    from raydeploy.gang.gang import resolve_checkpoint_path, start_gang
+    from raydeploy.gang.directory import GangSet
+    from raydeploy.gang.gang import resolve_checkpoint_path
     from raydeploy.serve.deployment import APP_NAME, build_serve_app
 
     path = checkpoint_path or resolve_checkpoint_path(cfg)
-    app = build_serve_app(cfg, path)  # checks the API key source before anything starts
-    gang = start_gang(cfg, checkpoint_path=path, engine=engine)
+    app = build_serve_app(cfg, path, engine=engine)  # checks the API key source before anything starts
+    serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
     try:
-        serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     except BaseException:
-        gang.shutdown(timeout_s=cfg.cluster.rpc_timeout_s)
+        serve.shutdown()
         raise
     host = "127.0.0.1" if cfg.serving.host in ("0.0.0.0", "::") else cfg.serving.host
-    return Serving(cfg, gang, f"http://{host}:{cfg.serving.port}")
+    return Serving(cfg, GangSet(APP_NAME, cfg, rpc_timeout_s=min(cfg.cluster.rpc_timeout_s, 60.0)),
+                   f"http://{host}:{cfg.serving.port}")
 
 
 class AddressUnavailable(RuntimeError):
@@ -156,25 +157,32 @@ def run_serve(cfg: Config, args: argparse.Namespace) -> int:
     try:
         t0 = time.monotonic()
         serving = start_serving(cfg)
+        r = cfg.replicas
+        count = f"{r.min}" if r.min == r.max else f"{r.min}-{r.max} (autoscaled)"
         print(f"raydeploy serve: listening on {serving.url} (model {cfg.model.name or cfg.model.checkpoint}, "
-              f"{cfg.cluster.num_hosts} host(s) x {cfg.cluster.devices_per_host} device(s)); "
-              f"{serving.url}/ready turns 200 when the gang is ready", flush=True)
-        last = None
+              f"{count} gang(s) of {cfg.cluster.num_hosts} host(s) x {cfg.cluster.devices_per_host} device(s)); "
+              f"{serving.url}/ready turns 200 when a gang is ready", flush=True)
+        last: tuple[str, int, int] | None = None
+        ever_ready = False
         deadline = t0 + _bringup_timeout_s(cfg)
         while not stop.is_set():
-            st = serving.gang.state()
-            if st["state"] != last:
-                last = st["state"]
-                extra = f" ({st['last_error']})" if st.get("last_error") and last != "ready" else ""
-                print(f"raydeploy serve: gang {last}{extra} after {time.monotonic() - t0:.1f}s", flush=True)
-                if last == "ready":
+            st = serving.gangs.state()
+            now = (st["state"], st["ready_gangs"], st["total_gangs"])
+            if now != last:
+                last = now
+                extra = f" ({st['last_error']})" if st.get("last_error") and st["state"] != "ready" else ""
+                print(f"raydeploy serve: {st['ready_gangs']} of {st['total_gangs']} gang(s) ready, state "
+                      f"{st['state']}{extra} after {time.monotonic() - t0:.1f}s", flush=True)
+                if st["state"] == "ready" and not ever_ready:
+                    ever_ready = True
                     print(f"raydeploy serve: ready: {serving.url}/v1 (OpenAI API), {serving.url}/ (chat page)",
                           flush=True)
-            if last == "failed":
+            if st["state"] == "failed" and not ever_ready:
                 print(f"raydeploy serve: the gang failed: {st.get('last_error')}", file=sys.stderr, flush=True)
                 return 1
-            if last != "ready" and time.monotonic() > deadline:
-                raise GangError(f"gang not ready after {time.monotonic() - t0:.0f}s (state {last})", phase="serve")
+            if not ever_ready and time.monotonic() > deadline:
+                raise GangError(f"no gang ready after {time.monotonic() - t0:.0f}s (state {st['state']})",
+                                phase="serve")
             stop.wait(1.0)
         return 0
     except GangError as e:

@@ -1,8 +1,10 @@
-"""A tiny stand-in engine with the real engine's step interface, for gang tests and control benchmarks.
+"""A tiny stand-in engine with the real engine's step interface, for gang tests, control benchmarks and
+`--engine toy` (a cluster smoke test without weights).
 
 It runs one small jitted step per `StepPlan` over the global mesh, with a weight sharded over every
 device so each step does a cross-host reduction like a real decode step, and produces deterministic
-tokens (`next = f(last)`) that a test can predict. It loads no checkpoint and compiles in about a second,
+tokens (`next = f(last)`) that a test can predict. `load_toy_engine` is its engine factory
+(raydeploy.gang.runtime.ENGINES["toy"]). It loads no checkpoint and compiles in about a second,
 so bring-up, dispatch and failure handling can be exercised without the model. Imported only inside host
 processes (it imports JAX).
 """
@@ -100,8 +102,10 @@ class ToyScheduler:
     """
 
     def __init__(self, max_slots: int, eos_token_ids: tuple[int, ...] = (2,)) -> None:
+        import threading
         from collections import deque
 
+        self._work = threading.Event()
         self.max_slots = max_slots
         self.eos = set(eos_token_ids)
         self.queue: deque = deque()
@@ -111,8 +115,15 @@ class ToyScheduler:
 
     def submit(self, req: Any, sink: Any) -> None:
         self.queue.append((req, sink))
+        self._work.set()
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        got = self._work.wait(timeout_s)
+        self._work.clear()
+        return got
 
     def abort(self, request_id: str) -> bool:
+        self._work.set()
         for i, (req, _) in enumerate(self.queue):
             if req.request_id == request_id:
                 del self.queue[i]
@@ -150,7 +161,7 @@ class ToyScheduler:
             done = "stop"
         elif n + 1 >= req.max_tokens:
             done = "length"
-        sink([TokenEvent(req.request_id, int(token), 0.0, n, done)])
+        sink(TokenEvent(req.request_id, int(token), 0.0, n, done))
         self.active[slot][2] = n + 1
         if done:
             del self.active[slot]
@@ -170,12 +181,21 @@ class ToyScheduler:
         from raydeploy.engine.request import TokenEvent
 
         for req, sink in list(self.queue):
-            sink([TokenEvent(req.request_id, None, finish_reason="error", error=error, retriable=retriable)])
+            sink(TokenEvent(req.request_id, None, finish_reason="error", error=error, retriable=retriable))
         for req, sink, n in self.active.values():
-            sink([TokenEvent(req.request_id, None, index=n, finish_reason="error", error=error,
-                             retriable=retriable)])
+            sink(TokenEvent(req.request_id, None, index=n, finish_reason="error", error=error, retriable=retriable))
         self.queue.clear()
         self.active.clear()
 
     def stats(self) -> dict[str, Any]:
         return {"queue_depth": len(self.queue), "slots_in_use": len(self.active), "max_slots": self.max_slots}
+
+
+def load_toy_engine(cfg: Any, mesh: jax.sharding.Mesh, checkpoint_path: str | None) -> Any:
+    """The engine factory of the stand-in: no checkpoint read; its scheduler is `ToyScheduler`."""
+    from raydeploy.gang.runtime import LoadedEngine
+
+    eos = (2,)
+    engine = ToyEngine(mesh, cfg.engine.max_slots, eos)
+    return LoadedEngine(engine, {"bytes_read": 0, "seconds": 0.0, "gbps": 0.0}, eos,
+                        lambda: ToyScheduler(cfg.engine.max_slots, eos))

@@ -1,0 +1,52 @@
+"""The two seams of the step loop, as Protocols: what drives the devices (`StepEngine`) and what decides each
+step (`StepScheduler`).
+
+The real ones are raydeploy.engine.engine.Engine and raydeploy.engine.scheduler.Scheduler; the stand-in
+engine and scheduler of raydeploy.testing.toy, and test doubles, satisfy the same Protocols. The in-process
+runner (raydeploy.engine.local) and the gang's coordinator (raydeploy.gang.coordinator) take these, never a
+concrete class. No JAX here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.engine.step import StepPlan, StepResult
+
+Sink = Callable[[TokenEvent], None]
+"""Where a scheduler delivers one request's events, one at a time; called outside the scheduler's lock and must
+not block."""
+
+
+class StepEngine(Protocol):
+    """Runs one plan on the devices (on every host, in the same order) and returns what it sampled."""
+
+    def step(self, plan: StepPlan) -> StepResult: ...
+
+
+class StepScheduler(Protocol):
+    """Requests in, plans out, results back into per-request events."""
+
+    def submit(self, req: GenerationRequest, sink: Sink) -> None:
+        """Queue a request (raises QueueFullError when its queue is full)."""
+        ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def next_plan(self) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to do."""
+        ...
+
+    def on_result(self, plan: StepPlan, result: StepResult) -> None: ...
+
+    def fail_all(self, error: str, retriable: bool) -> None:
+        """End every queued and running request with an error event."""
+        ...
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block (at most `timeout_s`) until a submit or abort may have made a plan possible."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
