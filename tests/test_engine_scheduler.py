@@ -52,9 +52,16 @@ class Clock:
         return self.t
 
 
-def make(max_slots=2, max_seq_len=64, max_queue=4, buckets=(16, 32), clock=None):
+def make(max_slots=2, max_seq_len=64, max_queue=4, buckets=(16, 32), clock=None, form="slot"):
+    """A scheduler and a counting engine of the slot form, or of the paged form (one dp group, pages of 4)."""
+    if form == "paged":
+        eng = PagedTokenEngine(max_slots, 1, 4, 64, max_seq_len, 64, next_fn=lambda seq: seq[-1] + 1)
+        return paged(eng, max_queue=max_queue, clock=clock), eng
     sched = Scheduler(max_slots, max_seq_len, (EOS,), max_queue, list(buckets), clock=clock or Clock())
     return sched, CountingEngine(max_slots)
+
+
+FORMS = pytest.mark.parametrize("form", ["slot", "paged"])
 
 
 def req(rid: str, prompt=(10, 11, 12), max_tokens=5, **kw) -> GenerationRequest:
@@ -65,16 +72,18 @@ def collect(runner: LocalRunner, *reqs: GenerationRequest):
     return {o.request_id: o for o in runner.generate(list(reqs), timeout_s=5)}
 
 
-def test_tokens_and_length_finish():
-    sched, eng = make()
+@FORMS
+def test_tokens_and_length_finish(form):
+    sched, eng = make(form=form)
     out = collect(LocalRunner(eng, sched), req("a", max_tokens=4))["a"]
     assert out.token_ids == [13, 14, 15, 16] and out.finish_reason == "length"
     assert out.logprobs == [-0.5, -0.25, -0.25, -0.25]
     assert sched.slots_in_use == 0 and sched.tokens_generated == 4 and sched.prefills == 1
 
 
-def test_eos_stops_without_emitting_the_stop_token():
-    sched, eng = make()
+@FORMS
+def test_eos_stops_without_emitting_the_stop_token(form):
+    sched, eng = make(form=form)
     events: list[TokenEvent] = []
     sched.submit(req("a", prompt=(5, 0), max_tokens=10), events.append)  # 1, then eos 2
     LocalRunner(eng, sched).run_until_idle()
@@ -82,21 +91,24 @@ def test_eos_stops_without_emitting_the_stop_token():
     assert events[-1].finish_reason == "stop" and events[-1].index == 1
 
 
-def test_eos_as_first_token_and_ignore_eos():
-    sched, eng = make()
+@FORMS
+def test_eos_as_first_token_and_ignore_eos(form):
+    sched, eng = make(form=form)
     outs = collect(LocalRunner(eng, sched), req("a", prompt=(1,)), req("b", prompt=(1,), max_tokens=3, ignore_eos=True))
     assert outs["a"].token_ids == [] and outs["a"].finish_reason == "stop"
     assert outs["b"].token_ids == [2, 3, 4] and outs["b"].finish_reason == "length"
 
 
-def test_stop_token_ids():
-    sched, eng = make()
+@FORMS
+def test_stop_token_ids(form):
+    sched, eng = make(form=form)
     out = collect(LocalRunner(eng, sched), req("a", max_tokens=20, stop_token_ids=(16,)))["a"]
     assert out.token_ids == [13, 14, 15] and out.finish_reason == "stop"
 
 
-def test_max_seq_len_stops_with_length():
-    sched, eng = make(max_seq_len=8)
+@FORMS
+def test_max_seq_len_stops_with_length(form):
+    sched, eng = make(max_seq_len=8, form=form)
     out = collect(LocalRunner(eng, sched), req("a", prompt=(10, 11, 12, 13, 14), max_tokens=50))["a"]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"  # 5 prompt + 3 = max_seq_len
 
@@ -124,8 +136,9 @@ def test_queue_waits_for_a_free_slot_and_release_is_planned():
     assert b_plan.release == (0,)
 
 
-def test_queue_full_error_names_the_limit_and_pickles():
-    sched, _ = make(max_queue=2)
+@FORMS
+def test_queue_full_error_names_the_limit_and_pickles(form):
+    sched, _ = make(max_queue=2, form=form)
     sched.submit(req("a"), lambda e: None)
     sched.submit(req("b"), lambda e: None)
     with pytest.raises(QueueFullError, match=r"queue is full: 2 requests waiting \(max_queue=2\)"):
@@ -148,8 +161,9 @@ def test_prompt_too_long_and_empty_prompt_messages():
     assert sched.queue_depth == 0
 
 
-def test_abort_running_request_frees_its_slot_for_the_next():
-    sched, eng = make(max_slots=1)
+@FORMS
+def test_abort_running_request_frees_its_slot_for_the_next(form):
+    sched, eng = make(max_slots=1, form=form)
     runner = LocalRunner(eng, sched)
     a = runner.submit(req("a", max_tokens=50))
     b = runner.submit(req("b", prompt=(70,), max_tokens=2))
@@ -160,14 +174,16 @@ def test_abort_running_request_frees_its_slot_for_the_next():
     assert sched.slots_in_use == 0
     runner.run_until_idle()
     out_a = a.result(5)
-    assert out_a.finish_reason == "abort" and out_a.token_ids == [13, 14, 15]
+    # the slot form decodes in a prompt's prefill plan too; the paged form's first plan is the prompt alone
+    assert out_a.finish_reason == "abort" and out_a.token_ids == ([13, 14, 15] if form == "slot" else [13, 14])
     assert b.result(5).token_ids == [71, 72]
-    assert any(p.release == (0,) and p.prefills for p in eng.plans)
+    assert any(p.release == (0,) and (p.prefills or any(q.sampling for q in p.seqs)) for p in eng.plans)
     assert sched.abort("nope") is False
 
 
-def test_abort_queued_request():
-    sched, eng = make(max_slots=1)
+@FORMS
+def test_abort_queued_request(form):
+    sched, eng = make(max_slots=1, form=form)
     events: list[TokenEvent] = []
     sched.submit(req("a"), lambda e: None)
     sched.submit(req("b"), events.append)
@@ -175,8 +191,9 @@ def test_abort_queued_request():
     assert events == [TokenEvent("b", None, index=0, finish_reason="abort")] and sched.queue_depth == 1
 
 
-def test_fail_all_ends_everything_with_a_retriable_error():
-    sched, eng = make(max_slots=1)
+@FORMS
+def test_fail_all_ends_everything_with_a_retriable_error(form):
+    sched, eng = make(max_slots=1, form=form)
     runner = LocalRunner(eng, sched)
     a, b = runner.submit(req("a", max_tokens=50)), runner.submit(req("b"))
     runner.step_once()
@@ -188,13 +205,14 @@ def test_fail_all_ends_everything_with_a_retriable_error():
     assert sched.next_plan().release == (0,)  # the engine's slot is cleared too
 
 
-def test_engine_failure_fails_requests_and_is_kept():
-    class Broken(CountingEngine):
+@FORMS
+def test_engine_failure_fails_requests_and_is_kept(form):
+    class Broken:
         def step(self, plan):
             raise RuntimeError("device lost")
 
-    sched, _ = make()
-    runner = LocalRunner(Broken(2), sched).start()
+    sched, _ = make(form=form)
+    runner = LocalRunner(Broken(), sched).start()
     try:
         out = runner.submit(req("a")).result(5)
     finally:
@@ -203,9 +221,10 @@ def test_engine_failure_fails_requests_and_is_kept():
     assert isinstance(runner.error, RuntimeError)
 
 
-def test_threaded_runner_and_stats_with_injected_clock():
+@FORMS
+def test_threaded_runner_and_stats_with_injected_clock(form):
     clock = Clock()
-    sched, eng = make(clock=clock)
+    sched, eng = make(clock=clock, form=form)
     runner = LocalRunner(eng, sched).start()
     try:
         outs = [runner.submit(req(f"r{i}", prompt=(10 * i + 5,), max_tokens=3)) for i in range(4)]
@@ -274,7 +293,9 @@ def alone(prompt, n: int) -> list[int]:
 
 
 class PagedTokenEngine:
-    def __init__(self, max_slots=4, groups=2, page_size=4, pages_per_group=32, max_seq_len=64, step_tokens=16):
+    def __init__(self, max_slots=4, groups=2, page_size=4, pages_per_group=32, max_seq_len=64, step_tokens=16,
+                 next_fn=next_token):
+        self.next_fn = next_fn
         self.max_slots, self.groups, self.page_size = max_slots, groups, page_size
         self.pages_per_group, self.max_seq_len, self.max_step_tokens = pages_per_group, max_seq_len, step_tokens
         self.slots_per_group = max_slots // groups
@@ -322,6 +343,8 @@ class PagedTokenEngine:
                 assert len(q.tokens) == 0 and q.sample
         assert per_group.max(initial=0) <= self.max_step_tokens, per_group
         tokens = np.zeros((plan.decode_steps, len(plan.seqs)), np.int32)
+        logprobs = np.asarray([[-0.5 if len(q.tokens) else -0.25 for q in plan.seqs]] * plan.decode_steps,
+                              np.float32).reshape(tokens.shape)
         for k in range(plan.decode_steps):
             for i, q in enumerate(plan.seqs):
                 new = list(q.tokens) if len(q.tokens) else [int(self.last[q.slot])]
@@ -332,8 +355,8 @@ class PagedTokenEngine:
                     self.pool[g, p, o] = t
                     self.writes.append((g, p))
                 if q.sample:
-                    tokens[k, i] = self.last[q.slot] = next_token(self._read(q.slot, start + len(new)))
-        return StepResult(plan.step_id, tokens=tokens, logprobs=np.full(tokens.shape, -0.5, np.float32))
+                    tokens[k, i] = self.last[q.slot] = self.next_fn(self._read(q.slot, start + len(new)))
+        return StepResult(plan.step_id, tokens=tokens, logprobs=logprobs)
 
 
 def paged(eng: PagedTokenEngine, max_queue=16, decode_steps=1, prefix_caching=True, clock=None) -> Scheduler:
@@ -354,7 +377,7 @@ def test_paged_tokens_equal_each_request_run_alone():
     for r in reqs:
         assert outs[r.request_id].token_ids == alone(r.prompt_token_ids, r.max_tokens)
         assert outs[r.request_id].finish_reason == "length"
-    assert outs["r0"].logprobs[0] == -0.5
+    assert outs["r0"].logprobs[:2] == [-0.5, -0.25]
     st = sched.stats()
     assert st["pages_used"] == 0 and st["pages_reserved"] == 0 and st["slots_in_use"] == 0
     assert st["prefills"] == 6 and st["tokens_generated"] == sum(r.max_tokens for r in reqs)
@@ -554,3 +577,4 @@ def test_for_engine_picks_the_paged_form_for_a_paged_engine():
         max_slots, max_seq_len, eos_ids, slot_order = 2, 64, (EOS,), [0, 1]
 
     assert Scheduler.for_engine(SlotEngine(), Config()).paging is None
+
