@@ -25,7 +25,15 @@ from raydeploy.config import Config, ConfigError
 from raydeploy.gang.placement import head_bundle, host_bundles, placement_strategy
 from raydeploy.gang.preflight import cache_dir_problem
 from raydeploy.model.sharding import check_divisible, logical_to_mesh_axes, merge_rules
-from raydeploy.model.spec import LlamaConfig, TensorSpec, kv_cache_spec, param_specs
+from raydeploy.model.spec import (
+    POOL_RULES,
+    LlamaConfig,
+    TensorSpec,
+    kv_pool_spec,
+    page_table_spec,
+    param_specs,
+    resolve_num_pages,
+)
 
 GIB = 1024**3
 
@@ -66,6 +74,9 @@ class Plan:
     kv_bytes_per_device: int
     kv_bytes_per_host: int
     slots_per_dp_group: int
+    page_size: int
+    pages_per_dp_group: int
+    """Pages of the paged KV pool each dp group owns (`engine.num_pages`, auto resolved)."""
     device_memory_bytes: int
     device_memory_from: str
     usable_bytes_per_device: int
@@ -170,6 +181,10 @@ def _shard_numel(spec: TensorSpec, rules: dict, mesh: dict[str, int]) -> int:
     return math.prod(-(-s // (math.prod(mesh[a] for a in d) if d else 1)) for s, d in zip(spec.shape, dims, strict=True))
 
 
+def _axes(rule: Any) -> tuple[str, ...]:
+    return () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
+
+
 def _generic(name: str) -> str:
     return re.sub(r"layers\.\d+\.", "layers.*.", name)
 
@@ -215,11 +230,15 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
 
     problems += _heads_problems(model, rules, mesh)
     specs = param_specs(model)
-    kv_spec = kv_cache_spec(model, eng.max_slots, cfg.model.max_seq_len)
+    pool_rules = {**rules, **POOL_RULES}
+    groups = math.prod(mesh.get(a, 1) for a in _axes(rules.get("cache_batch")))
+    slots_per_group = max(eng.max_slots // groups, 1)
+    pages_per_group = resolve_num_pages(eng.num_pages, slots_per_group, cfg.model.max_seq_len, eng.page_size)
+    kv_spec = kv_pool_spec(model, pages_per_group * groups, eng.page_size)
     seen: set[str] = set()
-    for spec in [*specs.values(), kv_spec]:
+    for spec in [*specs.values(), page_table_spec(eng.max_slots, cfg.model.max_seq_len, eng.page_size), kv_spec]:
         try:
-            check_divisible(spec, rules, mesh)
+            check_divisible(spec, pool_rules, mesh)
         except ConfigError as err:
             msg = _generic(str(err))
             if msg not in seen:
@@ -232,8 +251,8 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
     p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[cfg.model.dtype]
     param_count = sum(s.numel for s in specs.values())
     p_dev = sum(_shard_numel(s, rules, mesh) for s in specs.values()) * p_item
-    kv_total = 2 * kv_spec.numel * kv_item
-    kv_dev = 2 * _shard_numel(kv_spec, rules, mesh) * kv_item
+    kv_total = kv_spec.numel * kv_item
+    kv_dev = _shard_numel(kv_spec, pool_rules, mesh) * kv_item
 
     mem, mem_from = device_memory(cfg)
     usable = int(mem * USABLE_FRACTION[c.platform])
@@ -242,8 +261,8 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         problems.append(
             f"per device: parameters {_gib(p_dev)} + KV cache {_gib(kv_dev)} = {_gib(need)} exceeds the usable "
             f"{_gib(usable)} ({USABLE_FRACTION[c.platform]:.0%} of {_gib(mem)}, {mem_from}); shard over more "
-            f"devices (fsdp/tp) or lower engine.max_slots ({eng.max_slots}) or model.max_seq_len "
-            f"({cfg.model.max_seq_len})" + ("" if p_item == kv_item == 2 else " or use bfloat16"))
+            f"devices (fsdp/tp) or lower engine.num_pages ({pages_per_group} per dp group), engine.max_slots "
+            f"({eng.max_slots}) or model.max_seq_len ({cfg.model.max_seq_len})" + ("" if p_item == kv_item == 2 else " or use bfloat16"))
     if cfg.model.max_seq_len > model.max_position_embeddings:
         warnings.append(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                         f"{model.max_position_embeddings}")
@@ -282,6 +301,7 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         param_count=param_count, param_bytes_total=param_count * p_item, param_bytes_per_device=p_dev,
         param_bytes_per_host=p_dev * c.devices_per_host, kv_bytes_total=kv_total, kv_bytes_per_device=kv_dev,
         kv_bytes_per_host=kv_dev * c.devices_per_host, slots_per_dp_group=eng.max_slots // dp if dp else 0,
+        page_size=eng.page_size, pages_per_dp_group=pages_per_group,
         device_memory_bytes=mem, device_memory_from=mem_from, usable_bytes_per_device=usable,
         free_bytes_per_device=usable - need, problems=problems, warnings=warnings,
         slice_head_bundle=head_bundle(c),
@@ -309,7 +329,9 @@ def format_plan(plan: Plan) -> str:
         f"{_gib(plan.param_bytes_per_device)}, per host {_gib(plan.param_bytes_per_host)}",
         f"KV cache      {plan.kv_dtype}: total {_gib(plan.kv_bytes_total)}, per device "
         f"{_gib(plan.kv_bytes_per_device)}, per host {_gib(plan.kv_bytes_per_host)} "
-        f"({plan.slots_per_dp_group} slots per dp group)",
+        f"(paged: {plan.pages_per_dp_group} pages of {plan.page_size} tokens = "
+        f"{plan.pages_per_dp_group * plan.page_size} tokens per dp group; {plan.slots_per_dp_group} slots per dp "
+        f"group)",
         f"device memory {_gib(plan.device_memory_bytes)} ({plan.device_memory_from}); usable "
         f"{_gib(plan.usable_bytes_per_device)}; free after params + KV {_gib(plan.free_bytes_per_device)}",
     ]

@@ -99,43 +99,97 @@ def test_out_in_kernels_give_the_same_logits(mesh_shape, rules):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("mesh_shape", [{"dp": 1}, {"dp": 2, "tp": 2}])
-def test_decode_over_the_head_major_cache_equals_prefill(mesh_shape):
-    """Prefill 7 tokens into a [layers, slots, kv_heads, seq, head_dim] cache, decode the 8th: its hidden state
-    equals the 8-token prefill's last position (cache writes, window reads and decode attention agree)."""
-    import flax.nnx as nnx
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-
-    from raydeploy.engine.kv_slots import kv_cache_sharding
-    from raydeploy.model.llama import ActivationSharding, build_model
+def _paged_engine(mesh_shape, rules_overrides, **engine_kw):
+    from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.engine.paged import PagedEngine
     from raydeploy.model.sharding import merge_rules
 
     mesh = _mesh(mesh_shape)
-    rules = merge_rules({"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
-    shard = ActivationSharding.create(mesh, rules)
-    graphdef, state = build_model(TINY, _placed(_random_params(TINY, 2), mesh, rules))
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, TINY.vocab_size, (2, 8)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
-    seq = 16
-    cache_sharding = kv_cache_sharding(TINY, 2, seq, mesh, rules)
+    rules = merge_rules(rules_overrides)
+    kw = {"max_slots": 4, "prefill_buckets": [64], "max_new_tokens": 16, "page_size": 4, "prefill_chunk": 8,
+          "decode_steps": 3, **engine_kw}
+    return PagedEngine(TINY, _placed(_random_params(TINY, 2), mesh, rules), mesh, rules,
+                       ModelConfig(max_seq_len=64), EngineConfig(**kw))
 
-    def run(st, t):
-        model = nnx.merge(graphdef, st)
-        full, _, _ = model.prefill(t, pos, shard)
-        _, ks, vs = model.prefill(t[:, :7], pos[:, :7], shard)
-        pad = ((0, 0), (0, 0), (0, 0), (0, seq - 7), (0, 0))
-        kc = jax.lax.with_sharding_constraint(jnp.pad(ks, pad), cache_sharding)
-        vc = jax.lax.with_sharding_constraint(jnp.pad(vs, pad), cache_sharding)
-        h, kc, vc = model.decode(t[:, 7], jnp.full((2,), 7), kc, vc, seq, shard)
-        return full[:, 7], h, kc
 
-    full, h, k0 = jax.jit(run)(state, tokens)
-    assert k0.shape == (TINY.num_layers, 2, TINY.num_kv_heads, seq, TINY.head_dim)
-    assert isinstance(k0.sharding, NamedSharding)
-    assert np.abs(np.asarray(k0)[:, :, :, 7]).max() > 0  # the decoded token's K was written at position 7
-    np.testing.assert_allclose(np.asarray(h), np.asarray(full), rtol=0, atol=2e-5)
+def _plain_greedy(engine, prompt, n):
+    """Greedy tokens and their logprobs from the plain causal forward (no cache), one full forward per token."""
+    import jax
+    import jax.numpy as jnp
+
+    forward = jax.jit(lambda leaves, t: engine.programs_set.model(leaves)(t))
+    ids, lps = list(prompt), []
+    for _ in range(n):
+        logits = np.asarray(forward(engine._param_leaves, jnp.asarray([ids], jnp.int32)))[0, -1]
+        lp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits)))
+        ids.append(int(lp.argmax()))
+        lps.append(float(lp.max()))
+    return ids[len(prompt):], lps
+
+
+@pytest.mark.parametrize("mesh_shape,rules", [
+    ({"dp": 1}, {}),
+    ({"dp": 2, "tp": 2}, {}),  # slots and pages over dp, kv heads over tp inside the shard_map
+    ({"fsdp": 2, "tp": 2}, {"q_heads": None, "kv_heads": None, "cache_kv_heads": None}),
+])
+def test_ragged_paged_steps_equal_the_plain_forward(mesh_shape, rules):
+    """Prompts prefilled in chunks (pages of 4 tokens, chunks of up to 8 tokens per dp group, two prompts
+    sharing a step), then decoded several steps per plan: every greedy token and logprob equals the plain
+    causal forward's, whatever the mesh."""
+    from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep, StepPlan
+
+    eng = _paged_engine(mesh_shape, rules)
+    if "dp" in mesh_shape and mesh_shape["dp"] == 2:
+        assert eng.groups == 2 and eng.pool.sharding.spec[1] == "dp" and eng.pool.sharding.spec[3] == "tp"
+    rng = np.random.default_rng(4)
+    prompts = {0: rng.integers(0, TINY.vocab_size, 10).tolist(), 1: rng.integers(0, TINY.vocab_size, 6).tolist()}
+    want = {s: _plain_greedy(eng, p, 7) for s, p in prompts.items()}
+    g = eng.slots_per_group
+    pages = {0: [0, 1, 2, 3, 4], 1: [5, 6, 7, 8]} if eng.groups == 1 else {0: [0, 1, 2, 3, 4], 1: [4, 3, 2, 1]}
+    slots = {0: 0, 1: 1 if eng.groups == 1 else g}  # with dp=2 the second request lives in the other group
+    upd = tuple(PageUpdate(slots[r], 0, np.asarray(pages[r], np.int32)) for r in (0, 1))
+    sp = SamplingParams()
+    got = {0: [], 1: []}
+    lps = {0: [], 1: []}
+    # step 1: prompt 0 chunk [0, 5) and prompt 1 chunk [0, 3); step 2: prompt 0 [5, 10), prompt 1 [3, 6)
+    p1 = StepPlan(0, seqs=(SeqStep(slots[0], np.asarray(prompts[0][:5], np.int32), 0, False, sp),
+                           SeqStep(slots[1], np.asarray(prompts[1][:3], np.int32), 0, False, sp)), pages=upd)
+    p2 = StepPlan(1, seqs=(SeqStep(slots[0], np.asarray(prompts[0][5:], np.int32), 5, True),
+                           SeqStep(slots[1], np.asarray(prompts[1][3:], np.int32), 3, True)))
+    for plan in (p1, p2):
+        res = eng.step(plan)
+        assert res.tokens.shape == (1, 2)
+    for r in (0, 1):
+        got[r].append(int(res.tokens[0, r]))
+        lps[r].append(float(res.logprobs[0, r]))
+    for step_id, steps in ((2, 3), (3, 3)):  # decode rows, 3 steps per plan without a host round trip
+        plan = StepPlan(step_id, seqs=tuple(SeqStep(slots[r], np.zeros(0, np.int32),
+                                                    len(prompts[r]) + len(got[r]) - 1, True) for r in (0, 1)),
+                        decode_steps=steps)
+        res = eng.step(plan)
+        for r in (0, 1):
+            got[r] += res.tokens[:, r].tolist()
+            lps[r] += res.logprobs[:, r].tolist()
+    for r in (0, 1):
+        assert got[r] == want[r][0], f"request {r}"
+        np.testing.assert_allclose(lps[r], want[r][1], rtol=0, atol=2e-5)
+
+
+def test_slot_form_plans_run_on_fixed_pages_like_the_paged_form():
+    """A slot-form plan (whole prompts, decode of every active slot) gives the paged form's tokens."""
+    from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
+
+    eng = _paged_engine({"dp": 1}, {})
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, TINY.vocab_size, 11).tolist()  # longer than a step's 8 tokens: two chunks
+    want, _ = _plain_greedy(eng, prompt, 5)
+    res = eng.step(StepPlan(0, (PrefillItem(2, np.asarray(prompt, np.int32), SamplingParams()),), decode=True,
+                            decode_steps=1))
+    got = [int(res.prefill_tokens[0]), int(res.decode_tokens[0, 2])]
+    res = eng.step(StepPlan(1, decode=True, decode_steps=3))
+    got += res.decode_tokens[:, 2].tolist()
+    assert got == want
+    assert not res.decode_tokens[:, [0, 1, 3]].any()
 
 
 def test_unknown_kernel_layout_is_named():

@@ -117,8 +117,20 @@ def test_kv_cache_not_divisible(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {max_slots: 6}\nmesh: {axes: {fsdp: 4, tp: 4}, "
                                                           "rules: {cache_batch: fsdp}}"))
     plan = make_plan(cfg)
-    assert any("tensor kv_cache: dimension 'cache_batch' of size 6 is not divisible by mesh fsdp=4" in p
+    assert any("tensor page_tables: dimension 'cache_batch' of size 6 is not divisible by mesh fsdp=4" in p
                for p in plan.problems), plan.problems
+
+
+def test_paged_pool_memory_follows_num_pages(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The pool is pages per dp group x page_size tokens, K and V of every layer; auto = every slot at
+    max_seq_len (the v5e-16 config: 16 slots per dp group x 8192 tokens = 8192 pages of 16, 4 GiB per chip)."""
+    auto = make_plan(load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {}")))
+    assert (auto.page_size, auto.pages_per_dp_group) == (16, 16 * 8192 // 16)
+    half = make_plan(load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {num_pages: 4096}")))
+    assert half.pages_per_dp_group == 4096
+    assert half.kv_bytes_per_device * 2 == auto.kv_bytes_per_device == 4 * GIB
+    assert main(["plan", str(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {num_pages: 4096, page_size: 32}"))]) == 0
+    assert "(paged: 4096 pages of 32 tokens = 131072 tokens per dp group; 16 slots per dp group)" in capsys.readouterr().out
 
 
 def test_max_slots_vs_dp_fails_at_load(tmp_path: Path) -> None:

@@ -457,6 +457,33 @@ class Llama(nnx.Module):
         v_cache = write_rows(v_cache, new_v, positions_b, shard)
         return x[:, 0], k_cache, v_cache
 
+    # -- ragged: the tokens of many sequences in one flat batch, attention supplied by the caller
+    def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,
+               shard: ActivationSharding | None = None, cache: Any = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+        """Forward over a flat batch of N tokens at explicit positions; the model knows no cache layout.
+
+        `attend(layer, q [N, Hq, H], k [N, Hkv, H], v [N, Hkv, H], cache) -> (out [N, Hq, H], cache)` is called
+        once per layer inside the layer scan (`layer` is the traced layer index): it owns the KV cache and the
+        ragged layout; `cache` is carried through the scan (None: nothing carried). Returns the hidden states
+        [N, D], every layer's new K and V stacked ([L, N, Hkv, H] each, for a caller that writes them after the
+        scan) and the carried cache."""
+        inv = np.asarray(self.inv_freq, np.float32)
+        x = _constrain(shard, self._embed(tokens_n), ("act_batch", "act_embed"))
+
+        def body(layer: DecoderLayer, carry: tuple[jax.Array, Any], i: jax.Array
+                 ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
+            x, c = carry
+            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, inv)
+            out, c = attend(i, q, k, v, c)
+            x = x + layer.attn.o_proj(out)
+            x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_embed"))
+            return (x, c), (k, v)
+
+        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), layer_ids)
+        return x, ks, vs, cache
+
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         """Plain causal forward from position 0: float32 logits [B, T, V] (for tests and scoring)."""
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1])[None], tokens_bt.shape)

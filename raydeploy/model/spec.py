@@ -207,3 +207,40 @@ def param_bytes(cfg: LlamaConfig, itemsize: int) -> int:
 def kv_cache_bytes(cfg: LlamaConfig, max_slots: int, max_seq_len: int, itemsize: int) -> int:
     """Bytes of the whole KV cache (K and V, every layer)."""
     return 2 * kv_cache_spec(cfg, max_slots, max_seq_len).numel * itemsize
+
+
+def kv_pool_spec(cfg: LlamaConfig, total_pages: int, page_size: int) -> TensorSpec:
+    """The paged KV pool of every layer: [layers, pages, page_size, 2 * kv_heads, head_dim].
+
+    K and V share one array, interleaved on the head axis (k0, v0, k1, v1, ...) as jax's ragged paged attention
+    kernel reads them. The pages axis is split over the cache_batch mesh axes (dp): each dp group owns
+    `total_pages / dp` consecutive pages, addressed by page ids local to the group. Stacked over the layers
+    like the weights; the engine only reads it inside the layer scan and writes each step's new K/V after it."""
+    return TensorSpec("kv_pages", (cfg.num_layers, total_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim),
+                      (LAYER_AXIS, "cache_batch", "page_offset", "cache_kv_heads", "head_dim"))
+
+
+POOL_RULES = {"page_offset": None}
+"""Sharding rule of the pool's within-page axis (never split): added to the mesh rules for the pool."""
+
+
+def page_table_spec(max_slots: int, max_seq_len: int, page_size: int) -> TensorSpec:
+    """Every slot's page-table row; its slots split over the cache_batch mesh axes like the pool's pages (each
+    dp group owns a run of consecutive slots)."""
+    return TensorSpec("page_tables", (max_slots, pages_per_seq(max_seq_len, page_size)),
+                      ("cache_batch", "page_offset"))
+
+
+def resolve_num_pages(num_pages: int, slots_per_group: int, max_seq_len: int, page_size: int) -> int:
+    """`EngineConfig.num_pages` with auto (0) resolved: every slot of the group at max_seq_len."""
+    return num_pages if num_pages > 0 else slots_per_group * pages_per_seq(max_seq_len, page_size)
+
+
+def pages_per_seq(max_seq_len: int, page_size: int) -> int:
+    """Page-table entries one sequence of max_seq_len tokens needs."""
+    return -(-max_seq_len // page_size)
+
+
+def kv_pool_bytes(cfg: LlamaConfig, total_pages: int, page_size: int, itemsize: int) -> int:
+    """Bytes of the whole paged pool (K and V, every layer, every dp group)."""
+    return kv_pool_spec(cfg, total_pages, page_size).numel * itemsize

@@ -1,0 +1,221 @@
+"""The paged KV cache: the device pool, the host mirror of the page tables, and one step's inputs as data.
+
+Device side: one pool per layer stack, [layers, pages, page_size, 2 * kv_heads, head_dim] (`kv_pool_spec`), K
+and V interleaved on the head axis. The pages axis is split over the dp mesh axes, so each dp group owns
+`pages_per_group` pages and a sequence's page ids are local to its group; the kv-heads axis follows the
+`cache_kv_heads` rule (tp). `allocate_pool` creates it directly on the mesh (one jitted zeros).
+
+Host side: `PageTables` is what every host keeps identical by applying the same `StepPlan`s: each slot's row
+of page ids and its sampling parameters. The scheduler (rank 0) owns the pool's allocation and prefix cache;
+it sends page-table changes in the plan.
+
+`StepInputs` is one ragged step as a registered pytree of arrays (no positional packing): the tokens of every
+dp group's sequences laid out group after group ([groups * tokens_per_group]), with explicit positions, write
+addresses, per-sequence attention metadata in jax's ragged paged attention form, and per-row sampling.
+`build_inputs` makes it from a plan's `SeqStep`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep
+from raydeploy.model.spec import POOL_RULES, LlamaConfig, kv_pool_spec
+
+
+def pool_sharding(cfg: LlamaConfig, total_pages: int, page_size: int, mesh: Any, rules: Mapping[str, Any]) -> Any:
+    from jax.sharding import NamedSharding
+
+    from raydeploy.model.sharding import check_divisible, partition_spec
+
+    spec = kv_pool_spec(cfg, total_pages, page_size)
+    all_rules = {**rules, **POOL_RULES}
+    mesh_shape = dict(mesh.shape)
+    check_divisible(spec, all_rules, mesh_shape)
+    return NamedSharding(mesh, partition_spec(spec.logical_axes, all_rules, mesh_shape, "kv_pages"))
+
+
+def allocate_pool(cfg: LlamaConfig, total_pages: int, page_size: int, dtype: Any, mesh: Any,
+                  rules: Mapping[str, Any]) -> jax.Array:
+    """The zeroed pool, sharded on the mesh (never passes through host memory; works across processes)."""
+    import jax.numpy as jnp
+
+    sharding = pool_sharding(cfg, total_pages, page_size, mesh, rules)
+    shape = kv_pool_spec(cfg, total_pages, page_size).shape
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+class PageTables:
+    """Host mirror of every slot's page-table row and sampling parameters (identical on every host)."""
+
+    def __init__(self, max_slots: int, groups: int, max_pages_per_seq: int, pages_per_group: int) -> None:
+        self.max_slots = max_slots
+        self.groups = groups
+        self.slots_per_group = max_slots // groups
+        self.max_pages_per_seq = max_pages_per_seq
+        self.pages_per_group = pages_per_group
+        self.table = np.zeros((max_slots, max_pages_per_seq), np.int32)
+        self.sampling: list[SamplingParams] = [SamplingParams() for _ in range(max_slots)]
+        self.started = np.zeros(max_slots, bool)
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is out of range: the engine has {self.max_slots} slots "
+                             f"(0..{self.max_slots - 1})")
+
+    def apply(self, updates: Sequence[PageUpdate]) -> None:
+        for u in updates:
+            self.check_slot(u.slot)
+            pages = np.asarray(u.pages, np.int32).reshape(-1)
+            if u.first < 0 or u.first + pages.size > self.max_pages_per_seq:
+                raise ValueError(f"page update of slot {u.slot}: entries {u.first}..{u.first + pages.size - 1} "
+                                 f"are outside its row of {self.max_pages_per_seq} (max_seq_len / page_size)")
+            if pages.size and (pages.min() < 0 or pages.max() >= self.pages_per_group):
+                raise ValueError(f"page update of slot {u.slot}: page ids {pages.min()}..{pages.max()} are outside "
+                                 f"its dp group's pool of {self.pages_per_group} pages (ids are local to the group)")
+            self.table[u.slot, u.first:u.first + pages.size] = pages
+
+    def release(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self.check_slot(s)
+            self.started[s] = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """One ragged step's device inputs. G dp groups, T token places and R sequence rows per group; every array
+    is laid out group after group (its leading axis split over dp). Sequence rows are compact: a group's
+    sequences first, padding rows after them (num_seqs says how many are live)."""
+
+    tokens: jax.Array          # i32[G*T] input tokens (decode rows: ignored, taken from the slot's last token)
+    from_last: jax.Array       # i32[G*T] global slot whose last sampled token is this place's input, or -1
+    positions: jax.Array       # i32[G*T] position of each token in its sequence
+    token_slot: jax.Array      # i32[G*T] global slot of each token; max_slots for padding places
+    write_page: jax.Array      # i32[G*T] local page the token's K/V go to; pages_per_group (dropped) for padding
+    write_offset: jax.Array    # i32[G*T] offset in that page
+    view_page: jax.Array       # i32[G*T] page of the token in its row's gathered view (row * P + pos // ps)
+    kv_lens: jax.Array         # i32[G*R] tokens in each row's cache after this step's write
+    page_indices: jax.Array    # i32[G*R, P] each row's page ids (local to the group)
+    cu_q_lens: jax.Array       # i32[G*(R+1)] token offsets of each row within its group
+    num_seqs: jax.Array        # i32[G] live rows per group
+    logit_index: jax.Array     # i32[G*R] place (within the group) of each row's last token
+    row_slot: jax.Array        # i32[G*R] global slot of a row that samples; max_slots otherwise
+    temperature: jax.Array     # f32[G*R]
+    top_p: jax.Array           # f32[G*R]
+    top_k: jax.Array           # i32[G*R]
+    repetition_penalty: jax.Array  # f32[G*R]
+    seed: jax.Array            # u32[G*R]
+    sample_position: jax.Array  # i32[G*R] position the sampled token takes (its randomness key)
+    reset: jax.Array           # bool[max_slots] slots whose repetition-penalty set starts over this step
+    any_sampled: jax.Array     # bool[] some row samples with temperature > 0
+
+
+# Leading-axis layout of each field: "tokens" = [G*T], "rows" = [G*R...], "groups" = [G], "replicated".
+FIELD_LAYOUT = {
+    "tokens": "tokens", "from_last": "tokens", "positions": "tokens", "token_slot": "tokens",
+    "write_page": "tokens", "write_offset": "tokens", "view_page": "tokens",
+    "kv_lens": "rows", "page_indices": "rows", "cu_q_lens": "rows", "num_seqs": "rows",
+    "logit_index": "rows", "row_slot": "rows", "temperature": "rows", "top_p": "rows", "top_k": "rows",
+    "repetition_penalty": "rows", "seed": "rows", "sample_position": "rows",
+    "reset": "replicated", "any_sampled": "replicated",
+}
+
+
+def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: int) -> dict[str, tuple]:
+    """Shape and dtype of every StepInputs field for one (tokens, rows, pages) program."""
+    g, t, r = groups, tokens, rows
+    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    out = {n: ((g * t,), i32) for n, lay in FIELD_LAYOUT.items() if lay == "tokens"}
+    out.update({n: ((g * r,), i32) for n in ("kv_lens", "logit_index", "row_slot", "top_k", "sample_position")})
+    out.update({n: ((g * r,), f32) for n in ("temperature", "top_p", "repetition_penalty")})
+    out["seed"] = ((g * r,), np.dtype(np.uint32))
+    out["page_indices"] = ((g * r, pages), i32)
+    out["cu_q_lens"] = ((g * (r + 1),), i32)
+    out["num_seqs"] = ((g,), i32)
+    out["reset"] = ((max_slots,), np.dtype(bool))
+    out["any_sampled"] = ((), np.dtype(bool))
+    return out
+
+
+@dataclasses.dataclass
+class HostStep:
+    """A step's inputs on the host, and where each plan sequence's result lands ([G*R] rows)."""
+
+    arrays: dict[str, np.ndarray]
+    rows: list[int]
+    """rows[i] = result row of plan.seqs[i]."""
+
+
+def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, tokens: int, rows: int,
+                 pages: int, step: int = 0, reset: Sequence[int] = ()) -> HostStep:
+    """The host arrays of one pass over `seqs` (pass `step` of a multi-step decode: every position + step).
+
+    `tokens`, `rows`, `pages` are the program's static sizes per group (T, R, P); the caller chose them large
+    enough. Padding token places write nowhere (their page id is out of range, so the write is dropped), and
+    padding rows have no tokens."""
+    g_n, t_n, r_n, spg = tables.groups, tokens, rows, tables.slots_per_group
+    ms = tables.max_slots
+    a = {n: np.zeros(shape, dt) for n, (shape, dt) in abstract_inputs(g_n, t_n, r_n, pages, ms).items()}
+    a["from_last"][:] = -1
+    a["token_slot"][:] = ms
+    a["write_page"][:] = tables.pages_per_group
+    a["view_page"][:] = r_n * pages
+    a["row_slot"][:] = ms
+    a["temperature"][:] = 0.0
+    a["top_p"][:] = 1.0
+    a["repetition_penalty"][:] = 1.0
+    fill_t = np.zeros(g_n, np.int64)
+    fill_r = np.zeros(g_n, np.int64)
+    out_rows = []
+    any_sampled = False
+    for q in seqs:
+        g = q.slot // spg
+        r, t0 = int(fill_r[g]), int(fill_t[g])
+        toks = np.asarray(q.tokens, np.int32).reshape(-1)
+        decode = toks.size == 0
+        n = 1 if decode else toks.size
+        start = q.start + step
+        pos = np.arange(start, start + n)
+        sl = slice(g * t_n + t0, g * t_n + t0 + n)
+        if decode:
+            a["from_last"][sl] = q.slot
+        else:
+            a["tokens"][sl] = toks
+        a["positions"][sl] = pos
+        a["token_slot"][sl] = q.slot
+        a["write_page"][sl] = tables.table[q.slot, pos // page_size]
+        a["write_offset"][sl] = pos % page_size
+        a["view_page"][sl] = r * pages + pos // page_size
+        row = g * r_n + r
+        kv_len = start + n
+        a["kv_lens"][row] = kv_len
+        a["page_indices"][row] = tables.table[q.slot, :pages]
+        a["cu_q_lens"][g * (r_n + 1) + r + 1] = t0 + n
+        a["logit_index"][row] = t0 + n - 1
+        if q.sample:
+            sp = tables.sampling[q.slot]
+            a["row_slot"][row] = q.slot
+            a["temperature"][row] = sp.temperature
+            a["top_p"][row] = sp.top_p
+            a["top_k"][row] = sp.top_k
+            a["repetition_penalty"][row] = sp.repetition_penalty
+            a["seed"][row] = sp.seed % 2**32
+            a["sample_position"][row] = kv_len
+            any_sampled |= sp.temperature > 0
+        fill_t[g] += n
+        fill_r[g] += 1
+        out_rows.append(row)
+    for g in range(g_n):  # padding rows repeat the group's last offset (no tokens)
+        base = g * (r_n + 1)
+        r_live = int(fill_r[g])
+        a["cu_q_lens"][base + r_live + 1: base + r_n + 1] = fill_t[g]
+        a["num_seqs"][g] = r_live
+    a["reset"][list(reset)] = True
+    a["any_sampled"] = np.asarray(any_sampled)
+    return HostStep(a, out_rows)
