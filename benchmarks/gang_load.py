@@ -1,7 +1,7 @@
 """Checkpoint loading in the gang: per-host throughput and whole-gang load time, against peers in the same run.
 
 - per host: each host's bytes read, seconds and GB/s during bring-up, versus a raw sequential read of
-  the same number of bytes from the same shard files (`os.read` in 16 MiB blocks, warm page cache; the
+  the same number of bytes from the same shard files (`os.readv` into a reused 16 MiB buffer, warm page cache; the
   median of 3 reads, taken after the gang has stopped). Two peers: every host's raw read run at the same
   time, one process per host (the condition the hosts read under here, where the simulated hosts share
   one machine's cores and memory bandwidth; on a real cluster each host has its own), and one raw read
@@ -12,7 +12,11 @@ The mesh shards weights across hosts (fsdp=2 outermost) so each host reads only 
 is the one bring-up reads: the demo converted for the config's mesh, so on fsdp x tp its column-sharded
 tensors are stored split (format version 2) and each host reads its slices without copying them.
 
-    python benchmarks/gang_load.py [--mesh fsdp=2,tp=2] [--starts 3] [--json]
+`--model wide` loads a random-weight Llama of width 2048 and 8 layers (2.2 GB in float32, tensors of 8-46 MB
+instead of the demo's 0.1-1 MB) written once under /tmp: with the demo, a host reads for ~0.1 s, so fixed
+per-tensor costs weigh as much as the bytes; a checkpoint of real proportions shows the per-byte rate.
+
+    python benchmarks/gang_load.py [--mesh fsdp=2,tp=2] [--model demo|wide] [--starts 3] [--json]
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16 << 20
@@ -45,21 +51,69 @@ def overrides(mesh: str) -> list[str]:
             "engine.compilation_cache_dir=null"]
 
 
+WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 5632, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def wide_checkpoint(mesh: str) -> str:
+    """A random-weight Llama of WIDE's shape, converted (once per mesh cut) split for the benchmark's mesh."""
+    from safetensors.numpy import save_file
+
+    from raydeploy.checkpoint.convert import convert
+    from raydeploy.checkpoint.layout import column_splits, splits_tag
+    from raydeploy.config import load_config
+    from raydeploy.model.sharding import merge_rules
+
+    cfg = load_config(None, overrides(mesh))
+    splits = column_splits(cfg.mesh_shape, merge_rules(cfg.mesh.rules))
+    root = Path("/tmp/raydeploy-bench-wide")
+    src, dst = root / "hf", root / f"ckpt{'@' + splits_tag(splits) if splits else ''}"
+    if (dst / "index.json").exists():
+        return str(dst)
+    if not (src / "model.safetensors").exists():
+        src.mkdir(parents=True, exist_ok=True)
+        c, rng = WIDE, np.random.default_rng(0)
+        d, f, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+        kv = c["num_key_value_heads"] * hd
+
+        def w(*shape: int) -> np.ndarray:
+            return (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
+
+        t = {"model.embed_tokens.weight": w(c["vocab_size"], d), "model.norm.weight": np.ones(d, np.float32),
+             "lm_head.weight": w(c["vocab_size"], d)}
+        for i in range(c["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            t |= {p + "self_attn.q_proj.weight": w(d, d), p + "self_attn.k_proj.weight": w(kv, d),
+                  p + "self_attn.v_proj.weight": w(kv, d), p + "self_attn.o_proj.weight": w(d, d),
+                  p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
+                  p + "mlp.down_proj.weight": w(d, f), p + "input_layernorm.weight": np.ones(d, np.float32),
+                  p + "post_attention_layernorm.weight": np.ones(d, np.float32)}
+        save_file(t, str(src / "model.safetensors"))
+        (src / "config.json").write_text(json.dumps(c))
+    convert(src, dst, "safetensors", progress=False, splits=splits or None)
+    return str(dst)
+
+
 def raw_read_gbps(files: list[str], nbytes: int) -> float:
-    """Sequentially read `nbytes` from the start of the files (in order), warm cache; GB/s."""
+    """Sequentially read `nbytes` from the start of the files (in order) into one reused 16 MiB buffer, warm
+    cache; GB/s. The buffer is reused so that the figure is the copy out of the page cache alone, without
+    faulting in fresh memory for every block (what `os.read` returning new bytes objects would add)."""
+    buf = memoryview(bytearray(BLOCK))
     for f in files:  # warm
-        with open(f, "rb") as fh:
-            while fh.read(BLOCK):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
                 pass
     left, t0 = nbytes, time.perf_counter()
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
             while left > 0:
-                chunk = os.read(fd, min(BLOCK, left))
-                if not chunk:
+                n = os.readv(fd, [buf[:min(BLOCK, left)]])
+                if not n:
                     break
-                left -= len(chunk)
+                left -= n
         finally:
             os.close(fd)
         if left <= 0:
@@ -84,7 +138,7 @@ def concurrent_raw_read_gbps(files: list[str], sizes: list[int]) -> list[float]:
             return pool.map(_raw_read_worker, [(files, n, barrier) for n in sizes])
 
 
-def peer(mesh: str) -> dict:
+def peer(mesh: str, checkpoint: str | None) -> dict:
     import jax
 
     from raydeploy.checkpoint.reader import CheckpointReader
@@ -95,7 +149,7 @@ def peer(mesh: str) -> dict:
 
     cfg = load_config(None, overrides(mesh))
     m = build_mesh(cfg.mesh_shape, jax.local_devices()[:cfg.total_devices])
-    reader = CheckpointReader(resolve_checkpoint_path(cfg))
+    reader = CheckpointReader(checkpoint or resolve_checkpoint_path(cfg))
     t0 = time.perf_counter()
     _, stats = reader.load(param_specs(reader.llama_config), m, merge_rules(cfg.mesh.rules), cfg.model.param_dtype,
                            cfg.model.load_threads, progress=False)
@@ -107,10 +161,12 @@ def main() -> int:
     ap.add_argument("--mesh", default="fsdp=2,tp=2")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", choices=("demo", "wide"), default="demo")
+    ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     ap.add_argument("--starts", type=int, default=3, help="bring-ups to take the median of (default 3)")
     args = ap.parse_args()
     if args.peer:
-        print(json.dumps(peer(args.mesh)))
+        print(json.dumps(peer(args.mesh, args.checkpoint)))
         return 0
 
     import ray
@@ -120,10 +176,10 @@ def main() -> int:
     from raydeploy.gang.gang import resolve_checkpoint_path, start_gang
 
     cfg = load_config(None, overrides(args.mesh))
-    path = resolve_checkpoint_path(cfg)
+    path = resolve_checkpoint_path(cfg) if args.model == "demo" else wide_checkpoint(args.mesh)
     files = [str(Path(path) / f) for f in sorted(CheckpointReader(path).index.files)]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, __file__, "--peer", "--mesh", args.mesh], env=env, check=True,
+    proc = subprocess.run([sys.executable, __file__, "--peer", "--mesh", args.mesh, "--checkpoint", path], env=env, check=True,
                           capture_output=True, text=True, cwd=REPO)
     one = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -132,7 +188,7 @@ def main() -> int:
     starts = []
     try:
         for _ in range(args.starts):
-            g = start_gang(cfg, checkpoint_path=path)
+            g = start_gang(cfg, checkpoint_path=path)  # the wide model's random weights are never decoded
             starts.append(g.wait_ready(1800))
             g.shutdown()
     finally:
@@ -144,9 +200,9 @@ def main() -> int:
                    for r in range(len(starts[0]["hosts"]))]
     st["phase_s"] = {"load_s": statistics.median(s["phase_s"]["load_s"] for s in starts)}
     sizes = [int(h["load"]["bytes_read"]) for h in st["hosts"]]
-    together = [statistics.median(col) for col in zip(*(concurrent_raw_read_gbps(files, sizes) for _ in range(3)))]
+    together = [statistics.median(col) for col in zip(*(concurrent_raw_read_gbps(files, sizes) for _ in range(3)), strict=True)]
     hosts = []
-    for h, raw_together in zip(st["hosts"], together):
+    for h, raw_together in zip(st["hosts"], together, strict=True):
         ld = h["load"]
         hosts.append({"rank": h["rank"], "bytes_read": ld["bytes_read"], "seconds": ld["seconds"], "gbps": ld["gbps"],
                       # median of 3: one raw read on a shared machine swung 1-5 GB/s
