@@ -65,30 +65,19 @@ def tpu_env(slice_name: str, worker_id: int, num_hosts: int = 2) -> dict[str, st
 @pytest.fixture(scope="module")
 def fake_cluster():
     """{node_id: (slice, worker id)} of the fake TPU hosts; a CPU-only head node holds the drivers' actors."""
-    import ray
-    from ray.cluster_utils import Cluster
+    from ray_cluster import fake_nodes_cluster
 
-    tmp = f"/tmp/rdp-{os.getpid()}"
-    os.makedirs(f"{tmp}/ray", exist_ok=True)
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    hosts: dict[str, tuple[str, int]] = {}
-    try:
+    def add(cluster) -> dict[str, tuple[str, int]]:
+        hosts: dict[str, tuple[str, int]] = {}
         for slice_name in SLICES:
             for worker_id in (1, 0):
                 res = {"TPU": 1, slice_name: 1, **({HEAD: 1} if worker_id == 0 else {})}
                 node = cluster.add_node(num_cpus=1, resources=res, env_vars=tpu_env(slice_name, worker_id))
                 hosts[node.node_id] = (slice_name, worker_id)
-        ray.init(address=cluster.address, namespace="raydeploy-placement", log_to_driver=False)
+        return hosts
+
+    with fake_nodes_cluster("rdp", "raydeploy-placement", add) as hosts:
         yield hosts
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
 
 
 def test_bundles_and_strategy_are_derived_from_config():

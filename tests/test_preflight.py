@@ -148,26 +148,13 @@ def test_plan_reports_an_unusable_cache_dir(tmp_path: Path) -> None:
 def bare_tpu_cluster():
     """Two nodes with TPU chips whose pods lack the TPU variables: Ray advertises `TPU` but no slice name and
     no head resource, as on a cluster without the KubeRay TPU webhook."""
-    import ray
-    from ray.cluster_utils import Cluster
+    from ray_cluster import fake_nodes_cluster
 
-    tmp = f"/tmp/rdf-{os.getpid()}"
-    os.makedirs(f"{tmp}/ray", exist_ok=True)
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1, resources={"TPU": 4})
-        ray.init(address=cluster.address, namespace="raydeploy-preflight", log_to_driver=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
+    def add(cluster):
+        return [cluster.add_node(num_cpus=1, resources={"TPU": 4}) for _ in range(2)]
+
+    with fake_nodes_cluster("rdf", "raydeploy-preflight", add) as nodes:
+        yield nodes
 
 
 @pytest.mark.ray
