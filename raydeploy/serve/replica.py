@@ -144,15 +144,16 @@ class GangReplica:
         if st.get("state") in ("failed", "stopped"):
             raise RuntimeError(f"gang {self.name} {st['state']}: {st.get('last_error')}")
 
-    async def __del__(self) -> None:
-        """Serve stops the replica (its requests have drained): take the gang down with it."""
+    def __del__(self) -> None:
+        """Serve stops the replica (its requests have drained): ask the supervisor to take the gang down. Not
+        waited for: the supervisor and its hosts are owned by this replica and end with it in any case."""
         supervisor = getattr(self, "supervisor", None)
         if supervisor is None:  # the constructor failed before the gang started
             return
         try:
-            await asyncio.wait_for(_await(supervisor.shutdown.remote()), self.rpc_timeout_s)
-        except Exception as e:  # noqa: BLE001 - the supervisor dies with this replica anyway
-            log.warning("gang %s shutdown: %s", self.name, type(e).__name__)
+            supervisor.shutdown.remote()
+        except Exception as e:  # noqa: BLE001 - Ray may already be gone (process exit)
+            log.warning("gang %s shutdown: %s", getattr(self, "name", "?"), type(e).__name__)
 
 
 def _refusal(req: GenerationRequest, why: str, index: int = 0) -> TokenEvent:
