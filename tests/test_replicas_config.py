@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from raydeploy.config import ConfigError, load_config
-from raydeploy.gang.directory import gang_name, summarize, sum_stats
+from raydeploy.gang.directory import gang_name, sum_stats, summarize
 from raydeploy.serve.deployment import GANG_DEPLOYMENT_NAME, gang_deployment_options
 from raydeploy.serve.routing import ready_for_requests
 
