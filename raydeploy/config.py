@@ -209,8 +209,7 @@ class ServingConfig:
 
 @dataclass(frozen=True)
 class ReplicasConfig:
-    """Gangs behind one endpoint: each Ray Serve replica owns one gang in a placement group Serve reserves for it;
-    Serve routes requests over the replicas and scales their count (names follow Ray Serve's autoscaling_config)."""
+    """Gangs behind one endpoint: each a Ray Serve replica with its own placement group, routed and scaled by Serve (names follow its autoscaling_config)."""
 
     min: int = 1
     """Fewest gangs kept running (Serve's min_replicas); min == max runs exactly that many, without autoscaling."""
