@@ -405,6 +405,28 @@ def test_chunked_prefill_rides_with_decode_rows_within_the_token_budget():
         assert any(x.slot == 0 and len(x.tokens) == 0 for x in p.seqs), "a's decode row rides in every step"
 
 
+def test_an_arrival_takes_a_free_slot_at_once_and_prefills_when_its_group_has_budget():
+    eng = PagedTokenEngine(max_slots=3, groups=1, step_tokens=8)
+    sched = paged(eng)
+    runner = LocalRunner(eng, sched)
+    a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=10))
+    runner.step_once()
+    b = runner.submit(req("b", prompt=prompt_of(20, 2), max_tokens=3))
+    runner.step_once()  # a's decode row + 7 of b's tokens: the step's budget is spent
+    c = runner.submit(req("c", prompt=prompt_of(6, 3), max_tokens=3))
+    runner.step_once()  # c gets its slot and pages (it does not count as queued) but no tokens yet
+    assert sched.queue_depth == 0 and sched.slots_in_use == 3
+    assert [(q.slot, len(q.tokens)) for q in eng.plans[-1].seqs] == [(1, 7), (0, 0)]
+    runner.run_until_idle()
+    c_chunks = [(i, q) for i, p in enumerate(eng.plans) for q in p.seqs if q.slot == 2]
+    b_last = max(i for i, p in enumerate(eng.plans) for q in p.seqs if q.slot == 1 and len(q.tokens))
+    assert c_chunks[0][0] == b_last  # c starts in the step that finishes b's prompt, with the budget left
+    assert c_chunks[0][1].sampling is not None and len(c_chunks[0][1].tokens) == 8 - 1 - 6
+    for name, stream, prompt, n in (("a", a, prompt_of(3, 1), 10), ("b", b, prompt_of(20, 2), 3),
+                                    ("c", c, prompt_of(6, 3), 3)):
+        assert stream.result(5).token_ids == alone(prompt, n), name
+
+
 def test_many_arriving_prompts_prefill_together_on_the_group_that_owns_their_slot():
     eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
     sched = paged(eng)

@@ -358,7 +358,7 @@ class Scheduler:
                     budget[slot // per_group] -= n
                     seqs.append(self._chunk(slot, run, n, updates))
                     entries.append((slot, run))
-            while self._queue:
+            while self._queue:  # admission: a slot and pages (its prefill starts when its group has budget)
                 placed = self._place(self._queue[0], p, budget)
                 if placed is None:
                     break  # first come, first served: later requests wait behind the first that cannot start
@@ -372,9 +372,10 @@ class Scheduler:
                 self._slots[slot] = run
                 self._prefilling.append(slot)
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
-                budget[slot // per_group] -= n
-                seqs.append(self._chunk(slot, run, n, updates))
-                entries.append((slot, run))
+                if n > 0:  # else it holds its slot and pages and starts when its group has budget again
+                    budget[slot // per_group] -= n
+                    seqs.append(self._chunk(slot, run, n, updates))
+                    entries.append((slot, run))
             steps = 1 if seqs else self._paged_decode_steps([r for _, r in decoding])
             for slot, run in decoding:
                 self._grow(slot, run, run.computed + steps, updates)
@@ -391,24 +392,24 @@ class Scheduler:
             return plan
 
     def _place(self, q: _Queued, p: Paging, budget: list[int]) -> tuple[int, SequencePages] | None:
-        """A slot and pages for a queued request, or None if it cannot start in this step. Among the dp groups
-        with a free slot, room for its pages and token budget left, the one with the most cached prefix pages,
-        then the fewest running requests."""
+        """A slot and pages for a queued request, or None if no dp group has both now. Among the groups with a
+        free slot and room for its pages: the one with the most cached prefix pages, then one with token
+        budget left in this step, then the fewest running requests."""
         req = q.req
         per_group = self.max_slots // p.groups
         if q.keys is None:
             q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size) if p.prefix_caching else []
         cap = self._reserve_for(len(req.prompt_token_ids), req.max_tokens)
-        best: tuple[tuple[int, int, int], int, int] | None = None
+        best: tuple[tuple[int, bool, int, int], int, int] | None = None
         for slot in self.slot_order:
             g = slot // per_group
-            if self._slots[slot] is not None or budget[g] <= 0 or (best is not None and best[1] == g):
+            if self._slots[slot] is not None or (best is not None and best[1] == g):
                 continue
             hit, fits = SequencePages.fits(self.pools[g], q.keys, cap)
             if not fits:
                 continue
             running = sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group])
-            rank = (hit, -running, -self.slot_order.index(slot))
+            rank = (hit, budget[g] > 0, -running, -self.slot_order.index(slot))
             if best is None or rank > best[0]:
                 best = (rank, g, slot)
         if best is None:
