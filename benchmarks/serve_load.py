@@ -147,7 +147,7 @@ def measure_streams(serving, model: str, concurrency: int, rounds: int, max_toke
             "requests_per_gang": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
 
 
-def failure_run(serving, model: str, max_tokens: int, after_s: float, ready_timeout_s: float) -> dict:
+def failure_run(serving, model: str, max_tokens: int, after_s: float, ready_timeout_s: float, gangs: int) -> dict:
     """A client sends requests continuously (2 at a time); a host of one gang is killed; returns the success
     of the requests submitted after the kill (until `after_s` later) and the time to the gang's return."""
     import signal
@@ -185,7 +185,7 @@ def failure_run(serving, model: str, max_tokens: int, after_s: float, ready_time
         os.kill(pid, signal.SIGKILL)
         time.sleep(after_s)
         window_end = time.monotonic()
-        back = serving.wait_ready(ready_timeout_s, count=len(serving.gangs.state()["gangs"]) or 1)
+        back = serving.wait_ready(ready_timeout_s, count=gangs)
         back_s = time.monotonic() - killed
     finally:
         stop.set()
@@ -222,7 +222,7 @@ def compare_replicas(args: argparse.Namespace) -> dict:
                                               args.temperature)
                 print(json.dumps(run), flush=True)
                 if n > 1:
-                    run["failure"] = failure_run(serving, cfg.model.name or "model", 8, args.failure_window_s, 1800)
+                    run["failure"] = failure_run(serving, cfg.model.name or "model", 8, args.failure_window_s, 1800, n)
                     print(json.dumps(run["failure"]), flush=True)
                 out["runs"][n] = run
             finally:

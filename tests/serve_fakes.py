@@ -2,8 +2,7 @@
 
 `FakeBackend` implements raydeploy.serve.backend.Backend: it emits a fixed script of token ids one per
 `step_s`, honours max_tokens, eos, stop ids and abort, and can be switched to other gang states, made to
-fail mid-stream, or made to report a full queue. With `capacity` it refuses requests beyond that many at
-once, as Serve's router does beyond the gangs' slots and its queue.
+fail mid-stream, or made to report a full queue (as a gang's queue or Serve's router queue would).
 """
 
 from __future__ import annotations
@@ -38,14 +37,13 @@ def tokenizer_dir() -> Path:
 
 
 class FakeBackend:
-    def __init__(self, script_ids: list[int], eos_id: int, step_s: float = 0.002, capacity: int | None = None) -> None:
+    def __init__(self, script_ids: list[int], eos_id: int, step_s: float = 0.002) -> None:
         self.script_ids = list(script_ids)
         self.eos_id = eos_id
         self.step_s = step_s
         self.gang_state = "ready"
         self.fail_after_tokens: int | None = None
         self.queue_full = False
-        self.capacity = capacity
         self.submits = 0
         self.active: dict[str, int] = {}
         self.aborted: list[str] = []
@@ -61,7 +59,7 @@ class FakeBackend:
         self.submits += 1
         if self.gang_state != "ready":
             raise ServiceUnavailable(f"the model gang is {self.gang_state}; retry shortly")
-        if self.queue_full or (self.capacity is not None and len(self.active) >= self.capacity):
+        if self.queue_full:
             raise Overloaded("every gang is busy and the request queue is full; retry shortly")
         self.requests.append(req)
         self.active[req.request_id] = 0

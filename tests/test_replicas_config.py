@@ -36,7 +36,7 @@ def test_fixed_count_and_admission_from_the_config() -> None:
                              "cluster.host_num_cpus=0.25", "serving.request_timeout_s=120"])
     opts = gang_deployment_options(cfg)
     assert opts["name"] == GANG_DEPLOYMENT_NAME and opts["num_replicas"] == 2 and "autoscaling_config" not in opts
-    assert opts["max_ongoing_requests"] == 6 and opts["max_queued_requests"] == 10
+    assert opts["max_ongoing_requests"] == 6 and opts["max_queued_requests"] == 10 + 6 * 2  # a backstop
     assert opts["placement_group_bundles"] == [{"CPU": 0.25}, {"CPU": 0.25}]  # one bundle per host
     assert opts["placement_group_strategy"] == "PACK"  # simulated hosts share the node
     assert opts["ray_actor_options"] == {"num_cpus": 0} and opts["graceful_shutdown_timeout_s"] == 150

@@ -284,11 +284,11 @@ def test_queue_limit_answers_503_with_retry_after(live):
 
     results = asyncio.run(burst())
     codes = [r.status_code for r in results]
-    # 8 slots + 8 queued in Serve's router are admitted; the rest are turned away at once
+    # 8 slots + 8 queued are admitted (the queued ones wait in Serve's router); the rest are turned away at once
     assert set(codes) <= {200, 503} and codes.count(503) >= 8 and codes.count(200) >= 8, codes
     rejected = next(r for r in results if r.status_code == 503)
     assert int(rejected.headers["Retry-After"]) >= 1
-    assert _err(rejected, 503, None, "queue is full")["code"] == "overloaded"
+    assert _err(rejected, 503, None, "capacity")["code"] == "overloaded"
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in results if r.status_code == 200)
 
 

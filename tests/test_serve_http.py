@@ -38,8 +38,7 @@ def cfg():
 
 @pytest.fixture()
 def served(codec, cfg):
-    backend = FakeBackend(codec.encode(SCRIPT) + list(codec.eos_token_ids), codec.eos_token_ids[0],
-                          capacity=cfg.engine.max_slots + cfg.serving.max_queue)
+    backend = FakeBackend(codec.encode(SCRIPT) + list(codec.eos_token_ids), codec.eos_token_ids[0])
     core = ServingCore(backend, codec, Limits.from_config(cfg, "smollm2-135m-instruct"))
     app = create_app(core, api_keys=ApiKeyCheck((KEY,)), max_body_bytes=cfg.serving.max_body_bytes,
                      info=ServerInfo(config={"model": {"max_seq_len": 128}}, devices=4, process_count=2,
@@ -291,11 +290,11 @@ def test_queue_limit_answers_503_with_retry_after(served):
     assert codes.count(200) == 6 and codes.count(503) == 4, codes  # 4 slots + 2 queued
     rejected = next(r for r in results if r.status_code == 503)
     assert rejected.headers["Retry-After"] == "1"
-    assert _err(rejected, 503, None, "queue is full")["code"] == "overloaded"
+    assert _err(rejected, 503, None, "at capacity")["code"] == "overloaded"
     assert core.in_flight == 0
 
 
-def test_a_full_deployment_answers_503_at_once(served):
+def test_a_full_queue_below_the_ingress_answers_503_at_once(served):
     server, backend, _ = served
     backend.queue_full = True
     before = backend.submits

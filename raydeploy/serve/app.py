@@ -144,7 +144,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
 
     async def respond(jobs: list[Job], builder: CompletionBuilder | ChatBuilder, prompt_tokens: int,
                       stream: bool, include_usage: bool, arrived: float) -> Response:
-        core.admit(len(jobs))
+        await core.admit(len(jobs))
         if not stream:
             try:
                 choices = await core.run_all(jobs, arrived)
@@ -225,7 +225,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         jobs = make_jobs([ids], 1, max_tokens=body.max_new_tokens, prompt_param=prompt_param,
                          max_param="max_new_tokens", default_max=None, sampling_args=sampling_args, stop=None,
                          stop_token_ids=None, ignore_eos=False, timeout_s=None, request_id=new_id("legacy"))
-        core.admit(1)
+        await core.admit(1)
         try:
             (choice,) = await core.run_all(jobs, arrived)
         finally:

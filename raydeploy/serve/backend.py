@@ -2,9 +2,10 @@
 
 Generation requests go through a Ray Serve DeploymentHandle to the gang replicas (raydeploy.serve.replica):
 Serve's router sends each to a replica whose gang is ready, with a free slot (raydeploy.serve.routing), and
-holds at most `max_queued_requests` waiting for one; beyond that the handle raises BackPressureError, answered
-here at once as `Overloaded` (503 with Retry-After). State, status and stats come from every gang's
-supervisor (raydeploy.gang.directory): `/ready` is 200 while at least one gang is ready.
+holds the admitted rest until a slot frees (admission is ServingCore's; a full queue below it, Serve's
+BackPressureError or a gang's QueueFullError, is answered at once as `Overloaded`, 503 with Retry-After).
+State, status and stats come from every gang's supervisor (raydeploy.gang.directory): `/ready` is 200 while at
+least one gang is ready.
 
 Failover: a request the gang could not start (its gang is not ready, or broke before the first token: one
 retriable error event without tokens, or the replica died) is sent again through the handle, up to
@@ -91,6 +92,15 @@ def is_gang_failure(exc: BaseException) -> bool:
     return _raised(exc, GANG_ERRORS)
 
 
+def _cancel(gen: Any) -> None:
+    """End the replica's stream (which frees the gang slot); a request that was never assigned to a replica
+    (refused by the router) has nothing to cancel and re-raises its refusal here, which is already handled."""
+    try:
+        gen.cancel()
+    except Exception as e:  # noqa: BLE001 - see above: the refusal was answered where it was raised
+        log.debug("cancel of a request that never reached a replica: %s", type(e).__name__)
+
+
 def _refused(events: list[TokenEvent]) -> bool:
     """A retriable error before any token: the gang never started the request, so another gang may."""
     return any(ev.finish_reason == "error" and ev.retriable for ev in events) and \
@@ -159,7 +169,7 @@ class ReplicaBackend:
                     raise self._lost() from None
             finally:
                 if not ended:
-                    gen.cancel()  # the replica's stream ends and frees the gang slot
+                    _cancel(gen)
         raise ServiceUnavailable(f"no gang could start the request after {FAILOVER_ATTEMPTS} tries; retry shortly",
                                  self.retry_after_s)
 

@@ -3,9 +3,10 @@
 - `raydeploy-gangs` (raydeploy.serve.replica.GangReplica): each replica owns one gang in a placement group
   Serve reserves for it (`placement_group_bundles`: one bundle per host). Its count follows the config's
   `replicas` section: `min == max` runs exactly that many; otherwise Serve's autoscaler moves it between them
-  on ongoing requests per gang (`target_ongoing_requests`). `max_ongoing_requests` is the gang's slot count
-  and `max_queued_requests` the deployment's queue, both from `Limits`: Serve's router is the one admission
-  authority, and its custom part (raydeploy.serve.routing) sends requests only to gangs that are ready.
+  on ongoing requests per gang (`target_ongoing_requests`). `max_ongoing_requests` is the gang's slot count,
+  so the admitted requests beyond the free slots wait in Serve's router for the first free slot of any gang
+  (admission itself is the ingress's `ServingCore`, from `Limits`); its custom part (raydeploy.serve.routing)
+  sends requests only to gangs that are ready.
 - `raydeploy-ingress` (no JAX, num_cpus=0) serves `create_app`: each replica loads the tokenizer saved in the
   checkpoint directory, holds a DeploymentHandle to the gangs and a directory of their supervisors
   (raydeploy.gang.directory), and builds the FastAPI app at replica start (`__serve_build_asgi_app__`).
@@ -90,7 +91,9 @@ def gang_deployment_options(cfg: Config) -> dict[str, Any]:
         "name": GANG_DEPLOYMENT_NAME,
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": limits.max_slots,
-        "max_queued_requests": limits.max_queue,
+        # a backstop only: the ingresses admit at most max_slots per ready gang + max_queue each, and Serve counts
+        # a request as queued until it is assigned, so a burst that fits is never refused here
+        "max_queued_requests": cfg.serving.ingress_replicas * (limits.max_queue + limits.max_slots * r.max),
         # a replica stopped by downscaling first finishes its requests (each bounded by request_timeout_s)
         "graceful_shutdown_timeout_s": limits.request_timeout_s + 30.0,
         "graceful_shutdown_wait_loop_s": 1.0,

@@ -6,10 +6,12 @@ stream of `Piece`s (text delta, token, logprob, finish reason) over the `Backend
 any reason (stop string, timeout, client gone, error) is aborted on the gang so its slot is freed on every
 host.
 
-`Limits` is the one statement of what the deployment accepts: the context and max_tokens checks here, and
-the queue, which Serve's router enforces for every gang together (each gang replica takes `max_slots`
-requests, the router holds at most `max_queue` more and refuses the rest at once with 503 + Retry-After; see
-raydeploy.serve.deployment). Nothing here counts or queues requests a second time.
+`Limits` is the one statement of what the deployment accepts, and `ServingCore` the one place that enforces
+it: the context and max_tokens checks, and admission: at most `max_slots` per ready gang plus `max_queue`
+requests at once, the rest refused at once with 503 + Retry-After. Below it nothing refuses or queues on its
+own account: each gang replica takes `max_slots` requests (Serve's `max_ongoing_requests`), so a gang's own
+queue stays empty, and the admitted requests beyond the free slots wait in Serve's router for the first
+free slot of any gang (raydeploy.serve.deployment).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from raydeploy.serve.errors import (
     APIError,
     InternalError,
     InvalidRequest,
+    Overloaded,
     RequestTimeout,
     ServiceUnavailable,
 )
@@ -153,14 +156,19 @@ class ServingCore:
         return t if timeout_s is None else min(t, float(timeout_s))
 
     # -- admission -----------------------------------------------------------------------------------
-    def admit(self, n_jobs: int) -> None:
-        """Refuse a request that could never be served whole (400); count the others. The queue bound itself
-        is Serve's router's (503 with Retry-After at once, through the backend)."""
-        capacity = self.limits.max_slots + self.limits.max_queue
-        if n_jobs > capacity:  # could never be admitted: not a retriable 503
+    async def admit(self, n_jobs: int) -> None:
+        """Reserve room for `n_jobs`: `max_slots` per ready gang plus `max_queue`, or answer 503 with
+        Retry-After at once; a request that could never fit is a 400."""
+        lim = self.limits
+        if n_jobs > lim.max_slots + lim.max_queue:  # could never be admitted: not a retriable 503
             raise InvalidRequest(f"the request asks for {n_jobs} sequences (n times the prompts); this server "
-                                 f"holds at most {capacity} at once ({self.limits.max_slots} slots and "
-                                 f"{self.limits.max_queue} queued)", param="n", code="invalid_value")
+                                 f"holds at most {lim.max_slots + lim.max_queue} at once ({lim.max_slots} slots "
+                                 f"and {lim.max_queue} queued)", param="n", code="invalid_value")
+        gangs = max(1, int((await self.backend.state()).get("ready_gangs") or 0))
+        capacity = lim.max_slots * gangs + lim.max_queue
+        if self._in_flight + n_jobs > capacity:
+            raise Overloaded(f"the server is at capacity ({lim.max_slots} slots in each of {gangs} ready gang(s) "
+                             f"busy and {lim.max_queue} requests queued); retry shortly", retry_after_s=1.0)
         self._in_flight += n_jobs
 
     def release(self, n_jobs: int) -> None:
