@@ -10,8 +10,9 @@ position kv_len - 1, so "all cached tokens" is exactly its causal window. A step
 Layout. The kernel wants K and V apart and head-major, [Hkv, pages, page_size, D], and reads pages through
 its own block tables; the pool is [P, page_size, 2*Hkv, D] with K and V interleaved. The wrapper gathers the
 pages named in `page_indices` (only those: the engine may cut the table to a page-count bucket), splits K and
-V, and hands the kernel that compact pool with block tables 0..S*pages_per_seq-1. The copy is the size of
-what the kernel then reads.
+V, zeroes the positions past each sequence's length (the kernel masks their scores but still multiplies
+their values by zero weights, so NaN in unwritten memory would leak), and hands the kernel that compact pool
+with block tables 0..S*pages_per_seq-1. The copy is the size of what the kernel then reads.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def decode_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page
     tok = jnp.clip(cu_q_lens[1:] - 1, 0, t - 1)                               # each sequence's last token
     lens = jnp.where(live, kv_lens, 0)                                        # 0: the kernel skips the row
     pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
-    kv = jnp.take(kv_pages, pages, axis=0, mode="clip").reshape(s * pps, page_size, hkv, 2, d)
+    kv = jnp.take(kv_pages, pages, axis=0, mode="clip").reshape(s, pps * page_size, hkv, 2, d)
+    # Positions past a sequence's length are masked out of the scores, but the kernel still multiplies their
+    # values by a zero weight: zero them in the copy, so unwritten cache memory (even NaN) never reaches a row.
+    written = jnp.arange(pps * page_size, dtype=jnp.int32)[None, :] < lens[:, None]
+    kv = jnp.where(written[:, :, None, None, None], kv, jnp.zeros((), kv.dtype)).reshape(s * pps, page_size, hkv, 2, d)
     k_pages = kv[:, :, :, 0].transpose(2, 0, 1, 3)                            # [Hkv, S*pps, page_size, D]
     v_pages = kv[:, :, :, 1].transpose(2, 0, 1, 3)
     tables = jnp.arange(s * pps, dtype=jnp.int32).reshape(s, pps)

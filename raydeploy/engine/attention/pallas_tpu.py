@@ -54,7 +54,12 @@ def heads_per_block(num_q_heads: int, num_kv_heads: int, q_dtype: Any, kv_dtype:
 
 def block_sizes(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                 pages_per_seq: int, q_dtype: Any, kv_dtype: Any) -> tuple[int, int, int]:
-    """(num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes) for these per-shard shapes."""
+    """(num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes) for these per-shard shapes; ValueError
+    for shapes the kernel does not take."""
+    if head_dim % 128:
+        raise ValueError(f"attention 'pallas' on TPU: jax's ragged paged attention kernel needs head_dim a multiple "
+                         f"of 128 (its softmax statistics are 128 lanes wide), got {head_dim}; use "
+                         "engine.attention: xla for this model")
     q_heads_blk, kv_combined_blk = heads_per_block(num_q_heads, num_kv_heads, q_dtype, kv_dtype)
     pages = max(1, min(pages_per_seq, MAX_KV_PAGES_PER_BLOCK, KV_TOKENS_PER_BLOCK // page_size))
     queries = max(1, min(num_tokens, QUERIES_PER_BLOCK))
@@ -76,15 +81,18 @@ def block_sizes(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
+                           num_queries_per_block: int | None = None, num_kv_pages_per_block: int | None = None,
                            interpret: bool = False) -> jax.Array:
-    """The TPU kernel on the contract's arguments (see the package docstring). `interpret=True` runs it in
-    Pallas TPU interpret mode (on CPU; tests)."""
+    """The TPU kernel on the contract's arguments (see the package docstring). The block sizes default to
+    `block_sizes`; `interpret=True` runs the kernel in Pallas TPU interpret mode (on CPU; tests)."""
     xla.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     xla.check_options(sliding_window, soft_cap)
     t, hq, d = q.shape
     _, page_size, kv2, _ = kv_pages.shape
     pages, queries, vmem = block_sizes(t, hq, kv2 // 2, d, page_size, page_indices.shape[1], q.dtype,
                                        kv_pages.dtype)
+    pages = num_kv_pages_per_block or pages
+    queries = num_queries_per_block or queries
     if interpret:
         from jax.experimental.pallas import tpu as pltpu
 

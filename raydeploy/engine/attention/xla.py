@@ -6,13 +6,13 @@ has kv_lens[s] tokens in the cache (this step's included) in the pages page_indi
 at position kv_lens[s] - q_len[s] + i, attending to the positions <= its own (and > its own - sliding_window).
 kv_pages holds K and V interleaved on the head axis: [P, page_size, 2*Hkv, D] with K head h at 2h, V at 2h+1.
 
-How it is computed. The live (sequence, query block) pairs are "work items" of `block_q` consecutive tokens
-of one sequence; there are at most min(T, (T + S*(block_q - 1)) // block_q) of them, a static bound, and each
-gathers the pages of its own sequence once. `block_q` is chosen from the static shapes (`choose_block_q`):
-1 for decode-shaped steps (one item per token, the scores are matrix-vector shaped and computed as a
-broadcast-multiply-reduce, which XLA CPU streams over the keys once), larger when steps carry prefill chunks
-(the scores become small matmuls, and the keys of a chunk are gathered once per block, not once per token).
-Work is proportional to the pages in `page_indices`: the caller may cut the table to a page-count bucket.
+How it is computed, in two parts whose work follows the live tokens rather than the static shapes:
+- sequences with one token (decode rows): all sequence rows at once, each over its pages (the page table's
+  width: the caller may cut the table to a page-count bucket), as a broadcast-multiply-reduce; the scores are
+  matrix-vector shaped and XLA CPU streams the keys once;
+- sequences with more tokens (prefill chunks): a loop over their blocks of query rows, as many as there are,
+  each over only the key blocks its causal window reaches, with an online softmax and two small matmuls per
+  block, so a chunk's keys are read once per block of rows and nothing is computed for padding.
 
 Padding (rows >= num_seqs, tokens past cu_q_lens[num_seqs], page slots past a sequence's kv_len) never reaches
 a live token: scores are masked with a finite value before the softmax and masked values are zeroed, so even
@@ -27,26 +27,8 @@ import jax
 import jax.numpy as jnp
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as the TPU kernel's: a fully masked row stays finite
-BLOCK_Q_CHOICES = (1, 2, 4, 8, 16, 32, 64)
-# Relative cost of gathering one item's keys and values against computing one query row over them; picks
-# block_q (`choose_block_q`). Measured order of magnitude on XLA CPU; the choice is flat around it.
-_ITEM_COST_ROWS = 16
-
-
-def work_items(num_tokens: int, max_seqs: int, block_q: int) -> int:
-    """Static bound on the (sequence, query block) work items of a step with `num_tokens` tokens over at most
-    `max_seqs` live sequences (each live sequence has at least one token)."""
-    live = min(max_seqs, num_tokens)
-    return max(1, min(num_tokens, (num_tokens + live * (block_q - 1)) // block_q))
-
-
-def choose_block_q(num_tokens: int, max_seqs: int) -> int:
-    """The query block that minimises (items x (item cost + rows)) for these static shapes: 1 when every
-    sequence can have only one token (a decode step), larger as the tokens per sequence grow."""
-    def cost(b: int) -> int:
-        return work_items(num_tokens, max_seqs, b) * (_ITEM_COST_ROWS + b)
-
-    return min((b for b in BLOCK_Q_CHOICES if b <= max(1, num_tokens)), key=cost)
+CHUNK_BLOCK_Q = 64        # query rows of a multi-token sequence per step of the chunk loop
+KV_BLOCK_TOKENS = 256     # keys per inner step of the chunk loop (rounded to whole pages)
 
 
 def check_inputs(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
@@ -89,71 +71,131 @@ def check_options(sliding_window: int | None, soft_cap: float | None) -> None:
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           block_q: int | None = None) -> jax.Array:
+                           block_q: int | None = None, kv_block_pages: int | None = None) -> jax.Array:
     """q [T, Hq, D], kv_pages [P, page_size, 2*Hkv, D], kv_lens i32[S], page_indices i32[S, pages_per_seq],
     cu_q_lens i32[S+1] (cu_q_lens[0] = 0), num_seqs i32[1] -> out [T, Hq, D] in q's dtype.
 
-    `block_q` overrides the static query-block choice (tests; measurements)."""
+    `block_q` (query rows) and `kv_block_pages` (pages) set the chunk loop's blocks (tests; measurements)."""
     check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     check_options(sliding_window, soft_cap)
     t, hq, d = q.shape
-    num_pages, page_size, kv2, _ = kv_pages.shape
-    hkv = kv2 // 2
-    g = hq // hkv
-    s, pps = page_indices.shape
-    span = pps * page_size
-    b = choose_block_q(t, s) if block_q is None else block_q
-    if b not in BLOCK_Q_CHOICES:
-        raise ValueError(f"ragged_paged_attention: block_q must be one of {BLOCK_Q_CHOICES}, got {b}")
-    w = work_items(t, s, b)
-
-    # -- the ragged layout, sanitised: rows >= num_seqs have no tokens and no keys
+    s = page_indices.shape[0]
+    # the ragged layout, sanitised: rows >= num_seqs have no tokens and no keys
     live = jnp.arange(s, dtype=jnp.int32) < num_seqs[0]
     total = cu_q_lens[jnp.clip(num_seqs[0], 0, s)]
     starts = jnp.where(live, cu_q_lens[:-1], total)
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     lens = jnp.where(live, kv_lens, 0)
-    items_per_seq = (q_lens + b - 1) // b
-    item_end = jnp.cumsum(items_per_seq)
-    item_start = item_end - items_per_seq
+    single = q_lens == 1
 
-    # -- work items: sequence, first query row, which of its rows are live
-    wid = jnp.arange(w, dtype=jnp.int32)
-    seq_w = jnp.minimum(jnp.sum(item_end[None, :] <= wid[:, None], axis=1, dtype=jnp.int32), s - 1)
-    valid_w = wid < item_end[-1]
-    row0_w = (wid - item_start[seq_w]) * b                                     # first row within its sequence
-    rows_wb = row0_w[:, None] + jnp.arange(b, dtype=jnp.int32)[None, :]        # [W, b]
-    row_ok_wb = valid_w[:, None] & (rows_wb < q_lens[seq_w][:, None])
-    tok_wb = jnp.clip(starts[seq_w][:, None] + rows_wb, 0, t - 1)
-    qpos_wb = lens[seq_w][:, None] - q_lens[seq_w][:, None] + rows_wb          # cache position of each row
-
-    # -- keys: the item's sequence pages, gathered once per item; masks from positions
-    pages_w = jnp.clip(page_indices[seq_w], 0, num_pages - 1)                # [W, pps]
-    kv = jnp.take(kv_pages, pages_w.reshape(-1), axis=0, mode="clip")
-    kv = kv.reshape(w, span, hkv, 2, d)
-    k_wlkd, v_wlkd = kv[:, :, :, 0], kv[:, :, :, 1]
-    kpos = jnp.arange(span, dtype=jnp.int32)
-    mask_wbl = (kpos[None, None, :] <= qpos_wb[:, :, None]) & row_ok_wb[:, :, None]
-    if sliding_window is not None:
-        mask_wbl &= kpos[None, None, :] > qpos_wb[:, :, None] - sliding_window
-    key_ok_wl = kpos[None, :] < lens[seq_w][:, None]                         # zero values never written
-
-    q_wbkgd = jnp.take(q, tok_wb.reshape(-1), axis=0).reshape(w, b, hkv, g, d).astype(jnp.float32)
-    if b == 1:
-        out_wbkgd = _attend_rows(q_wbkgd[:, 0], k_wlkd, v_wlkd, mask_wbl[:, 0], key_ok_wl, sm_scale,
-                                 soft_cap)[:, None]
-    else:
-        out_wbkgd = _attend_blocks(q_wbkgd, k_wlkd, v_wlkd, mask_wbl, key_ok_wl, sm_scale, soft_cap)
-
-    # -- back to token order: each live token lives in exactly one item row
+    out_single = _single_tokens(q, kv_pages, lens, page_indices, starts, single, sm_scale, sliding_window,
+                                soft_cap)                                        # [S, Hq, D] float32
     tid = jnp.arange(t, dtype=jnp.int32)
     seq_t = jnp.minimum(jnp.sum((starts + q_lens)[None, :] <= tid[:, None], axis=1, dtype=jnp.int32), s - 1)
-    valid_t = tid < total
-    off_t = tid - starts[seq_t]
-    item_t = jnp.clip(item_start[seq_t] + off_t // b, 0, w - 1)
-    flat = out_wbkgd.reshape(w * b, hq, d)
-    out = jnp.take(flat, item_t * b + off_t % b, axis=0, mode="clip")
-    return jnp.where(valid_t[:, None, None], out, 0.0).astype(q.dtype)
+    out = jnp.take(out_single, seq_t, axis=0)
+    if t > 1:  # a sequence with two or more tokens fits
+        b = min(CHUNK_BLOCK_Q, t) if block_q is None else block_q
+        pages = KV_BLOCK_TOKENS // kv_pages.shape[1] if kv_block_pages is None else kv_block_pages
+        pages = max(1, min(pages, page_indices.shape[1]))
+        out_chunks = _chunked_sequences(q, kv_pages, lens, page_indices, starts, q_lens, b, pages, sm_scale,
+                                        sliding_window, soft_cap)
+        out = jnp.where(single[seq_t][:, None, None], out, out_chunks)
+    return jnp.where((tid < total)[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def _single_tokens(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array,
+                   starts: jax.Array, single: jax.Array, sm_scale: float, sliding_window: int | None,
+                   soft_cap: float | None) -> jax.Array:
+    """Every sequence row as one decode token (its first token; meaningful where `single`), all rows at once,
+    over the whole page-table width -> [S, Hq, D] float32.
+
+    Broadcast-multiply-reduce, as the slot engine's decode attention: with one query row per kv-head group the
+    products are matrix-vector shaped, and on XLA CPU the reductions stream the keys once."""
+    t, hq, d = q.shape
+    num_pages, page_size, kv2, _ = kv_pages.shape
+    hkv = kv2 // 2
+    s, pps = page_indices.shape
+    span = pps * page_size
+    q_skgd = jnp.take(q, jnp.clip(starts, 0, t - 1), axis=0).reshape(s, hkv, hq // hkv, d).astype(jnp.float32)
+    kv = jnp.take(kv_pages, jnp.clip(page_indices, 0, num_pages - 1).reshape(-1), axis=0, mode="clip")
+    kv = kv.reshape(s, span, hkv, 2, d)
+    kpos = jnp.arange(span, dtype=jnp.int32)[None, :]
+    key_ok = kpos < lens[:, None]                                              # causal: the token is at lens - 1
+    mask = key_ok & single[:, None]
+    if sliding_window is not None:
+        mask &= kpos > lens[:, None] - 1 - sliding_window
+    return _attend_rows(q_skgd, kv[:, :, :, 0], kv[:, :, :, 1], mask, key_ok, sm_scale, soft_cap).reshape(s, hq, d)
+
+
+def _attend_rows(q_skgd: jax.Array, k_slkd: jax.Array, v_slkd: jax.Array, mask_sl: jax.Array, key_ok_sl: jax.Array,
+                 sm_scale: float, soft_cap: float | None) -> jax.Array:
+    """One query row per sequence row -> [S, K, G, D] float32."""
+    k = k_slkd.astype(jnp.float32)[:, :, :, None, :]                          # [S, L, K, 1, D]
+    scores = _cap(jnp.sum(q_skgd[:, None] * k, axis=-1), sm_scale, soft_cap)  # [S, L, K, G]
+    scores = jnp.where(mask_sl[:, :, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=1)
+    v = jnp.where(key_ok_sl[:, :, None, None], v_slkd.astype(jnp.float32), 0.0)  # unwritten memory -> 0
+    return jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)
+
+
+def _chunked_sequences(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array,
+                       starts: jax.Array, q_lens: jax.Array, block_q: int, block_pages: int, sm_scale: float,
+                       sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+    """The sequences with two or more tokens (prefill chunks) -> [T, Hq, D] float32 (other rows zero).
+
+    A loop over their blocks of `block_q` query rows, as many as there are (a dynamic trip count, so padding
+    costs nothing), each over only the key blocks its causal (and sliding) window reaches, with an online
+    softmax: the work is that of the live chunks, not of the step's static shapes."""
+    t, hq, d = q.shape
+    num_pages, page_size, kv2, _ = kv_pages.shape
+    hkv, g = kv2 // 2, hq // (kv2 // 2)
+    s, pps = page_indices.shape
+    b, kv_tokens = block_q, block_pages * page_size
+    items_per_seq = jnp.where(q_lens >= 2, (q_lens + b - 1) // b, 0)
+    item_end = jnp.cumsum(items_per_seq)
+    padded_pps = -(-pps // block_pages) * block_pages
+    table = jnp.pad(jnp.clip(page_indices, 0, num_pages - 1), ((0, 0), (0, padded_pps - pps)))
+    q_pad = jnp.pad(q, ((0, b), (0, 0), (0, 0)))     # blocks never run past the end (no clamped slices)
+
+    def item(i: jax.Array, out: jax.Array) -> jax.Array:
+        seq = jnp.minimum(jnp.sum(item_end <= i, dtype=jnp.int32), s - 1)
+        r0 = (i - item_end[seq] + items_per_seq[seq]) * b
+        first = starts[seq] + r0
+        rows = r0 + jnp.arange(b, dtype=jnp.int32)
+        row_ok = rows < q_lens[seq]
+        qpos = lens[seq] - q_lens[seq] + rows
+        q_bkgd = jax.lax.dynamic_slice_in_dim(q_pad, first, b).reshape(b, hkv, g, d).astype(jnp.float32)
+        hi = lens[seq] - q_lens[seq] + jnp.minimum(r0 + b, q_lens[seq])        # keys [lo, hi) are reached
+        lo = 0 if sliding_window is None else jnp.maximum(0, qpos[0] - sliding_window + 1)
+
+        def kv_block(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            m, denom, acc = carry
+            ids = jax.lax.dynamic_slice_in_dim(table[seq], j * block_pages, block_pages)
+            kv = jnp.take(kv_pages, ids, axis=0, mode="clip").reshape(kv_tokens, hkv, 2, d)
+            kpos = j * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)
+            key_ok = kpos < lens[seq]
+            mask = (kpos[None, :] <= qpos[:, None]) & row_ok[:, None] & key_ok[None, :]
+            if sliding_window is not None:
+                mask &= kpos[None, :] > qpos[:, None] - sliding_window
+            scores = _cap(jnp.einsum("bkgd,lkd->kgbl", q_bkgd, kv[:, :, 0].astype(jnp.float32)), sm_scale,
+                          soft_cap)
+            scores = jnp.where(mask, scores, MASK_VALUE)
+            m_next = jnp.maximum(m, jnp.max(scores, axis=-1))
+            p = jnp.where(mask, jnp.exp(scores - m_next[..., None]), 0.0)
+            corr = jnp.exp(m - m_next)
+            v = jnp.where(key_ok[:, None, None], kv[:, :, 1].astype(jnp.float32), 0.0)
+            acc = acc * corr[..., None] + jnp.einsum("kgbl,lkd->kgbd", p, v)
+            return m_next, denom * corr + jnp.sum(p, axis=-1), acc
+
+        init = (jnp.full((hkv, g, b), MASK_VALUE, jnp.float32), jnp.zeros((hkv, g, b), jnp.float32),
+                jnp.zeros((hkv, g, b, d), jnp.float32))
+        _, denom, acc = jax.lax.fori_loop(lo // kv_tokens, (hi + kv_tokens - 1) // kv_tokens, kv_block, init)
+        res = (acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]).transpose(2, 0, 1, 3).reshape(b, hq, d)
+        cur = jax.lax.dynamic_slice_in_dim(out, first, b)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], res, cur), first, 0)
+
+    out = jnp.zeros((t + b, hq, d), jnp.float32)
+    return jax.lax.fori_loop(0, item_end[-1], item, out)[:t]
 
 
 def _cap(scores: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
@@ -161,29 +203,6 @@ def _cap(scores: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Arra
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     return scores
-
-
-def _attend_rows(q_wkgd: jax.Array, k_wlkd: jax.Array, v_wlkd: jax.Array, mask_wl: jax.Array,
-                 key_ok_wl: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
-    """One query row per item: broadcast-multiply-reduce (matrix-vector shaped; XLA CPU streams k and v once
-    and reduces along their minor axis) -> [W, Hkv, G, D] float32."""
-    k = k_wlkd.astype(jnp.float32)[:, :, :, None, :]                         # [W, L, K, 1, D]
-    scores = _cap(jnp.sum(q_wkgd[:, None] * k, axis=-1), sm_scale, soft_cap)  # [W, L, K, G]
-    scores = jnp.where(mask_wl[:, :, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=1)
-    v = jnp.where(key_ok_wl[:, :, None, None], v_wlkd.astype(jnp.float32), 0.0)
-    return jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)           # [W, K, G, D]
-
-
-def _attend_blocks(q_wbkgd: jax.Array, k_wlkd: jax.Array, v_wlkd: jax.Array, mask_wbl: jax.Array,
-                   key_ok_wl: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
-    """A block of query rows per item: two batched matmuls per (item, kv head) -> [W, b, Hkv, G, D] float32."""
-    k = k_wlkd.astype(jnp.float32)
-    scores = _cap(jnp.einsum("wbkgd,wlkd->wkgbl", q_wbkgd, k), sm_scale, soft_cap)
-    scores = jnp.where(mask_wbl[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    v = jnp.where(key_ok_wl[:, :, None, None], v_wlkd.astype(jnp.float32), 0.0)
-    return jnp.einsum("wkgbl,wlkd->wbkgd", probs, v)
 
 
 def dense_reference(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
