@@ -427,6 +427,31 @@ def test_an_arrival_takes_a_free_slot_at_once_and_prefills_when_its_group_has_bu
         assert stream.result(5).token_ids == alone(prompt, n), name
 
 
+def test_steps_with_decode_rows_cap_prompt_tokens_at_the_mixed_step_size():
+    eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
+    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True, mixed_step_tokens=6)
+    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=Clock(), slot_order=eng.slot_order,
+                      paging=paging)
+    runner = LocalRunner(eng, sched)
+    a = runner.submit(req("a", prompt=prompt_of(20, 1), max_tokens=12))  # group 0
+    runner.step_once()
+    runner.step_once()
+    long_prompt = prompt_of(40, 2)
+    b = runner.submit(req("b", prompt=long_prompt, max_tokens=2))  # group 1 (fewer running)
+    c = runner.submit(req("c", prompt=prompt_of(30, 3), max_tokens=2))
+    runner.run_until_idle()
+    assert [len(q.tokens) for p in eng.plans[:2] for q in p.seqs] == [16, 4]  # alone, a prompt takes whole chunks
+    for p in eng.plans[2:]:
+        per_group = [0, 0]
+        for q in p.seqs:
+            per_group[q.slot // 2] += q.num_tokens
+        decoding = any(len(q.tokens) == 0 for q in p.seqs)
+        # while any group decodes, every group stays within the mixed step; otherwise a whole chunk
+        assert max(per_group) <= (6 if decoding else 16), (per_group, decoding)
+    assert a.result(5).token_ids == alone(prompt_of(20, 1), 12)
+    assert b.result(5).token_ids == alone(long_prompt, 2) and c.result(5).token_ids == alone(prompt_of(30, 3), 2)
+
+
 def test_many_arriving_prompts_prefill_together_on_the_group_that_owns_their_slot():
     eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
     sched = paged(eng)
@@ -515,6 +540,25 @@ def test_exhausted_pool_queues_requests_that_complete_later_unchanged():
     assert st["pages_used"] == 0 and st["pages_reserved"] == 0
 
 
+def test_cached_pages_are_evicted_oldest_first_when_new_requests_need_room():
+    eng = PagedTokenEngine(max_slots=2, groups=1, pages_per_group=10, max_seq_len=40)
+    sched = paged(eng)
+    runner = LocalRunner(eng, sched)
+    pa, pb = prompt_of(17, 1), prompt_of(30, 2)
+    collect(runner, req("a", prompt=pa, max_tokens=2))  # 4 full prompt pages of a stay cached
+    assert sched.stats()["pages_cached_idle"] == 4
+    collect(runner, req("b", prompt=pb, max_tokens=8))  # needs 10 pages: all of a's cached pages are evicted
+    st = sched.stats()
+    assert st["prefix_cache_evictions"] == 4 and st["pages_used"] == 0
+    n_plans = len(eng.plans)
+    again = collect(runner, req("a2", prompt=pa, max_tokens=2))["a2"]
+    assert again.token_ids == alone(pa, 2)
+    assert eng.plans[n_plans].seqs[0].start == 0  # nothing of a was left to reuse
+    n_plans = len(eng.plans)
+    b2 = collect(runner, req("b2", prompt=pb, max_tokens=2))["b2"]  # b's head pages outlived its tail
+    assert b2.token_ids == alone(pb, 2) and 0 < eng.plans[n_plans].seqs[0].start < 28
+
+
 def test_request_that_can_never_fit_the_pool_is_refused_with_the_reason():
     eng = PagedTokenEngine(max_slots=2, groups=1, pages_per_group=4, max_seq_len=64)
     sched = paged(eng)
@@ -582,9 +626,11 @@ def test_paged_multi_step_decode_stays_within_reservations_and_max_seq_len():
 def test_paging_checks_its_engine_figures():
     with pytest.raises(ValueError, match="max_slots 4 does not divide over 3 dp groups"):
         Scheduler(4, 64, (EOS,), 4, [], paging=Paging(4, 8, 3, 16))
-    with pytest.raises(ValueError, match=r"a step's 1 tokens per dp group \(engine.prefill_chunk\) cannot hold a "
-                                         r"decode row for each of the group's 2 slots"):
+    with pytest.raises(ValueError, match=r"max_step_tokens=1 tokens per dp group in a step cannot hold a decode "
+                                         r"row for each of the group's 2 slots \(engine.prefill_chunk is too small\)"):
         Scheduler(4, 64, (EOS,), 4, [], paging=Paging(4, 8, 2, 1))
+    with pytest.raises(ValueError, match=r"mixed_step_tokens=1 tokens per dp group"):
+        Scheduler(4, 64, (EOS,), 4, [], paging=Paging(4, 8, 2, 16, mixed_step_tokens=1))
 
 
 def test_for_engine_picks_the_paged_form_for_a_paged_engine():

@@ -74,6 +74,9 @@ class Paging:
     """Most tokens one step computes per dp group (prompt chunks plus one per decode row)."""
     prefix_caching: bool = True
     """Reuse cached full pages of matching prompt prefixes."""
+    mixed_step_tokens: int | None = None
+    """Most tokens per dp group in a step that carries decode rows (the engine's smaller step program), so
+    running streams keep a short step while a long prompt is prefilled; None = max_step_tokens."""
 
 
 @dataclass
@@ -155,9 +158,11 @@ class Scheduler:
     def _check_paging(self, p: Paging) -> None:
         if p.groups < 1 or self.max_slots % p.groups:
             raise ValueError(f"paging: max_slots {self.max_slots} does not divide over {p.groups} dp groups")
-        if p.max_step_tokens < self.max_slots // p.groups:
-            raise ValueError(f"paging: a step's {p.max_step_tokens} tokens per dp group (engine.prefill_chunk) "
-                             f"cannot hold a decode row for each of the group's {self.max_slots // p.groups} slots")
+        for name, tokens in (("max_step_tokens", p.max_step_tokens), ("mixed_step_tokens", p.mixed_step_tokens)):
+            if tokens is not None and tokens < self.max_slots // p.groups:
+                raise ValueError(f"paging: {name}={tokens} tokens per dp group in a step cannot hold a decode row for "
+                                 f"each of the group's {self.max_slots // p.groups} slots (engine.prefill_chunk is "
+                                 f"too small)")
 
     @classmethod
     def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic) -> Scheduler:
@@ -166,7 +171,7 @@ class Scheduler:
         paging = None
         if hasattr(engine, "pages_per_group"):
             paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
-                            cfg.engine.prefix_caching)
+                            cfg.engine.prefix_caching, getattr(engine, "mixed_step_tokens", None))
         return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
                    cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order,
                    decode_steps=cfg.engine.decode_steps, paging=paging)
@@ -348,8 +353,11 @@ class Scheduler:
             for slot in self.slot_order:
                 run = self._slots[slot]
                 if run is not None and run.started and run.computed >= run.prompt_len:
-                    budget[slot // per_group] -= 1
                     decoding.append((slot, run))
+            if decoding and p.mixed_step_tokens is not None:  # a step costs its largest group's tokens
+                budget = [min(p.max_step_tokens, p.mixed_step_tokens)] * p.groups
+            for slot, _ in decoding:
+                budget[slot // per_group] -= 1
             for slot in list(self._prefilling):
                 run = self._slots[slot]
                 assert run is not None
