@@ -91,14 +91,16 @@ def test_xla_matches_dense_reference(block_q, kv_block_pages, window, cap):
 
 
 def test_xla_decode_step_gqa_and_cut_page_table():
-    """Decode-shaped step (block_q 1), 8 q heads over 2 kv heads; the same step with the page table cut to
-    the pages in use gives the same result."""
+    """A decode step, 8 q heads over 2 kv heads; the page table cut to the pages in use, and smaller key
+    blocks, give the same result."""
     args = make_step(**DECODE, q_heads=8, pages_per_seq=8, seed=3)
     ref = xla.dense_reference(*args[:5], int(args[5][0]), sm_scale=SCALE)
     out = jax.jit(lambda *a: xla.ragged_paged_attention(*a, sm_scale=SCALE))(*args)
     assert_matches(out, ref, args)
     cut = (*args[:3], args[3][:, :5], *args[4:])   # 17 tokens / 4 per page = 5 pages
     assert_matches(jax.jit(lambda *a: xla.ragged_paged_attention(*a, sm_scale=SCALE))(*cut), ref, args)
+    # key blocks of 2 pages: the longest row (17 tokens) takes 3 blocks, the others stop earlier
+    assert_matches(xla.ragged_paged_attention(*args, sm_scale=SCALE, kv_block_pages=2), ref, args)
 
 
 def test_xla_bfloat16_cache():

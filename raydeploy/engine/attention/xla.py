@@ -7,9 +7,9 @@ at position kv_lens[s] - q_len[s] + i, attending to the positions <= its own (an
 kv_pages holds K and V interleaved on the head axis: [P, page_size, 2*Hkv, D] with K head h at 2h, V at 2h+1.
 
 How it is computed, in two parts whose work follows the live tokens rather than the static shapes:
-- sequences with one token (decode rows): all sequence rows at once, each over its pages (the page table's
-  width: the caller may cut the table to a page-count bucket), as a broadcast-multiply-reduce; the scores are
-  matrix-vector shaped and XLA CPU streams the keys once;
+- sequences with one token (decode rows): all sequence rows at once, in a loop over blocks of pages that
+  stops at the longest such row (a wide page table costs nothing past it), with an online softmax; within a
+  block the scores are a broadcast-multiply-reduce (matrix-vector shaped; XLA CPU streams the keys once);
 - sequences with more tokens (prefill chunks): a loop over their blocks of query rows, as many as there are,
   each over only the key blocks its causal window reaches, with an online softmax and two small matmuls per
   block, so a chunk's keys are read once per block of rows and nothing is computed for padding.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as the TPU kernel's: a fully masked row stays finite
 CHUNK_BLOCK_Q = 64        # query rows of a multi-token sequence per step of the chunk loop
-KV_BLOCK_TOKENS = 256     # keys per inner step of the chunk loop (rounded to whole pages)
+KV_BLOCK_TOKENS = 256     # keys per step of the key-block loops (rounded to whole pages)
 
 
 def check_inputs(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
@@ -75,7 +75,8 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     """q [T, Hq, D], kv_pages [P, page_size, 2*Hkv, D], kv_lens i32[S], page_indices i32[S, pages_per_seq],
     cu_q_lens i32[S+1] (cu_q_lens[0] = 0), num_seqs i32[1] -> out [T, Hq, D] in q's dtype.
 
-    `block_q` (query rows) and `kv_block_pages` (pages) set the chunk loop's blocks (tests; measurements)."""
+    `block_q` (query rows of the chunk loop) and `kv_block_pages` (pages per key block of both loops) override
+    the block sizes (tests; measurements)."""
     check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     check_options(sliding_window, soft_cap)
     t, hq, d = q.shape
@@ -88,15 +89,15 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     lens = jnp.where(live, kv_lens, 0)
     single = q_lens == 1
 
-    out_single = _single_tokens(q, kv_pages, lens, page_indices, starts, single, sm_scale, sliding_window,
+    pages = KV_BLOCK_TOKENS // kv_pages.shape[1] if kv_block_pages is None else kv_block_pages
+    pages = max(1, min(pages, page_indices.shape[1]))
+    out_single = _single_tokens(q, kv_pages, lens, page_indices, starts, single, pages, sm_scale, sliding_window,
                                 soft_cap)                                        # [S, Hq, D] float32
     tid = jnp.arange(t, dtype=jnp.int32)
     seq_t = jnp.minimum(jnp.sum((starts + q_lens)[None, :] <= tid[:, None], axis=1, dtype=jnp.int32), s - 1)
     out = jnp.take(out_single, seq_t, axis=0)
     if t > 1:  # a sequence with two or more tokens fits
         b = min(CHUNK_BLOCK_Q, t) if block_q is None else block_q
-        pages = KV_BLOCK_TOKENS // kv_pages.shape[1] if kv_block_pages is None else kv_block_pages
-        pages = max(1, min(pages, page_indices.shape[1]))
         out_chunks = _chunked_sequences(q, kv_pages, lens, page_indices, starts, q_lens, b, pages, sm_scale,
                                         sliding_window, soft_cap)
         out = jnp.where(single[seq_t][:, None, None], out, out_chunks)
@@ -104,38 +105,51 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
 
 
 def _single_tokens(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array,
-                   starts: jax.Array, single: jax.Array, sm_scale: float, sliding_window: int | None,
-                   soft_cap: float | None) -> jax.Array:
-    """Every sequence row as one decode token (its first token; meaningful where `single`), all rows at once,
-    over the whole page-table width -> [S, Hq, D] float32.
+                   starts: jax.Array, single: jax.Array, block_pages: int, sm_scale: float,
+                   sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+    """Every sequence row as one decode token (its first token; meaningful where `single`), all rows at once
+    -> [S, Hq, D] float32.
 
-    Broadcast-multiply-reduce, as the slot engine's decode attention: with one query row per kv-head group the
-    products are matrix-vector shaped, and on XLA CPU the reductions stream the keys once."""
+    A loop over blocks of `block_pages` pages of every row, as many as the longest single-token row needs (a
+    dynamic trip count: a wide page table costs nothing past the live tokens), with an online softmax. Within a
+    block the scores are a broadcast-multiply-reduce, as the slot engine's decode attention was (matrix-vector
+    shaped; XLA CPU streams the keys once), and the block's gathered pages are a small buffer reused by every
+    iteration rather than a copy of every row's whole cache."""
     t, hq, d = q.shape
     num_pages, page_size, kv2, _ = kv_pages.shape
-    hkv = kv2 // 2
+    hkv, g = kv2 // 2, hq // (kv2 // 2)
     s, pps = page_indices.shape
-    span = pps * page_size
-    q_skgd = jnp.take(q, jnp.clip(starts, 0, t - 1), axis=0).reshape(s, hkv, hq // hkv, d).astype(jnp.float32)
-    kv = jnp.take(kv_pages, jnp.clip(page_indices, 0, num_pages - 1).reshape(-1), axis=0, mode="clip")
-    kv = kv.reshape(s, span, hkv, 2, d)
-    kpos = jnp.arange(span, dtype=jnp.int32)[None, :]
-    key_ok = kpos < lens[:, None]                                              # causal: the token is at lens - 1
-    mask = key_ok & single[:, None]
-    if sliding_window is not None:
-        mask &= kpos > lens[:, None] - 1 - sliding_window
-    return _attend_rows(q_skgd, kv[:, :, :, 0], kv[:, :, :, 1], mask, key_ok, sm_scale, soft_cap).reshape(s, hq, d)
+    padded_pps = -(-pps // block_pages) * block_pages
+    table = jnp.pad(jnp.clip(page_indices, 0, num_pages - 1), ((0, 0), (0, padded_pps - pps)))
+    q_skgd = jnp.take(q, jnp.clip(starts, 0, t - 1), axis=0).reshape(s, hkv, g, d).astype(jnp.float32)
+    pages_flat = kv_pages.reshape(num_pages, -1)
+    kv_tokens = block_pages * page_size
+    qpos = lens - 1
 
+    def kv_block(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        m, denom, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1)
+        kv = jnp.take(pages_flat, ids.reshape(-1), axis=0, mode="clip").reshape(s, kv_tokens, hkv, 2, d)
+        kpos = j * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)[None, :]
+        key_ok = kpos <= qpos[:, None]                                         # causal: written positions
+        mask = key_ok & single[:, None]
+        if sliding_window is not None:
+            mask &= kpos > qpos[:, None] - sliding_window
+        k = kv[:, :, :, 0].astype(jnp.float32)[:, :, :, None, :]               # [S, L, K, 1, D]
+        scores = _cap(jnp.sum(q_skgd[:, None] * k, axis=-1), sm_scale, soft_cap)  # [S, L, K, G]
+        scores = jnp.where(mask[:, :, None, None], scores, MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(scores, axis=1))
+        p = jnp.where(mask[:, :, None, None], jnp.exp(scores - m_next[:, None]), 0.0)
+        corr = jnp.exp(m - m_next)
+        v = jnp.where(key_ok[:, :, None, None], kv[:, :, :, 1].astype(jnp.float32), 0.0)  # unwritten memory -> 0
+        acc = acc * corr[..., None] + jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)
+        return m_next, denom * corr + jnp.sum(p, axis=1), acc
 
-def _attend_rows(q_skgd: jax.Array, k_slkd: jax.Array, v_slkd: jax.Array, mask_sl: jax.Array, key_ok_sl: jax.Array,
-                 sm_scale: float, soft_cap: float | None) -> jax.Array:
-    """One query row per sequence row -> [S, K, G, D] float32."""
-    k = k_slkd.astype(jnp.float32)[:, :, :, None, :]                          # [S, L, K, 1, D]
-    scores = _cap(jnp.sum(q_skgd[:, None] * k, axis=-1), sm_scale, soft_cap)  # [S, L, K, G]
-    scores = jnp.where(mask_sl[:, :, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=1)
-    v = jnp.where(key_ok_sl[:, :, None, None], v_slkd.astype(jnp.float32), 0.0)  # unwritten memory -> 0
-    return jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)
+    init = (jnp.full((s, hkv, g), MASK_VALUE, jnp.float32), jnp.zeros((s, hkv, g), jnp.float32),
+            jnp.zeros((s, hkv, g, d), jnp.float32))
+    longest = jnp.max(jnp.where(single, lens, 0))
+    _, denom, acc = jax.lax.fori_loop(0, (longest + kv_tokens - 1) // kv_tokens, kv_block, init)
+    return (acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]).reshape(s, hq, d)
 
 
 def _chunked_sequences(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array,
