@@ -15,16 +15,18 @@ New requests join free slots between decode steps. A request's events: one per g
 not block (put into a queue).
 
 Two plan forms, chosen by the engine (`Scheduler.for_engine`):
-- slot form (`Engine`): whole prompts prefilled into slots, then decode of every running slot.
-- paged form (`PagedEngine`, `paging` set): one mixed step per plan. Each dp group has a page pool
-  (`raydeploy.engine.pages`); a request gets a slot (a page-table row) in one group and is prefilled only
-  there. Every plan carries the decode rows of all running streams plus prompt chunks up to the group's token
-  budget (`max_step_tokens`), in arrival order, so a long prompt never stalls running streams and many
-  arriving prompts prefill together. A prompt whose full pages are in the group's prefix cache starts after
-  them with those pages shared in its table. Admission reserves every page a request may need (prompt +
-  max_tokens within max_seq_len), so a running request never runs out of pages: a request waits in the queue
-  (first come, first served) until its pages fit, and one that could never fit a whole pool is refused at
-  submit. Page-table changes travel in the plan (`StepPlan.pages`), so every host holds the same tables.
+- paged form (an engine with KV pages, `pages_per_group`; `paging` set): one mixed step per plan. Each dp
+  group has a page pool (`raydeploy.engine.pages`); a request gets a slot (a page-table row) in one group and
+  is prefilled only there. Every plan carries the decode rows of all running streams plus prompt chunks up to
+  the group's token budget (`max_step_tokens`, or the smaller `mixed_step_tokens` while streams decode), in
+  arrival order, so a long prompt never stalls running streams and many arriving prompts prefill together.
+  A prompt whose full pages are in the group's prefix cache starts after them with those pages shared in
+  its table. Admission reserves every page a request may need (prompt + max_tokens within max_seq_len), so a
+  running request never runs out of pages: a request waits in the queue (first come, first served) until its
+  pages fit, and one that could never fit a whole pool is refused at submit. Page-table changes travel in
+  the plan (`StepPlan.pages`), so every host holds the same tables.
+- slot form (any other engine): whole prompts prefilled into slots, then decode of every running slot.
+See docs/scheduling.md.
 """
 
 from __future__ import annotations
