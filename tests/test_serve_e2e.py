@@ -297,7 +297,8 @@ def test_chat_page_streams_an_answer_in_headless_chromium(live):
 
     if chromium_path() is None:
         pytest.skip("chromium is not installed (make browser)")
-    shown = chat_in_page(live.url, KEY, "Say hello in three words.", timeout_s=120)
+    # an answer of many decode groups: a short one can arrive whole in one read when steps are fast
+    shown = chat_in_page(live.url, KEY, "Count from one to twenty in words.", timeout_s=120)
     assert not shown["error"], shown
     assert shown["answer"].strip() and shown["model"] == f"model: {MODEL}"
     pieces = int(shown["stats"].split(" pieces")[0].rsplit(" ", 1)[1])
