@@ -216,6 +216,18 @@ def test_pallas_gpu_mixed_step_takes_xla_path():
     assert_matches(out, ref, args)
 
 
+@pytest.mark.parametrize("pages_per_seq", [16, 12])
+def test_pallas_gpu_lowers_for_cuda_without_a_gpu(pages_per_seq):
+    """The GPU backend, per-shard shapes of Llama-3-8B at tp=1 in bfloat16, lowered for CUDA from shapes alone:
+    Pallas turns the kernel into a Triton call (compiling that to PTX needs a GPU)."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((8, 32, 128), jnp.bfloat16), spec((256, 16, 16, 128), jnp.bfloat16), spec((8,), jnp.int32),
+            spec((8, pages_per_seq), jnp.int32), spec((9,), jnp.int32), spec((1,), jnp.int32))
+    f = jax.jit(lambda *a: pallas_gpu.ragged_paged_attention(*a, sm_scale=128 ** -0.5, soft_cap=30.0))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
 def test_pallas_gpu_split_sizes_divide():
     for pps in (1, 3, 8, 12, 64, 100):
         ks, per = pallas_gpu.split_sizes(pps)
