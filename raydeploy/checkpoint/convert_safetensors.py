@@ -1,9 +1,9 @@
-"""Hugging Face safetensors directory -> raydeploy checkpoint (Llama, Mistral, Qwen2, SmolLM2).
+"""Hugging Face safetensors directory -> raydeploy checkpoint (every family of `raydeploy.model.registry`).
 
 The source directory holds config.json, one `model.safetensors` or several shards listed in
 `model.safetensors.index.json`, and tokenizer files (copied along). Tensors are memory-mapped straight
 from the safetensors files (the header is parsed here, so bfloat16 works without torch), renamed and
-re-laid-out with `layout.HF_NAMES`, and streamed into the writer one at a time.
+re-laid-out with the family's name table (`Family.hf_names`), and streamed into the writer one at a time.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import numpy as np
 
 from raydeploy.checkpoint.format import CONFIG_FILE, CheckpointError, numpy_dtype
 from raydeploy.checkpoint.layout import (
-    HF_IGNORED,
-    HF_NAMES,
     NameMap,
     SplitPlan,
     cast,
@@ -27,11 +25,10 @@ from raydeploy.checkpoint.layout import (
     to_ours,
 )
 from raydeploy.checkpoint.writer import CheckpointWriter
-from raydeploy.model.spec import LlamaConfig
+from raydeploy.model.registry import UnknownModelType, family_for, supported_model_types
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
                       "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64"}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def safetensors_files(src: Path) -> list[Path]:
@@ -95,8 +92,8 @@ def read_hf_config(src: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"not valid JSON: {e}", str(p)) from e
     mt = cfg.get("model_type", "llama")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})",
+    if mt not in supported_model_types():
+        raise CheckpointError(f"model_type {mt!r} is not supported (supported: {', '.join(supported_model_types())})",
                               str(p))
     return cfg
 
@@ -111,11 +108,16 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
     if not src.is_dir():
         raise CheckpointError("source is not a directory (a Hugging Face model directory is expected)", str(src))
     hf_cfg = read_hf_config(src)
-    cfg = LlamaConfig.from_hf_dict(hf_cfg)
-    name_map = NameMap(HF_NAMES, HF_IGNORED, source="safetensors")
+    try:
+        family = family_for(hf_cfg.get("model_type", "llama"))
+        cfg = family.config_from_hf(hf_cfg)
+    except (UnknownModelType, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"config is not usable: {e}", str(src / CONFIG_FILE)) from e
+    specs = family.param_specs(cfg)
+    name_map = NameMap(family.hf_names, family.hf_ignored, source="safetensors")
     files = safetensors_files(src)
     shapes: dict[str, tuple[int, ...]] = {}
-    plan = SplitPlan.build(cfg, splits)
+    plan = SplitPlan.build(cfg, splits, specs)
     writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="convert safetensors",
                disable=not progress)
@@ -134,7 +136,7 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
                 out = cast(to_ours(kind, arr, cfg, name=name), dtype)
                 shapes[ours] = tuple(out.shape)
                 writer.add(ours, out, split=plan.for_tensor(ours, out))
-        check_against_specs(shapes, cfg, str(src))
+        check_against_specs(shapes, cfg, str(src), specs)
     except BaseException:
         writer.abort()
         raise

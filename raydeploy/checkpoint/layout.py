@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from raydeploy.checkpoint.format import CheckpointError
-from raydeploy.model.spec import LlamaConfig
+from raydeploy.model.spec import LlamaConfig, TensorSpec
 
 if TYPE_CHECKING:
     from raydeploy.model.sharding import Rule
@@ -117,7 +117,8 @@ class NameMap:
                 return out.format(**m.groupdict()), kind
         if any(rx.match(name) for rx in self._ignored):
             return None
-        raise CheckpointError(f"{self.source} tensor {name!r} is not a known Llama-family parameter", tensor=name)
+        raise CheckpointError(f"{self.source} tensor {name!r} is not a known parameter of this model family",
+                              tensor=name)
 
 
 def to_ours(kind: str, x: np.ndarray, cfg: LlamaConfig, name: str = "") -> np.ndarray:
@@ -171,11 +172,12 @@ def cast(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(numpy_dtype(dtype))
 
 
-def check_against_specs(shapes: dict[str, tuple[int, ...]], cfg: LlamaConfig, source: str) -> None:
-    """The converted tensor set must be exactly `param_specs(cfg)`, with the same shapes."""
+def check_against_specs(shapes: dict[str, tuple[int, ...]], cfg: LlamaConfig, source: str,
+                        specs: Mapping[str, TensorSpec] | None = None) -> None:
+    """The converted tensor set must be exactly `specs` (default: the Llama `param_specs(cfg)`), same shapes."""
     from raydeploy.model.spec import param_specs
 
-    specs = param_specs(cfg)
+    specs = param_specs(cfg) if specs is None else specs
     missing = [n for n in specs if n not in shapes]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -222,11 +224,12 @@ class SplitPlan:
     shapes: dict[str, tuple[int, ...]]
 
     @staticmethod
-    def build(cfg: LlamaConfig, splits: Mapping[str, int] | None) -> SplitPlan:
+    def build(cfg: LlamaConfig, splits: Mapping[str, int] | None,
+              specs: Mapping[str, TensorSpec] | None = None) -> SplitPlan:
         from raydeploy.model.spec import param_specs
 
         out: dict[str, tuple[int, int]] = {}
-        specs, cuts = param_specs(cfg), dict(splits or {})
+        specs, cuts = (param_specs(cfg) if specs is None else specs), dict(splits or {})
         for name, s in specs.items():
             cut = [(d, cuts[la]) for d, la in enumerate(s.logical_axes) if d > 0 and la in cuts]
             if len(cut) == 1 and s.shape[cut[0][0]] % cut[0][1] == 0:

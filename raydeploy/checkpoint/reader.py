@@ -172,6 +172,12 @@ class CheckpointReader:
             raise CheckpointError(f"{CONFIG_FILE} is missing (the model's Hugging Face config travels with "
                                   "the checkpoint)", str(self.path))
         try:
+            # The raw Hugging Face config: the model registry (raydeploy.model.registry) picks the family
+            # from its model_type; the reader itself knows no model.
+            self.hf_config: dict[str, Any] = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"config is not valid JSON: {e}", str(cfg_path)) from e
+        try:
             self.llama_config: LlamaConfig = LlamaConfig.from_json(cfg_path)
         except (KeyError, ValueError, TypeError) as e:
             raise CheckpointError(f"config is not a usable Llama-family config: {e!r}", str(cfg_path)) from e

@@ -1,0 +1,87 @@
+"""The Qwen3 family (dense): the Llama decoder with an RMSNorm over each query and key head before RoPE, and no
+q/k/v bias.
+
+The module subclasses `raydeploy.model.llama.Llama`, replacing only the attention's `qkv`, so its forward paths
+(`ragged` for the engine, `prefill` / `__call__`) and its stacked-layer scan are Llama's; extra parameters are
+`layers.{i}.attn.q_norm.scale` and `layers.{i}.attn.k_norm.scale` ([head_dim], logical axis `norm`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import numpy as np
+
+from raydeploy.checkpoint.layout import COPY, HF_IGNORED, HF_NAMES
+from raydeploy.model.llama import MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope
+from raydeploy.model.registry import Family
+from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
+
+_L = r"(?P<layer>\d+)"
+
+
+def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
+    if d.get("use_sliding_window"):
+        raise ValueError("qwen3: use_sliding_window=true (sliding window on the layers past max_window_layers) "
+                         "is not supported")
+    if d.get("attention_bias"):
+        raise ValueError("qwen3: attention_bias=true is not a Qwen3 checkpoint (Qwen3 has no q/k/v bias)")
+    return LlamaConfig.from_hf_dict(d)
+
+
+def qwen3_param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
+    """Llama's parameters plus a per-head q and k norm in each layer (after `attn.v_proj`)."""
+    out: dict[str, TensorSpec] = {}
+    for name, spec in param_specs(cfg).items():
+        out[name] = spec
+        if name.endswith(".attn.v_proj.kernel"):
+            p = name[: -len(".v_proj.kernel")]
+            out[f"{p}.q_norm.scale"] = TensorSpec(f"{p}.q_norm.scale", (cfg.head_dim,), ("norm",))
+            out[f"{p}.k_norm.scale"] = TensorSpec(f"{p}.k_norm.scale", (cfg.head_dim,), ("norm",))
+    return out
+
+
+class Qwen3Attention(Attention):
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+                 lead: tuple[int, ...] = ()) -> None:
+        super().__init__(cfg, param_dtype, rngs, out_first, lead)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, param_dtype, lead=lead)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, param_dtype, lead=lead)
+
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, ...]:
+        q = apply_rope(self.q_norm(self.q_proj(x)), positions, inv_freq)
+        k = apply_rope(self.k_norm(self.k_proj(x)), positions, inv_freq)
+        return q, k, self.v_proj(x)
+
+
+class Qwen3DecoderLayer(DecoderLayer):
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+                 lead: tuple[int, ...] = ()) -> None:
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
+        self.attn = Qwen3Attention(cfg, param_dtype, rngs, out_first, lead)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
+        self.mlp = MLP(cfg, param_dtype, rngs, out_first, lead)
+
+
+class Qwen3(Llama):
+    """Qwen3 decoder; state paths = the stacked `qwen3_param_specs` names."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32",
+                 rngs: nnx.Rngs | None = None, kernel_layout: str = "in_out") -> None:
+        super().__init__(cfg, dtype, param_dtype, rngs=rngs, kernel_layout=kernel_layout)
+        from raydeploy.model.llama import DTYPES
+
+        self.layers = Qwen3DecoderLayer(cfg, DTYPES[param_dtype], rngs, kernel_layout == "out_in",
+                                        lead=(cfg.num_layers,))
+
+
+HF_QWEN3_NAMES = (
+    *HF_NAMES,
+    (rf"model\.layers\.{_L}\.self_attn\.q_norm\.weight", "layers.{layer}.attn.q_norm.scale", COPY),
+    (rf"model\.layers\.{_L}\.self_attn\.k_norm\.weight", "layers.{layer}.attn.k_norm.scale", COPY),
+)
+
+FAMILY = Family("qwen3", config_from_hf, qwen3_param_specs, "raydeploy.model.qwen3:Qwen3", HF_QWEN3_NAMES,
+                HF_IGNORED)
