@@ -70,15 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="compile every program of a config for its target without its hardware "
                                        "(TPU deviceless through libtpu); memory per chip, collectives, cost",
-                       description="Compile every program the engine runs (prefill buckets, decode windows x rows, "
-                                   "gathers) for the config's target: a TPU slice deviceless through libtpu, CPU "
+                       description="Compile every program the engine runs (mixed steps: token buckets x page "
+                                   "buckets) for the config's target: a TPU slice deviceless through libtpu, CPU "
                                    "as it is; GPU has no deviceless target. Reports per program the compile "
                                    "seconds, bytes per chip against the chip's memory, the collectives and the "
                                    "compiler's cost with a roofline time; exits 1 when a program does not fit.")
     _add_config_args(p, positional=True)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--only", default=None, metavar="KINDS",
-                   help="comma-separated program kinds to compile: prefill, decode, gather (default all)")
+                   help="comma-separated program kinds to compile: step, presence (default all)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the compiled programs into DIR as a persistent compilation cache; point "
                         "engine.compilation_cache_dir at it and bring-up loads them instead of compiling")

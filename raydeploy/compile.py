@@ -61,6 +61,10 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 
              "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
+PROGRAM_KINDS = ("step", "presence")
+"""Program kinds of the engine (`raydeploy.engine.programs.ProgramShape.kind`), for --only."""
+
+
 class CompileError(RuntimeError):
     """A config that cannot be compiled for its target, or a program that does not fit its chip."""
 
@@ -315,10 +319,10 @@ def format_report(r: CompileReport) -> str:
 def run_compile(cfg: Config, args: argparse.Namespace) -> int:
     try:
         only = [k.strip() for k in args.only.split(",")] if args.only else None
-        bad = sorted(set(only or ()) - {"prefill", "decode", "gather"})
+        bad = sorted(set(only or ()) - set(PROGRAM_KINDS))
         if bad:
             raise CompileError(f"--only {args.only!r}: unknown program kind(s) {', '.join(bad)} "
-                               f"(kinds: prefill, decode, gather)")
+                               f"(kinds: {', '.join(PROGRAM_KINDS)})")
         report = compile_config(cfg, args.out, only, progress=None if args.json else
                                 (lambda p: print(f"  compiled {p.name} in {p.compile_s:.2f} s", file=sys.stderr)))
     except CompileError as e:

@@ -148,7 +148,8 @@ class EngineConfig:
     max_slots: int = 8
     """Batch slots decoded together (continuous batching); must divide evenly over dp."""
     prefill_buckets: list[int] = field(default_factory=lambda: [64, 256, 1024, 2048])
-    """Prompt lengths are padded up to the next bucket so compilations stay bounded; the last must be >= max_seq_len."""
+    """Deprecated: prompts are computed in chunks of prefill_chunk tokens and never padded to these lengths; kept so
+    existing configs load (the last must still be >= max_seq_len)."""
     max_new_tokens: int = 256
     """Default and upper bound of tokens generated per request."""
     decode_steps: int = 4

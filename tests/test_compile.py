@@ -44,14 +44,20 @@ def tpu_reports() -> dict[str, dict]:
 def test_tpu_configs_compile_deviceless_and_every_program_fits(tpu_reports, name):
     rep = tpu_reports[name]
     assert "TPU v5 lite" in rep["target"] if name == "tpu-v5e-16" else "TPU v6" in rep["target"]
-    kinds = {p["name"].split("_")[0] for p in rep["programs"]}
-    assert kinds == {"prefill", "decode", "gather"}
+    names = [p["name"] for p in rep["programs"]]
+    assert {n.split("_")[0] for n in names} == {"step", "presence"}
+    # a few token buckets x a few page buckets: the decode rows of a dp group in powers of four up to its slots
+    # (v5e: 64 slots / dp 4 = 16; v6e: 32 slots, dp 1), a 256-token chunk and its quarter, pages for 256, 2048
+    # and 8192 tokens
+    tokens = (1, 4, 16, 64, 256) if name == "tpu-v5e-16" else (1, 4, 16, 32, 64, 256)
+    assert sorted(n for n in names if n.startswith("step_")) == sorted(
+        f"step_{t}x{p}" for t in tokens for p in (16, 128, 512))
     assert rep["problems"] == []
     for p in rep["programs"]:
         assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
-    # the weights and cache are really arguments of the decode programs (the report is not empty)
-    decode = [p for p in rep["programs"] if p["name"].startswith("decode_")]
-    assert min(p["argument_bytes"] for p in decode) >= rep["weight_bytes_per_chip"] + rep["kv_cache_bytes_per_chip"]
+    # the weights and the KV pool are really arguments of the step programs (the report is not empty)
+    steps = [p for p in rep["programs"] if p["name"].startswith("step_")]
+    assert min(p["argument_bytes"] for p in steps) >= rep["weight_bytes_per_chip"] + rep["kv_cache_bytes_per_chip"]
 
 
 @pytest.mark.parametrize("name", ["tpu-v5e-16", "tpu-v6e-16"])
@@ -68,12 +74,13 @@ def test_no_collective_moves_weights_tables_or_kv_cache(tpu_reports, name):
     rep = tpu_reports[name]
     one_layer_kv = rep["kv_cache_bytes_per_chip"] / llama.num_layers  # K and V of one layer, every slot
     for p in rep["programs"]:
-        if p["name"].startswith("decode_"):  # a decode gathers logits rows, never a weight or the table
+        if p["name"].startswith("step_") and int(p["name"][5:].split("x")[0]) <= 16:
+            # a decode-shaped step gathers logits rows, never a weight or the table
             gathered = p["collectives"].get("all-gather", {}).get("largest", 0)
             assert gathered < min(table_per_chip, layer_kernel), p["name"]
             assert p["largest_collective_bytes"] < one_layer_kv, p["name"]
         # activations cross chips (partial sums all-reduced, an fsdp all-gather of [tokens, hidden]); no data
-        # movement is shaped like cache contents (head_dim last, with a sequence of at least the smallest window)
+        # movement is shaped like cache contents (head_dim last, with at least 256 pages or positions)
         for kind, c in p["collectives"].items():
             if kind in ("all-reduce", "reduce-scatter"):  # sums of a matmul's partial products, never the cache
                 continue
@@ -81,24 +88,24 @@ def test_no_collective_moves_weights_tables_or_kv_cache(tpu_reports, name):
                 dims = [int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d]
                 kv_like = len(dims) >= 2 and dims[-1] == llama.head_dim and max(dims[:-1]) >= 256
                 assert not kv_like, f"{p['name']}: {kind} of {shape}"
-    decode = next(p for p in rep["programs"] if p["name"].startswith("decode_"))
+    decode = next(p for p in rep["programs"] if p["name"].startswith("step_1x"))
     # the tp all-reduces of every layer are there, counted once per layer of the scan
     assert decode["collectives"]["all-reduce"]["count"] >= 2 * llama.num_layers
 
 
 def test_an_override_that_cannot_fit_names_the_program_and_the_numbers():
     pytest.importorskip("libtpu")
-    r = _run("configs/tpu-v5e-16.yaml", "--only", "decode", "--set", "engine.max_slots=256")
+    r = _run("configs/tpu-v5e-16.yaml", "--only", "step", "--set", "engine.max_slots=256")
     assert r.returncode == 1, r.stderr[-2000:]
     # either our accounting or the TPU compiler's own out-of-memory check catches it; both name the numbers
-    assert "DOES NOT FIT: program decode_" in r.stdout, r.stdout[-2000:]
+    assert "DOES NOT FIT: program step_" in r.stdout, r.stdout[-2000:]
     assert "16.00 GiB" in r.stdout and re.search(r"\d+(\.\d+)? ?Gi?B?", r.stdout)
 
 
 def test_unknown_program_kind_is_named():
-    r = _run("configs/tpu-v5e-16.yaml", "--only", "decod")
+    r = _run("configs/tpu-v5e-16.yaml", "--only", "decode")
     assert r.returncode == 1
-    assert "unknown program kind(s) decod (kinds: prefill, decode, gather)" in r.stderr
+    assert "unknown program kind(s) decode (kinds: step, presence)" in r.stderr
 
 
 def test_gpu_configs_say_there_is_no_deviceless_gpu_target():
@@ -117,7 +124,7 @@ def test_depth_does_not_grow_the_programs(tmp_path: Path):
         d = tmp_path / f"l{layers}"
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**src, "num_hidden_layers": layers}))
-        r = _run("configs/tpu-v5e-16.yaml", "--json", "--only", "decode,prefill", "--set", f"model.hf_config={d}/config.json",
+        r = _run("configs/tpu-v5e-16.yaml", "--json", "--only", "step", "--set", f"model.hf_config={d}/config.json",
                  "--set", "engine.prefill_buckets=[512]", "--set", "model.max_seq_len=512", "--set", "engine.max_slots=16",
                  "--set", "engine.max_new_tokens=256")
         assert r.returncode == 0, r.stderr[-2000:]
@@ -130,7 +137,7 @@ def test_depth_does_not_grow_the_programs(tmp_path: Path):
 
 def test_cpu_target_compiles_the_embedded_default_like_bring_up(tmp_path: Path):
     """A CPU config compiles over this process's CPU devices; --out writes a compilation cache."""
-    r = _run("configs/local.yaml", "--json", "--only", "gather,decode", "--out", str(tmp_path / "cache"),
+    r = _run("configs/local.yaml", "--json", "--only", "step", "--out", str(tmp_path / "cache"),
              "--set", "engine.prefill_buckets=[64]", "--set", "model.max_seq_len=64",
              "--set", "engine.max_new_tokens=32")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -148,8 +155,10 @@ def test_plan_with_compile_uses_the_compiled_memory_figures():
                         "--set", "engine.max_new_tokens=32"], cwd=REPO, capture_output=True, text=True,
                        timeout=900, env=base)
     assert r.returncode == 0, r.stderr[-2000:]
+    # dp=2 over the 2 devices: 4 slots per group (1 and 4 tokens), a 256-token chunk and its quarter, one page
+    # bucket, and presence_row
     assert "programs      5 compiled for cpu 2 devices" in r.stdout, r.stdout
-    assert "largest prefill_64" in r.stdout or "largest decode_" in r.stdout
+    assert "largest step_" in r.stdout
 
 
 def test_keep_jax_off_missing_tpu_respects_a_tpu_and_the_user():

@@ -4,8 +4,9 @@
 - greedy tokens match the reference up to the first step where its top-1/top-2 gap is < 0.05;
 - a (fsdp=2, tp=2) mesh of 4 virtual devices gives the same greedy tokens as one device;
 - continuous batching: requests inserted at different steps produce the same tokens as alone.
-Shapes are kept small (max_seq_len 256, one prefill bucket, one decode window) so each engine compiles
-two programs; the persistent compilation cache makes reruns cheap.
+Requests go through the real `Scheduler` in its paged form (page tables, prompt chunks beside decode rows,
+several decode steps per plan), as in serving. Shapes are kept small (max_seq_len 256, chunks of 64 tokens) so
+each engine compiles a few programs; the persistent compilation cache makes reruns cheap.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _engine_cfgs():
     from raydeploy.config import EngineConfig, ModelConfig
 
     return (ModelConfig(max_seq_len=256),
-            EngineConfig(max_slots=4, prefill_buckets=[64], max_new_tokens=64))
+            EngineConfig(max_slots=4, prefill_buckets=[256], max_new_tokens=64, prefill_chunk=64))
 
 
 def _build_engine(checkpoint, mesh_shape, rules_overrides, param_dtype="float32"):
@@ -48,7 +49,7 @@ def _build_engine(checkpoint, mesh_shape, rules_overrides, param_dtype="float32"
     params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, param_dtype, 4, progress=False)
     model_cfg, engine_cfg = _engine_cfgs()
     model_cfg = dataclasses.replace(model_cfg, param_dtype=param_dtype)
-    return Engine(reader.llama_config, params, mesh, rules, model_cfg, engine_cfg, decode_windows=[128])
+    return Engine(reader.llama_config, params, mesh, rules, model_cfg, engine_cfg)
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +88,14 @@ def _greedy(engine, prompts, stagger=None, sampling=None):
     """Run prompts through Scheduler + LocalRunner; request i is submitted before step stagger[i]."""
     from raydeploy.engine.local import LocalRunner
     from raydeploy.engine.request import GenerationRequest
-    from raydeploy.engine.scheduler import Scheduler
+    from raydeploy.engine.scheduler import Paging, Scheduler
     from raydeploy.engine.step import SamplingParams
 
-    # no eos: fixed length; slots filled in the engine's order and several decode steps per plan, as in serving
-    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 8, [64], slot_order=engine.slot_order,
-                      decode_steps=engine.decode_steps)
+    # no eos: fixed length; slots filled in the engine's order, pages per dp group, several decode steps per
+    # plan, as in serving (Scheduler.for_engine without a Config)
+    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 8, [engine.max_seq_len],
+                      slot_order=engine.slot_order, decode_steps=engine.decode_steps,
+                      paging=Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens))
     runner = LocalRunner(engine, sched)
     stagger = stagger or [0] * len(prompts)
     sampling = sampling or [SamplingParams()] * len(prompts)
@@ -187,21 +190,20 @@ def _all_gathered_elements(hlo: str) -> list[int]:
 
 
 def test_dp2_tp2_mesh_batches_staggered_requests_like_one_device(demo_checkpoint, prompt_ids, alone, reference):
-    """dp=2 shards the slots into two groups: decodes cover a prefix of each group (1 then 2 rows per group
-    here), KV writes stay on the devices holding the slot, the vocabulary stays sharded over tp without the
-    embedding table ever being gathered, and the tokens equal one device's."""
+    """dp=2 splits slots and pages into two groups (each prompt prefilled only on its slot's group), the
+    vocabulary stays sharded over tp without the embedding table ever being gathered, and the tokens equal one
+    device's."""
     mesh_engine = _build_engine(demo_checkpoint, {"dp": 2, "tp": 2},
                                 {"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
     cfg = mesh_engine.cfg
     table = cfg.vocab_size * cfg.hidden_size
-    gathered = _all_gathered_elements(mesh_engine.decode_hlo(128, 2))
-    assert gathered, "a vocab-sharded decode gathers its logits across tp"
-    assert max(gathered) < table // 8, f"decode all-gathers {max(gathered)} elements (the table has {table})"
-    assert mesh_engine.decode_rows == [1, 2]
+    gathered = _all_gathered_elements(mesh_engine.step_hlo(2, 16))
+    assert gathered, "a vocab-sharded step gathers its logits across tp"
+    assert max(gathered) < table // 8, f"a decode step all-gathers {max(gathered)} elements (the table has {table})"
+    assert mesh_engine.groups == 2 and mesh_engine.slots_per_group == 2
+    assert mesh_engine.programs_set.token_buckets == [1, 2, 16, 64]
     assert mesh_engine.slot_order == [0, 2, 1, 3]
-    assert mesh_engine.rows_for(np.array([True, False, True, False])) == 1
-    assert mesh_engine.rows_for(np.array([False, True, False, False])) == 2
-    assert mesh_engine.decoded_slots(1).tolist() == [0, 2]
+    assert mesh_engine.pool.sharding.spec[1] == "dp"
     got = _greedy(mesh_engine, [prompt_ids[0], prompt_ids[1], prompt_ids[0]], stagger=[0, 3, 7])
     for ours, one_dev, (_, gaps, _) in zip(got, [alone[0], alone[1], alone[0]], reference[:2] + reference[:1],
                                            strict=True):
@@ -212,7 +214,7 @@ def test_dp2_tp2_mesh_batches_staggered_requests_like_one_device(demo_checkpoint
 def test_2x2_mesh_gives_the_same_greedy_tokens(demo_checkpoint, prompt_ids, alone, reference):
     mesh_engine = _build_engine(demo_checkpoint, {"fsdp": 2, "tp": 2},
                                 {"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
-    assert mesh_engine.k_cache.sharding.mesh.devices.size == 4
+    assert mesh_engine.pool.sharding.mesh.devices.size == 4
     assert len(mesh_engine._param_leaves[0].sharding.device_set) == 4
     got = _greedy(mesh_engine, prompt_ids[:2])
     for ours, one_dev, (_, gaps, _) in zip(got, alone, reference, strict=False):
@@ -224,7 +226,7 @@ def test_bfloat16_weights_keep_the_reference_greedy_tokens(demo_checkpoint, prom
     """bfloat16 weights (float32 activations; kernels held out_in on CPU, the faster layout there) give the
     reference's greedy tokens on every step before its first top-1/top-2 gap below 0.05."""
     bf16 = _build_engine(demo_checkpoint, {"dp": 1}, {}, param_dtype="bfloat16")
-    assert bf16.kernel_layout == "out_in"
+    assert bf16.programs_set.kernel_layout == "out_in"
     got = _greedy(bf16, prompt_ids[:2])
     for ours, (ref_tokens, gaps, _) in zip(got, reference, strict=False):
         n = _trusted_prefix(gaps) - 1  # the small-gap step itself may flip with bfloat16 rounding

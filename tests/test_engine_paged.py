@@ -168,7 +168,7 @@ def _build_engine(checkpoint, mesh_shape, max_seq_len=256, max_slots=4, prefill_
 
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
-    from raydeploy.engine.paged import PagedEngine
+    from raydeploy.engine.engine import Engine as PagedEngine
     from raydeploy.model.sharding import build_mesh, merge_rules
     from raydeploy.model.spec import param_specs
 

@@ -101,7 +101,7 @@ def test_out_in_kernels_give_the_same_logits(mesh_shape, rules):
 
 def _paged_engine(mesh_shape, rules_overrides, **engine_kw):
     from raydeploy.config import EngineConfig, ModelConfig
-    from raydeploy.engine.paged import PagedEngine
+    from raydeploy.engine.engine import Engine as PagedEngine
     from raydeploy.model.sharding import merge_rules
 
     mesh = _mesh(mesh_shape)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raydeploy.engine.sampling import SlotSampling, apply_repetition_penalty, sample, top_k_top_p_mask
+from raydeploy.engine.sampling import SEED_MODULUS, apply_repetition_penalty, sample, top_k_top_p_mask
 from raydeploy.engine.step import SamplingParams
 
 V = 16
@@ -48,10 +48,12 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
 
 
 def _sample(lg: np.ndarray, params: list[SamplingParams], positions: list[int], presence=None):
-    sp = SlotSampling.from_params(params)
     pres = jnp.zeros(lg.shape, bool) if presence is None else jnp.asarray(presence)
-    tok, lp = jax.jit(sample)(jnp.asarray(lg), pres, *(jnp.asarray(a) for a in (
-        sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty, sp.seed)), jnp.asarray(positions, jnp.int32))
+    rows = (np.asarray([p.temperature for p in params], np.float32), np.asarray([p.top_p for p in params], np.float32),
+            np.asarray([p.top_k for p in params], np.int32),
+            np.asarray([p.repetition_penalty for p in params], np.float32),
+            np.asarray([p.seed % SEED_MODULUS for p in params], np.uint32))
+    tok, lp = jax.jit(sample)(jnp.asarray(lg), pres, *(jnp.asarray(a) for a in rows), jnp.asarray(positions, jnp.int32))
     return np.asarray(tok), np.asarray(lp)
 
 
@@ -97,8 +99,14 @@ def test_sampling_respects_top_k_over_many_draws():
 
 @pytest.mark.parametrize("seed", [0, 2**32 + 5, 2**40])
 def test_large_seeds_are_reduced_not_rejected(seed):
-    sp = SlotSampling.from_params([SamplingParams(temperature=1.0, seed=seed)])
-    assert sp.seed.dtype == np.uint32 and int(sp.seed[0]) == seed % 2**32
+    """A step's rows take the request's seed modulo 2**32 (the PRNG key's uint32)."""
+    from raydeploy.engine.kv_cache import PageTables, build_inputs
+    from raydeploy.engine.step import SeqStep
+
+    tables = PageTables(2, 1, 4, 8)
+    tables.sampling[1] = SamplingParams(temperature=1.0, seed=seed)
+    host = build_inputs([SeqStep(1, np.arange(3, dtype=np.int32), 0, True)], tables, 4, 4, 2, 4)
+    assert host.arrays["seed"].dtype == np.uint32 and int(host.arrays["seed"][host.rows[0]]) == seed % 2**32
 
 
 def _sorted_reference_mask(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:

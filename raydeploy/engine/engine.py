@@ -1,22 +1,19 @@
-"""The jitted engine: prefill-and-insert and decode over a slot KV cache, one `StepPlan` at a time.
+"""The paged engine: one mixed ragged step program over a paged KV cache, one `StepPlan` at a time.
 
-The same `Engine` runs on every host of a gang. `step(plan)` issues the same jitted calls with the same
-shapes on every host, in plan order (releases, then each prefill, then one decode), and is deterministic
-given the plan: sampling randomness comes from each request's seed and token position, never from host
-state. Inputs are replicated global arrays built with `make_array_from_callback` and outputs (tokens,
-logprobs) are replicated, so the code never assumes one process and any host can read the results.
+The same `Engine` runs on every host of a gang. `step(plan)` issues the same jitted calls with the same shapes
+on every host, in plan order, and is deterministic given the plan: sampling randomness comes from each
+request's seed and token position, never from host state. Inputs are global arrays built with
+`make_array_from_callback` (a `StepInputs` pytree: per token and per sequence row, laid out dp group after dp
+group) and results are replicated, so any host can read them.
 
-Programs (each compiled once, on `warmup()` or first use; `raydeploy.engine.programs` describes them, and
-`raydeploy compile` compiles the same list without weights):
-- `prefill[bucket]`: one prompt padded to a prefill bucket, with its true length carried explicitly (the pad
-  id is also the eos id in chat prompts, so padding is never inferred from tokens); writes the prompt's K/V
-  into its slot of the donated cache, resets the slot's repetition-penalty token set, samples token 0.
-- `decode[window, rows]`: one token for each of the first `rows` slots of every slot group (a group is the
-  slots one shard of the slot axis holds: with dp=2 and 8 slots, slots 0-3 and 4-7), so a step costs what
-  the occupied slots need, not all `max_slots` (inactive slots inside the prefix are computed but ignored).
-  `slot_order` lists slots so that filling them in that order keeps every group's prefix short; the
-  scheduler allocates in that order. Attends over the first `window` cache positions, the smallest window
-  holding the longest active sequence, so short sequences do not pay for reading the whole cache.
+Device state: the paged KV pool (`raydeploy.engine.kv_cache`; each dp group owns `pages_per_group` pages), the
+repetition-penalty token set of every slot, and every slot's last sampled token (the next decode input, so
+a plan of several decode steps needs no host round trip). Host state, identical on every host because every
+host applies the same plans: each slot's page-table row and sampling parameters (`PageTables`).
+
+Two plan forms: the paged form (`seqs`, `pages`: the scheduler's page tables, prefix reuse, chunked prefill
+mixed with decode rows) and the slot form (`prefills`, `decode`), which runs over a fixed run of pages per
+slot. Programs: `raydeploy.engine.programs.ProgramSet` (`raydeploy compile` compiles the same list).
 """
 
 from __future__ import annotations
@@ -24,9 +21,10 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import fields
 from typing import Any
 
 import jax
@@ -35,12 +33,13 @@ import numpy as np
 
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
-from raydeploy.engine.kv_slots import DecodeSlots, allocate_kv_cache
-from raydeploy.engine.programs import PREFILL_INTS, ProgramSet, ProgramShape
-from raydeploy.engine.sampling import SlotSampling
-from raydeploy.engine.step import StepPlan, StepResult
-from raydeploy.model.llama import DTYPES, build_model, stack_layers
+from raydeploy.engine.kv_cache import PageTables, StepInputs, allocate_pool, build_inputs
+from raydeploy.engine.programs import ProgramSet, ProgramShape
+from raydeploy.engine.step import SeqStep, StepPlan, StepResult
+from raydeploy.model.llama import build_model, stack_layers
 from raydeploy.model.spec import LlamaConfig
+
+AttentionFn = Callable[..., jax.Array]
 
 
 def compile_threads(configured: int, platform: str) -> int:
@@ -50,100 +49,83 @@ def compile_threads(configured: int, platform: str) -> int:
     return 1 if platform == "cpu" else max(1, min(8, os.cpu_count() or 1))
 
 
-def _unpack(out: jax.Array | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Packed results [..., 2, B] -> (tokens int32 [..., B], logprobs float32 [..., B]) on the host."""
-    arr = np.asarray(out)
-    return arr[..., 0, :].view(np.int32), arr[..., 1, :]
-
-
 class Engine:
-    """One model replica over one mesh (possibly spanning several processes), with `max_slots` KV slots."""
+    """One model replica over one mesh (possibly several processes): a paged KV pool per dp group and
+    `max_slots` page-table rows. `step(plan)` runs the plan's mixed ragged step (and, for a decode-only plan,
+    `decode_steps` of them with no host round trip between)."""
 
     def __init__(self, llama_cfg: LlamaConfig, params: Mapping[str, jax.Array], mesh: jax.sharding.Mesh,
                  rules: Mapping[str, Any], model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                 decode_windows: Sequence[int] | None = None) -> None:
+                 attention: AttentionFn | None = None) -> None:
         if not compile_cache.configured():  # a gang host configured it for its platform before joining
             compile_cache.enable(engine_cfg.compilation_cache_dir)
-        self.programs_set = ps = ProgramSet(llama_cfg, mesh, dict(rules), model_cfg, engine_cfg, decode_windows)
+        self.programs_set = ps = ProgramSet(llama_cfg, mesh, dict(rules), model_cfg, engine_cfg, attention)
         self.cfg = llama_cfg
         self.mesh = mesh
-        self.rules = ps.rules
-        self._max_slots = ps.max_slots
-        self._max_seq_len = ps.max_seq_len
-        self.buckets = ps.buckets
-        self.windows = ps.windows
-        self.dtype = ps.dtype
-        self.kernel_layout = ps.kernel_layout
-        params = stack_layers(llama_cfg, params, self.kernel_layout, mesh, self.rules)
-        _, state = build_model(llama_cfg, params, model_cfg.dtype, model_cfg.param_dtype, self.kernel_layout)
+        self.decode_steps = engine_cfg.decode_steps
+        params = stack_layers(llama_cfg, params, ps.kernel_layout, mesh, ps.rules)
+        _, state = build_model(llama_cfg, params, model_cfg.dtype, model_cfg.param_dtype, ps.kernel_layout)
         del params
         self._param_leaves = jax.tree.leaves(state)
-        self.k_cache, self.v_cache = allocate_kv_cache(llama_cfg, self._max_slots, self._max_seq_len,
-                                                       DTYPES[model_cfg.dtype], mesh, self.rules)
-        self._replicated = ps.replicated
-        self.presence = jax.jit(lambda: jnp.zeros((self._max_slots, llama_cfg.vocab_size), bool),
+        self.pool = allocate_pool(llama_cfg, ps.total_pages, ps.page_size, ps.dtype, mesh, ps.rules)
+        self.presence = jax.jit(lambda: jnp.zeros((ps.max_slots, llama_cfg.vocab_size), bool),
                                 out_shardings=ps.presence_sharding)()
-        self.slots = DecodeSlots(self._max_slots, self._max_seq_len)
-        self._groups = ps.groups
-        self._group_size = ps.group_size
-        self.decode_rows = ps.decode_rows
-        self.decode_steps = ps.decode_steps
-        self._rows_sharding = ps.rows_sharding
-        self._executables: dict[ProgramShape, Any] = {}  # compiled from the ProgramSet's abstract inputs
+        self.last_tokens = jax.jit(lambda: jnp.zeros((ps.max_slots,), jnp.int32), out_shardings=ps.replicated)()
+        self.tables = PageTables(ps.max_slots, ps.groups, ps.max_pages_per_seq, ps.pages_per_group)
+        self._active = np.zeros(ps.max_slots, bool)  # slot-form plans: slots holding a request
+        self._lengths = np.zeros(ps.max_slots, np.int64)  # slot-form plans: tokens in each slot's cache
+        self._shardings = ps.input_shardings()
+        self._executables: dict[ProgramShape, Any] = {}
         self.compile_s: dict[str, float] = {}
-        self.programs: dict[str, dict[str, Any]] = {}  # name -> {seconds, source: cache|compiled|none}
+        self.programs: dict[str, dict[str, Any]] = {}
 
-    # -- properties
+    # -- what the scheduler reads
     @property
     def max_slots(self) -> int:
-        return self._max_slots
+        return self.programs_set.max_slots
 
     @property
     def max_seq_len(self) -> int:
-        return self._max_seq_len
+        return self.programs_set.max_seq_len
+
+    @property
+    def page_size(self) -> int:
+        return self.programs_set.page_size
+
+    @property
+    def pages_per_group(self) -> int:
+        return self.programs_set.pages_per_group
+
+    @property
+    def slots_per_group(self) -> int:
+        return self.programs_set.slots_per_group
+
+    @property
+    def groups(self) -> int:
+        return self.programs_set.groups
+
+    dp_groups = groups
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.programs_set.max_pages_per_seq
+
+    @property
+    def max_step_tokens(self) -> int:
+        return self.programs_set.max_step_tokens
 
     @property
     def slot_order(self) -> list[int]:
         """Slots in the order to fill them: the r-th slot of every group before any group's (r+1)-th."""
-        return [g * self._group_size + r for r in range(self._group_size) for g in range(self._groups)]
+        s = self.slots_per_group
+        return [g * s + r for r in range(s) for g in range(self.groups)]
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return tuple(self.cfg.eos_token_ids)
 
-    # -- host side
-    def _put(self, x: np.ndarray) -> jax.Array:
-        """A replicated global array from host data that is identical on every host."""
-        return jax.make_array_from_callback(x.shape, self._replicated, lambda idx: x[idx])
-
-    def bucket_for(self, n: int) -> int:
-        i = bisect.bisect_left(self.buckets, n)
-        if n < 1 or i == len(self.buckets):
-            raise ValueError(f"prompt of {n} tokens does not fit: prompts need 1..{self.buckets[-1]} tokens "
-                             f"(largest prefill bucket, max_seq_len {self._max_seq_len})")
-        return self.buckets[i]
-
-    def window_for(self, longest: int) -> int:
-        """Smallest decode window holding positions [0, longest]."""
-        i = bisect.bisect_left(self.windows, longest + 1)
-        return self.windows[min(i, len(self.windows) - 1)]
-
-    def _prefill_args(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> tuple[Any, ...]:
-        """The prefill program's arguments for one prompt (padded to its bucket)."""
-        n = int(tokens.shape[0])
-        bucket = self.bucket_for(n)
-        if n >= self._max_seq_len:
-            raise ValueError(f"prompt of {n} tokens leaves no room to generate in max_seq_len {self._max_seq_len}")
-        ints = np.zeros(bucket + PREFILL_INTS, np.int32)
-        ints[:n] = tokens
-        ints[bucket:] = [n, slot, sp.top_k[0], sp.seed.view(np.int32)[0]]
-        floats = np.asarray([sp.temperature[0], sp.top_p[0], sp.repetition_penalty[0]], np.float32)
-        return (self._param_leaves, self.k_cache, self.v_cache, self.presence, self._put(ints), self._put(floats))
-
+    # -- programs
     def executable(self, shape: ProgramShape) -> Any:
-        """The compiled program for `shape`: compiled (or loaded from the persistent cache) on first use from
-        the ProgramSet's abstract inputs, exactly as `raydeploy compile` compiles it; every call of the
-        engine goes through one, so nothing is traced or compiled behind the program list's back."""
         exe = self._executables.get(shape)
         if exe is None:
             with self._program(shape.name):
@@ -151,114 +133,8 @@ class Engine:
             self._executables[shape] = exe
         return exe
 
-    def _run_prefill(self, tokens: np.ndarray, slot: int, sp: SlotSampling) -> jax.Array:
-        args = self._prefill_args(tokens, slot, sp)
-        exe = self.executable(self.programs_set.prefill_shape(self.bucket_for(int(tokens.shape[0]))))
-        self.k_cache, self.v_cache, self.presence, out = exe(*args)
-        return out
-
-    def rows_for(self, active: np.ndarray) -> int:
-        """Smallest decode row bucket covering every active slot's place in its group."""
-        places = np.nonzero(active)[0] % self._group_size
-        need = int(places.max()) + 1 if places.size else 1
-        return self.decode_rows[bisect.bisect_left(self.decode_rows, need)]
-
-    def decoded_slots(self, rows: int) -> np.ndarray:
-        """The slots a decode with `rows` rows per group covers, in output order."""
-        return (np.arange(self._groups)[:, None] * self._group_size + np.arange(rows)[None, :]).reshape(-1)
-
-    def _decode_steps(self, window: int, rows: int, steps: int) -> list[jax.Array]:
-        """Dispatch `steps` decode steps of the first `rows` slots per group; their packed results stay on the
-        devices of their rows ([2, rows*groups] each)."""
-        tokens, floats, ints = self._decode_inputs(rows)
-        exe = self.executable(self.programs_set.decode_shape(window, rows))
-        outs = []
-        for k in range(steps):  # no host round trip between the steps of a plan
-            self.k_cache, self.v_cache, self.presence, tokens, out = exe(
-                self._param_leaves, self.k_cache, self.v_cache, self.presence, tokens, ints(k), floats)
-            outs.append(out)
-        return outs
-
-    def _decode_inputs(self, rows: int) -> tuple[jax.Array, jax.Array, Any]:
-        """The decode program's per-plan inputs for the first `rows` slots of each group: the input tokens (on
-        their rows' devices), the float sampling parameters, and a function giving step k's int inputs."""
-        s = self.slots
-        sp = s.slot_sampling()
-        idx = self.decoded_slots(rows)
-        sampled = np.full(self._max_slots, int(bool(np.any(s.active[idx] & (sp.temperature[idx] > 0)))))
-        floats = self._put(np.stack([sp.temperature, sp.top_p, sp.repetition_penalty]).astype(np.float32)[:, idx])
-        last = s.last_token[idx]
-        tokens = jax.make_array_from_callback(last.shape, self._rows_sharding, lambda i: last[i])
-
-        def ints(k: int) -> jax.Array:
-            positions = np.where(s.active, s.lengths + k, 0)
-            return self._put(np.stack([positions, s.active.astype(np.int32), sp.top_k, sp.seed.view(np.int32),
-                                       sampled]).astype(np.int32)[:, idx])
-
-        return tokens, floats, ints
-
-    def _run_decode(self, window: int, rows: int, steps: int) -> np.ndarray:
-        """`steps` decode steps, gathered to every host at once: packed results [steps, 2, rows*groups]. The
-        gather always takes `decode_steps` results (a shorter plan repeats its last), so one program serves
-        every plan length."""
-        if not 1 <= steps <= self.decode_steps:
-            raise ValueError(f"a plan decodes 1..{self.decode_steps} steps (engine.decode_steps), got {steps}")
-        outs = self._decode_steps(window, rows, steps)
-        padded = outs + [outs[-1]] * (self.decode_steps - steps)
-        return np.asarray(self.executable(self.programs_set.gather_shape(rows))(padded))[:steps]
-
-    def step(self, plan: StepPlan) -> StepResult:
-        """Apply one plan: release slots, prefill each item into its slot, then decode every active slot."""
-        for slot in plan.release:
-            self.slots.release(slot)
-        outs, lengths = [], []
-        for item in plan.prefills:  # dispatch every prefill before reading any result back
-            self.slots.check_slot(item.slot)
-            tokens = np.asarray(item.tokens, np.int32).reshape(-1)
-            outs.append(self._run_prefill(tokens, item.slot, SlotSampling.from_params([item.sampling])))
-            lengths.append(tokens.shape[0])
-        p_tok, p_lp = np.zeros(len(outs), np.int32), np.zeros(len(outs), np.float32)
-        for i, (item, out, n) in enumerate(zip(plan.prefills, outs, lengths, strict=True)):
-            t, logp = _unpack(out)
-            p_tok[i], p_lp[i] = t[0], logp[0]
-            self.slots.start(item.slot, n, int(t[0]), item.sampling)
-        result = StepResult(plan.step_id, p_tok, p_lp)
-        n = plan.decode_steps
-        if plan.decode and self.slots.active.any():
-            self.slots.check_room(n)
-            active = self.slots.active.copy()
-            rows = self.rows_for(active)
-            packed = self._run_decode(self.window_for(self.slots.longest_active() + n - 1), rows, n)
-            idx = self.decoded_slots(rows)
-            tokens = np.zeros((n, self._max_slots), np.int32)
-            logprobs = np.zeros((n, self._max_slots), np.float32)
-            tokens[:, idx], logprobs[:, idx] = _unpack(packed)
-            for k in range(n):
-                self.slots.advance(active, tokens[k])
-            result.decode_tokens = np.where(active, tokens, 0).astype(np.int32)
-            result.decode_logprobs = np.where(active, logprobs, 0.0).astype(np.float32)
-        elif plan.decode:
-            result.decode_tokens = np.zeros((n, self._max_slots), np.int32)
-            result.decode_logprobs = np.zeros((n, self._max_slots), np.float32)
-        return result
-
-    def decode_hlo(self, window: int, rows: int) -> str:
-        """The optimised HLO of the decode program for (window, rows): to inspect its collectives and copies."""
-        text = self.executable(self.programs_set.decode_shape(window, rows)).as_text()
-        if text is None:
-            raise RuntimeError(f"the backend gave no HLO text for decode {window}x{rows}")
-        return text
-
     def warmup(self, threads: int = 1) -> dict[str, float]:
-        """Compile (or load from the persistent cache) every program of the ProgramSet, without running any.
-
-        With `threads` > 1, programs compile side by side (XLA compiles without the GIL; worth it on hosts
-        with many cores, such as TPU VMs). Must be called before any request is in a slot. Returns seconds
-        per program, e.g. {"prefill_64": 9.8, "decode_256x4": 10.4} (window x rows per group); `programs`
-        also says per program whether it came from the cache.
-        """
-        if self.slots.active.any():
-            raise RuntimeError("warmup() must run before any slot is active")
+        """Compile (or load from the persistent cache) every program of the set, without running any."""
         shapes = [s for s in self.programs_set.shapes() if s not in self._executables]
         if threads > 1 and len(shapes) > 1:
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compile") as pool:
@@ -270,7 +146,6 @@ class Engine:
 
     @contextmanager
     def _program(self, name: str) -> Iterator[None]:
-        """Time one program's compile (or cache load) and first run; record where it came from."""
         t0 = time.perf_counter()
         with compile_cache.track() as count:
             yield
@@ -278,7 +153,182 @@ class Engine:
         self.programs[name] = {"seconds": round(self.compile_s[name], 3), "source": count.source}
 
     def program_counts(self) -> dict[str, int]:
-        """How many of this host's programs were loaded from the persistent cache and how many compiled."""
         sources = [p["source"] for p in self.programs.values()]
         return {"loaded": sources.count("cache"), "compiled": sources.count("compiled")}
+
+    # -- host side
+    def _put(self, x: np.ndarray, sharding: Any) -> jax.Array:
+        """A global array from host data that is identical on every host."""
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    def _device_inputs(self, arrays: Mapping[str, np.ndarray]) -> StepInputs:
+        return StepInputs(**{f.name: self._put(arrays[f.name], self._shardings[f.name]) for f in fields(StepInputs)})
+
+    def _check(self, plan: StepPlan) -> None:
+        ps, t = self.programs_set, self.tables
+        per_group = np.zeros(ps.groups, np.int64)
+        seen: set[int] = set()
+        steps = plan.decode_steps
+        if steps < 1:
+            raise ValueError(f"plan {plan.step_id}: decode_steps must be >= 1, got {steps}")
+        for q in plan.seqs:
+            t.check_slot(q.slot)
+            if q.slot in seen:
+                raise ValueError(f"plan {plan.step_id}: slot {q.slot} has more than one sequence in the step")
+            seen.add(q.slot)
+            n = int(np.asarray(q.tokens).shape[0])
+            if n == 0 and not (t.started[q.slot] or q.sampling is not None):
+                raise ValueError(f"plan {plan.step_id}: slot {q.slot} decodes but no request was started in it")
+            if n == 0 and not q.sample:
+                raise ValueError(f"plan {plan.step_id}: slot {q.slot} is a decode row that does not sample")
+            if n and steps > 1:
+                raise ValueError(f"plan {plan.step_id}: decode_steps {steps} > 1 with a prompt chunk in slot "
+                                 f"{q.slot}; only decode rows may run several steps")
+            if q.start < 0 or q.start + max(n, 1) + steps - 1 > ps.max_seq_len:
+                raise ValueError(f"plan {plan.step_id}: slot {q.slot} writes positions {q.start}.."
+                                 f"{q.start + max(n, 1) + steps - 2}, outside max_seq_len {ps.max_seq_len}")
+            if n and q.start + n > ps.max_seq_len - 1 and q.sample:
+                raise ValueError(f"plan {plan.step_id}: slot {q.slot}'s prompt of {q.start + n} tokens leaves no "
+                                 f"room to generate in max_seq_len {ps.max_seq_len}")
+            per_group[q.slot // ps.slots_per_group] += max(n, 1)
+        if per_group.max(initial=0) > ps.max_step_tokens:
+            g = int(per_group.argmax())
+            raise ValueError(f"plan {plan.step_id}: dp group {g} has {int(per_group[g])} tokens in one step, more "
+                             f"than engine.prefill_chunk allows ({ps.max_step_tokens}); chunk the prompt")
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Apply one plan: releases, page-table changes, then the mixed step (`decode_steps` times). A plan in
+        the slot form (`prefills`, `decode`) runs over a fixed mapping of slots to pages (`_step_slots`)."""
+        if plan.prefills or (plan.decode and not plan.seqs):
+            return self._step_slots(plan)
+        t = self.tables
+        t.release(plan.release)
+        for s in plan.release:
+            self._active[s] = False
+        t.apply(plan.pages)
+        self._check(plan)
+        toks, lps = self._run(list(plan.seqs), plan.decode_steps)
+        return StepResult(plan.step_id, tokens=toks, logprobs=lps)
+
+    def _run(self, seqs: list[SeqStep], steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """Run `steps` passes of one step program over `seqs`: tokens and logprobs [steps, len(seqs)] (zero
+        where a sequence does not sample)."""
+        ps, t = self.programs_set, self.tables
+        if not seqs:
+            return np.zeros((steps, 0), np.int32), np.zeros((steps, 0), np.float32)
+        reset = []
+        for q in seqs:
+            if q.sampling is not None:
+                t.sampling[q.slot] = q.sampling
+                t.started[q.slot] = True
+                prefix = np.asarray(q.prefix_tokens if q.prefix_tokens is not None else (), np.int32).reshape(-1)
+                if prefix.size:
+                    row = np.zeros(self.cfg.vocab_size, bool)
+                    row[prefix] = True
+                    exe = self.executable(ProgramShape("presence"))
+                    self.presence = exe(self.presence, self._put(np.asarray(q.slot, np.int32), ps.replicated),
+                                        self._put(row, ps.replicated))
+                else:
+                    reset.append(q.slot)
+        per_group = np.zeros(ps.groups, np.int64)
+        longest = 0
+        for q in seqs:
+            per_group[q.slot // ps.slots_per_group] += q.num_tokens
+            longest = max(longest, q.start + q.num_tokens + steps - 1)
+        tokens = ps.token_buckets[bisect.bisect_left(ps.token_buckets, int(per_group.max()))]
+        pages = ps.page_buckets[bisect.bisect_left(ps.page_buckets, -(-longest // ps.page_size))]
+        exe = self.executable(ProgramShape("step", tokens, pages))
+        outs, rows = [], []
+        for k in range(steps):  # no host round trip between the steps of a plan
+            host = build_inputs(seqs, t, ps.page_size, tokens, ps.rows_for(tokens), pages, step=k,
+                                reset=reset if k == 0 else ())
+            self.pool, self.presence, self.last_tokens, out = exe(
+                self._param_leaves, self.pool, self.presence, self.last_tokens, self._device_inputs(host.arrays))
+            outs.append(out)
+            rows = host.rows
+        packed = np.stack([np.asarray(o) for o in outs])  # [steps, 2, G*R]
+        idx = np.asarray(rows)
+        toks = packed[:, 0, :].view(np.int32)[:, idx]
+        lps = packed[:, 1, :][:, idx]
+        sampled = np.asarray([q.sample for q in seqs])
+        return np.where(sampled, toks, 0).astype(np.int32), np.where(sampled, lps, 0.0).astype(np.float32)
+
+    # -- the slot form of a plan
+    def _step_slots(self, plan: StepPlan) -> StepResult:
+        """A slot-form plan (release, prefill whole prompts into slots, decode every active slot): each slot owns
+        a fixed run of pages of its group's pool, prompts are cut into chunks of at most `max_step_tokens`
+        per group, chunks of several prompts share steps, and the decode rows run `decode_steps` passes."""
+        ps, t = self.programs_set, self.tables
+        per_slot = ps.max_pages_per_seq
+        if ps.pages_per_group < ps.slots_per_group * per_slot:
+            raise ValueError(f"a slot-form plan needs a pool of {ps.slots_per_group * per_slot} pages per dp group "
+                             f"(every slot at max_seq_len); engine.num_pages is {ps.pages_per_group}")
+        for s in plan.release:
+            t.check_slot(s)
+            self._active[s] = False
+            self._lengths[s] = 0
+        t.release(plan.release)
+        items = []
+        for item in plan.prefills:
+            t.check_slot(item.slot)
+            tokens = np.asarray(item.tokens, np.int32).reshape(-1)
+            n = int(tokens.shape[0])
+            if n < 1 or n >= ps.max_seq_len:
+                raise ValueError(f"slot {item.slot}: prompt of {n} tokens does not fit: prompts need "
+                                 f"1..{ps.max_seq_len - 1} tokens (max_seq_len {ps.max_seq_len}, at least one "
+                                 f"token must be generated)")
+            local = item.slot % ps.slots_per_group
+            t.table[item.slot] = np.arange(local * per_slot, (local + 1) * per_slot, dtype=np.int32)
+            items.append((item, tokens))
+        p_tok = np.zeros(len(items), np.int32)
+        p_lp = np.zeros(len(items), np.float32)
+        done = [0] * len(items)
+        while any(d < len(tok) for d, (_, tok) in zip(done, items, strict=True)):
+            budget = [ps.max_step_tokens] * ps.groups
+            seqs, which = [], []
+            for i, (item, tok) in enumerate(items):
+                g = item.slot // ps.slots_per_group
+                n = min(len(tok) - done[i], budget[g])
+                if n <= 0:
+                    continue
+                budget[g] -= n
+                last = done[i] + n == len(tok)
+                seqs.append(SeqStep(item.slot, tok[done[i]:done[i] + n], done[i], last,
+                                    item.sampling if done[i] == 0 else None))
+                which.append((i, last))
+                done[i] += n
+            toks, lps = self._run(seqs, 1)
+            for j, (i, last) in enumerate(which):
+                if last:
+                    p_tok[i], p_lp[i] = toks[0, j], lps[0, j]
+        for item, tok in items:
+            self._active[item.slot] = True
+            self._lengths[item.slot] = len(tok)
+        result = StepResult(plan.step_id, p_tok, p_lp)
+        n = plan.decode_steps
+        if not plan.decode:
+            return result
+        result.decode_tokens = np.zeros((n, ps.max_slots), np.int32)
+        result.decode_logprobs = np.zeros((n, ps.max_slots), np.float32)
+        active = np.nonzero(self._active)[0]
+        if not active.size:
+            return result
+        full = [int(s) for s in active if self._lengths[s] + n > ps.max_seq_len]
+        if full:
+            raise ValueError(f"slot {full[0]} has no room for {n} more token(s): its cache holds "
+                             f"{int(self._lengths[full[0]])} of max_seq_len={ps.max_seq_len}; the scheduler must "
+                             f"stop it or plan fewer decode steps")
+        seqs = [SeqStep(int(s), np.zeros(0, np.int32), int(self._lengths[s]), True) for s in active]
+        toks, lps = self._run(seqs, n)
+        result.decode_tokens[:, active] = toks
+        result.decode_logprobs[:, active] = lps
+        self._lengths[active] += n
+        return result
+
+    def step_hlo(self, tokens: int, pages: int) -> str:
+        """The optimised HLO of one step program (to inspect its collectives and copies)."""
+        text = self.executable(ProgramShape("step", tokens, pages)).as_text()
+        if text is None:
+            raise RuntimeError(f"the backend gave no HLO text for step {tokens}x{pages}")
+        return text
 

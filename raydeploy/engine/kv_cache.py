@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from raydeploy.engine.sampling import SEED_MODULUS
 from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep
 from raydeploy.model.spec import POOL_RULES, LlamaConfig, kv_pool_spec
 
@@ -127,11 +128,12 @@ FIELD_LAYOUT = {
 }
 
 
-def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: int) -> dict[str, tuple]:
+def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: int
+                    ) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
     """Shape and dtype of every StepInputs field for one (tokens, rows, pages) program."""
     g, t, r = groups, tokens, rows
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
-    out = {n: ((g * t,), i32) for n, lay in FIELD_LAYOUT.items() if lay == "tokens"}
+    out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {n: ((g * t,), i32) for n, lay in FIELD_LAYOUT.items() if lay == "tokens"}
     out.update({n: ((g * r,), i32) for n in ("kv_lens", "logit_index", "row_slot", "top_k", "sample_position")})
     out.update({n: ((g * r,), f32) for n in ("temperature", "top_p", "repetition_penalty")})
     out["seed"] = ((g * r,), np.dtype(np.uint32))
@@ -205,7 +207,7 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
             a["top_p"][row] = sp.top_p
             a["top_k"][row] = sp.top_k
             a["repetition_penalty"][row] = sp.repetition_penalty
-            a["seed"][row] = sp.seed % 2**32
+            a["seed"][row] = sp.seed % SEED_MODULUS
             a["sample_position"][row] = kv_len
             any_sampled |= sp.temperature > 0
         fill_t[g] += n

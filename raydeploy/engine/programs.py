@@ -1,24 +1,30 @@
 """The one description of every jitted program an engine runs, from shapes and shardings alone.
 
-`ProgramSet` holds the model's graph, the shardings of every input, and the jitted bodies of the three
-program families:
-- `prefill_{bucket}`: one prompt padded to a prefill bucket (its true length carried explicitly; the pad id is
-  also the eos id in chat prompts, so padding is never inferred from tokens); writes the prompt's K/V into
-  its slot of the donated stacked cache, resets the slot's repetition-penalty token set, samples token 0.
-- `decode_{window}x{rows}`: one token for the first `rows` slots of every slot group, attending over the first
-  `window` cache positions.
-- `gather_{rows}`: replicates a plan's decode results to every host in one collective (a plan of fewer than
-  `decode_steps` steps pads its list, so one program serves every plan length).
+`ProgramSet` holds the model's graph, the shardings of every input, and the jitted bodies of the paged
+engine's programs:
+- `step_{T}x{P}`: one mixed ragged step. For every dp group, the new tokens of that group's sequences in one flat
+  batch of T places (prefill chunks of several tokens and decode rows of one token, at explicit positions).
+  Per layer, inside the layer scan, each group gathers the P pages per sequence its rows use from the
+  loop-invariant pool into a compact view, places this step's new K/V in it and calls the attention backend
+  (`raydeploy.engine.attention`, jax's ragged paged attention signature) inside `jax.shard_map` (sequences and
+  pages over dp, heads over tp). After the scan every layer's new K/V are scattered into the pool in one write
+  (the pool is never carried through the scan: XLA copied a carried cache whole). Logits only at each
+  sequence's last token of the step; sampling fused. T is a token bucket (powers of four up to the slots of a
+  group for decode steps, and `engine.prefill_chunk` for steps with prompt chunks), P a page bucket (from 256
+  tokens up by 8x to max_seq_len).
+- `presence_row`: sets one slot's repetition-penalty token set from the host (a request that starts on reused
+  prefix pages).
 
-The real `Engine` calls these bodies with real arrays; `abstract_args(name)` gives the same calls'
-arguments as `jax.ShapeDtypeStruct`s with the same shardings, so `raydeploy compile` lowers exactly the
-programs bring-up will run (for any mesh, including the devices of a deviceless TPU topology) without
-allocating anything or reading a weight. Neither can drift from the other: there is no second description.
+The real `Engine` calls these bodies with real arrays; `abstract_args(shape)` gives the same calls' arguments
+as `jax.ShapeDtypeStruct`s with the same shardings, so `raydeploy compile` lowers exactly the programs bring-up
+will run (for any mesh, including the devices of a deviceless TPU topology) without allocating anything or
+reading a weight. Neither can drift from the other: there is no second description.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,18 +34,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.config import EngineConfig, ModelConfig
-from raydeploy.engine.kv_slots import kv_cache_sharding
+from raydeploy.engine.kv_cache import FIELD_LAYOUT, StepInputs, abstract_inputs, pool_sharding
 from raydeploy.engine.sampling import sample
 from raydeploy.model.llama import DTYPES, ActivationSharding, abstract_model, engine_param_specs
 from raydeploy.model.sharding import partition_spec
-from raydeploy.model.spec import LlamaConfig, kv_cache_spec
-
-PREFILL_INTS = 4
-"""Trailing ints after a prefill's tokens: length, slot, top_k, seed."""
-DECODE_INT_ROWS = 5
-"""Rows of a decode's int input: positions, active, top_k, seed, any-row-samples flag."""
-SAMPLING_FLOATS = 3
-"""temperature, top_p, repetition penalty."""
+from raydeploy.model.spec import LlamaConfig, kv_pool_spec, pages_per_seq, resolve_num_pages
 
 
 def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str) -> str:
@@ -64,67 +63,75 @@ def default_decode_rows(slots_per_group: int, min_rows: int = 1) -> list[int]:
     return out + [slots_per_group]
 
 
-MIN_DECODE_WINDOW = 256
-"""Smallest decode window: below it the window's cache read is a few percent of a step's weight read (demo
-model, 4 rows, window 256: 18 MB of K/V against 538 MB of weights), not worth a program of its own."""
-
-
-def default_decode_windows(max_seq_len: int, prefill_buckets: Sequence[int]) -> list[int]:
-    """Decode attention windows: every fourth power of two from `MIN_DECODE_WINDOW` (or the smallest bucket,
-    if larger), capped by max_seq_len.
-
-    Fewer windows compile faster; a window at most 4x the live length keeps the cache read small.
-    """
-    w = max(MIN_DECODE_WINDOW, min(prefill_buckets)) if prefill_buckets else max_seq_len
-    out = []
-    while w < max_seq_len:
-        out.append(w)
-        w *= 4
-    return out + [max_seq_len]
-
-
 def pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
     """[2, B] float32: the tokens' int32 bits and their logprobs, so a step returns (and, across processes,
     gathers) one array, not two."""
     return jnp.stack([jax.lax.bitcast_convert_type(tokens, jnp.float32), logprobs])
 
 
+
+AttentionFn = Callable[..., jax.Array]
+
+MIN_PAGE_BUCKET_TOKENS = 256
+"""Smallest page bucket, in tokens: below it the gathered pages are a few percent of a step's weight read."""
+PAGE_BUCKET_FACTOR = 8
+"""Each page bucket holds this many times the previous one's pages (fewer programs; at most 8x the pages read)."""
+
+
+def default_page_buckets(max_pages: int, page_size: int) -> list[int]:
+    """Pages gathered per sequence: from `MIN_PAGE_BUCKET_TOKENS` up by `PAGE_BUCKET_FACTOR`, capped by the
+    pages of max_seq_len."""
+    p = max(1, -(-MIN_PAGE_BUCKET_TOKENS // page_size))
+    out = []
+    while p < max_pages:
+        out.append(p)
+        p *= PAGE_BUCKET_FACTOR
+    return out + [max_pages]
+
+
 @dataclass(frozen=True)
 class ProgramShape:
-    """One program: its family and static sizes."""
+    """One program: `step` with T token places per dp group and P pages per sequence, or `presence`."""
 
-    kind: str  # prefill | decode | gather
-    bucket: int = 0
-    window: int = 0
-    rows: int = 0
-    steps: int = 0
+    kind: str  # step | presence
+    tokens: int = 0
+    pages: int = 0
 
     @property
     def name(self) -> str:
-        if self.kind == "prefill":
-            return f"prefill_{self.bucket}"
-        if self.kind == "decode":
-            return f"decode_{self.window}x{self.rows}"
-        return f"gather_{self.rows}"
+        return f"step_{self.tokens}x{self.pages}" if self.kind == "step" else "presence_row"
+
+
+def _interleave(k: jax.Array, v: jax.Array) -> jax.Array:
+    """K and V [N, K, H] -> [N, 2K, H] interleaved on the head axis (k0, v0, k1, v1, ...)."""
+    n, kh, h = k.shape
+    return jnp.stack([k, v], axis=2).reshape(n, 2 * kh, h)
+
+
+def _axes_entry(axes: Sequence[str]) -> Any:
+    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def default_attention(name: str, platform: str) -> AttentionFn:
+    from raydeploy.engine.attention import get_backend
+
+    return get_backend(name, platform)
 
 
 class ProgramSet:
-    """Every program of one engine configuration over one mesh: shardings, jitted bodies, abstract inputs."""
+    """Every program of one paged engine configuration over one mesh: shardings, jitted bodies, abstract inputs."""
 
     def __init__(self, llama_cfg: LlamaConfig, mesh: jax.sharding.Mesh, rules: dict[str, Any],
-                 model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                 decode_windows: Sequence[int] | None = None) -> None:
+                 model_cfg: ModelConfig, engine_cfg: EngineConfig, attention: AttentionFn | None = None) -> None:
         self.cfg = llama_cfg
         self.mesh = mesh
         self.rules = dict(rules)
         self.max_slots = engine_cfg.max_slots
         self.max_seq_len = model_cfg.max_seq_len
-        self.buckets = sorted({min(b, self.max_seq_len) for b in engine_cfg.prefill_buckets})
-        windows = decode_windows or default_decode_windows(self.max_seq_len, self.buckets)
-        self.windows = sorted({min(w, self.max_seq_len) for w in windows} | {self.max_seq_len})
         self.dtype = DTYPES[model_cfg.dtype]
         self.param_dtype = DTYPES[model_cfg.param_dtype]
         platform = mesh.devices.flat[0].platform
+        self.platform = platform
         self.kernel_layout = resolve_kernel_layout(engine_cfg.kernel_layout, model_cfg.param_dtype, platform)
         self.graphdef, abstract_state = abstract_model(llama_cfg, model_cfg.dtype, model_cfg.param_dtype,
                                                        self.kernel_layout)
@@ -137,121 +144,173 @@ class ProgramSet:
         self.abstract_params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                                 for x, s in zip(leaves, self.param_shardings, strict=True)]
         self.shard = ActivationSharding.create(mesh, self.rules)
-        self.cache_sharding = kv_cache_sharding(llama_cfg, self.max_slots, self.max_seq_len, mesh, self.rules)
-        self.cache_shape = kv_cache_spec(llama_cfg, self.max_slots, self.max_seq_len).shape
+        self.dp_axes = self.shard.slot_axes
+        self.groups = self.shard.slot_groups
+        if self.max_slots % self.groups:
+            raise ValueError(f"engine.max_slots {self.max_slots} is not divisible by the {self.groups} dp groups")
+        self.slots_per_group = self.max_slots // self.groups
+        self.page_size = engine_cfg.page_size
+        self.max_pages_per_seq = pages_per_seq(self.max_seq_len, self.page_size)
+        self.pages_per_group = resolve_num_pages(engine_cfg.num_pages, self.slots_per_group, self.max_seq_len,
+                                                 self.page_size)
+        self.total_pages = self.pages_per_group * self.groups
+        self.pool_sharding = pool_sharding(llama_cfg, self.total_pages, self.page_size, mesh, self.rules)
+        self.pool_shape = kv_pool_spec(llama_cfg, self.total_pages, self.page_size).shape
+        heads = self.pool_sharding.spec[3]
+        self.head_axes: tuple[str, ...] = () if heads is None else ((heads,) if isinstance(heads, str) else tuple(heads))
+        n_head_shards = math.prod(mesh_shape[a] for a in self.head_axes)
+        if llama_cfg.num_heads % n_head_shards:
+            raise ValueError(f"{llama_cfg.num_heads} attention heads do not split over the {n_head_shards} shards "
+                             f"of the kv heads (mesh.rules.cache_kv_heads)")
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.presence_sharding = NamedSharding(
             mesh, partition_spec(("cache_batch", "act_vocab"), self.rules, mesh_shape, "presence"))
-        self.groups = self.shard.slot_groups
-        self.group_size = self.max_slots // self.groups
-        # XLA CPU multiplies a single bfloat16 row through a slow path (~5x slower than two rows): decode at
-        # least two rows per group there.
         slow_single_row = self.param_dtype == jnp.bfloat16 and platform == "cpu"
-        self.decode_rows = default_decode_rows(self.group_size, 2 if slow_single_row else 1)
-        self.decode_steps = engine_cfg.decode_steps
-        slot_axes = self.shard.slot_axes or None
-        self.rows_sharding = NamedSharding(mesh, PartitionSpec(slot_axes))  # [B] over the slot groups
-        self.result_sharding = NamedSharding(mesh, PartitionSpec(None, slot_axes))  # [2, B]
-        cache_sh = self.cache_sharding
-        self.prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2, 3),
-                               out_shardings=(cache_sh, cache_sh, self.presence_sharding, self.replicated))
-        # A decode step's tokens and results stay on the devices of their rows (the next step of the same plan
-        # reads the tokens there); `gather` replicates a whole plan's results at once: one collective.
-        self.decode = jax.jit(
-            self._decode_fn, static_argnums=(7, 8), donate_argnums=(1, 2, 3),
-            out_shardings=(cache_sh, cache_sh, self.presence_sharding, self.rows_sharding, self.result_sharding))
-        self.gather = jax.jit(jnp.stack, out_shardings=self.replicated)
+        decode = default_decode_rows(self.slots_per_group, 2 if slow_single_row else 1)
+        self.max_step_tokens = max(engine_cfg.prefill_chunk, self.slots_per_group)
+        # decode rows in powers of four, the chunk, and a quarter chunk: a short prompt (or a step whose prompt
+        # tokens the scheduler caps) is not padded to a whole chunk
+        quarter = self.max_step_tokens // 4
+        self.token_buckets = sorted(set(decode) | {self.max_step_tokens}
+                                    | ({quarter} if quarter > self.slots_per_group else set()))
+        self.page_buckets = default_page_buckets(self.max_pages_per_seq, self.page_size)
+        self.attention = attention or default_attention(engine_cfg.attention, platform)
+        self.sm_scale = 1.0 / math.sqrt(llama_cfg.head_dim)
+        dp = _axes_entry(self.dp_axes)
+        self.sharded_1d = NamedSharding(mesh, PartitionSpec(dp))
+        self.sharded_2d = NamedSharding(mesh, PartitionSpec(dp, None))
+        self.step = jax.jit(self._step_fn, donate_argnums=(1, 2, 3),
+                            out_shardings=(self.pool_sharding, self.presence_sharding, self.replicated,
+                                           self.replicated))
+        self.presence_row = jax.jit(lambda presence, slot, row: presence.at[slot].set(row), donate_argnums=(0,),
+                                    out_shardings=self.presence_sharding)
 
     # -- the list of programs
     def shapes(self) -> list[ProgramShape]:
         """Every program bring-up compiles, in warmup order."""
-        out = [ProgramShape("prefill", bucket=b) for b in self.buckets]
-        out += [ProgramShape("decode", window=w, rows=r) for w in self.windows for r in self.decode_rows]
-        out += [ProgramShape("gather", steps=self.decode_steps, rows=r) for r in self.decode_rows]
+        return ([ProgramShape("step", t, p) for t in self.token_buckets for p in self.page_buckets]
+                + [ProgramShape("presence")])
+
+    def rows_for(self, tokens: int) -> int:
+        """Sequence rows per group of a program with `tokens` places: no more rows than tokens or slots."""
+        return min(tokens, self.slots_per_group)
+
+    def input_shardings(self) -> dict[str, Any]:
+        out = {}
+        for name, layout in FIELD_LAYOUT.items():
+            out[name] = (self.replicated if layout == "replicated"
+                         else self.sharded_2d if name == "page_indices" else self.sharded_1d)
         return out
 
-    def prefill_shape(self, bucket: int) -> ProgramShape:
-        return ProgramShape("prefill", bucket=bucket)
+    def abstract_inputs(self, tokens: int, pages: int) -> StepInputs:
+        shard = self.input_shardings()
+        shapes = abstract_inputs(self.groups, tokens, self.rows_for(tokens), pages, self.max_slots)
+        fields: dict[str, Any] = {n: jax.ShapeDtypeStruct(s, d, sharding=shard[n]) for n, (s, d) in shapes.items()}
+        return StepInputs(**fields)
 
-    def decode_shape(self, window: int, rows: int) -> ProgramShape:
-        return ProgramShape("decode", window=window, rows=rows)
-
-    def gather_shape(self, rows: int) -> ProgramShape:
-        return ProgramShape("gather", steps=self.decode_steps, rows=rows)
-
-    # -- jitted bodies
-    def model(self, leaves: list[jax.Array]) -> nnx.Module:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.param_treedef, leaves))
-
-    def _prefill_fn(self, leaves, k_cache, v_cache, presence, ints, floats):
-        """ints: [tokens (bucket)..., length, slot, top_k, seed]; floats: [temperature, top_p, penalty]."""
-        model = self.model(leaves)
-        t = ints.shape[0] - PREFILL_INTS
-        tokens = ints[:t][None]
-        length, slot, top_k = ints[t], ints[t + 1], ints[t + 2]
-        seed = jax.lax.bitcast_convert_type(ints[t + 3], jnp.uint32)
-        h, ks, vs = model.prefill(tokens, jnp.arange(t)[None], self.shard)
-        last = jax.lax.dynamic_index_in_dim(h[0], length - 1, axis=0, keepdims=True)  # [1, D]
-        logits = model.logits(last)
-        valid = jnp.arange(t) < length
-        row = jnp.zeros((self.cfg.vocab_size,), bool).at[tokens[0]].max(valid)
-        tok, lp = sample(logits, row[None], floats[0:1], floats[1:2], top_k[None], floats[2:3], seed[None],
-                         length[None], floats[0] > 0)
-        row = row.at[tok[0]].set(True)
-        presence = jax.lax.dynamic_update_slice(presence, row[None], (slot, 0))
-        zero = jnp.zeros((), jnp.int32)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, ks.astype(k_cache.dtype), (zero, slot, zero, zero, zero))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, vs.astype(v_cache.dtype), (zero, slot, zero, zero, zero))
-        return k_cache, v_cache, presence, pack(tok, lp)
-
-    def _decode_fn(self, leaves, k_cache, v_cache, presence, tokens, ints, floats, window, rows):
-        """The first `rows` slots of each group decode one token (B = groups * rows decoded rows).
-
-        tokens: [B] inputs (the previous step's outputs, on their rows' devices); ints: [5, B] = positions,
-        active, top_k, seed, any-row-samples flag (the same in every column); floats: [3, B] = temperature,
-        top_p, penalty. Returns the caches, presence, the next tokens [B] and packed results [2, B].
-        """
-        model = self.model(leaves)
-        positions, active, top_k = ints[0], ints[1].astype(bool), ints[2]
-        seed = jax.lax.bitcast_convert_type(ints[3], jnp.uint32)
-        g, v = self.groups, presence.shape[1]
-        h, k_cache, v_cache = model.decode(tokens, positions, k_cache, v_cache, window, self.shard)
-        logits = model.logits(h, self.shard)
-        grouped = presence.reshape(g, -1, v)
-        seen = grouped[:, :rows].reshape(g * rows, v)
-        tok, lp = sample(logits, seen, floats[0], floats[1], top_k, floats[2], seed, positions + 1, ints[4, 0] > 0)
-        # Elementwise (not a scatter), so each device updates only the rows and vocab columns it holds.
-        chosen = jnp.arange(v)[None, :] == tok[:, None]
-        seen = seen | (chosen & active[:, None])
-        presence = grouped.at[:, :rows].set(seen.reshape(g, rows, v)).reshape(presence.shape)
-        return k_cache, v_cache, presence, tok, pack(tok, lp)
-
-    # -- abstract inputs (the same shapes, dtypes and shardings as the engine's real calls)
     def abstract_state(self) -> tuple[Any, ...]:
-        """(params, k_cache, v_cache, presence) as ShapeDtypeStructs."""
-        cache = jax.ShapeDtypeStruct(self.cache_shape, self.dtype, sharding=self.cache_sharding)
+        """(params, pool, presence, last tokens) as ShapeDtypeStructs."""
+        pool = jax.ShapeDtypeStruct(self.pool_shape, self.dtype, sharding=self.pool_sharding)
         presence = jax.ShapeDtypeStruct((self.max_slots, self.cfg.vocab_size), jnp.bool_,
                                         sharding=self.presence_sharding)
-        return self.abstract_params, cache, cache, presence
+        last = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.replicated)
+        return self.abstract_params, pool, presence, last
 
     def abstract_args(self, shape: ProgramShape) -> tuple[Any, tuple[Any, ...]]:
         """(jitted function, its abstract arguments) for one program."""
-        rep = self.replicated
-        if shape.kind == "prefill":
-            return self.prefill, (*self.abstract_state(),
-                                  jax.ShapeDtypeStruct((shape.bucket + PREFILL_INTS,), jnp.int32, sharding=rep),
-                                  jax.ShapeDtypeStruct((SAMPLING_FLOATS,), jnp.float32, sharding=rep))
-        b = self.groups * shape.rows
-        if shape.kind == "decode":
-            return self.decode, (*self.abstract_state(),
-                                 jax.ShapeDtypeStruct((b,), jnp.int32, sharding=self.rows_sharding),
-                                 jax.ShapeDtypeStruct((DECODE_INT_ROWS, b), jnp.int32, sharding=rep),
-                                 jax.ShapeDtypeStruct((SAMPLING_FLOATS, b), jnp.float32, sharding=rep),
-                                 shape.window, shape.rows)
-        out = jax.ShapeDtypeStruct((2, b), jnp.float32, sharding=self.result_sharding)
-        return self.gather, ([out] * shape.steps,)
+        _, _, presence, _ = self.abstract_state()
+        if shape.kind == "presence":
+            return self.presence_row, (presence, jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated),
+                                       jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.bool_,
+                                                            sharding=self.replicated))
+        return self.step, (*self.abstract_state(), self.abstract_inputs(shape.tokens, shape.pages))
 
     def lower(self, shape: ProgramShape) -> Any:
-        """The program lowered for this mesh (compile it with `.compile()`)."""
+        """The program lowered for this mesh (compile it with `.compile()`). Traced under the mesh, so a Pallas
+        kernel inside asks the mesh's devices for their TPU generation, not the default backend (which has no
+        TPU when `raydeploy compile` targets a deviceless topology)."""
         fn, args = self.abstract_args(shape)
-        return fn.lower(*args)
+        with jax.set_mesh(self.mesh):
+            return fn.lower(*args)
+
+    # -- jitted bodies
+    def model(self, leaves: list[jax.Array]) -> Any:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.param_treedef, leaves))
+
+    def _manual(self, fn: Callable[..., Any], in_specs: tuple[Any, ...], out_specs: Any) -> Callable[..., Any]:
+        """fn per device under shard_map over every mesh axis (sequences and pages split over dp, heads over the
+        kv-head axes, replicated over the rest: a Pallas kernel cannot be partitioned automatically); called
+        directly on a one-device mesh."""
+        if self.mesh.size == 1:
+            return fn
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=frozenset(self.mesh.axis_names), check_vma=False)
+
+    def _attend(self, pool: jax.Array, inp: StepInputs) -> Callable[..., Any]:
+        """The per-layer attention of the ragged forward (pool read-only, carried cache unused): gather each
+        row's pages into a compact view, place the step's new K/V in it, call the backend on the view."""
+        dp, hd = _axes_entry(self.dp_axes), _axes_entry(self.head_axes)
+        ps = self.page_size
+        window = self.cfg.sliding_window or None
+
+        def local(q, kv, pool, layer, view_page, offset, kv_lens, page_indices, cu_q_lens, num_seqs):
+            rows, pages = page_indices.shape
+            view = pool[layer, page_indices]  # [R, P, ps, 2K, H]: only the pages these rows use
+            view = view.reshape(rows * pages, ps, *view.shape[-2:])
+            view = view.at[view_page, offset].set(kv, mode="drop")
+            table = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
+            return self.attention(q, view, kv_lens, table, cu_q_lens, num_seqs, sm_scale=self.sm_scale,
+                                  sliding_window=window)
+
+        sharded = self._manual(
+            local,
+            in_specs=(PartitionSpec(dp, hd, None), PartitionSpec(dp, hd, None),
+                      PartitionSpec(None, dp, None, hd, None), PartitionSpec(), PartitionSpec(dp),
+                      PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp, None), PartitionSpec(dp),
+                      PartitionSpec(dp)),
+            out_specs=PartitionSpec(dp, hd, None))
+
+        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, carried: Any) -> tuple[jax.Array, Any]:
+            kv = _interleave(k, v).astype(pool.dtype)
+            out = sharded(q, kv, pool, layer, inp.view_page, inp.write_offset, inp.kv_lens, inp.page_indices,
+                          inp.cu_q_lens, inp.num_seqs)
+            return out.astype(q.dtype), carried
+
+        return attend
+
+    def _write(self, pool: jax.Array, ks: jax.Array, vs: jax.Array, inp: StepInputs) -> jax.Array:
+        """Every layer's new K/V [L, N, K, H] into the pool at the tokens' pages and offsets (one scatter)."""
+        dp, hd = _axes_entry(self.dp_axes), _axes_entry(self.head_axes)
+        new = jax.vmap(_interleave)(ks, vs).astype(pool.dtype)
+
+        def local(pool, new, page, offset):
+            return pool.at[:, page, offset].set(new, mode="drop")
+
+        return self._manual(local, in_specs=(PartitionSpec(None, dp, None, hd, None), PartitionSpec(None, dp, hd, None),
+                                             PartitionSpec(dp), PartitionSpec(dp)),
+                            out_specs=PartitionSpec(None, dp, None, hd, None))(pool, new, inp.write_page,
+                                                                                inp.write_offset)
+
+    def _step_fn(self, leaves, pool, presence, last_tokens, inp: StepInputs):
+        """One ragged step. Returns the pool, the repetition-penalty sets, the slots' last tokens and the packed
+        results [2, G*R] (token bits, logprob) of every row."""
+        model = self.model(leaves)
+        g = self.groups
+        t = inp.tokens.shape[0] // g
+        r = inp.kv_lens.shape[0] // g
+        ms = self.max_slots
+        tokens = jnp.where(inp.from_last >= 0, last_tokens[jnp.maximum(inp.from_last, 0)], inp.tokens)
+        h, ks, vs, _ = model.ragged(tokens, inp.positions, self._attend(pool, inp), self.shard)
+        pool = self._write(pool, ks, vs, inp)
+        hg = h.reshape(g, t, h.shape[-1])
+        last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
+        last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices
+        logits = model.logits(last, self.shard)
+        presence = presence & ~inp.reset[:, None]
+        presence = presence.at[inp.token_slot, tokens].set(True, mode="drop")
+        seen = presence[jnp.minimum(inp.row_slot, ms - 1)]
+        tok, lp = sample(logits, seen, inp.temperature, inp.top_p, inp.top_k, inp.repetition_penalty, inp.seed,
+                         inp.sample_position, inp.any_sampled)
+        presence = presence.at[inp.row_slot, tok].set(True, mode="drop")
+        last_tokens = last_tokens.at[inp.row_slot].set(tok, mode="drop")
+        return pool, presence, last_tokens, pack(tok, lp)

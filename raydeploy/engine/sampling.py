@@ -1,7 +1,8 @@
 """Per-slot token sampling, vectorised over slots, inside the engine's jitted programs.
 
-Every sampling knob is a per-slot array (`SlotSampling`), so one compiled program serves any mix of greedy
-and sampled requests. Order follows Hugging Face: repetition penalty, temperature, top-k, top-p. Randomness
+Every sampling knob is a per-row array (the step's rows take them from each request's `SamplingParams`, the one
+sampling type shared by config, scheduler and engine), so one compiled program serves any mix of greedy and
+sampled requests. Order follows Hugging Face: repetition penalty, temperature, top-k, top-p. Randomness
 is a pure function of the request's seed and the token's position (`fold_in(key(seed), position)`), so every
 host of a gang draws the same token and a request replays identically whatever else shares the batch.
 The reported logprob is the chosen token's log-probability under the raw model distribution
@@ -10,41 +11,13 @@ The reported logprob is the chosen token's log-probability under the raw model d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-from raydeploy.engine.step import SamplingParams
 
 SEED_MODULUS = 2**32
-
-
-@dataclass(frozen=True)
-class SlotSampling:
-    """Sampling parameters of each slot as host arrays [slots] (the jitted programs take them as inputs)."""
-
-    temperature: np.ndarray
-    top_p: np.ndarray
-    top_k: np.ndarray
-    repetition_penalty: np.ndarray
-    seed: np.ndarray
-
-    @classmethod
-    def from_params(cls, params: Sequence[SamplingParams]) -> SlotSampling:
-        return cls(
-            np.asarray([p.temperature for p in params], np.float32),
-            np.asarray([p.top_p for p in params], np.float32),
-            np.asarray([p.top_k for p in params], np.int32),
-            np.asarray([p.repetition_penalty for p in params], np.float32),
-            np.asarray([p.seed % SEED_MODULUS for p in params], np.uint32),
-        )
-
-    def as_tuple(self) -> tuple[np.ndarray, ...]:
-        return (self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed)
+"""Seeds are reduced modulo 2**32 (a PRNG key takes a uint32); any integer seed is accepted."""
 
 
 def apply_repetition_penalty(logits_bv: jax.Array, presence_bv: jax.Array, penalty_b: jax.Array) -> jax.Array:
@@ -100,7 +73,7 @@ def top_k_top_p_mask(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Arra
 def _candidate_mask(x: jax.Array, k: jax.Array, top_p_b: jax.Array, c: int) -> jax.Array:
     """Thresholds from the c largest logits of each row (rows with k > c must not filter)."""
     v = x.shape[-1]
-    vals, _ = jax.lax.top_k(x, c)  # [B, c], descending
+    vals = _top_values(x, c)  # [B, c], descending
     kk = jnp.minimum(k, c)
     idx = jnp.arange(c)[None, :]
     kth = jnp.take_along_axis(vals, (kk - 1)[:, None], axis=-1)[:, 0]
@@ -112,6 +85,24 @@ def _candidate_mask(x: jax.Array, k: jax.Array, top_p_b: jax.Array, c: int) -> j
     pth = jnp.take_along_axis(vals, (n - 1)[:, None], axis=-1)[:, 0]
     pth = jnp.where(top_p_b >= 1.0, -jnp.inf, pth)
     return x >= jnp.maximum(kth, pth)[:, None]
+
+
+TOP_K_CHUNKS = 16
+"""The vocabulary is cut into this many chunks for `lax.top_k`: each chunk's candidates first, then the best of
+those, so a vocabulary sharded over tensor parallelism (any shard count dividing it) exchanges only
+chunks x candidates per row, never the logits themselves."""
+
+
+def _top_values(x: jax.Array, c: int) -> jax.Array:
+    """The c largest values of each row of x [B, V], descending."""
+    b, v = x.shape
+    n = TOP_K_CHUNKS
+    if v < n * c:
+        return jax.lax.top_k(x, c)[0]
+    pad = (-v) % n
+    xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
+    per_chunk = jax.lax.top_k(xp.reshape(b, n, (v + pad) // n), c)[0]  # [B, n, c]
+    return jax.lax.top_k(per_chunk.reshape(b, n * c), c)[0]
 
 
 def _bisection_mask(x: jax.Array, k: jax.Array, top_p_b: jax.Array) -> jax.Array:

@@ -7,11 +7,11 @@ the checkpoint reader goes straight in: build the module abstractly (`abstract_m
 merges them inside its jitted programs, so no Python runs per layer at serving time.
 
 Two forward paths, both pure and jittable:
-- `Llama.prefill(tokens_bt, positions_bt)`: causal attention within a prompt chunk; returns the hidden states
-  and each layer's new K/V, which the engine writes into a slot of its KV cache.
-- `Llama.decode(tokens_b, positions_b, k_caches, v_caches, window)`: one token per decoded slot; writes its K/V at
-  `positions_b` and attends over the first `window` cache positions (a static size, so the engine compiles one
-  decode per window and reads only as much cache as the longest active sequence needs).
+- `Llama.ragged(tokens_n, positions_n, attend)`: the engine's path. A flat batch of tokens of many sequences at
+  explicit positions; the caller's `attend` owns the KV cache and the ragged layout (the model knows no cache),
+  and the new K/V of every layer come back stacked for the caller to write.
+- `Llama.prefill(tokens_bt, positions_bt)`: causal attention within [B, T] rows from position 0 (`__call__`:
+  scoring and tests).
 RoPE follows the Hugging Face convention (rotate_half over [first half | second half] of head_dim).
 """
 
@@ -291,71 +291,6 @@ def _attend(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bts: j
     return out.reshape(b, t, n, h)
 
 
-def _attend_one(q_bnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bs: jax.Array,
-                k_new_bkh: jax.Array, v_new_bkh: jax.Array) -> jax.Array:
-    """Decode attention, one query token per row: q [B,N,H] over the cached window k/v [B,K,S,H] (positions in
-    `mask` [B,S]) and the row's own new key/value [B,K,H], which is not in the cache yet -> [B,N,H].
-
-    Broadcast-multiply-and-reduce rather than `_attend`'s einsums: with a single query row per KV head group
-    the products are matrix-vector shaped, and on XLA CPU the reductions stream the cache window once where
-    the batched dots did not (measured on the demo model, 8 rows, window 256: 39 -> 33 ms per decode step).
-    The new token's score joins the window's in one softmax, so the cache is only read inside the layer scan
-    and written once after it (a cache carried through the scan and updated per layer was copied whole by
-    XLA: 4 GiB of temporaries per chip for Llama-3-8B on v5e).
-    """
-    b, n, h = q_bnh.shape
-    kv = k_bksh.shape[1]
-    q = q_bnh.reshape(b, kv, n // kv, 1, h).astype(jnp.float32)
-    scores = jnp.sum(q * k_bksh[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(h)  # [B,K,G,S]
-    scores = jnp.where(mask_bs[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    own = jnp.sum(q[..., 0, :] * k_new_bkh[:, :, None].astype(jnp.float32), axis=-1)[..., None] / math.sqrt(h)
-    probs = jax.nn.softmax(jnp.concatenate([scores, own], axis=-1), axis=-1)  # [B,K,G,S+1]
-    out = jnp.sum(probs[..., :-1, None] * v_bksh[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,H]
-    out = out + probs[..., -1:] * v_new_bkh[:, :, None].astype(jnp.float32)
-    return out.reshape(b, n, h).astype(q_bnh.dtype)
-
-
-def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, shard: ActivationSharding | None
-               ) -> jax.Array:
-    """Write one token's K or V of every layer per decoded row into the stacked cache, in place (donated).
-
-    cache [L, G*M, K, S, H] holds G groups of M slots, G = the shards of the slot axis (`shard.slot_groups`);
-    new [L, G*R, K, H] and positions [G*R] are the first R <= M slots of each group:
-    cache[:, g*M + r, :, positions[g*R + r]] = new[:, g*R + r]. Each device writes only the slots it holds, with
-    plain dynamic-update-slices (under `shard_map` over the slot axes when G > 1). Two formulations that look
-    equivalent are much slower: `cache.at[:, arange(B), :, positions]` makes the SPMD partitioner gather
-    indices and updates and permute them across devices (and hosts), and a vmapped scatter over the groups
-    makes XLA CPU copy the whole cache when R = 1. Positions must be in range.
-    """
-    groups = 1 if shard is None else shard.slot_groups
-    rows = new.shape[1] // groups
-
-    def local(c: jax.Array, x: jax.Array, p: jax.Array) -> jax.Array:
-        for i in range(rows):
-            c = jax.lax.dynamic_update_slice(c, x[:, i][:, None, :, None], (0, i, 0, p[i], 0))
-        return c
-
-    if shard is None or groups == 1:
-        return local(cache, new, positions)
-    from jax.sharding import PartitionSpec
-
-    spec = PartitionSpec(None, shard.slot_axes)
-    rows_spec = PartitionSpec(shard.slot_axes)
-    return jax.shard_map(local, mesh=shard.mesh, in_specs=(spec, spec, rows_spec), out_specs=spec,
-                         axis_names=frozenset(shard.slot_axes), check_vma=False)(cache, new, positions)
-
-
-def read_window(cache: jax.Array, layer: jax.Array, rows: int, window: int, groups: int) -> jax.Array:
-    """cache [L, G*M, K, S, H] -> [G*rows, K, window, H]: positions [0, window) of the first `rows` slots of
-    each group in one layer (one dynamic slice of a loop-invariant input: it reads only as much cache as the
-    decoded rows and window need, never the whole layer)."""
-    n, _, k, s, h = cache.shape
-    grouped = cache.reshape(n, groups, -1, k, s, h)
-    zero = jnp.zeros((), jnp.int32)
-    win = jax.lax.dynamic_slice(grouped, (layer, zero, zero, zero, zero, zero), (1, groups, rows, k, window, h))
-    return win.reshape(groups * rows, k, window, h)
-
-
 def _window_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, sliding_window: int | None) -> jax.Array:
     mask = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
     if sliding_window:
@@ -423,39 +358,6 @@ class Llama(nnx.Module):
 
         x, (ks, vs) = self.layers.scan(body, x)
         return x, ks, vs
-
-    # -- decode: one token per row against the slot KV cache
-    def decode(self, tokens_b: jax.Array, positions_b: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               window: int, shard: ActivationSharding | None = None
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """tokens [B] at positions [B]; stacked caches [L, G*M, K, S, H] (G = `shard.slot_groups`, B = G*R,
-        R <= M): row i is slot (i // R) * M + i % R, so a decode can cover a prefix of each group of slots
-        (see `write_rows`).
-        Attends over cache positions [0, window) below each row's position plus the row's new K/V, then writes
-        every layer's new K/V at positions_b. Returns hidden [B, D] and the updated caches (in place)."""
-        inv = np.asarray(self.inv_freq, np.float32)
-        b = tokens_b.shape[0]
-        groups = 1 if shard is None else shard.slot_groups
-        rows = b // groups
-        x = _constrain(shard, self._embed(tokens_b)[:, None, :], ("act_batch", "act_seq", "act_embed"))
-        pos_bt = positions_b[:, None]
-        k_pos = jnp.broadcast_to(jnp.arange(window)[None, :], (b, window))
-        # cached positions only: the row's own position is attended from its new key, not from the cache
-        mask = _window_mask(pos_bt, k_pos, self.cfg.sliding_window)[:, 0] & (k_pos < positions_b[:, None])
-
-        def body(layer: DecoderLayer, x: jax.Array, i: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-            q, k, v = layer.attn.qkv(layer.attn_norm(x), pos_bt, inv)
-            kw = read_window(k_cache, i, rows, window, groups)
-            vw = read_window(v_cache, i, rows, window, groups)
-            x = x + layer.attn.o_proj(_attend_one(q[:, 0], kw, vw, mask, k[:, 0], v[:, 0])[:, None])
-            x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_seq", "act_embed"))
-            return x, (k[:, 0].astype(k_cache.dtype), v[:, 0].astype(v_cache.dtype))
-
-        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        x, (new_k, new_v) = self.layers.scan(body, x, layer_ids)  # new K/V [L, B, K, H]
-        k_cache = write_rows(k_cache, new_k, positions_b, shard)
-        v_cache = write_rows(v_cache, new_v, positions_b, shard)
-        return x[:, 0], k_cache, v_cache
 
     # -- ragged: the tokens of many sequences in one flat batch, attention supplied by the caller
     def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,

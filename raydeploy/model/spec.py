@@ -189,24 +189,8 @@ def stacked_param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
     return out
 
 
-def kv_cache_spec(cfg: LlamaConfig, max_slots: int, max_seq_len: int) -> TensorSpec:
-    """Shape and logical axes of the K (or V) cache of every layer: [layers, slots, kv_heads, seq, head_dim].
-
-    Stacked over the layers, like the weights, so the scanned forward pass carries it and updates it in place.
-    Head-major, so each (slot, head) holds its positions contiguously: a decode's attention multiplies the
-    cache window directly (scores contract head_dim, the minor dimension; the output contracts seq), where a
-    [slots, seq, kv_heads, head_dim] cache had to be transposed into that form every layer of every step."""
-    return TensorSpec("kv_cache", (cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim),
-                      (LAYER_AXIS, "cache_batch", "cache_kv_heads", "cache_seq", "head_dim"))
-
-
 def param_bytes(cfg: LlamaConfig, itemsize: int) -> int:
     return sum(s.numel for s in param_specs(cfg).values()) * itemsize
-
-
-def kv_cache_bytes(cfg: LlamaConfig, max_slots: int, max_seq_len: int, itemsize: int) -> int:
-    """Bytes of the whole KV cache (K and V, every layer)."""
-    return 2 * kv_cache_spec(cfg, max_slots, max_seq_len).numel * itemsize
 
 
 def kv_pool_spec(cfg: LlamaConfig, total_pages: int, page_size: int) -> TensorSpec:
