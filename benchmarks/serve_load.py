@@ -183,10 +183,18 @@ def failure_run(serving, model: str, max_tokens: int, after_s: float, ready_time
         pid = victim["host_status"][0]["pid"]
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        time.sleep(after_s)
+        seen_down_s = back_s = None
+        while time.monotonic() < killed + after_s:  # when the gang left the ready set, and when it came back
+            ready = serving.gangs.state()["ready_gangs"]
+            if seen_down_s is None and ready < gangs:
+                seen_down_s = time.monotonic() - killed
+            elif seen_down_s is not None and back_s is None and ready == gangs:
+                back_s = time.monotonic() - killed
+            time.sleep(0.25)
         window_end = time.monotonic()
         back = serving.wait_ready(ready_timeout_s, count=gangs)
-        back_s = time.monotonic() - killed
+        if back_s is None:
+            back_s = time.monotonic() - killed
     finally:
         stop.set()
         for t in threads:
@@ -195,7 +203,8 @@ def failure_run(serving, model: str, max_tokens: int, after_s: float, ready_time
     return {"victim": victim["gang"], "requests_after_kill": len(after), "succeeded": after.count(200),
             "success_pct": round(100.0 * after.count(200) / max(1, len(after)), 2),
             "statuses_after_kill": {str(s): after.count(s) for s in sorted(set(after))},
-            "window_s": after_s, "ready_gangs_back_after_s": round(back_s, 1),
+            "window_s": after_s, "gang_not_ready_after_s": None if seen_down_s is None else round(seen_down_s, 1),
+            "ready_gangs_back_after_s": round(back_s, 1),
             "ready_gangs_at_end": back["ready_gangs"]}
 
 
@@ -213,9 +222,9 @@ def compare_replicas(args: argparse.Namespace) -> dict:
         for n in (1, args.replicas):
             cfg = load_config(None, [*args.overrides, *one_host, f"replicas.min={n}", f"replicas.max={n}",
                                      f"serving.port={_free_port()}"])
+            t0 = time.perf_counter()
             serving = start_serving(cfg, engine=args.engine)
             try:
-                t0 = time.perf_counter()
                 serving.wait_ready(1800, count=n)
                 run = {"gangs": n, "ready_s": round(time.perf_counter() - t0, 1)}
                 run["load"] = measure_streams(serving, cfg.model.name or "model", 16, args.rounds, args.max_tokens,
