@@ -9,6 +9,7 @@ re-laid-out with the family's name table (`Family.hf_names`), and streamed into 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -29,6 +30,10 @@ from raydeploy.model.registry import UnknownModelType, family_for, supported_mod
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
                       "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64"}
+
+# A name-table target "name[3]": expert 3 of the stacked tensor "name" [E, ...].
+EXPERT_PIECE = re.compile(r"(.+)\[(\d+)\]\Z")
+EXPERT_INDEX = re.compile(r"(?<=experts\.)\d+(?=\.)")  # the expert number in a source name
 
 
 def safetensors_files(src: Path) -> list[Path]:
@@ -118,6 +123,8 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
     files = safetensors_files(src)
     shapes: dict[str, tuple[int, ...]] = {}
     plan = SplitPlan.build(cfg, splits, specs)
+    num_experts = family.num_experts(cfg) if family.num_experts is not None else 0
+    experts: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
     writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="convert safetensors",
                disable=not progress)
@@ -131,11 +138,33 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
                 ours, kind = mapped
                 if ours == "lm_head.kernel" and cfg.tie_word_embeddings:
                     continue  # tied: the embedding is the head
-                if ours in shapes:
+                piece = EXPERT_PIECE.match(ours)
+                if piece is not None:  # one expert of a stacked [E, ...] tensor: written once all E arrived
+                    ours, expert = piece.group(1), int(piece.group(2))
+                    got = experts.setdefault(ours, {})
+                    if ours in shapes or expert in got:
+                        raise CheckpointError(f"tensor {name} appears twice (as {ours} expert {expert})", str(fp),
+                                              tensor=name)
+                    if expert >= num_experts:
+                        raise CheckpointError(f"tensor {name}: expert {expert} is out of range (the config has "
+                                              f"{num_experts} experts)", str(fp), tensor=name)
+                    got[expert] = (name, to_ours(kind, arr, cfg, name=name))
+                    if len(got) < num_experts:
+                        continue
+                    out = cast(np.stack([got[i][1] for i in range(num_experts)]), dtype)
+                    del experts[ours]
+                elif ours in shapes:
                     raise CheckpointError(f"tensor {name} appears twice (as {ours})", str(fp), tensor=name)
-                out = cast(to_ours(kind, arr, cfg, name=name), dtype)
+                else:
+                    out = cast(to_ours(kind, arr, cfg, name=name), dtype)
                 shapes[ours] = tuple(out.shape)
                 writer.add(ours, out, split=plan.for_tensor(ours, out))
+        for ours, got in experts.items():
+            missing = [i for i in range(num_experts) if i not in got]
+            seen, _ = next(iter(got.values()))
+            first = EXPERT_INDEX.sub(str(missing[0]), seen, count=1)
+            raise CheckpointError(f"source lacks expert tensor(s) of {ours}: experts {missing[:8]} of "
+                                  f"{num_experts} are missing, e.g. {first}", str(src), tensor=first)
         check_against_specs(shapes, cfg, str(src), specs)
     except BaseException:
         writer.abort()

@@ -29,6 +29,8 @@ _ENTRIES: dict[str, str] = {
     "qwen2": "raydeploy.model.registry:LLAMA",
     "qwen3": "raydeploy.model.qwen3:FAMILY",
     "gemma3_text": "raydeploy.model.gemma3:FAMILY",
+    "qwen3_moe": "raydeploy.model.moe:QWEN3_MOE",
+    "mixtral": "raydeploy.model.moe:MIXTRAL",
 }
 
 
@@ -52,7 +54,15 @@ class Family:
     hf_names: Sequence[tuple[str, str, str]]
     hf_ignored: Sequence[str] = ()
     gguf_names: Sequence[tuple[str, str, str]] | None = None
-    notes: Mapping[str, str] = field(default_factory=dict)
+    rules: Mapping[str, Any] = field(default_factory=dict)  # sharding rules of the family's own logical axes
+    mesh_check: Callable[[Any, dict[str, int]], None] | None = None  # raises ValueError for a mesh it cannot use
+    num_experts: Callable[[Any], int] | None = None  # mixture-of-experts families: experts per layer
+    experts_per_token: Callable[[Any], int] | None = None  # ... and how many each token is routed to
+
+    def check_mesh(self, cfg: Any, mesh_shape: Mapping[str, int]) -> None:
+        """Raise ValueError naming the numbers when the mesh cannot hold this model (e.g. ep vs experts)."""
+        if self.mesh_check is not None:
+            self.mesh_check(cfg, dict(mesh_shape))
 
     # -- the module
     def module_class(self) -> type:
@@ -80,6 +90,15 @@ class Family:
     def param_count(self, cfg: Any) -> int:
         return sum(s.numel for s in self.param_specs(cfg).values())
 
+    def active_param_count(self, cfg: Any) -> int:
+        """Parameters one token's forward reads: an MoE token uses experts_per_token of num_experts experts."""
+        total = self.param_count(cfg)
+        if self.num_experts is None or self.experts_per_token is None:
+            return total
+        e, k = self.num_experts(cfg), self.experts_per_token(cfg)
+        expert = sum(s.numel for s in self.param_specs(cfg).values() if "expert" in s.logical_axes)
+        return total - expert + expert * k // e
+
     def param_bytes(self, cfg: Any, itemsize: int) -> int:
         return self.param_count(cfg) * itemsize
 
@@ -101,6 +120,8 @@ class Family:
         from raydeploy.model.llama import check_params, params_to_state
         from raydeploy.model.spec import is_kernel, kernel_input_dims
 
+        model = nnx.eval_shape(lambda: self.module(cfg, dtype, param_dtype, kernel_layout=kernel_layout))
+        graphdef, abstract = nnx.split(model)
         check_params(params, self.param_specs(cfg))
         stacked: dict[str, Any] = {}
         for name, spec in self.stacked_param_specs(cfg).items():
@@ -111,8 +132,6 @@ class Family:
                 n, nd = kernel_input_dims(name), x.ndim
                 x = jnp.transpose(x, tuple(range(lead)) + tuple(range(lead + n, nd)) + tuple(range(lead, lead + n)))
             stacked[name] = x
-        model = nnx.eval_shape(lambda: self.module(cfg, dtype, param_dtype, kernel_layout=kernel_layout))
-        graphdef, abstract = nnx.split(model)
         return graphdef, params_to_state(stacked, abstract)
 
 

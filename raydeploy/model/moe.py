@@ -1,0 +1,229 @@
+"""Mixture-of-experts families: Qwen3-MoE (`qwen3_moe`) and Mixtral (`mixtral`).
+
+The decoder is Llama's (Qwen3-MoE with Qwen3's per-head q/k norms) with the feed-forward replaced by a routed
+block: a router [embed, experts] picks each token's top-k experts (softmax over all experts, then the top k;
+renormalised over the k when `norm_topk_prob`, which Mixtral always does), and the experts' SwiGLU weights are
+stacked [E, ...] with the logical axis `expert` (mapped to the `ep` mesh axis by `MOE_RULES`).
+
+The expert computation never multiplies every token by every expert. The token-expert assignments are sorted
+by expert and multiplied as one grouped matmul (`jax.lax.ragged_dot` with the group sizes): on TPU and GPU
+that lowers to a grouped-matmul kernel. XLA:CPU lowers `ragged_dot` densely (each group masked over all rows),
+so on CPU a small batch (decode: tokens x k <= `GATHER_MAX_ROWS`) gathers the routed experts' weights instead
+and reads only those; a large CPU batch (a long prefill) takes the dense `ragged_dot` form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+
+from raydeploy.checkpoint.layout import COPY, HF_IGNORED, HF_NAMES, LINEAR_OI
+from raydeploy.model.llama import DTYPES, Attention, DecoderLayer, Dense, Llama, RMSNorm, _param
+from raydeploy.model.qwen3 import Qwen3Attention
+from raydeploy.model.registry import Family, expert_split
+from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
+
+GATHER_MAX_ROWS = 64
+"""On CPU, batches of at most this many token-expert assignments gather their experts' weights."""
+
+MOE_RULES: dict[str, Any] = {"expert": "ep", "expert_mlp": "tp", "router": None}
+"""Sharding rules of the MoE logical axes: experts over `ep`, each expert's hidden units over `tp`."""
+
+
+@dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    qk_norm: bool = False
+
+
+def config_from_hf(d: dict[str, Any]) -> MoEConfig:
+    mt = d.get("model_type")
+    base = LlamaConfig.from_hf_dict(d)
+    kw = {f.name: getattr(base, f.name) for f in fields(LlamaConfig)}
+    if mt == "qwen3_moe":
+        if d.get("use_sliding_window"):
+            raise ValueError("qwen3_moe: use_sliding_window=true is not supported")
+        if int(d.get("decoder_sparse_step", 1)) != 1 or d.get("mlp_only_layers"):
+            raise ValueError("qwen3_moe: dense layers between the MoE layers (decoder_sparse_step != 1 or "
+                             "mlp_only_layers) are not supported")
+        experts = d.get("num_experts") or d.get("num_local_experts")
+        ffn = d["moe_intermediate_size"]
+        norm, qk = bool(d.get("norm_topk_prob", False)), True
+    elif mt == "mixtral":
+        experts, ffn, norm, qk = d.get("num_local_experts"), d["intermediate_size"], True, False
+        kw["sliding_window"] = d.get("sliding_window")
+    else:
+        raise ValueError(f"model_type {mt!r} is not a mixture-of-experts family (qwen3_moe, mixtral)")
+    if not experts or not d.get("num_experts_per_tok"):
+        raise ValueError(f"{mt}: num_experts / num_experts_per_tok missing from the config")
+    k = int(d["num_experts_per_tok"])
+    if not 0 < k <= int(experts):
+        raise ValueError(f"{mt}: num_experts_per_tok={k} must be in [1, num_experts={experts}]")
+    return MoEConfig(**kw, num_experts=int(experts), num_experts_per_tok=k, moe_intermediate_size=int(ffn),
+                     norm_topk_prob=norm, qk_norm=qk)
+
+
+def moe_param_specs(cfg: MoEConfig) -> dict[str, TensorSpec]:
+    """Llama's parameters with each layer's MLP replaced by a router and stacked experts (and Qwen3's q/k
+    norms when the family has them)."""
+    e, d, f, hd = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.head_dim
+    out: dict[str, TensorSpec] = {}
+    for name, spec in param_specs(cfg).items():
+        if ".mlp." in name:
+            if name.endswith(".mlp.gate_proj.kernel"):
+                p = name[: -len(".gate_proj.kernel")]
+                for n, shape, axes in (
+                    ("router.kernel", (d, e), ("embed", "router")),
+                    ("experts.gate_proj.kernel", (e, d, f), ("expert", "embed", "expert_mlp")),
+                    ("experts.up_proj.kernel", (e, d, f), ("expert", "embed", "expert_mlp")),
+                    ("experts.down_proj.kernel", (e, f, d), ("expert", "expert_mlp", "embed")),
+                ):
+                    out[f"{p}.{n}"] = TensorSpec(f"{p}.{n}", shape, axes)
+            continue
+        out[name] = spec
+        if cfg.qk_norm and name.endswith(".attn.v_proj.kernel"):
+            p = name[: -len(".v_proj.kernel")]
+            out[f"{p}.q_norm.scale"] = TensorSpec(f"{p}.q_norm.scale", (hd,), ("norm",))
+            out[f"{p}.k_norm.scale"] = TensorSpec(f"{p}.k_norm.scale", (hd,), ("norm",))
+    return out
+
+
+def check_mesh(cfg: MoEConfig, mesh_shape: dict[str, int]) -> None:
+    expert_split(cfg.num_experts, int(mesh_shape.get("ep", 1)))
+
+
+# -- the expert computation ------------------------------------------------------------------------------------
+
+
+def expert_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+               down: jax.Array, method: str = "auto") -> jax.Array:
+    """Routed SwiGLU experts: x [N, D], expert_ids / weights [N, k], gate/up [E, D, F], down [E, F, D] ->
+    [N, D] = sum_k weights * expert(x). `method`: "ragged_dot" (sorted assignments, one grouped matmul),
+    "gather" (each assignment gathers its expert's weights), "auto" (see the module docstring)."""
+    n, k = expert_ids.shape
+    e = gate.shape[0]
+    flat = expert_ids.reshape(-1)
+    tok = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
+    if method == "auto":
+        method = "gather" if jax.default_backend() == "cpu" and n * k <= GATHER_MAX_ROWS else "ragged_dot"
+    xw = x.astype(gate.dtype)
+    if method == "gather":
+        xs = xw[tok]
+        h = jnp.einsum("md,mdf->mf", xs, gate[flat], preferred_element_type=jnp.float32)
+        u = jnp.einsum("md,mdf->mf", xs, up[flat], preferred_element_type=jnp.float32)
+        a = (jax.nn.silu(h) * u).astype(down.dtype)
+        y = jnp.einsum("mf,mfd->md", a, down[flat], preferred_element_type=jnp.float32)
+    elif method == "ragged_dot":
+        order = jnp.argsort(flat, stable=True)
+        xs = xw[tok[order]]
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        h = jax.lax.ragged_dot(xs, gate, sizes, preferred_element_type=jnp.float32)
+        u = jax.lax.ragged_dot(xs, up, sizes, preferred_element_type=jnp.float32)
+        a = (jax.nn.silu(h) * u).astype(down.dtype)
+        ys = jax.lax.ragged_dot(a, down, sizes, preferred_element_type=jnp.float32)
+        y = jnp.zeros_like(ys).at[order].set(ys)
+    else:
+        raise ValueError(f"expert_ffn: method must be auto, gather or ragged_dot, got {method!r}")
+    y = y * weights.reshape(-1, 1).astype(jnp.float32)
+    return y.reshape(n, k, -1).sum(axis=1)
+
+
+def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing: (weights [N, k] float32, expert ids [N, k])."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w, ids = jax.lax.top_k(probs, k)
+    if normalize:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w, ids
+
+
+class ExpertWeights(nnx.Module):
+    def __init__(self, shape: tuple[int, ...], param_dtype: Any, rngs: nnx.Rngs | None) -> None:
+        self.kernel = _param(rngs, shape, param_dtype)
+
+
+class Experts(nnx.Module):
+    def __init__(self, cfg: MoEConfig, param_dtype: Any, rngs: nnx.Rngs | None, lead: tuple[int, ...] = ()) -> None:
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = ExpertWeights((*lead, e, d, f), param_dtype, rngs)
+        self.up_proj = ExpertWeights((*lead, e, d, f), param_dtype, rngs)
+        self.down_proj = ExpertWeights((*lead, e, f, d), param_dtype, rngs)
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, cfg: MoEConfig, param_dtype: Any, rngs: nnx.Rngs | None, lead: tuple[int, ...] = ()) -> None:
+        self.router = Dense(cfg.hidden_size, cfg.num_experts, param_dtype, rngs, False, lead)
+        self.experts = Experts(cfg, param_dtype, rngs, lead)
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x2 = x.reshape(-1, x.shape[-1])
+        w, ids = route(self.router(x2), self.top_k, self.normalize)
+        y = expert_ffn(x2, ids, w, self.experts.gate_proj.kernel[...], self.experts.up_proj.kernel[...],
+                       self.experts.down_proj.kernel[...])
+        return y.astype(x.dtype).reshape(x.shape)
+
+
+class MoEDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: MoEConfig, param_dtype: Any, rngs: nnx.Rngs | None, lead: tuple[int, ...] = ()) -> None:
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
+        attn = Qwen3Attention if cfg.qk_norm else Attention
+        self.attn = attn(cfg, param_dtype, rngs, False, lead)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
+        self.mlp = MoEBlock(cfg, param_dtype, rngs, lead)  # type: ignore[assignment]
+
+
+class MoE(Llama):
+    """Qwen3-MoE / Mixtral decoder: Llama's forward paths with routed experts (kernels in_out only)."""
+
+    def __init__(self, cfg: MoEConfig, dtype: str = "float32", param_dtype: str = "float32",
+                 rngs: nnx.Rngs | None = None, kernel_layout: str = "in_out") -> None:
+        if kernel_layout != "in_out":
+            raise ValueError(f"{cfg.model_type}: kernel_layout must be in_out for a mixture-of-experts model, "
+                             f"got {kernel_layout!r}")
+        super().__init__(cfg, dtype, param_dtype, rngs=rngs, kernel_layout=kernel_layout)
+        self.layers = MoEDecoderLayer(cfg, DTYPES[param_dtype], rngs, lead=(cfg.num_layers,))
+
+
+_L = r"(?P<layer>\d+)"
+_E = r"(?P<expert>\d+)"
+_ATTN_ONLY = tuple(row for row in HF_NAMES if ".mlp." not in row[0])
+
+HF_QWEN3_MOE_NAMES = (
+    *_ATTN_ONLY,
+    (rf"model\.layers\.{_L}\.self_attn\.q_norm\.weight", "layers.{layer}.attn.q_norm.scale", COPY),
+    (rf"model\.layers\.{_L}\.self_attn\.k_norm\.weight", "layers.{layer}.attn.k_norm.scale", COPY),
+    (rf"model\.layers\.{_L}\.mlp\.gate\.weight", "layers.{layer}.mlp.router.kernel", LINEAR_OI),
+    (rf"model\.layers\.{_L}\.mlp\.experts\.{_E}\.gate_proj\.weight",
+     "layers.{layer}.mlp.experts.gate_proj.kernel[{expert}]", LINEAR_OI),
+    (rf"model\.layers\.{_L}\.mlp\.experts\.{_E}\.up_proj\.weight",
+     "layers.{layer}.mlp.experts.up_proj.kernel[{expert}]", LINEAR_OI),
+    (rf"model\.layers\.{_L}\.mlp\.experts\.{_E}\.down_proj\.weight",
+     "layers.{layer}.mlp.experts.down_proj.kernel[{expert}]", LINEAR_OI),
+)
+
+HF_MIXTRAL_NAMES = (
+    *_ATTN_ONLY,
+    (rf"model\.layers\.{_L}\.block_sparse_moe\.gate\.weight", "layers.{layer}.mlp.router.kernel", LINEAR_OI),
+    (rf"model\.layers\.{_L}\.block_sparse_moe\.experts\.{_E}\.w1\.weight",
+     "layers.{layer}.mlp.experts.gate_proj.kernel[{expert}]", LINEAR_OI),
+    (rf"model\.layers\.{_L}\.block_sparse_moe\.experts\.{_E}\.w3\.weight",
+     "layers.{layer}.mlp.experts.up_proj.kernel[{expert}]", LINEAR_OI),
+    (rf"model\.layers\.{_L}\.block_sparse_moe\.experts\.{_E}\.w2\.weight",
+     "layers.{layer}.mlp.experts.down_proj.kernel[{expert}]", LINEAR_OI),
+)
+
+QWEN3_MOE = Family("qwen3_moe", config_from_hf, moe_param_specs, "raydeploy.model.moe:MoE", HF_QWEN3_MOE_NAMES,
+                   HF_IGNORED, rules=MOE_RULES, mesh_check=check_mesh, num_experts=lambda c: c.num_experts,
+                   experts_per_token=lambda c: c.num_experts_per_tok)
+MIXTRAL = Family("mixtral", config_from_hf, moe_param_specs, "raydeploy.model.moe:MoE", HF_MIXTRAL_NAMES,
+                 HF_IGNORED, rules=MOE_RULES, mesh_check=check_mesh, num_experts=lambda c: c.num_experts,
+                   experts_per_token=lambda c: c.num_experts_per_tok)
