@@ -646,3 +646,119 @@ def test_for_engine_picks_the_paged_form_for_a_paged_engine():
 
     assert Scheduler.for_engine(SlotEngine(), Config()).paging is None
 
+
+# -- the paged form on the real demo model ---------------------------------------------------------------------
+# One small paged Engine (max_seq_len 512, chunks of 128 tokens) serves both tests; the scheduler decides every
+# plan. Expected tokens come from the same engine driven by a scheduler without the feature under test (no
+# prefix cache; a pool large enough for everything), so the comparison is exact.
+
+SYSTEM = ("You are the support assistant of a company that rents bicycles in a small coastal town. "
+          "Answer briefly and politely. Opening hours are 8 to 18 on weekdays and 9 to 17 on weekends. "
+          "A city bike costs 12 euros a day, an electric bike 30 euros a day, a tandem 25 euros a day. "
+          "Helmets and locks are free. Children under 12 ride only with an adult. Returns after closing time "
+          "cost one extra day. Lost keys cost 20 euros. Rentals of a week get one day free. ")
+
+
+class Recording:
+    """An engine that keeps every plan it ran."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.plans = engine, []
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        return self.engine.step(plan)
+
+
+@pytest.fixture(scope="module")
+def real_paged(demo_checkpoint):
+    import jax
+    from transformers import AutoTokenizer
+
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.config import Config, EngineConfig, ModelConfig
+    from raydeploy.engine.engine import Engine
+    from raydeploy.model.sharding import build_mesh, merge_rules
+    from raydeploy.model.spec import param_specs
+
+    mesh = build_mesh({"dp": 1}, jax.devices()[:1])
+    rules = merge_rules({})
+    reader = CheckpointReader(demo_checkpoint)
+    params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, "float32", 4, progress=False)
+    cfg = Config(model=ModelConfig(max_seq_len=512),
+                 engine=EngineConfig(max_slots=4, prefill_buckets=[512], max_new_tokens=64, prefill_chunk=128,
+                                     decode_steps=4))
+    engine = Engine(reader.llama_config, params, mesh, rules, cfg.model, cfg.engine)
+    tok = AutoTokenizer.from_pretrained(str(demo_checkpoint), local_files_only=True)
+    return engine, tok, cfg
+
+
+def _chat(tok, system: str | None, user: str) -> tuple[int, ...]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return tuple(int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids))
+
+
+def _real_sched(engine, cfg, prefix_caching=True, pages_per_group=None) -> Scheduler:
+    paging = Paging(engine.page_size, pages_per_group or engine.pages_per_group, engine.groups,
+                    engine.max_step_tokens, prefix_caching)
+    return Scheduler(engine.max_slots, engine.max_seq_len, engine.eos_ids, 16, [], clock=Clock(),
+                     slot_order=engine.slot_order, decode_steps=cfg.engine.decode_steps, paging=paging)
+
+
+@pytest.mark.model
+def test_real_model_second_request_with_the_same_system_prompt_reuses_its_pages(real_paged):
+    engine, tok, cfg = real_paged
+    system = (SYSTEM * 5)[:1600]  # about 430 tokens
+    a_ids = _chat(tok, system, "How much is an electric bike for two days?")
+    b_ids = _chat(tok, system, "Can my 10 year old son ride alone?")
+    common = next(i for i, (x, y) in enumerate(zip(a_ids, b_ids, strict=False)) if x != y)
+    assert common >= 400, f"the shared system prompt has {common} tokens"
+    eng = Recording(engine)
+    sched = _real_sched(engine, cfg)
+    runner = LocalRunner(eng, sched)
+    a = collect(runner, req("a", prompt=a_ids, max_tokens=32))["a"]
+    hits_before = sched.stats()["prefix_cache_hits"]
+    n_plans = len(eng.plans)
+    b = collect(runner, req("b", prompt=b_ids, max_tokens=32))["b"]
+    b_first = next(q for p in eng.plans[n_plans:] for q in p.seqs if q.sampling is not None)
+    ps = engine.page_size
+    assert b_first.start == common // ps * ps  # every full page of the shared prefix was reused
+    assert sched.stats()["prefix_cache_hits"] - hits_before == common // ps
+    n_plans = len(eng.plans)
+    a_again = collect(runner, req("a2", prompt=a_ids, max_tokens=32))["a2"]
+    assert next(q for p in eng.plans[n_plans:] for q in p.seqs if q.sampling is not None).start == \
+        (len(a_ids) - 1) // ps * ps
+
+    # the same requests with the prefix cache off compute every prompt token
+    plain = _real_sched(engine, cfg, prefix_caching=False)
+    ref = collect(LocalRunner(engine, plain), req("a", prompt=a_ids, max_tokens=32),
+                  req("b", prompt=b_ids, max_tokens=32))
+    assert plain.stats()["prefix_hit_tokens"] == 0
+    assert len(a.token_ids) >= 8
+    assert b.token_ids == ref["b"].token_ids and a_again.token_ids == a.token_ids == ref["a"].token_ids
+    assert np.allclose(b.logprobs, ref["b"].logprobs, atol=1e-3)
+
+
+@pytest.mark.model
+def test_real_model_exhausted_pool_queues_requests_that_complete_later_unchanged(real_paged):
+    engine, tok, cfg = real_paged
+    prompts = [_chat(tok, None, q) for q in ("What is the capital of France?", "Write a haiku about the sea.",
+                                             "Give me three tips for learning Python.")]
+    reqs = [req(f"r{i}", prompt=p, max_tokens=24, ignore_eos=True) for i, p in enumerate(prompts)]
+    roomy = _real_sched(engine, cfg, prefix_caching=False)
+    alone_out = {r.request_id: collect(LocalRunner(engine, roomy), r)[r.request_id].token_ids for r in reqs}
+    # each request reserves ceil((prompt + 24 - 1 + 3) / 16) pages; a pool of that many + 1 holds one at a time
+    ps = engine.page_size
+    need = max(-(-(len(p) + 24 - 1 + cfg.engine.decode_steps - 1) // ps) for p in prompts)
+    tight = _real_sched(engine, cfg, prefix_caching=False, pages_per_group=need + 1)
+    runner = LocalRunner(engine, tight)
+    streams = [runner.submit(r) for r in reqs]
+    runner.step_once()
+    assert tight.slots_in_use == 1 and tight.queue_depth == 2  # slots are free, pages are not
+    runner.run_until_idle()
+    for r, s in zip(reqs, streams, strict=True):
+        out = s.result(5)
+        assert out.finish_reason == "length" and out.token_ids == alone_out[r.request_id]
+    st = tight.stats()
+    assert st["pages_used"] == 0 and st["pages_reserved"] == 0 and st["tokens_generated"] == 3 * 24
