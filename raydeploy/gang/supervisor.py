@@ -1,7 +1,8 @@
 """GangSupervisor: builds the gang, watches it, and rebuilds it after a failure.
 
-A Ray actor (named "raydeploy-supervisor" in namespace "raydeploy", num_cpus=0, async) that owns the
-placement group and the host actors. Its state machine:
+A Ray actor (namespace "raydeploy", num_cpus=0, async) that owns the host actors and, unless it was given the
+placement group of the Serve replica that owns its gang, the placement group. Named after that replica
+(raydeploy.gang.directory.gang_name) or by whoever calls `start_gang` ("raydeploy-supervisor" by default). Its state machine:
 
     starting -> loading -> compiling -> ready --(host died / stuck / loop error)--> restarting -> starting ...
                                                   after cluster.max_restarts: failed (with the root cause)
