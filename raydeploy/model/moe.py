@@ -103,23 +103,28 @@ def check_mesh(cfg: MoEConfig, mesh_shape: dict[str, int]) -> None:
 
 
 def expert_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-               down: jax.Array, method: str = "auto") -> jax.Array:
+               down: jax.Array, method: str = "auto", valid: jax.Array | None = None) -> jax.Array:
     """Routed SwiGLU experts: x [N, D], expert_ids / weights [N, k], gate/up [E, D, F], down [E, F, D] ->
     [N, D] = sum_k weights * expert(x). `method`: "ragged_dot" (sorted assignments, one grouped matmul),
-    "gather" (each assignment gathers its expert's weights), "auto" (see the module docstring)."""
+    "gather" (each assignment gathers its expert's weights), "auto" (see the module docstring). `valid`
+    [N, k]: assignments to compute (the others are sorted last, outside every group, and contribute 0)."""
     n, k = expert_ids.shape
     e = gate.shape[0]
     flat = expert_ids.reshape(-1)
+    keep = None if valid is None else valid.reshape(-1)
+    if keep is not None:
+        flat = jnp.where(keep, flat, e)  # sentinel group e: after every real group
     tok = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
     if method == "auto":
         method = "gather" if jax.default_backend() == "cpu" and n * k <= GATHER_MAX_ROWS else "ragged_dot"
     xw = x.astype(gate.dtype)
     if method == "gather":
         xs = xw[tok]
-        h = jnp.einsum("md,mdf->mf", xs, gate[flat], preferred_element_type=jnp.float32)
-        u = jnp.einsum("md,mdf->mf", xs, up[flat], preferred_element_type=jnp.float32)
+        idx = jnp.minimum(flat, e - 1)
+        h = jnp.einsum("md,mdf->mf", xs, gate[idx], preferred_element_type=jnp.float32)
+        u = jnp.einsum("md,mdf->mf", xs, up[idx], preferred_element_type=jnp.float32)
         a = (jax.nn.silu(h) * u).astype(down.dtype)
-        y = jnp.einsum("mf,mfd->md", a, down[flat], preferred_element_type=jnp.float32)
+        y = jnp.einsum("mf,mfd->md", a, down[idx], preferred_element_type=jnp.float32)
     elif method == "ragged_dot":
         order = jnp.argsort(flat, stable=True)
         xs = xw[tok[order]]
@@ -131,8 +136,39 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: ja
         y = jnp.zeros_like(ys).at[order].set(ys)
     else:
         raise ValueError(f"expert_ffn: method must be auto, gather or ragged_dot, got {method!r}")
+    if keep is not None:  # rows outside every group are not defined by every grouped-matmul kernel
+        y = jnp.where(keep[:, None], y, 0.0)
     y = y * weights.reshape(-1, 1).astype(jnp.float32)
     return y.reshape(n, k, -1).sum(axis=1)
+
+
+def expert_ffn_ep(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+                  down: jax.Array, mesh: Any, method: str = "auto") -> jax.Array:
+    """`expert_ffn` with the experts split over the mesh's `ep` axis (and each expert's hidden units over `tp`
+    when the mesh has it), inside `shard_map`: every ep shard computes only the assignments routed to its own
+    experts (the rest are sorted behind them and masked out), and one psum over ep (and tp) adds the parts.
+    The tokens and routing are replicated over ep, so no token moves; no expert's weights are gathered."""
+    from jax.sharding import PartitionSpec as P
+
+    names = dict(mesh.shape)
+    tp = "tp" if names.get("tp", 1) > 1 and gate.shape[-1] % names["tp"] == 0 else None
+    reduce_axes = ("ep", tp) if tp else ("ep",)
+
+    def local(x: jax.Array, ids: jax.Array, w: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+              ) -> jax.Array:
+        e_local = gate.shape[0]
+        lid = ids - jax.lax.axis_index("ep") * e_local
+        mine = (lid >= 0) & (lid < e_local)
+        # Assignments to other shards' experts keep weight 0 and an in-range id: computed, then dropped.
+        y = expert_ffn(x, jnp.where(mine, lid, 0), jnp.where(mine, w, 0.0), gate, up, down, method,
+                       valid=mine)
+        return jax.lax.psum(y, reduce_axes)
+
+    rep = P()
+    return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, P("ep", None, tp), P("ep", None, tp),
+                                                     P("ep", tp, None)),
+                         out_specs=rep, axis_names=frozenset(reduce_axes), check_vma=False)(
+        x, expert_ids, weights, gate, up, down)
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -167,8 +203,13 @@ class MoEBlock(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x2 = x.reshape(-1, x.shape[-1])
         w, ids = route(self.router(x2), self.top_k, self.normalize)
-        y = expert_ffn(x2, ids, w, self.experts.gate_proj.kernel[...], self.experts.up_proj.kernel[...],
-                       self.experts.down_proj.kernel[...])
+        weights = (self.experts.gate_proj.kernel[...], self.experts.up_proj.kernel[...],
+                   self.experts.down_proj.kernel[...])
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and dict(mesh.shape).get("ep", 1) > 1:
+            y = expert_ffn_ep(x2, ids, w, *weights, mesh)
+        else:
+            y = expert_ffn(x2, ids, w, *weights)
         return y.astype(x.dtype).reshape(x.shape)
 
 
