@@ -115,6 +115,12 @@ class Engine:
         return self.programs_set.max_step_tokens
 
     @property
+    def mixed_step_tokens(self) -> int | None:
+        """Token bucket of a step that carries decode rows beside a prompt (a quarter chunk), or None."""
+        q = self.max_step_tokens // 4
+        return q if q in self.programs_set.token_buckets else None
+
+    @property
     def slot_order(self) -> list[int]:
         """Slots in the order to fill them: the r-th slot of every group before any group's (r+1)-th."""
         s = self.slots_per_group
