@@ -369,3 +369,41 @@ def test_qwen3_30b_a3b_experts_compile_deviceless_for_tpu_with_ep():
     assert not rep["all_gather"]
     experts_per_chip = 3 * (128 // 4) * 2048 * 768 * 2
     assert experts_per_chip <= rep["argument_bytes"] < experts_per_chip * 1.1
+
+
+@pytest.mark.parametrize("kind,change,message", [
+    ("qwen3", {"use_sliding_window": True}, r"qwen3: use_sliding_window=true .* is not supported"),
+    ("gemma3_text", {"layer_types": ["sliding_attention", "local"]},
+     r"gemma3_text: layer_types must be 4 entries of sliding_attention, full_attention, got 2 with \['local'\]"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=true .* not supported"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, r"qwen3_moe: dense layers between the MoE layers"),
+    ("mixtral", {"num_experts_per_tok": 5}, r"mixtral: num_experts_per_tok=5 must be in \[1, num_experts=4\]"),
+])
+def test_config_errors_name_the_key(kind, change, message):
+    raw = {k: v for k, v in TINY[kind].items() if k not in change}
+    with pytest.raises(ValueError, match=message):
+        from_hf_config({**raw, **change})
+
+
+def test_gemma3_legacy_config_keys():
+    """Configs written before layer_types / rope_parameters: sliding_window_pattern, rope_theta and
+    rope_local_base_freq give the same layers and RoPE."""
+    raw = {k: v for k, v in TINY["gemma3_text"].items() if k not in ("layer_types", "rope_parameters")}
+    _, cfg = from_hf_config({**raw, "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 1e4})
+    _, new = from_hf_config(TINY["gemma3_text"])
+    assert cfg.layer_types == new.layer_types
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (new.rope_theta, new.rope_local_theta) == (1e6, 1e4)
+
+
+def test_moe_rejects_out_in_kernels_and_unknown_method():
+    import flax.nnx as nnx
+
+    from raydeploy.model.moe import expert_ffn
+
+    fam, cfg = from_hf_config(TINY["mixtral"])
+    with pytest.raises(ValueError, match=r"mixtral: kernel_layout must be in_out for a mixture-of-experts model, "
+                                         r"got 'out_in'"):
+        nnx.eval_shape(lambda: fam.module(cfg, kernel_layout="out_in"))
+    z = jnp.zeros((2, 4, 4))
+    with pytest.raises(ValueError, match=r"method must be auto, gather or ragged_dot, got 'dense'"):
+        expert_ffn(jnp.zeros((1, 4)), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)), z, z, z, method="dense")
