@@ -709,6 +709,8 @@ def _real_sched(engine, cfg, prefix_caching=True, pages_per_group=None) -> Sched
 @pytest.mark.model
 def test_real_model_second_request_with_the_same_system_prompt_reuses_its_pages(real_paged):
     engine, tok, cfg = real_paged
+    serving = Scheduler.for_engine(engine, cfg)  # what the gang and `raydeploy generate` build
+    assert serving.paging == Paging(16, engine.pages_per_group, 1, 128, True, mixed_step_tokens=32)
     system = (SYSTEM * 5)[:1600]  # about 430 tokens
     a_ids = _chat(tok, system, "How much is an electric bike for two days?")
     b_ids = _chat(tok, system, "Can my 10 year old son ride alone?")
