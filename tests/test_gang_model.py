@@ -145,6 +145,11 @@ def test_kill_rank1_mid_generation_then_restart_and_generate_again(gang):
     last = out["events"][-1]
     assert last.finish_reason == "error" and last.retriable and "gang failure" in last.error, last
     assert out["ended_s"] - killed_s < HEARTBEAT_S + 5
+    # rank 0 may end the stream (its collective with the dead host fails) before the supervisor's watch marks
+    # the gang restarting: wait, bounded, until it has, so wait_ready waits for the new gang, not the old one
+    deadline = time.monotonic() + HEARTBEAT_S + 60
+    while gang.state()["restarts"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     st = gang.wait_ready(900)
     assert st["restarts"] == 1 and "host 1" in st["history"][-1]["error"], st
     # the restarted gang compiled nothing: every host loaded every program from the shared cache
