@@ -23,22 +23,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
+from machine import cpu_flags  # benchmarks/machine.py (scripts run with benchmarks/ on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "attention_cpu.json"
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
-    have = set(flags.split(":", 1)[1].split())
-    return " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in have) or "none"
 
 
 def contiguous_attend_one(q_bnh, k_bksh, v_bksh, mask_bs, k_new_bkh, v_new_bkh):  # type: ignore[no-untyped-def]

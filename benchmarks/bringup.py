@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -29,16 +28,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from machine import cpu_flags  # benchmarks/machine.py (scripts run with benchmarks/ on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
-    have = set(flags.split(":", 1)[1].split())
-    return " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in have) or "none"
 
 
 def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict | None]:
