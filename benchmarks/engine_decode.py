@@ -114,7 +114,7 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     from raydeploy.engine.engine import Engine
     from raydeploy.engine.local import LocalRunner
     from raydeploy.engine.request import GenerationRequest
-    from raydeploy.engine.scheduler import Scheduler
+    from raydeploy.engine.scheduler import Paging, Scheduler
     from raydeploy.model.sharding import build_mesh, merge_rules
     from raydeploy.model.spec import param_specs
 
@@ -133,7 +133,10 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     prompts = _tokenized(tok, 8)
 
     def run(batch: int) -> tuple[list, float, float]:
-        sched = Scheduler(8, 512, (), 16, [64, 512], slot_order=engine.slot_order, decode_steps=engine.decode_steps)
+        paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
+                        engine_cfg.prefix_caching, engine.mixed_step_tokens)
+        sched = Scheduler(8, 512, (), 16, [64, 512], slot_order=engine.slot_order, decode_steps=engine.decode_steps,
+                          paging=paging)
         runner = LocalRunner(engine, sched)
         reqs = [GenerationRequest(f"b{batch}-{i}", tuple(prompts[i]), new_tokens) for i in range(batch)]
         t = time.perf_counter()

@@ -100,7 +100,6 @@ class StepInputs:
     token_slot: jax.Array      # i32[G*T] global slot of each token; max_slots for padding places
     write_page: jax.Array      # i32[G*T] local page the token's K/V go to; pages_per_group (dropped) for padding
     write_offset: jax.Array    # i32[G*T] offset in that page
-    view_page: jax.Array       # i32[G*T] page of the token in its row's gathered view (row * P + pos // ps)
     kv_lens: jax.Array         # i32[G*R] tokens in each row's cache after this step's write
     page_indices: jax.Array    # i32[G*R, P] each row's page ids (local to the group)
     cu_q_lens: jax.Array       # i32[G*(R+1)] token offsets of each row within its group
@@ -120,7 +119,7 @@ class StepInputs:
 # Leading-axis layout of each field: "tokens" = [G*T], "rows" = [G*R...], "groups" = [G], "replicated".
 FIELD_LAYOUT = {
     "tokens": "tokens", "from_last": "tokens", "positions": "tokens", "token_slot": "tokens",
-    "write_page": "tokens", "write_offset": "tokens", "view_page": "tokens",
+    "write_page": "tokens", "write_offset": "tokens",
     "kv_lens": "rows", "page_indices": "rows", "cu_q_lens": "rows", "num_seqs": "rows",
     "logit_index": "rows", "row_slot": "rows", "temperature": "rows", "top_p": "rows", "top_k": "rows",
     "repetition_penalty": "rows", "seed": "rows", "sample_position": "rows",
@@ -167,7 +166,6 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     a["from_last"][:] = -1
     a["token_slot"][:] = ms
     a["write_page"][:] = tables.pages_per_group
-    a["view_page"][:] = r_n * pages
     a["row_slot"][:] = ms
     a["temperature"][:] = 0.0
     a["top_p"][:] = 1.0
@@ -193,7 +191,6 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
         a["token_slot"][sl] = q.slot
         a["write_page"][sl] = tables.table[q.slot, pos // page_size]
         a["write_offset"][sl] = pos % page_size
-        a["view_page"][sl] = r * pages + pos // page_size
         row = g * r_n + r
         kv_len = start + n
         a["kv_lens"][row] = kv_len

@@ -4,11 +4,11 @@
 engine's programs:
 - `step_{T}x{P}`: one mixed ragged step. For every dp group, the new tokens of that group's sequences in one flat
   batch of T places (prefill chunks of several tokens and decode rows of one token, at explicit positions).
-  Per layer, inside the layer scan, each group gathers the P pages per sequence its rows use from the
-  loop-invariant pool into a compact view, places this step's new K/V in it and calls the attention backend
-  (`raydeploy.engine.attention`, jax's ragged paged attention signature) inside `jax.shard_map` (sequences and
-  pages over dp, heads over tp). After the scan every layer's new K/V are scattered into the pool in one write
-  (the pool is never carried through the scan: XLA copied a carried cache whole). Logits only at each
+  The pool is carried through the layer scan: per layer, each group writes this step's new K/V into its
+  pages in place and calls the attention backend (`raydeploy.engine.attention`, jax's ragged paged attention
+  signature) on the whole pool with the rows' page ids offset to that layer, inside `jax.shard_map`
+  (sequences and pages over dp, heads over tp). Nothing of the cache is sliced or copied per layer (XLA
+  updates the donated, carried pool in place). Logits only at each
   sequence's last token of the step; sampling fused. T is a token bucket (powers of four up to the slots of a
   group for decode steps, and `engine.prefill_chunk` for steps with prompt chunks), P a page bucket (from 256
   tokens up by 8x to max_seq_len).
@@ -246,50 +246,49 @@ class ProgramSet:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=frozenset(self.mesh.axis_names), check_vma=False)
 
-    def _attend(self, pool: jax.Array, inp: StepInputs) -> Callable[..., Any]:
-        """The per-layer attention of the ragged forward (pool read-only, carried cache unused): gather each
-        row's pages into a compact view, place the step's new K/V in it, call the backend on the view."""
+    def _attend(self, inp: StepInputs) -> Callable[..., Any]:
+        """The per-layer attention of the ragged forward. The pool is carried through the layer scan: each layer
+        writes this step's new K/V into its own pages of the pool (in place: the pool is donated and XLA updates
+        a carried buffer without copying it), then the backend reads the pool whole, [layers * pages, ...],
+        with the rows' page ids offset to this layer. No per-layer slice or view of the cache is made (slicing
+        a layer's pool out of the stacked one, or gathering a compact view, copies it on every backend)."""
         dp, hd = _axes_entry(self.dp_axes), _axes_entry(self.head_axes)
-        ps = self.page_size
         window = self.cfg.sliding_window or None
+        pool_spec = PartitionSpec(None, dp, None, hd, None)
 
-        def local(q, kv, pool, layer, view_page, offset, kv_lens, page_indices, cu_q_lens, num_seqs):
-            rows, pages = page_indices.shape
-            view = pool[layer, page_indices]  # [R, P, ps, 2K, H]: only the pages these rows use
-            view = view.reshape(rows * pages, ps, *view.shape[-2:])
-            view = view.at[view_page, offset].set(kv, mode="drop")
-            table = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
-            return self.attention(q, view, kv_lens, table, cu_q_lens, num_seqs, sm_scale=self.sm_scale,
-                                  sliding_window=window)
+        def local(q, kv, pool, layer, write_page, offset, kv_lens, page_indices, cu_q_lens, num_seqs):
+            layers, pages = pool.shape[:2]
+            flat = pool.reshape(layers * pages, *pool.shape[2:])
+            base = layer * pages
+            # padding places carry write_page == pages (out of this group's range): keep them out of range
+            dest = jnp.where((write_page >= 0) & (write_page < pages), base + write_page, layers * pages)
+            if kv.shape[0] == 1:
+                # XLA rewrites a one-index scatter as a dynamic-update-slice of a select against the old value,
+                # and then copied the whole carried pool every layer (CPU, 3 copies); a second, dropped index
+                # keeps it a scatter, which updates the pool in place
+                dest = jnp.concatenate([dest, jnp.full((1,), layers * pages, dest.dtype)])
+                offset = jnp.concatenate([offset, offset])
+                kv = jnp.concatenate([kv, kv])
+            flat = flat.at[dest, offset].set(kv, mode="drop")
+            out = self.attention(q, flat, kv_lens, page_indices + base, cu_q_lens, num_seqs,
+                                 sm_scale=self.sm_scale, sliding_window=window)
+            return out, flat.reshape(pool.shape)
 
         sharded = self._manual(
             local,
-            in_specs=(PartitionSpec(dp, hd, None), PartitionSpec(dp, hd, None),
-                      PartitionSpec(None, dp, None, hd, None), PartitionSpec(), PartitionSpec(dp),
-                      PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp, None), PartitionSpec(dp),
-                      PartitionSpec(dp)),
-            out_specs=PartitionSpec(dp, hd, None))
+            in_specs=(PartitionSpec(dp, hd, None), PartitionSpec(dp, hd, None), pool_spec, PartitionSpec(),
+                      PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp, None),
+                      PartitionSpec(dp), PartitionSpec(dp)),
+            out_specs=(PartitionSpec(dp, hd, None), pool_spec))
 
-        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, carried: Any) -> tuple[jax.Array, Any]:
+        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
             kv = _interleave(k, v).astype(pool.dtype)
-            out = sharded(q, kv, pool, layer, inp.view_page, inp.write_offset, inp.kv_lens, inp.page_indices,
-                          inp.cu_q_lens, inp.num_seqs)
-            return out.astype(q.dtype), carried
+            out, pool = sharded(q, kv, pool, layer, inp.write_page, inp.write_offset, inp.kv_lens,
+                                inp.page_indices, inp.cu_q_lens, inp.num_seqs)
+            return out.astype(q.dtype), pool
 
         return attend
-
-    def _write(self, pool: jax.Array, ks: jax.Array, vs: jax.Array, inp: StepInputs) -> jax.Array:
-        """Every layer's new K/V [L, N, K, H] into the pool at the tokens' pages and offsets (one scatter)."""
-        dp, hd = _axes_entry(self.dp_axes), _axes_entry(self.head_axes)
-        new = jax.vmap(_interleave)(ks, vs).astype(pool.dtype)
-
-        def local(pool, new, page, offset):
-            return pool.at[:, page, offset].set(new, mode="drop")
-
-        return self._manual(local, in_specs=(PartitionSpec(None, dp, None, hd, None), PartitionSpec(None, dp, hd, None),
-                                             PartitionSpec(dp), PartitionSpec(dp)),
-                            out_specs=PartitionSpec(None, dp, None, hd, None))(pool, new, inp.write_page,
-                                                                                inp.write_offset)
 
     def _step_fn(self, leaves, pool, presence, last_tokens, inp: StepInputs):
         """One ragged step. Returns the pool, the repetition-penalty sets, the slots' last tokens and the packed
@@ -300,8 +299,7 @@ class ProgramSet:
         r = inp.kv_lens.shape[0] // g
         ms = self.max_slots
         tokens = jnp.where(inp.from_last >= 0, last_tokens[jnp.maximum(inp.from_last, 0)], inp.tokens)
-        h, ks, vs, _ = model.ragged(tokens, inp.positions, self._attend(pool, inp), self.shard)
-        pool = self._write(pool, ks, vs, inp)
+        h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp), self.shard, cache=pool)
         hg = h.reshape(g, t, h.shape[-1])
         last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices
