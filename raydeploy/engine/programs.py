@@ -10,8 +10,9 @@ engine's programs:
   (sequences and pages over dp, heads over tp). Nothing of the cache is sliced or copied per layer (XLA
   updates the donated, carried pool in place). Logits only at each
   sequence's last token of the step; sampling fused. T is a token bucket (powers of four up to the slots of a
-  group for decode steps, and `engine.prefill_chunk` for steps with prompt chunks), P a page bucket (from 256
-  tokens up by 8x to max_seq_len).
+  group for decode steps, and `engine.prefill_chunk` for steps with prompt chunks), P the page table's width:
+  max_seq_len's pages, or page buckets (from 256 tokens up by 8x) for a backend whose work follows the
+  table's width rather than the live tokens (`attention.work_follows_table`: the GPU one).
 - `presence_row`: sets one slot's repetition-penalty token set from the host (a request that starts on reused
   prefix pages).
 
@@ -173,7 +174,10 @@ class ProgramSet:
         quarter = self.max_step_tokens // 4
         self.token_buckets = sorted(set(decode) | {self.max_step_tokens}
                                     | ({quarter} if quarter > self.slots_per_group else set()))
-        self.page_buckets = default_page_buckets(self.max_pages_per_seq, self.page_size)
+        from raydeploy.engine.attention import work_follows_table
+
+        self.page_buckets = (default_page_buckets(self.max_pages_per_seq, self.page_size)
+                             if work_follows_table(engine_cfg.attention, platform) else [self.max_pages_per_seq])
         self.attention = attention or default_attention(engine_cfg.attention, platform)
         self.sm_scale = 1.0 / math.sqrt(llama_cfg.head_dim)
         dp = _axes_entry(self.dp_axes)
