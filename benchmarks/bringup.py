@@ -57,6 +57,8 @@ def wait_ready(base: str, limit_s: float, proc: subprocess.Popen | None = None) 
 def gang_figures(base: str) -> dict:
     _, st = get_json(base + "/status", 30.0)
     gang = (st or {}).get("gang", st or {})
+    if isinstance(gang.get("gangs"), list) and gang["gangs"]:  # gangs behind the endpoint: the first one
+        gang = gang["gangs"][0]
     hosts = gang.get("host_status", [])
     return {"phase_s": gang.get("phase_s"), "restarts": gang.get("restarts"),
             "hosts": [{"rank": h.get("rank"), "pid": h.get("pid"), "loaded": h.get("programs_loaded"),
