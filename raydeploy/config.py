@@ -1,9 +1,9 @@
 """The deployment config: one YAML file, loaded strictly into frozen dataclasses.
 
 Every field has a one-line docstring (the string right below it) that says what it is and its unit; the
-docs' config reference is generated from these. Loading is strict: an unknown key, a wrong type or an
-impossible combination raises :class:`ConfigError` naming the file, the key and the numbers, before
-anything starts. Cross-field checks that need the model's shape (heads vs tensor-parallel size, memory)
+docs' config reference is generated from these. Loading is strict (pydantic checks the types, then
+:func:`validate` the combinations): an unknown key, a wrong type or an impossible combination raises
+:class:`ConfigError` naming the file, the key and the numbers, before anything starts. Cross-field checks that need the model's shape (heads vs tensor-parallel size, memory)
 live in :mod:`raydeploy.plan`, which runs before any actor is placed.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import itertools
 import math
@@ -19,9 +20,14 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, cast, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Union, cast, get_args, get_origin
 
 import yaml
+
+if TYPE_CHECKING:
+    import pydantic
+    from pydantic import GetCoreSchemaHandler
+    from pydantic_core import CoreSchema
 
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default_config.yaml")
@@ -47,8 +53,27 @@ def _rebuild_config_error(text: str, file: str | None, key: str | None) -> Confi
     return err
 
 
+class _Section:
+    """Base of every config section: pydantic (``TypeAdapter(Config)``) checks the types of a loaded config.
+
+    Strict: an unknown key is an error, an int is not a bool nor a string, a list is not a tuple; a float field takes
+    an int (YAML writes ``10`` for ``10.0``) and holds it as a float. A section is given as a mapping.
+    """
+
+    __pydantic_config__ = {"extra": "forbid", "strict": True}
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        schema = handler(source)
+        if schema["type"] == "dataclass":
+            # strict stays on for every field; the section itself is built from the mapping YAML gives (in strict
+            # mode pydantic would ask for an instance of the dataclass)
+            cast(dict[str, Any], schema)["strict"] = False
+        return schema
+
+
 @dataclass(frozen=True)
-class ClusterConfig:
+class ClusterConfig(_Section):
     """Where the gang runs: how many hosts, what each host is, how long each phase may take."""
 
     num_hosts: int = 2
@@ -96,7 +121,7 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
-class MeshConfig:
+class MeshConfig(_Section):
     """The one global mesh every host builds: axis names and sizes, and the sharding rules."""
 
     axes: dict[str, int] = field(default_factory=lambda: {"dp": 1, "fsdp": 2, "tp": 2, "sp": 1})
@@ -106,7 +131,7 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Section):
     """Which weights to serve and in which precision."""
 
     checkpoint: str = "demo:smollm2-135m-instruct"
@@ -128,7 +153,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class SamplingDefaults:
+class SamplingDefaults(_Section):
     """Sampling used when a request does not say."""
 
     temperature: float = 0.7
@@ -142,7 +167,7 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(_Section):
     """The jitted engine: slots, prompt buckets, limits."""
 
     max_slots: int = 8
@@ -185,7 +210,7 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class ServingConfig:
+class ServingConfig(_Section):
     """The HTTP front door (Ray Serve)."""
 
     host: str = "127.0.0.1"
@@ -209,7 +234,7 @@ class ServingConfig:
 
 
 @dataclass(frozen=True)
-class ReplicasConfig:
+class ReplicasConfig(_Section):
     """Gangs behind one endpoint: each a Ray Serve replica with its own placement group, routed and scaled by Serve (names follow its autoscaling_config)."""
 
     min: int = 1
@@ -237,7 +262,7 @@ class ReplicasConfig:
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_Section):
     """A whole deployment."""
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -297,7 +322,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     raw = dict(raw)
     raw.pop("source", None)
-    cfg = _build(Config, raw, "", source)
+    import pydantic
+
+    try:
+        cfg = _config_adapter().validate_python(raw)
+    except pydantic.ValidationError as e:
+        raise _config_error(e, raw, source) from None
     cfg = dataclasses.replace(cfg, source=source)
     validate(cfg)
     return cfg
@@ -321,81 +351,78 @@ def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
     node[keys[-1]] = value
 
 
+@functools.cache
+def _config_adapter() -> pydantic.TypeAdapter[Config]:
+    import pydantic
+
+    return pydantic.TypeAdapter(Config)
+
+
+def _config_error(exc: pydantic.ValidationError, raw: dict[str, Any], source: str) -> ConfigError:
+    """The first of pydantic's errors in the file's order, as file + dotted key + what was expected and found."""
+    located = [_locate(err["loc"], raw) for err in exc.errors()]
+    _, key, tp, value, section = min(located, key=lambda item: item[0])
+    if section is not None:
+        known = ", ".join(f.name for f in dataclasses.fields(section) if f.name != "source")
+        return ConfigError(f"unknown key; known keys here are: {known}", file=source, key=key)
+    return ConfigError(_expected(tp, value), file=source, key=key)
+
+
+def _locate(loc: tuple[int | str, ...], raw: dict[str, Any]) -> tuple[list[int], str, Any, Any, type | None]:
+    """Follow pydantic's error location through the raw data and the annotations.
+
+    Returns (position in the file's order, dotted key, annotation there, value there, and the section class when
+    the key is not one of its fields). A union stops the walk: its message names the whole union.
+    """
+    tp: Any = Config
+    value: Any = raw
+    key = ""
+    order: list[int] = []
+    parts = list(loc)
+    while parts and get_origin(tp) not in (Union, types.UnionType):
+        part = parts.pop(0)
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            key = f"{key}.{part}" if key else str(part)
+            order.append(list(value).index(part) if part in value else len(value))
+            names = {f.name for f in dataclasses.fields(tp)} - ({"source"} if tp is Config else set())
+            if part not in names:
+                return order, key, None, None, tp
+            tp, value = typing.get_type_hints(tp)[str(part)], value[part]
+        elif get_origin(tp) is list and isinstance(part, int):
+            key, order = f"{key}[{part}]", [*order, part]
+            tp, value = get_args(tp)[0], value[part]
+        elif get_origin(tp) is dict and part in value:
+            key, order = f"{key}.{part}", [*order, list(value).index(part)]
+            key_tp, value_tp = get_args(tp)
+            if parts and parts[0] == "[key]":  # the key itself has the wrong type
+                tp, value = key_tp, part
+                parts.pop(0)
+            else:
+                tp, value = value_tp, value[part]
+        else:
+            break
+    return order, key, tp, value, None
+
+
+def _expected(tp: Any, value: Any) -> str:
+    """What the annotation `tp` asks for, in the config's words, and the value found instead."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return f"expected {_type_name(tp)}, found {value!r}"
+    if origin is Literal:
+        return f"must be one of {', '.join(repr(a) for a in get_args(tp))}, found {value!r}"
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return f"expected a mapping (section), found {value!r}"
+    words = {list: "a list", dict: "a mapping", bool: "true or false", int: "an integer", float: "a number",
+             str: "a string"}
+    return f"expected {words.get(origin or tp, _type_name(tp))}, found {value!r}"
+
+
 def _type_name(tp: Any) -> str:
+    """An annotation as the messages and the config reference write it (`int`, `str | None`, `list[int]`)."""
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")
-
-
-def _check_value(tp: Any, value: Any, key: str, source: str) -> Any:
-    """Check `value` against the annotation `tp` and return it (ints promoted to float where a float is asked)."""
-    origin = get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        errors = []
-        for alt in get_args(tp):
-            if alt is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _check_value(alt, value, key, source)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"expected {_type_name(tp)}, found {value!r}", file=source, key=key)
-    if origin is Literal:
-        if value not in get_args(tp):
-            choices = ", ".join(repr(a) for a in get_args(tp))
-            raise ConfigError(f"must be one of {choices}, found {value!r}", file=source, key=key)
-        return value
-    if origin is list:
-        (item_tp,) = get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"expected a list, found {value!r}", file=source, key=key)
-        return [_check_value(item_tp, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
-    if origin is dict:
-        key_tp, val_tp = get_args(tp)
-        if not isinstance(value, dict):
-            raise ConfigError(f"expected a mapping, found {value!r}", file=source, key=key)
-        return {
-            _check_value(key_tp, k, f"{key}.{k}", source): _check_value(val_tp, v, f"{key}.{k}", source)
-            for k, v in value.items()
-        }
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"expected a mapping (section), found {value!r}", file=source, key=key)
-        return _build(tp, value, key, source)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"expected true or false, found {value!r}", file=source, key=key)
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"expected an integer, found {value!r}", file=source, key=key)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"expected a number, found {value!r}", file=source, key=key)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"expected a string, found {value!r}", file=source, key=key)
-        return value
-    raise TypeError(f"config type {tp!r} at {key} is not supported by the loader")
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs: dict[str, Any] = {}
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in fields or k == "source":
-            known = ", ".join(n for n in fields if n != "source")
-            raise ConfigError(f"unknown key; known keys here are: {known}", file=source, key=key)
-        kwargs[k] = _check_value(hints[k], v, key, source)
-    return cls(**kwargs)
 
 
 # -- validation of combinations that need no model ------------------------------------------------

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from pathlib import Path
 
 import pytest
 
-from raydeploy.config import Config, ConfigError, config_from_dict, config_reference_markdown, load_config
+from raydeploy.config import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    config_from_dict,
+    config_reference_markdown,
+    load_config,
+)
 from raydeploy.model.sharding import DEFAULT_RULES, check_divisible, merge_rules, partition_spec
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
 
@@ -104,6 +112,80 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "engine: [\n"))
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(_write(tmp_path, "- 1\n"))
+
+
+# Each case: YAML text, the dotted key and the exact message after "file <path>, key '<key>': ". The wording is
+# the loader's contract (file, key, what was expected, what was found), whatever does the type checking.
+TYPE_CASES = [
+    ("engine:\n  sampling:\n    top_k: many\n", "engine.sampling.top_k", "expected an integer, found 'many'"),
+    ("engine:\n  sampling:\n    topk: 3\n", "engine.sampling.topk",
+     "unknown key; known keys here are: temperature, top_p, top_k, repetition_penalty"),
+    ("engine:\n  sampling:\n    temperature: hot\n", "engine.sampling.temperature", "expected a number, found 'hot'"),
+    ("engine:\n  sampling:\n    temperature: false\n", "engine.sampling.temperature",
+     "expected a number, found False"),
+    ("engine:\n  prefill_buckets: [64, big]\n", "engine.prefill_buckets[1]", "expected an integer, found 'big'"),
+    ("engine:\n  prefill_buckets: 64\n", "engine.prefill_buckets", "expected a list, found 64"),
+    ("engine:\n  warmup: 1\n", "engine.warmup", "expected true or false, found 1"),
+    ("engine:\n  attention: flash\n", "engine.attention", "must be one of 'auto', 'xla', 'pallas', found 'flash'"),
+    ("engine: 4\n", "engine", "expected a mapping (section), found 4"),
+    ("engine:\n  sampling: [1]\n", "engine.sampling", "expected a mapping (section), found [1]"),
+    ("model:\n", "model", "expected a mapping (section), found None"),
+    ("mesh:\n  axes: {dp: 1, tp: two}\n", "mesh.axes.tp", "expected an integer, found 'two'"),
+    ("mesh:\n  axes: {1: 4}\n", "mesh.axes.1", "expected a string, found 1"),
+    ("mesh:\n  axes: [dp, tp]\n", "mesh.axes", "expected a mapping, found ['dp', 'tp']"),
+    ("mesh:\n  rules: {embed: 3}\n", "mesh.rules.embed", "expected list[str] | str | None, found 3"),
+    ("mesh:\n  rules: {embed: [tp, 2]}\n", "mesh.rules.embed", "expected list[str] | str | None, found ['tp', 2]"),
+    ("cluster:\n  coordinator_port: high\n", "cluster.coordinator_port", "expected int | None, found 'high'"),
+    ("cluster:\n  host_resources: {TPU: four}\n", "cluster.host_resources.TPU", "expected a number, found 'four'"),
+    ("cluster:\n  env: {DEBUG: 1}\n", "cluster.env.DEBUG", "expected a string, found 1"),
+    ("serving:\n  host: 127\n", "serving.host", "expected a string, found 127"),
+    ("serving:\n  cors_origins: [true]\n", "serving.cors_origins[0]", "expected a string, found True"),
+    ("replicas:\n  initial: 1.5\n", "replicas.initial", "expected int | None, found 1.5"),
+    # the first problem in the file's order is the one reported
+    ("serving:\n  port: x\nengine:\n  max_slotz: 4\n  max_slots: y\n", "serving.port",
+     "expected an integer, found 'x'"),
+    ("engine:\n  max_slotz: 4\n  max_slots: y\n", "engine.max_slotz", "unknown key; known keys here are: "
+     + ", ".join(f.name for f in dataclasses.fields(EngineConfig))),
+    ("source: x.yaml\ncluster: {num_hosts: 1.0}\n", "cluster.num_hosts", "expected an integer, found 1.0"),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "message"), TYPE_CASES)
+def test_type_errors_name_file_dotted_key_and_value(tmp_path: Path, text: str, key: str, message: str) -> None:
+    p = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert str(ei.value) == f"file {p}, key '{key}': {message}"
+    assert ei.value.file == str(p) and ei.value.key == key
+
+
+def test_override_type_errors_name_the_dotted_key(tmp_path: Path) -> None:
+    p = _write(tmp_path, "")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, ["engine.sampling.top_p=high"])
+    assert str(ei.value) == f"file {p}, key 'engine.sampling.top_p': expected a number, found 'high'"
+    with pytest.raises(ConfigError, match=r"key 'engine.sampling.top': unknown key; known keys here are: temperature"):
+        load_config(p, ["engine.sampling.top=1"])
+    with pytest.raises(ConfigError, match=r"override 'engine.max_slots.x=1': 'max_slots' is not a section"):
+        load_config(_write(tmp_path, "engine: {max_slots: 4}\n"), ["engine.max_slots.x=1"])
+
+
+def test_loaded_values_have_the_declared_types(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, "serving: {request_timeout_s: 10}\ncluster: {host_resources: {TPU: 4}}\n"
+                                       "engine: {sampling: {temperature: 0}}\nmesh: {rules: {embed: [tp], mlp: null}}\n"))
+    assert cfg.serving.request_timeout_s == 10.0 and type(cfg.serving.request_timeout_s) is float  # YAML int -> float
+    assert cfg.cluster.host_resources == {"TPU": 4.0} and type(cfg.cluster.host_resources["TPU"]) is float
+    assert type(cfg.engine.sampling.temperature) is float
+    assert cfg.mesh.rules == {"embed": ["tp"], "mlp": None}
+    assert cfg.source == str(tmp_path / "deploy.yaml")
+    # frozen dataclasses as before: replace works, to_dict round-trips through the loader
+    again = config_from_dict(cfg.to_dict(), source="again")
+    assert again == dataclasses.replace(cfg, source="again")
+
+
+def test_tuples_are_not_lists() -> None:
+    with pytest.raises(ConfigError, match=r"key 'engine.prefill_buckets': expected a list, found \(64, 2048\)"):
+        config_from_dict({"engine": {"prefill_buckets": (64, 2048)}})
 
 
 def test_simulated_requires_cpu() -> None:
