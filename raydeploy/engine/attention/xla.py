@@ -31,7 +31,10 @@ import jax.numpy as jnp
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as the TPU kernel's: a fully masked row stays finite
 CHUNK_BLOCK_Q = 64        # query rows of a multi-token sequence per step of the chunk loop
-KV_BLOCK_TOKENS = 256     # keys per step of the key-block loops (rounded to whole pages)
+KV_BLOCK_TOKENS = 64     # keys per step of the key-block loops (rounded to whole pages). Measured (2 AVX2
+# cores, 30 layers, benchmarks/attention_cpu.py): 64 against 256, 16 rows x 64 / 256 / 1024 cached tokens:
+# 9 / 30 / 122 ms against 73 / 67 / 200 ms; a block is computed whole, so big blocks pay for every row's
+# masked tail (the demo engine's decode pass at 16 rows: 125 -> 70 ms)
 
 
 def check_inputs(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
