@@ -189,33 +189,41 @@ def _chunked_sequences(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_
         rows = r0 + jnp.arange(b, dtype=jnp.int32)
         row_ok = rows < q_lens[seq]
         qpos = lens[seq] - q_lens[seq] + rows
-        q_bkgd = jax.lax.dynamic_slice_in_dim(q_pad, first, b).reshape(b, hkv, g, d).astype(jnp.float32)
+        # [K, G*B, D]: a kv head's query heads and rows as one matrix, so each key block is two batched
+        # matmuls over the kv heads with G*B rows
+        q_kmd = (jax.lax.dynamic_slice_in_dim(q_pad, first, b).reshape(b, hkv, g, d).transpose(1, 2, 0, 3)
+                 .reshape(hkv, g * b, d).astype(jnp.float32))
+        qpos_m = jnp.tile(qpos, g)                                               # [G*B], row m = (g, b)
+        row_ok_m = jnp.tile(row_ok, g)
         hi = lens[seq] - q_lens[seq] + jnp.minimum(r0 + b, q_lens[seq])        # keys [lo, hi) are reached
         lo = 0 if sliding_window is None else jnp.maximum(0, qpos[0] - sliding_window + 1)
+        kv5 = kv_pages.reshape(num_pages, page_size, hkv, 2, d)
 
         def kv_block(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             m, denom, acc = carry
             ids = jax.lax.dynamic_slice_in_dim(table[seq], j * block_pages, block_pages)
-            kv = jnp.take(kv_pages, ids, axis=0, mode="clip").reshape(kv_tokens, hkv, 2, d)
+            # K and V gathered apart and head-major ([K, L, D], the transpose inside the gather)
+            k = kv5[ids, :, :, 0].reshape(kv_tokens, hkv, d).transpose(1, 0, 2).astype(jnp.float32)
             kpos = j * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)
             key_ok = kpos < lens[seq]
-            mask = (kpos[None, :] <= qpos[:, None]) & row_ok[:, None] & key_ok[None, :]
+            mask = (kpos[None, :] <= qpos_m[:, None]) & row_ok_m[:, None] & key_ok[None, :]   # [G*B, L]
             if sliding_window is not None:
-                mask &= kpos[None, :] > qpos[:, None] - sliding_window
-            scores = _cap(jnp.einsum("bkgd,lkd->kgbl", q_bkgd, kv[:, :, 0].astype(jnp.float32)), sm_scale,
-                          soft_cap)
-            scores = jnp.where(mask, scores, MASK_VALUE)
+                mask &= kpos[None, :] > qpos_m[:, None] - sliding_window
+            scores = _cap(jnp.einsum("kmd,kld->kml", q_kmd, k), sm_scale, soft_cap)            # [K, G*B, L]
+            scores = jnp.where(mask[None], scores, MASK_VALUE)
             m_next = jnp.maximum(m, jnp.max(scores, axis=-1))
-            p = jnp.where(mask, jnp.exp(scores - m_next[..., None]), 0.0)
+            p = jnp.where(mask[None], jnp.exp(scores - m_next[..., None]), 0.0)
             corr = jnp.exp(m - m_next)
-            v = jnp.where(key_ok[:, None, None], kv[:, :, 1].astype(jnp.float32), 0.0)
-            acc = acc * corr[..., None] + jnp.einsum("kgbl,lkd->kgbd", p, v)
+            v = kv5[ids, :, :, 1].reshape(kv_tokens, hkv, d)
+            v = jnp.where(key_ok[:, None, None], v, 0.0).transpose(1, 0, 2).astype(jnp.float32)   # [K, L, D]
+            acc = acc * corr[..., None] + jnp.einsum("kml,kld->kmd", p, v)
             return m_next, denom * corr + jnp.sum(p, axis=-1), acc
 
-        init = (jnp.full((hkv, g, b), MASK_VALUE, jnp.float32), jnp.zeros((hkv, g, b), jnp.float32),
-                jnp.zeros((hkv, g, b, d), jnp.float32))
+        init = (jnp.full((hkv, g * b), MASK_VALUE, jnp.float32), jnp.zeros((hkv, g * b), jnp.float32),
+                jnp.zeros((hkv, g * b, d), jnp.float32))
         _, denom, acc = jax.lax.fori_loop(lo // kv_tokens, (hi + kv_tokens - 1) // kv_tokens, kv_block, init)
-        res = (acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]).transpose(2, 0, 1, 3).reshape(b, hq, d)
+        res = ((acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]).reshape(hkv, g, b, d).transpose(2, 0, 1, 3)
+               .reshape(b, hq, d))
         cur = jax.lax.dynamic_slice_in_dim(out, first, b)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], res, cur), first, 0)
 
