@@ -111,14 +111,15 @@ from raydeploy.checkpoint.demo import resolve_checkpoint
 from raydeploy.checkpoint.reader import CheckpointReader
 from raydeploy.config import load_config
 from raydeploy.engine.engine import Engine
+from raydeploy.model.registry import from_hf_config
 from raydeploy.model.sharding import build_mesh, merge_rules
 from raydeploy.model.spec import param_specs
 cfg = load_config("configs/local.yaml", ["engine.compilation_cache_dir={cache}"])
 mesh = build_mesh({{"dp": 1}}, jax.devices()[:1])
 rules = merge_rules(cfg.mesh.rules)
 reader = CheckpointReader(resolve_checkpoint(cfg.model.checkpoint))
-params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, cfg.model.param_dtype, 2, progress=False)
-engine = Engine(reader.llama_config, params, mesh, rules, cfg.model, cfg.engine)
+params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, cfg.model.param_dtype, 2, progress=False)
+engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, cfg.model, cfg.engine)
 engine.warmup()
 print(time.perf_counter() - t0, engine.program_counts())
 """

@@ -42,6 +42,7 @@ def main() -> int:
     from raydeploy.checkpoint.demo import DEMO_PREFIX, ensure_demo_checkpoint, resolve_checkpoint
     from raydeploy.checkpoint.layout import column_splits
     from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
     from raydeploy.model.spec import param_specs
 
@@ -53,7 +54,7 @@ def main() -> int:
     else:
         path = resolve_checkpoint(args.checkpoint)
     reader = CheckpointReader(path)
-    specs = param_specs(reader.llama_config)
+    specs = param_specs(from_hf_config(reader.hf_config)[1])
     n_dev = 1
     for v in mesh_shape.values():
         n_dev *= v

@@ -115,6 +115,7 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     from raydeploy.engine.local import LocalRunner
     from raydeploy.engine.request import GenerationRequest
     from raydeploy.engine.scheduler import Paging, Scheduler
+    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
     from raydeploy.model.spec import param_specs
 
@@ -124,10 +125,10 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     rules = merge_rules({})
     reader = CheckpointReader(path)
     t0 = time.perf_counter()
-    params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, dtype, 4, progress=False)
+    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, dtype, 4, progress=False)
     model_cfg = ModelConfig(dtype="float32", param_dtype=dtype, max_seq_len=512)  # float32 activations
     engine_cfg = EngineConfig(max_slots=8, prefill_buckets=[64, 512], max_new_tokens=256)
-    engine = Engine(reader.llama_config, params, mesh, rules, model_cfg, engine_cfg)
+    engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, model_cfg, engine_cfg)
     load_s = time.perf_counter() - t0
     compile_s = engine.warmup()
     prompts = _tokenized(tok, 8)
@@ -146,7 +147,7 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
         decoded = sum(len(o.token_ids) - 1 for o in outs)
         return outs, ttft, decoded / (total - ttft)
 
-    ppl = _our_perplexity(reader.llama_config, params, dtype, _eval_ids(tok))
+    ppl = _our_perplexity(from_hf_config(reader.hf_config)[1], params, dtype, _eval_ids(tok))
     run(1)  # one untimed pass: first calls after warmup still page in buffers
     outs1, ttft1, tps1 = run(1)
     _, ttft8, tps8 = run(8)

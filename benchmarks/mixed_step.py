@@ -88,6 +88,7 @@ def main() -> int:
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
     from raydeploy.engine.engine import Engine
+    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
     from raydeploy.model.spec import param_specs
 
@@ -96,8 +97,8 @@ def main() -> int:
     mesh = build_mesh({"dp": 1}, jax.devices()[:1])
     rules = merge_rules({})
     reader = CheckpointReader(path)
-    params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, "float32", 4, progress=False)
-    engine = Engine(reader.llama_config, params, mesh, rules, ModelConfig(max_seq_len=2048),
+    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, "float32", 4, progress=False)
+    engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, ModelConfig(max_seq_len=2048),
                     EngineConfig(max_slots=8, max_new_tokens=1536))
     ps = engine.programs_set
     ps.token_buckets = sorted(set(ps.token_buckets) | set(budgets))  # one program per budget, same engine

@@ -251,17 +251,16 @@ def compile_config(cfg: Config, out_dir: str | None = None, only: list[str] | No
     from raydeploy.engine import compile_cache
     from raydeploy.engine.programs import ProgramSet
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import LlamaConfig
-    from raydeploy.plan import device_memory, make_plan, model_config_path
+    from raydeploy.plan import device_memory, make_plan, model_family
 
     plan = make_plan(cfg)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         compile_cache.enable(out_dir)
     devices = target_devices(cfg)
-    llama = LlamaConfig.from_json(model_config_path(cfg))
+    family, model, _ = model_family(cfg)
     mesh = build_mesh(plan.mesh, devices)
-    ps = ProgramSet(llama, mesh, merge_rules(cfg.mesh.rules), cfg.model, cfg.engine)
+    ps = ProgramSet(family, model, mesh, merge_rules(cfg.mesh.rules), cfg.model, cfg.engine)
     chip = chip_for(cfg)
     memory, _ = device_memory(cfg)
     reports, problems = [], []
@@ -281,7 +280,7 @@ def compile_config(cfg: Config, out_dir: str | None = None, only: list[str] | No
             problems.append(f"program {shape.name} does not fit the chip's {memory / GIB:.2f} GiB: the compiler "
                             f"says: {detail}")
             continue
-        rep = _report(shape.name, compiled, time.perf_counter() - t0, chip, llama.num_layers)
+        rep = _report(shape.name, compiled, time.perf_counter() - t0, chip, model.num_layers)
         reports.append(rep)
         if progress:
             progress(rep)

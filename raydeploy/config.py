@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pydantic import GetCoreSchemaHandler
     from pydantic_core import CoreSchema
 
-MESH_AXES = ("dp", "fsdp", "tp", "sp")
+MESH_AXES = ("dp", "fsdp", "tp", "sp", "ep")
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default_config.yaml")
 
 
@@ -125,7 +125,7 @@ class MeshConfig(_Section):
     """The one global mesh every host builds: axis names and sizes, and the sharding rules."""
 
     axes: dict[str, int] = field(default_factory=lambda: {"dp": 1, "fsdp": 2, "tp": 2, "sp": 1})
-    """Mesh axis sizes in order (subset of dp, fsdp, tp, sp); one may be -1 to take the remaining devices."""
+    """Mesh axis sizes in order (subset of dp, fsdp, tp, sp, ep); one may be -1 to take the remaining devices."""
     rules: dict[str, list[str] | str | None] = field(default_factory=dict)
     """Overrides of the logical-axis -> mesh-axes table (raydeploy.model.sharding.DEFAULT_RULES); null replicates."""
 

@@ -24,16 +24,9 @@ from typing import Any
 from raydeploy.config import Config, ConfigError
 from raydeploy.gang.placement import head_bundle, host_bundles, placement_strategy
 from raydeploy.gang.preflight import cache_dir_problem
+from raydeploy.model.registry import Family, family_for, from_hf_config
 from raydeploy.model.sharding import check_divisible, logical_to_mesh_axes, merge_rules
-from raydeploy.model.spec import (
-    POOL_RULES,
-    LlamaConfig,
-    TensorSpec,
-    kv_pool_spec,
-    page_table_spec,
-    param_specs,
-    resolve_num_pages,
-)
+from raydeploy.model.spec import POOL_RULES, TensorSpec, page_table_spec, resolve_num_pages
 
 GIB = 1024**3
 
@@ -85,6 +78,10 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     slice_head_bundle: dict[str, float] | None = None
     """TPU: reserved first to claim one whole slice; then every host bundle also asks for that slice's name."""
+    active_param_count: int = 0
+    """Parameters one token's forward reads (a mixture-of-experts token uses k of its experts)."""
+    kv_bytes_per_token: int = 0
+    """KV cache bytes of one token (K and V, every layer, whole model)."""
 
     @property
     def ok(self) -> bool:
@@ -189,7 +186,17 @@ def _generic(name: str) -> str:
     return re.sub(r"layers\.\d+\.", "layers.*.", name)
 
 
-def _heads_problems(model: LlamaConfig, rules: dict, mesh: dict[str, int]) -> list[str]:
+def model_family(cfg: Config) -> tuple[Family, Any, str]:
+    """(family, parsed model config, config.json path) of the config's model, through the registry."""
+    path = model_config_path(cfg)
+    try:
+        raw = json.loads(path.read_text())
+        return (*from_hf_config(raw, source=str(path)), str(path))
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot read model config {path}: {e}", file=cfg.source, key="model.hf_config") from None
+
+
+def _heads_problems(model: Any, rules: dict, mesh: dict[str, int]) -> list[str]:
     out = []
     for logical, count, what in (("q_heads", model.num_heads, "attention heads"),
                                  ("kv_heads", model.num_kv_heads, "KV heads"),
@@ -208,33 +215,35 @@ def _heads_problems(model: LlamaConfig, rules: dict, mesh: dict[str, int]) -> li
 # -- the plan ------------------------------------------------------------------------------------------
 
 
-def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
+def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> Plan:
     """Work out what `cfg` needs. Raises ConfigError only when the model's shape or memory is unknown;
-    every other impossibility is listed in `Plan.problems`."""
+    every other impossibility is listed in `Plan.problems`. `model` (a family's parsed config; its family from
+    `model.model_type` unless given) replaces the config's config.json."""
     json_path = "<given>"
     if model is None:
-        path = model_config_path(cfg)
-        try:
-            model = LlamaConfig.from_json(path)
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"cannot read model config {path}: {e!r}", file=cfg.source, key="model.hf_config") from None
-        json_path = str(path)
+        family, model, json_path = model_family(cfg)
+    elif family is None:
+        family = family_for(model.model_type)
     c, eng = cfg.cluster, cfg.engine
     mesh = cfg.mesh_shape
     problems: list[str] = []
     warnings: list[str] = []
     try:
-        rules = merge_rules(cfg.mesh.rules)
+        rules = {**family.rules, **merge_rules(cfg.mesh.rules)}
     except ConfigError as err:
         raise ConfigError(str(err), file=cfg.source, key=err.key) from None
 
     problems += _heads_problems(model, rules, mesh)
-    specs = param_specs(model)
+    try:
+        family.check_mesh(model, mesh)
+    except ValueError as err:
+        problems.append(str(err))
+    specs = family.param_specs(model)
     pool_rules = {**rules, **POOL_RULES}
     groups = math.prod(mesh.get(a, 1) for a in _axes(rules.get("cache_batch")))
     slots_per_group = max(eng.max_slots // groups, 1)
     pages_per_group = resolve_num_pages(eng.num_pages, slots_per_group, cfg.model.max_seq_len, eng.page_size)
-    kv_spec = kv_pool_spec(model, pages_per_group * groups, eng.page_size)
+    kv_spec = family.kv_pool_spec(model, pages_per_group * groups, eng.page_size)
     seen: set[str] = set()
     for spec in [*specs.values(), page_table_spec(eng.max_slots, cfg.model.max_seq_len, eng.page_size), kv_spec]:
         try:
@@ -249,7 +258,7 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         problems.append(f"engine.max_slots {eng.max_slots} is not divisible by mesh dp={dp}")
 
     p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[cfg.model.dtype]
-    param_count = sum(s.numel for s in specs.values())
+    param_count = family.param_count(model)
     p_dev = sum(_shard_numel(s, rules, mesh) for s in specs.values()) * p_item
     kv_total = kv_spec.numel * kv_item
     kv_dev = _shard_numel(kv_spec, pool_rules, mesh) * kv_item
@@ -290,10 +299,7 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
 
     return Plan(
         source=cfg.source, model_config_json=json_path,
-        model={"model_type": model.model_type, "layers": model.num_layers, "hidden": model.hidden_size,
-               "heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
-               "ffn": model.intermediate_size, "vocab": model.vocab_size,
-               "tied_embeddings": model.tie_word_embeddings},
+        model=family.summary(model),
         platform=c.platform, accelerator_type=c.accelerator_type, num_hosts=c.num_hosts,
         devices_per_host=c.devices_per_host, total_devices=cfg.total_devices, mesh=mesh,
         mesh_axis_span=axis_span(mesh, c.devices_per_host), placement_strategy=placement_strategy(c),
@@ -304,7 +310,8 @@ def make_plan(cfg: Config, model: LlamaConfig | None = None) -> Plan:
         page_size=eng.page_size, pages_per_dp_group=pages_per_group,
         device_memory_bytes=mem, device_memory_from=mem_from, usable_bytes_per_device=usable,
         free_bytes_per_device=usable - need, problems=problems, warnings=warnings,
-        slice_head_bundle=head_bundle(c),
+        slice_head_bundle=head_bundle(c), active_param_count=family.active_param_count(model),
+        kv_bytes_per_token=family.kv_bytes_per_token(model, kv_item),
     )
 
 
@@ -320,6 +327,8 @@ def format_plan(plan: Plan) -> str:
         f"model         {m['model_type']}: {plan.param_count / 1e9:.3f}B params, {m['layers']} layers, hidden "
         f"{m['hidden']}, heads {m['heads']}/{m['kv_heads']} kv, head_dim {m['head_dim']}, ffn {m['ffn']}, "
         f"vocab {m['vocab']}  ({plan.model_config_json})",
+        *([f"experts       {m['experts']} per layer, {m['experts_per_token']} per token (ffn {m['expert_ffn']}): "
+           f"{plan.active_param_count / 1e9:.3f}B params active per token"] if "experts" in m else []),
         f"hosts         {plan.num_hosts} x {plan.devices_per_host} {plan.platform} device(s)"
         f"{' ' + plan.accelerator_type if plan.accelerator_type else ''} = {plan.total_devices} devices",
         f"mesh          {mesh}",
@@ -331,7 +340,7 @@ def format_plan(plan: Plan) -> str:
         f"{_gib(plan.kv_bytes_per_device)}, per host {_gib(plan.kv_bytes_per_host)} "
         f"(paged: {plan.pages_per_dp_group} pages of {plan.page_size} tokens = "
         f"{plan.pages_per_dp_group * plan.page_size} tokens per dp group; {plan.slots_per_dp_group} slots per dp "
-        f"group)",
+        f"group); {plan.kv_bytes_per_token / 1024:.1f} KiB per token",
         f"device memory {_gib(plan.device_memory_bytes)} ({plan.device_memory_from}); usable "
         f"{_gib(plan.usable_bytes_per_device)}; free after params + KV {_gib(plan.free_bytes_per_device)}",
     ]

@@ -84,7 +84,7 @@ def test_round_trip_files_are_flax_msgpack_and_aligned(tiny_ckpt):
         with open(tiny_ckpt / e.file, "rb") as f:
             f.seek(e.offset)
             assert f.read(e.length) == a.tobytes()
-    assert r.llama_config.num_layers == 2
+    assert LlamaConfig.from_hf_dict(r.hf_config).num_layers == 2
     assert r.index.total_bytes == sum(a.nbytes for a in params.values())
 
 
@@ -237,7 +237,7 @@ def test_demo_one_device_equals_2x2_mesh(demo_checkpoint):
     import jax
 
     r = CheckpointReader(demo_checkpoint)
-    specs = param_specs(r.llama_config)
+    specs = param_specs(LlamaConfig.from_hf_dict(r.hf_config))
     rules = merge_rules({"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
     one, s1 = r.load(specs, build_mesh({"tp": 1}, devices=jax.devices()[:1]), rules, progress=False)
     four, s4 = r.load(specs, build_mesh({"dp": 2, "tp": 2}), rules, progress=False, use_mmap=False)

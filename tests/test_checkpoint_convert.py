@@ -16,6 +16,7 @@ import pytest
 from raydeploy.checkpoint.convert import convert, detect_format
 from raydeploy.checkpoint.format import CheckpointError
 from raydeploy.checkpoint.reader import CheckpointReader
+from raydeploy.model.registry import from_hf_config
 from raydeploy.model.sharding import build_mesh, merge_rules
 from raydeploy.model.spec import param_specs
 
@@ -73,7 +74,7 @@ def expected_ours(sd: dict[str, np.ndarray], nh: int = 4, nkv: int = 2, hd: int 
 
 def assert_checkpoint_equals(ckpt: Path, expected: dict[str, np.ndarray]) -> CheckpointReader:
     r = CheckpointReader(ckpt)
-    specs = param_specs(r.llama_config)
+    specs = param_specs(from_hf_config(r.hf_config)[1])
     assert set(specs) == set(expected)
     for n, a in expected.items():
         got = r.read_tensor(n)
@@ -117,7 +118,7 @@ def test_safetensors_llama_sharded_round_trip(tiny_llama, tmp_path):
     assert len(r.index.files) > 1
     assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
     assert (tmp_path / "out" / "tokenizer.json").is_file()
-    assert r.llama_config.num_kv_heads == 2 and not r.llama_config.tie_word_embeddings
+    assert from_hf_config(r.hf_config)[1].num_kv_heads == 2 and not from_hf_config(r.hf_config)[1].tie_word_embeddings
     assert all(e.split is None for e in r.index.tensors.values())
     convert(src, tmp_path / "split", shard_size_bytes=8192, progress=False, splits=FSDP_TP_SPLITS)
     assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(sd)))
@@ -128,7 +129,7 @@ def test_safetensors_qwen2_bias_tied_bf16(tmp_path):
     sd = _save_tiny("qwen2", src, dtype=torch.bfloat16)
     convert(src, tmp_path / "out", progress=False)
     r = assert_checkpoint_equals(tmp_path / "out", expected_ours(sd, tied=True))
-    assert r.llama_config.attention_bias and r.llama_config.tie_word_embeddings
+    assert from_hf_config(r.hf_config)[1].attention_bias and from_hf_config(r.hf_config)[1].tie_word_embeddings
     assert r.index.tensors["layers.1.attn.k_proj.bias"].dtype == "bfloat16"
     assert "lm_head.kernel" not in r.index.tensors
     convert(src, tmp_path / "f32", dtype="float32", progress=False)
@@ -261,7 +262,7 @@ def test_demo_gguf_matches_transformers(demo_checkpoint, demo_gguf):
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     r = CheckpointReader(demo_checkpoint)
-    cfg = r.llama_config
+    cfg = from_hf_config(r.hf_config)[1]
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers) == (9, 3, 64, 30)
     assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5
     processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
@@ -352,7 +353,7 @@ def test_gguf_tiny_round_trip_unpermutes_and_dequantizes(tmp_path):
     assert detect_format(path) == "gguf"
     convert(path, tmp_path / "out", dtype="float32", progress=False)
     r = assert_checkpoint_equals(tmp_path / "out", expected_ours(hf, nh=nh, nkv=nkv, hd=hd, d=d))
-    cfg = r.llama_config
+    cfg = from_hf_config(r.hf_config)[1]
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps) == (4, 2, 16, 500000.0, 1e-6)
     assert not cfg.tie_word_embeddings
     assert not (tmp_path / "out" / "tokenizer.json").exists()  # none embedded in this file

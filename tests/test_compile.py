@@ -190,6 +190,7 @@ import jax
 from raydeploy.checkpoint.reader import CheckpointReader
 from raydeploy.config import load_config
 from raydeploy.engine.engine import Engine
+from raydeploy.model.registry import from_hf_config
 from raydeploy.model.sharding import build_mesh, merge_rules
 from raydeploy.model.spec import param_specs
 from raydeploy.plan import make_plan
@@ -198,8 +199,8 @@ cfg = load_config(sys.argv[1])
 mesh = build_mesh(make_plan(cfg).mesh, jax.devices()[:cfg.cluster.devices_per_host])
 rules = merge_rules(cfg.mesh.rules)
 reader = CheckpointReader(sys.argv[2])
-params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, cfg.model.param_dtype, 2, progress=False)
-engine = Engine(reader.llama_config, params, mesh, rules, cfg.model, cfg.engine)
+params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, cfg.model.param_dtype, 2, progress=False)
+engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, cfg.model, cfg.engine)
 engine.warmup()
 print(json.dumps({"counts": engine.program_counts(), "programs": engine.programs}))
 """

@@ -39,6 +39,7 @@ def _build_engine(checkpoint, mesh_shape, rules_overrides, param_dtype="float32"
 
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.engine.engine import Engine
+    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
     from raydeploy.model.spec import param_specs
 
@@ -46,10 +47,10 @@ def _build_engine(checkpoint, mesh_shape, rules_overrides, param_dtype="float32"
     mesh = build_mesh(mesh_shape, jax.devices()[:n])
     rules = merge_rules(rules_overrides)
     reader = CheckpointReader(checkpoint)
-    params, _ = reader.load(param_specs(reader.llama_config), mesh, rules, param_dtype, 4, progress=False)
+    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, param_dtype, 4, progress=False)
     model_cfg, engine_cfg = _engine_cfgs()
     model_cfg = dataclasses.replace(model_cfg, param_dtype=param_dtype)
-    return Engine(reader.llama_config, params, mesh, rules, model_cfg, engine_cfg)
+    return Engine(*from_hf_config(reader.hf_config), params, mesh, rules, model_cfg, engine_cfg)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +130,10 @@ def test_model_state_names_are_param_specs_and_bad_params_are_named(demo_checkpo
 
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.model.llama import build_model, check_state_names
+    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.spec import param_specs
 
-    cfg = CheckpointReader(demo_checkpoint).llama_config
+    _, cfg = from_hf_config(CheckpointReader(demo_checkpoint).hf_config)
     check_state_names(cfg)
     specs = param_specs(cfg)
     fake = {n: jnp.zeros(s.shape, jnp.float32) for n, s in specs.items()}

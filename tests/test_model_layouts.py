@@ -108,7 +108,9 @@ def _paged_engine(mesh_shape, rules_overrides, **engine_kw):
     rules = merge_rules(rules_overrides)
     kw = {"max_slots": 4, "prefill_buckets": [64], "max_new_tokens": 16, "page_size": 4, "prefill_chunk": 8,
           "decode_steps": 3, **engine_kw}
-    return PagedEngine(TINY, _placed(_random_params(TINY, 2), mesh, rules), mesh, rules,
+    from raydeploy.model.registry import LLAMA
+
+    return PagedEngine(LLAMA, TINY, _placed(_random_params(TINY, 2), mesh, rules), mesh, rules,
                        ModelConfig(max_seq_len=64), EngineConfig(**kw))
 
 

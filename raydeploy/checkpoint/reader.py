@@ -54,7 +54,7 @@ from raydeploy.checkpoint.format import (
     numpy_dtype,
     read_index,
 )
-from raydeploy.model.spec import LlamaConfig, TensorSpec
+from raydeploy.model.spec import TensorSpec
 
 if TYPE_CHECKING:
     import jax
@@ -177,10 +177,6 @@ class CheckpointReader:
             self.hf_config: dict[str, Any] = json.loads(cfg_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"config is not valid JSON: {e}", str(cfg_path)) from e
-        try:
-            self.llama_config: LlamaConfig = LlamaConfig.from_json(cfg_path)
-        except (KeyError, ValueError, TypeError) as e:
-            raise CheckpointError(f"config is not a usable Llama-family config: {e!r}", str(cfg_path)) from e
 
     def fingerprint(self) -> str:
         """sha256 over the index and config.json: equal on every host that sees the same checkpoint."""

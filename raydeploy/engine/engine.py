@@ -36,8 +36,7 @@ from raydeploy.engine import compile_cache
 from raydeploy.engine.kv_cache import PageTables, StepInputs, allocate_pool, build_inputs
 from raydeploy.engine.programs import ProgramSet, ProgramShape
 from raydeploy.engine.step import SeqStep, StepPlan, StepResult
-from raydeploy.model.llama import build_model, stack_layers
-from raydeploy.model.spec import LlamaConfig
+from raydeploy.model.registry import Family
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -54,21 +53,25 @@ class Engine:
     `max_slots` page-table rows. `step(plan)` runs the plan's mixed ragged step (and, for a decode-only plan,
     `decode_steps` of them with no host round trip between)."""
 
-    def __init__(self, llama_cfg: LlamaConfig, params: Mapping[str, jax.Array], mesh: jax.sharding.Mesh,
+    def __init__(self, family: Family, cfg: Any, params: Mapping[str, jax.Array], mesh: jax.sharding.Mesh,
                  rules: Mapping[str, Any], model_cfg: ModelConfig, engine_cfg: EngineConfig,
                  attention: AttentionFn | None = None) -> None:
+        """`family` and its parsed `cfg` (`raydeploy.model.registry.from_hf_config`); `params` named as the
+        family's `param_specs` (a checkpoint's per-layer tensors, already placed on `mesh`)."""
         if not compile_cache.configured():  # a gang host configured it for its platform before joining
             compile_cache.enable(engine_cfg.compilation_cache_dir)
-        self.programs_set = ps = ProgramSet(llama_cfg, mesh, dict(rules), model_cfg, engine_cfg, attention)
-        self.cfg = llama_cfg
+        self.programs_set = ps = ProgramSet(family, cfg, mesh, dict(rules), model_cfg, engine_cfg, attention)
+        self.family = family
+        self.cfg = cfg
         self.mesh = mesh
         self.decode_steps = engine_cfg.decode_steps
-        params = stack_layers(llama_cfg, params, ps.kernel_layout, mesh, ps.rules)
-        _, state = build_model(llama_cfg, params, model_cfg.dtype, model_cfg.param_dtype, ps.kernel_layout)
+        params = family.stack_layers(cfg, params, ps.kernel_layout, mesh, ps.rules)
+        _, state = family.build_model(cfg, params, model_cfg.dtype, model_cfg.param_dtype, ps.kernel_layout)
         del params
         self._param_leaves = jax.tree.leaves(state)
-        self.pool = allocate_pool(llama_cfg, ps.total_pages, ps.page_size, ps.dtype, mesh, ps.rules)
-        self.presence = jax.jit(lambda: jnp.zeros((ps.max_slots, llama_cfg.vocab_size), bool),
+        self.pool = allocate_pool(family, cfg, ps.total_pages, ps.page_size, ps.dtype, mesh, ps.rules)
+        vocab = cfg.vocab_size
+        self.presence = jax.jit(lambda: jnp.zeros((ps.max_slots, vocab), bool),
                                 out_shardings=ps.presence_sharding)()
         self.last_tokens = jax.jit(lambda: jnp.zeros((ps.max_slots,), jnp.int32), out_shardings=ps.replicated)()
         self.tables = PageTables(ps.max_slots, ps.groups, ps.max_pages_per_seq, ps.pages_per_group)
@@ -128,7 +131,7 @@ class Engine:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        return tuple(self.cfg.eos_token_ids)
+        return self.family.eos_ids(self.cfg)
 
     # -- programs
     def executable(self, shape: ProgramShape) -> Any:

@@ -87,8 +87,8 @@ def _generate(cfg: Config, args: argparse.Namespace) -> int:
     from raydeploy.engine.request import GenerationRequest
     from raydeploy.engine.scheduler import Scheduler
     from raydeploy.engine.step import SamplingParams
+    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import merge_rules
-    from raydeploy.model.spec import param_specs
 
     t0 = time.perf_counter()
     mesh, note = _local_mesh(cfg)
@@ -97,11 +97,11 @@ def _generate(cfg: Config, args: argparse.Namespace) -> int:
     rules = merge_rules(cfg.mesh.rules)
     path = resolve_checkpoint(cfg.model.checkpoint)
     reader = CheckpointReader(path)
-    llama_cfg = reader.llama_config
-    params, _ = reader.load(param_specs(llama_cfg), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads,
+    family, model = from_hf_config(reader.hf_config, source=str(path / "config.json"))
+    params, _ = reader.load(family.param_specs(model), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads,
                             progress=False, verify=cfg.model.verify_checksums)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    engine = Engine(llama_cfg, params, mesh, rules, cfg.model, cfg.engine)
+    engine = Engine(family, model, params, mesh, rules, cfg.model, cfg.engine)
     del params  # the engine may hold its own (re-laid-out) copies: do not keep the loaded ones alive too
     load_s = time.perf_counter() - t0
 

@@ -19,35 +19,40 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from raydeploy.engine.sampling import SEED_MODULUS
 from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep
-from raydeploy.model.spec import POOL_RULES, LlamaConfig, kv_pool_spec
+from raydeploy.model.spec import POOL_RULES
+
+if TYPE_CHECKING:
+    from raydeploy.model.registry import Family
 
 
-def pool_sharding(cfg: LlamaConfig, total_pages: int, page_size: int, mesh: Any, rules: Mapping[str, Any]) -> Any:
+def pool_sharding(family: Family, cfg: Any, total_pages: int, page_size: int, mesh: Any,
+                  rules: Mapping[str, Any]) -> Any:
+    """The pool's sharding on `mesh` (`Family.kv_pool_spec` placed by its logical axes)."""
     from jax.sharding import NamedSharding
 
     from raydeploy.model.sharding import check_divisible, partition_spec
 
-    spec = kv_pool_spec(cfg, total_pages, page_size)
+    spec = family.kv_pool_spec(cfg, total_pages, page_size)
     all_rules = {**rules, **POOL_RULES}
     mesh_shape = dict(mesh.shape)
     check_divisible(spec, all_rules, mesh_shape)
     return NamedSharding(mesh, partition_spec(spec.logical_axes, all_rules, mesh_shape, "kv_pages"))
 
 
-def allocate_pool(cfg: LlamaConfig, total_pages: int, page_size: int, dtype: Any, mesh: Any,
+def allocate_pool(family: Family, cfg: Any, total_pages: int, page_size: int, dtype: Any, mesh: Any,
                   rules: Mapping[str, Any]) -> jax.Array:
     """The zeroed pool, sharded on the mesh (never passes through host memory; works across processes)."""
     import jax.numpy as jnp
 
-    sharding = pool_sharding(cfg, total_pages, page_size, mesh, rules)
-    shape = kv_pool_spec(cfg, total_pages, page_size).shape
+    sharding = pool_sharding(family, cfg, total_pages, page_size, mesh, rules)
+    shape = family.kv_pool_spec(cfg, total_pages, page_size).shape
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import flax.nnx as nnx
@@ -37,9 +38,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine.kv_cache import FIELD_LAYOUT, StepInputs, abstract_inputs, pool_sharding
 from raydeploy.engine.sampling import sample
-from raydeploy.model.llama import DTYPES, ActivationSharding, abstract_model, engine_param_specs
+from raydeploy.model.llama import DTYPES, ActivationSharding
+from raydeploy.model.registry import Family
 from raydeploy.model.sharding import partition_spec
-from raydeploy.model.spec import LlamaConfig, kv_pool_spec, pages_per_seq, resolve_num_pages
+from raydeploy.model.spec import pages_per_seq, resolve_num_pages
 
 
 def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str) -> str:
@@ -120,25 +122,32 @@ def default_attention(name: str, platform: str) -> AttentionFn:
 
 
 class ProgramSet:
-    """Every program of one paged engine configuration over one mesh: shardings, jitted bodies, abstract inputs."""
+    """Every program of one paged engine configuration over one mesh: shardings, jitted bodies, abstract inputs.
 
-    def __init__(self, llama_cfg: LlamaConfig, mesh: jax.sharding.Mesh, rules: dict[str, Any],
+    The model comes from its family (`raydeploy.model.registry`): module, parameter specs, KV pool shape and
+    the family's own sharding rules (the configured rules win), so every family runs the same programs."""
+
+    def __init__(self, family: Family, cfg: Any, mesh: jax.sharding.Mesh, rules: dict[str, Any],
                  model_cfg: ModelConfig, engine_cfg: EngineConfig, attention: AttentionFn | None = None) -> None:
-        self.cfg = llama_cfg
+        self.family = family
+        self.cfg = cfg
         self.mesh = mesh
-        self.rules = dict(rules)
+        self.rules = {**family.rules, **dict(rules)}
+        family.check_mesh(cfg, dict(mesh.shape))
         self.max_slots = engine_cfg.max_slots
         self.max_seq_len = model_cfg.max_seq_len
         self.dtype = DTYPES[model_cfg.dtype]
         self.param_dtype = DTYPES[model_cfg.param_dtype]
         platform = mesh.devices.flat[0].platform
         self.platform = platform
-        self.kernel_layout = resolve_kernel_layout(engine_cfg.kernel_layout, model_cfg.param_dtype, platform)
-        self.graphdef, abstract_state = abstract_model(llama_cfg, model_cfg.dtype, model_cfg.param_dtype,
-                                                       self.kernel_layout)
+        layout = resolve_kernel_layout(engine_cfg.kernel_layout, model_cfg.param_dtype, platform)
+        # auto picks what the family's module can hold (an explicit choice it cannot is the module's error)
+        self.kernel_layout = family.resolve_kernel_layout(layout) if engine_cfg.kernel_layout == "auto" else layout
+        self.graphdef, abstract_state = family.abstract_model(cfg, model_cfg.dtype, model_cfg.param_dtype,
+                                                              self.kernel_layout)
         leaves, self.param_treedef = jax.tree.flatten(abstract_state)
         mesh_shape = dict(mesh.shape)
-        specs = engine_param_specs(llama_cfg, self.kernel_layout)
+        specs = family.engine_param_specs(cfg, self.kernel_layout)
         names = [".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(abstract_state)]
         self.param_shardings = [NamedSharding(mesh, partition_spec(specs[n].logical_axes, self.rules, mesh_shape, n))
                                 for n in names]
@@ -155,13 +164,13 @@ class ProgramSet:
         self.pages_per_group = resolve_num_pages(engine_cfg.num_pages, self.slots_per_group, self.max_seq_len,
                                                  self.page_size)
         self.total_pages = self.pages_per_group * self.groups
-        self.pool_sharding = pool_sharding(llama_cfg, self.total_pages, self.page_size, mesh, self.rules)
-        self.pool_shape = kv_pool_spec(llama_cfg, self.total_pages, self.page_size).shape
+        self.pool_sharding = pool_sharding(family, cfg, self.total_pages, self.page_size, mesh, self.rules)
+        self.pool_shape = family.kv_pool_spec(cfg, self.total_pages, self.page_size).shape
         heads = self.pool_sharding.spec[3]
         self.head_axes: tuple[str, ...] = () if heads is None else ((heads,) if isinstance(heads, str) else tuple(heads))
         n_head_shards = math.prod(mesh_shape[a] for a in self.head_axes)
-        if llama_cfg.num_heads % n_head_shards:
-            raise ValueError(f"{llama_cfg.num_heads} attention heads do not split over the {n_head_shards} shards "
+        if cfg.num_heads % n_head_shards:
+            raise ValueError(f"{cfg.num_heads} attention heads do not split over the {n_head_shards} shards "
                              f"of the kv heads (mesh.rules.cache_kv_heads)")
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.presence_sharding = NamedSharding(
@@ -179,7 +188,8 @@ class ProgramSet:
         self.page_buckets = (default_page_buckets(self.max_pages_per_seq, self.page_size)
                              if work_follows_table(engine_cfg.attention, platform) else [self.max_pages_per_seq])
         self.attention = attention or default_attention(engine_cfg.attention, platform)
-        self.sm_scale = 1.0 / math.sqrt(llama_cfg.head_dim)
+        # a family with another score scale applies it to q (Gemma 3's query_pre_attn_scalar)
+        self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
         dp = _axes_entry(self.dp_axes)
         self.sharded_1d = NamedSharding(mesh, PartitionSpec(dp))
         self.sharded_2d = NamedSharding(mesh, PartitionSpec(dp, None))
@@ -257,10 +267,10 @@ class ProgramSet:
         with the rows' page ids offset to this layer. No per-layer slice or view of the cache is made (slicing
         a layer's pool out of the stacked one, or gathering a compact view, copies it on every backend)."""
         dp, hd = _axes_entry(self.dp_axes), _axes_entry(self.head_axes)
-        window = self.cfg.sliding_window or None
         pool_spec = PartitionSpec(None, dp, None, hd, None)
 
-        def local(q, kv, pool, layer, write_page, offset, kv_lens, page_indices, cu_q_lens, num_seqs):
+        def local(q, kv, pool, layer, write_page, offset, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                  sliding_window, soft_cap):
             layers, pages = pool.shape[:2]
             flat = pool.reshape(layers * pages, *pool.shape[2:])
             base = layer * pages
@@ -275,21 +285,27 @@ class ProgramSet:
                 kv = jnp.concatenate([kv, kv])
             flat = flat.at[dest, offset].set(kv, mode="drop")
             out = self.attention(q, flat, kv_lens, page_indices + base, cu_q_lens, num_seqs,
-                                 sm_scale=self.sm_scale, sliding_window=window)
+                                 sm_scale=self.sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
             return out, flat.reshape(pool.shape)
 
-        sharded = self._manual(
-            local,
-            in_specs=(PartitionSpec(dp, hd, None), PartitionSpec(dp, hd, None), pool_spec, PartitionSpec(),
-                      PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp, None),
-                      PartitionSpec(dp), PartitionSpec(dp)),
-            out_specs=(PartitionSpec(dp, hd, None), pool_spec))
+        in_specs = (PartitionSpec(dp, hd, None), PartitionSpec(dp, hd, None), pool_spec, PartitionSpec(),
+                    PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp, None),
+                    PartitionSpec(dp), PartitionSpec(dp))
+        out_specs = (PartitionSpec(dp, hd, None), pool_spec)
+        # one sharded body per (window, soft cap): both are static for the backend; a family passes them per
+        # layer (Gemma 3's local layers, a Mistral window on every layer), the engine knows no family
+        bodies: dict[tuple[int | None, float | None], Callable[..., Any]] = {}
 
-        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array
+        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, *,
+                   sliding_window: int | None = None, soft_cap: float | None = None
                    ) -> tuple[jax.Array, jax.Array]:
+            key = (int(sliding_window) if sliding_window else None, float(soft_cap) if soft_cap else None)
+            if key not in bodies:
+                bodies[key] = self._manual(partial(local, sliding_window=key[0], soft_cap=key[1]), in_specs,
+                                           out_specs)
             kv = _interleave(k, v).astype(pool.dtype)
-            out, pool = sharded(q, kv, pool, layer, inp.write_page, inp.write_offset, inp.kv_lens,
-                                inp.page_indices, inp.cu_q_lens, inp.num_seqs)
+            out, pool = bodies[key](q, kv, pool, layer, inp.write_page, inp.write_offset, inp.kv_lens,
+                                    inp.page_indices, inp.cu_q_lens, inp.num_seqs)
             return out.astype(q.dtype), pool
 
         return attend

@@ -114,24 +114,25 @@ def load_checkpoint_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) 
         raise ValueError("the real engine needs a checkpoint path")
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.engine.engine import Engine
+    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import merge_rules
-    from raydeploy.model.spec import param_specs
 
     rules = merge_rules(cfg.mesh.rules)
     reader = CheckpointReader(checkpoint_path)
-    llama_cfg = reader.llama_config
+    family, model = from_hf_config(reader.hf_config, source=f"{checkpoint_path}/config.json")
+    family.check_mesh(model, dict(mesh.shape))  # before any weight is read
     t0 = time.perf_counter()
-    params, stats = reader.load(param_specs(llama_cfg), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads,
-                                progress=False, verify=cfg.model.verify_checksums)
+    params, stats = reader.load(family.param_specs(model), mesh, {**family.rules, **rules}, cfg.model.param_dtype,
+                                cfg.model.load_threads, progress=False, verify=cfg.model.verify_checksums)
     seconds = time.perf_counter() - t0
-    engine = Engine(llama_cfg, params, mesh, rules, cfg.model, cfg.engine)
+    engine = Engine(family, model, params, mesh, rules, cfg.model, cfg.engine)
 
     def make_scheduler() -> StepScheduler:
         from raydeploy.engine.scheduler import Scheduler
 
         return Scheduler.for_engine(engine, cfg)
 
-    return LoadedEngine(engine, _stats_dict(stats, seconds), tuple(llama_cfg.eos_token_ids), make_scheduler)
+    return LoadedEngine(engine, _stats_dict(stats, seconds), engine.eos_ids, make_scheduler)
 
 
 def _stats_dict(stats: Any, seconds: float) -> dict[str, Any]:

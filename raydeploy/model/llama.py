@@ -29,14 +29,8 @@ import numpy as np
 
 from raydeploy.model.spec import (
     KERNEL_LAYOUTS,
-    LAYER_AXIS,
     LlamaConfig,
     TensorSpec,
-    is_kernel,
-    kernel_input_dims,
-    out_in_spec,
-    param_specs,
-    split_layer_name,
     stacked_param_specs,
 )
 
@@ -366,18 +360,20 @@ class Llama(nnx.Module):
         """Forward over a flat batch of N tokens at explicit positions; the model knows no cache layout.
 
         `attend(layer, q [N, Hq, H], k [N, Hkv, H], v [N, Hkv, H], cache) -> (out [N, Hq, H], cache)` is called
-        once per layer inside the layer scan (`layer` is the traced layer index): it owns the KV cache and the
-        ragged layout; `cache` is carried through the scan (None: nothing carried). Returns the hidden states
-        [N, D], every layer's new K and V stacked ([L, N, Hkv, H] each, for a caller that writes them after the
-        scan) and the carried cache."""
+        (with `sliding_window=` when the config sets one) once per layer inside the layer scan (`layer` is the
+        traced layer index): it owns the KV cache and the ragged layout; `cache` is carried through the scan
+        (None: nothing carried). Returns the hidden states [N, D], every layer's new K and V stacked
+        ([L, N, Hkv, H] each, for a caller that writes them after the scan) and the carried cache."""
         inv = np.asarray(self.inv_freq, np.float32)
         x = _constrain(shard, self._embed(tokens_n), ("act_batch", "act_embed"))
+        # Mistral-style configs: every layer attends within the window (static, passed to the backend)
+        kw = {"sliding_window": int(self.cfg.sliding_window)} if self.cfg.sliding_window else {}
 
         def body(layer: DecoderLayer, carry: tuple[jax.Array, Any], i: jax.Array
                  ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
             x, c = carry
             q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, inv)
-            out, c = attend(i, q, k, v, c)
+            out, c = attend(i, q, k, v, c, **kw)
             x = x + layer.attn.o_proj(out)
             x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_embed"))
             return (x, c), (k, v)
@@ -398,9 +394,14 @@ class Llama(nnx.Module):
 
 def abstract_model(cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32",
                    kernel_layout: str = "in_out") -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graphdef and abstract state (ShapeDtypeStructs); nothing is allocated."""
-    model = nnx.eval_shape(lambda: Llama(cfg, dtype, param_dtype, kernel_layout=kernel_layout))
-    return nnx.split(model)
+    """The Llama model's graphdef and abstract state (`Family.abstract_model` of the llama family)."""
+    return _llama().abstract_model(cfg, dtype, param_dtype, kernel_layout)  # type: ignore[no-any-return]
+
+
+def _llama() -> Any:
+    from raydeploy.model.registry import LLAMA
+
+    return LLAMA
 
 
 def _path_name(path: tuple[Any, ...]) -> str:
@@ -468,59 +469,17 @@ def check_state_names(cfg: LlamaConfig) -> None:
 
 def build_model(cfg: LlamaConfig, params: Mapping[str, jax.Array], dtype: str = "float32",
                 param_dtype: str = "float32", kernel_layout: str = "in_out") -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state) of a model holding `params`: checkpoint-named arrays (stacked here with
-    `stack_layers`) or arrays already stacked in `kernel_layout` (kept as they are)."""
-    if any(split_layer_name(n) for n in params):
-        params = stack_layers(cfg, params, kernel_layout)
-    graphdef, abstract = abstract_model(cfg, dtype, param_dtype, kernel_layout)
-    return graphdef, params_to_state(params, abstract)
+    """(graphdef, state) of a Llama holding `params` (`Family.build_model` of the llama family)."""
+    return _llama().build_model(cfg, params, dtype, param_dtype, kernel_layout)  # type: ignore[no-any-return]
 
 
 def engine_param_specs(cfg: LlamaConfig, kernel_layout: str = "in_out") -> dict[str, TensorSpec]:
-    """The parameters as an engine holds them: stacked over the layers, kernels in `kernel_layout`."""
-    if kernel_layout not in KERNEL_LAYOUTS:
-        raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
-    specs = stacked_param_specs(cfg)
-    return specs if kernel_layout == "in_out" else {n: out_in_spec(s) for n, s in specs.items()}
+    """The parameters as an engine holds them (`Family.engine_param_specs` of the llama family)."""
+    return _llama().engine_param_specs(cfg, kernel_layout)  # type: ignore[no-any-return]
 
 
 def stack_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], kernel_layout: str = "in_out",
                  mesh: jax.sharding.Mesh | None = None, rules: Mapping[str, Any] | None = None
                  ) -> dict[str, jax.Array]:
-    """Checkpoint params (per-layer names, in_out kernels) -> the engine's: each per-layer tensor stacked over
-    the layers, kernels in `kernel_layout`. With a mesh, each result is placed by its logical axes (the layer
-    axis unsharded), one parameter kind at a time, with one compiled program per (shape, sharding)."""
-    check_params(params, param_specs(cfg))
-    targets = engine_param_specs(cfg, kernel_layout)
-    programs: dict[tuple, Any] = {}
-    out: dict[str, jax.Array] = {}
-    for name, spec in targets.items():
-        stacked = spec.logical_axes[:1] == (LAYER_AXIS,)
-        suffix = name[len("layers."):]
-        members = [params[f"layers.{i}.{suffix}"] for i in range(cfg.num_layers)] if stacked else [params[name]]
-        perm: tuple[int, ...] | None = None
-        if kernel_layout == "out_in" and is_kernel(name):
-            n, lead = kernel_input_dims(name), int(stacked)
-            nd = members[0].ndim + lead
-            perm = tuple(range(lead)) + tuple(range(lead + n, nd)) + tuple(range(lead, lead + n))
-
-        def assemble(*xs: jax.Array, perm: tuple[int, ...] | None = perm, stacked: bool = stacked) -> jax.Array:
-            x = jnp.stack(xs) if stacked else xs[0]
-            return x if perm is None else jnp.transpose(x, perm)
-
-        if mesh is None:
-            out[name] = assemble(*members)
-            continue
-        if not stacked and perm is None:
-            out[name] = members[0]
-            continue
-        from jax.sharding import NamedSharding
-
-        from raydeploy.model.sharding import partition_spec
-
-        sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, dict(rules or {}), dict(mesh.shape), name))
-        key = (perm, stacked, len(members), sharding)
-        if key not in programs:
-            programs[key] = jax.jit(assemble, out_shardings=sharding)
-        out[name] = programs[key](*members)
-    return out
+    """Checkpoint params -> the engine's stacked ones (`Family.stack_layers` of the llama family)."""
+    return _llama().stack_layers(cfg, params, kernel_layout, mesh, rules)  # type: ignore[no-any-return]

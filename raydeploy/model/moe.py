@@ -264,7 +264,7 @@ HF_MIXTRAL_NAMES = (
 
 QWEN3_MOE = Family("qwen3_moe", config_from_hf, moe_param_specs, "raydeploy.model.moe:MoE", HF_QWEN3_MOE_NAMES,
                    HF_IGNORED, rules=MOE_RULES, mesh_check=check_mesh, num_experts=lambda c: c.num_experts,
-                   experts_per_token=lambda c: c.num_experts_per_tok)
+                   experts_per_token=lambda c: c.num_experts_per_tok, kernel_layouts=("in_out",))
 MIXTRAL = Family("mixtral", config_from_hf, moe_param_specs, "raydeploy.model.moe:MoE", HF_MIXTRAL_NAMES,
                  HF_IGNORED, rules=MOE_RULES, mesh_check=check_mesh, num_experts=lambda c: c.num_experts,
-                   experts_per_token=lambda c: c.num_experts_per_tok)
+                 experts_per_token=lambda c: c.num_experts_per_tok, kernel_layouts=("in_out",))

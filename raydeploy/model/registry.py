@@ -58,6 +58,7 @@ class Family:
     mesh_check: Callable[[Any, dict[str, int]], None] | None = None  # raises ValueError for a mesh it cannot use
     num_experts: Callable[[Any], int] | None = None  # mixture-of-experts families: experts per layer
     experts_per_token: Callable[[Any], int] | None = None  # ... and how many each token is routed to
+    kernel_layouts: tuple[str, ...] = ("in_out", "out_in")  # kernel layouts the module can hold
 
     def check_mesh(self, cfg: Any, mesh_shape: Mapping[str, int]) -> None:
         """Raise ValueError naming the numbers when the mesh cannot hold this model (e.g. ep vs experts)."""
@@ -110,29 +111,103 @@ class Family:
     def kv_bytes_per_token(self, cfg: Any, itemsize: int) -> int:
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
-    # -- building from a flat {name: array} dict
-    def build_model(self, cfg: Any, params: Mapping[str, Any], dtype: str = "float32",
-                    param_dtype: str = "float32", kernel_layout: str = "in_out") -> tuple[Any, Any]:
-        """(graphdef, state) of the family's module holding checkpoint-named (per-layer, in_out) `params`."""
+    # -- the engine's view: stacked layers, kernels in the engine's layout
+    def resolve_kernel_layout(self, kernel_layout: str) -> str:
+        """`kernel_layout` if the module can hold it; an auto choice (`preferred`) falls back to in_out."""
+        return kernel_layout if kernel_layout in self.kernel_layouts else "in_out"
+
+    def abstract_model(self, cfg: Any, dtype: str = "float32", param_dtype: str = "float32",
+                       kernel_layout: str = "in_out") -> tuple[Any, Any]:
+        """The module's graphdef and abstract state (ShapeDtypeStructs); nothing is allocated."""
         import flax.nnx as nnx
+
+        from raydeploy.model.spec import KERNEL_LAYOUTS
+
+        if kernel_layout not in KERNEL_LAYOUTS:
+            raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
+        model = nnx.eval_shape(lambda: self.module(cfg, dtype, param_dtype, kernel_layout=kernel_layout))
+        return nnx.split(model)
+
+    def engine_param_specs(self, cfg: Any, kernel_layout: str = "in_out") -> dict[str, TensorSpec]:
+        """The parameters as an engine holds them: stacked over the layers, kernels in `kernel_layout`."""
+        from raydeploy.model.spec import KERNEL_LAYOUTS, out_in_spec
+
+        if kernel_layout not in KERNEL_LAYOUTS:
+            raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
+        specs = self.stacked_param_specs(cfg)
+        return specs if kernel_layout == "in_out" else {n: out_in_spec(s) for n, s in specs.items()}
+
+    def stack_layers(self, cfg: Any, params: Mapping[str, Any], kernel_layout: str = "in_out",
+                     mesh: Any = None, rules: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Checkpoint params (per-layer names, in_out kernels) -> the engine's: each per-layer tensor stacked
+        over the layers, kernels in `kernel_layout`. With a mesh, each result is placed by its logical axes
+        (the layer axis unsharded), one parameter kind at a time, one compiled program per (shape, sharding)."""
+        import jax
         import jax.numpy as jnp
 
-        from raydeploy.model.llama import check_params, params_to_state
+        from raydeploy.model.llama import check_params
         from raydeploy.model.spec import is_kernel, kernel_input_dims
 
-        model = nnx.eval_shape(lambda: self.module(cfg, dtype, param_dtype, kernel_layout=kernel_layout))
-        graphdef, abstract = nnx.split(model)
         check_params(params, self.param_specs(cfg))
-        stacked: dict[str, Any] = {}
-        for name, spec in self.stacked_param_specs(cfg).items():
-            lead = int(spec.logical_axes[:1] == (LAYER_AXIS,))
-            x = (jnp.stack([jnp.asarray(params[f"layers.{i}.{name[len('layers.'):]}"]) for i in range(cfg.num_layers)])
-                 if lead else jnp.asarray(params[name]))
+        targets = self.engine_param_specs(cfg, kernel_layout)
+        programs: dict[tuple[Any, ...], Any] = {}
+        out: dict[str, Any] = {}
+        for name, spec in targets.items():
+            stacked = spec.logical_axes[:1] == (LAYER_AXIS,)
+            suffix = name[len("layers."):]
+            members = [params[f"layers.{i}.{suffix}"] for i in range(cfg.num_layers)] if stacked else [params[name]]
+            perm: tuple[int, ...] | None = None
             if kernel_layout == "out_in" and is_kernel(name):
-                n, nd = kernel_input_dims(name), x.ndim
-                x = jnp.transpose(x, tuple(range(lead)) + tuple(range(lead + n, nd)) + tuple(range(lead, lead + n)))
-            stacked[name] = x
-        return graphdef, params_to_state(stacked, abstract)
+                n, lead = kernel_input_dims(name), int(stacked)
+                nd = members[0].ndim + lead
+                perm = tuple(range(lead)) + tuple(range(lead + n, nd)) + tuple(range(lead, lead + n))
+
+            def assemble(*xs: Any, perm: tuple[int, ...] | None = perm, stacked: bool = stacked) -> Any:
+                x = jnp.stack(xs) if stacked else xs[0]
+                return x if perm is None else jnp.transpose(x, perm)
+
+            if mesh is None:
+                out[name] = assemble(*members)
+                continue
+            if not stacked and perm is None:
+                out[name] = members[0]
+                continue
+            from jax.sharding import NamedSharding
+
+            from raydeploy.model.sharding import partition_spec
+
+            sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, {**self.rules, **dict(rules or {})},
+                                                          dict(mesh.shape), name))
+            key = (perm, stacked, len(members), sharding)
+            if key not in programs:
+                programs[key] = jax.jit(assemble, out_shardings=sharding)
+            out[name] = programs[key](*members)
+        return out
+
+    def build_model(self, cfg: Any, params: Mapping[str, Any], dtype: str = "float32",
+                    param_dtype: str = "float32", kernel_layout: str = "in_out") -> tuple[Any, Any]:
+        """(graphdef, state) of the family's module holding `params`: checkpoint-named arrays (per layer,
+        in_out; stacked here) or arrays already stacked in `kernel_layout` (`stack_layers`; kept as they are)."""
+        from raydeploy.model.llama import params_to_state
+
+        if any(split_layer_name(n) for n in params):
+            params = self.stack_layers(cfg, params, kernel_layout)
+        graphdef, abstract = self.abstract_model(cfg, dtype, param_dtype, kernel_layout)
+        return graphdef, params_to_state(params, abstract)
+
+    def eos_ids(self, cfg: Any) -> tuple[int, ...]:
+        return tuple(int(t) for t in cfg.eos_token_ids)
+
+    def summary(self, cfg: Any) -> dict[str, Any]:
+        """The shape figures `raydeploy plan` prints."""
+        out = {"model_type": cfg.model_type, "family": self.name, "layers": cfg.num_layers,
+               "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+               "head_dim": cfg.head_dim, "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
+               "tied_embeddings": cfg.tie_word_embeddings}
+        if self.num_experts is not None and self.experts_per_token is not None:
+            out.update(experts=self.num_experts(cfg), experts_per_token=self.experts_per_token(cfg),
+                       expert_ffn=getattr(cfg, "moe_intermediate_size", None))
+        return out
 
 
 def family_for(model_type: str) -> Family:
@@ -148,10 +223,17 @@ def family_for(model_type: str) -> Family:
     return fam
 
 
-def from_hf_config(hf: Mapping[str, Any]) -> tuple[Family, Any]:
-    """(family, parsed config) from a raw Hugging Face config dict."""
+def from_hf_config(hf: Mapping[str, Any], source: str | None = None) -> tuple[Family, Any]:
+    """(family, parsed config) from a raw Hugging Face config dict. With `source` (the config.json it came
+    from), a config the family cannot use is a ValueError naming that file."""
     fam = family_for(str(hf.get("model_type", "llama")))
-    return fam, fam.config_from_hf(dict(hf))
+    try:
+        return fam, fam.config_from_hf(dict(hf))
+    except (KeyError, ValueError, TypeError) as e:
+        if source is None:
+            raise
+        what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{source}: not a usable {fam.name} config: {what}") from e
 
 
 def expert_split(num_experts: int, ep: int) -> int:

@@ -34,6 +34,10 @@ DEFAULT_RULES: dict[str, Rule] = {
     "head_dim": None,
     "mlp": "tp",
     "norm": None,
+    # mixture-of-experts parameters (raydeploy.model.moe): experts over ep, each expert's units over tp
+    "expert": "ep",
+    "expert_mlp": "tp",
+    "router": None,
     # KV cache
     "cache_batch": "dp",
     "cache_seq": "sp",
