@@ -141,13 +141,14 @@ def test_parse_size():
 
 # ---------------------------------------------------------------- sharded loads and byte accounting
 
+@pytest.mark.parametrize("threads", [1, 3])  # 1: read in the calling thread, no pool
 @pytest.mark.parametrize("use_mmap", [True, False])
-def test_load_sharded_equals_single_device(tiny_ckpt, use_mmap):
+def test_load_sharded_equals_single_device(tiny_ckpt, use_mmap, threads):
     params = tiny_params()
     r = CheckpointReader(tiny_ckpt)
     rules = merge_rules({})
     mesh = build_mesh({"fsdp": 2, "tp": 2})
-    loaded, stats = r.load(tiny_specs(), mesh, rules, threads=3, progress=False, use_mmap=use_mmap)
+    loaded, stats = r.load(tiny_specs(), mesh, rules, threads=threads, progress=False, use_mmap=use_mmap)
     assert isinstance(stats, LoadStats) and stats.tensors == len(params)
     assert stats.to_dict()["bytes_read"] == r.index.total_bytes  # one process holds every device
     for n, a in params.items():
@@ -177,6 +178,54 @@ def test_copied_slices_with_rows_straddling_blocks(tmp_path, use_mmap, dtype):
         assert loaded[n].dtype == np.float32
         for shard in loaded[n].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), a.astype(np.float32)[shard.index], err_msg=n)
+
+
+def _mapped_ranges(ckpt: Path) -> dict[str, list[tuple[int, int]]]:
+    """Address ranges of this process's mappings of the checkpoint's files, per file name."""
+    maps: dict[str, list[tuple[int, int]]] = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 6 and fields[5].startswith(str(ckpt)):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            maps.setdefault(Path(fields[5]).name, []).append((lo, hi))
+    return maps
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_tensors_of_one_layout_at_differently_aligned_offsets(tmp_path, monkeypatch):
+    """The reader works out each (shape, sharding, split) layout once and reuses it for every layer, but
+    whether a slice can be aliased depends on where the tensor starts in its file: with every other tensor
+    written 16 bytes off the 64-byte grid (as another writer might), layer 0's and layer 1's kernels of one
+    kind start differently aligned, all load equal, and the aligned ones still alias the mapped file."""
+    from raydeploy.checkpoint import writer
+
+    pad_for = writer.CheckpointWriter._pad_for
+
+    def shifted(self: writer.CheckpointWriter, head_bytes: int) -> None:
+        pad_for(self, head_bytes)
+        if len(self._entries) % 2:  # a 16-byte padding entry: the tensor's bytes start 16 past the grid
+            self._f.write(msgpack.packb(PAD_KEY) + b"\xc4\x06" + bytes(6))
+            self._count += 1
+
+    monkeypatch.setattr(writer.CheckpointWriter, "_pad_for", shifted)
+    params = tiny_params(5)
+    ckpt = write_tiny(tmp_path / "a16", params)
+    r = CheckpointReader(ckpt)
+    pair = ["layers.0.mlp.down_proj.kernel", "layers.1.mlp.down_proj.kernel"]
+    assert sorted(r.index.tensors[n].offset % 64 for n in pair) == [0, 16]
+    assert set(msgpack.unpackb((ckpt / "shard-00000.msgpack").read_bytes(), raw=False)) == set(params) | {PAD_KEY}
+    rules = merge_rules({"embed": None, "q_heads": None, "kv_heads": None})  # dim 0 (vocab, mlp) over tp
+    mesh = build_mesh({"tp": 2}, devices=_devices()[:2])
+    for use_mmap in (True, False):
+        loaded, _ = r.load(tiny_specs(), mesh, rules, progress=False, use_mmap=use_mmap)
+        for n, a in params.items():
+            for shard in loaded[n].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), a[shard.index], err_msg=n)
+        if use_mmap:
+            aligned = next(n for n in pair if r.index.tensors[n].offset % 64 == 0)
+            file_maps = _mapped_ranges(ckpt)[r.index.tensors[aligned].file]
+            for shard in loaded[aligned].addressable_shards:
+                assert any(lo <= shard.data.unsafe_buffer_pointer() < hi for lo, hi in file_maps), aligned
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
@@ -335,9 +384,10 @@ def test_checksum_mismatch_names_file_and_tensor(tmp_path, tiny_ckpt):
     r = CheckpointReader(d)  # sizes still match: only reading finds it
     mesh = build_mesh({"tp": 1}, devices=_devices()[:1])
     for use_mmap in (True, False):
-        with pytest.raises(CheckpointError, match=rf"file .*{e.file}, tensor layers\.1\.attn\.k_proj\.kernel: "
-                                                  r"checksum mismatch in block \d+"):
-            r.load(tiny_specs(), mesh, merge_rules({}), progress=False, use_mmap=use_mmap)
+        for threads in (1, 2):
+            with pytest.raises(CheckpointError, match=rf"file .*{e.file}, tensor layers\.1\.attn\.k_proj\.kernel: "
+                                                      r"checksum mismatch in block \d+"):
+                r.load(tiny_specs(), mesh, merge_rules({}), progress=False, use_mmap=use_mmap, threads=threads)
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         r.read_tensor("layers.1.attn.k_proj.kernel")
     # verify=False skips the check (the caller asked for it)

@@ -120,12 +120,29 @@ class _TensorPlan:
     keys: dict[Any, SliceKey]                      # device -> its slice of the global array
     parts: dict[SliceKey, list[_Part]]             # per distinct slice: where it lies in the stored rows
     intervals: list[tuple[int, int]]               # merged stored-row ranges this process needs
+    group: Any = None                              # (shape, axes, split): tensors that share all of the above
+    template: _Template | None = None              # set by _Load: the layout shared by the group
     buffers: list[np.ndarray] = field(default_factory=list)  # per interval: its bytes (block-widened)
     buf_starts: list[int] = field(default_factory=list)      # tensor byte offset where each buffer starts
     hosts: dict[SliceKey, np.ndarray] = field(default_factory=dict)  # per distinct slice: what jax gets
     fills: list[tuple[int, _Part, np.ndarray]] = field(default_factory=list)  # (interval, part, copy into)
     pending: int = 0
     mapped: bool = False
+
+
+@dataclass(frozen=True)
+class _Template:
+    """How every tensor of one plan group is read and placed, worked out once per group: the layers repeat a
+    handful of groups, and per tensor only the file offsets differ. Byte positions are relative to the tensor's
+    raw bytes (`spans`, `pieces`) or to the interval's buffer (`views`)."""
+
+    spans: tuple[tuple[int, int], ...]                    # per interval: the tensor bytes read (block-widened)
+    views: tuple[tuple[SliceKey, int, int, int, tuple[int, ...]], ...]  # (slice, interval, offset, bytes, shape): aliased
+    fills: tuple[tuple[SliceKey, tuple[tuple[int, _Part], ...], tuple[int, ...]], ...]  # (slice, its parts, shape): copied
+    pieces: tuple[tuple[int, int, int], ...]              # (interval, start, stop): the work units
+    devices: list[Any]                                    # local devices, in the order jax gets their arrays
+    device_keys: tuple[SliceKey, ...]                     # each device's slice
+    aval: Any                                             # jax's abstract value of the global array (or None)
 
 
 def merge_intervals(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -239,7 +256,8 @@ class CheckpointReader:
                 parts = {k: _parts(e, k) for k in dict.fromkeys(keys.values())}
                 cache[ck] = (sharding, keys, parts, merge_intervals([(q.r0, q.r1) for ps in parts.values() for q in ps]))
             sharding, keys, parts, intervals = cache[ck]
-            plans[name] = _TensorPlan(entry=e, sharding=sharding, keys=keys, parts=parts, intervals=list(intervals))
+            plans[name] = _TensorPlan(entry=e, sharding=sharding, keys=keys, parts=parts, intervals=list(intervals),
+                                      group=ck)
         return plans
 
     def byte_ranges(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
@@ -324,6 +342,8 @@ class _Load:
         self.lock = threading.Lock()
         self.ready: list[_TensorPlan] = []  # tensors read in full, not yet handed to jax
         self.failed = False
+        self.templates: dict[Any, _Template] = {}
+        self.put = _batched_device_put() if target.itemsize < 8 else None
 
     def __enter__(self) -> _Load:
         try:
@@ -342,56 +362,68 @@ class _Load:
             os.close(fd)
 
     def _prepare(self, p: _TensorPlan) -> None:
-        """Map or allocate the plan's byte ranges, choose its host arrays, and queue its pieces."""
-        e, bb = p.entry, self.bb
+        """Map or allocate the plan's byte ranges, make its host arrays (views of those bytes, or arrays to
+        copy into) after its group's template, and queue its pieces."""
+        e = p.entry
         p.mapped = self.use_mmap and len(e.segments) == 1 and e.length > 0
         if p.mapped and e.file not in self.maps:
             self.maps[e.file] = mmap.mmap(self.fds[e.file], 0, access=mmap.ACCESS_COPY)
-        for a, b in p.intervals:
-            start, stop = _block_span(e, a, b, bb)
-            if p.mapped:
-                p.buffers.append(np.frombuffer(self.maps[e.file], np.uint8, stop - start, e.offset + start))
-            else:
-                p.buffers.append(aligned_empty(stop - start))
-            p.buf_starts.append(start)
-        self._place_hosts(p)
-        piece = max(bb, (PIECE_BYTES // bb) * bb)
-        for k, buf in enumerate(p.buffers):
-            start, stop = p.buf_starts[k], p.buf_starts[k] + len(buf)
-            step = max(stop - start, 1) if p.fills else piece  # copies follow the rows: one piece per interval
-            for s in range(start, stop, step):
-                self.pieces.append((p, k, s, min(s + step, stop)))
-                p.pending += 1
+        # alignment of a view depends on where the tensor starts in its file (mapped) or not at all (a buffer
+        # starts aligned): tensors of a group whose offsets agree modulo ALIGN share a template
+        tk = (p.group, e.dtype, p.mapped, e.offset % ALIGN if p.mapped else 0)
+        t = self.templates.get(tk)
+        if t is None:
+            t = self.templates[tk] = self._template(p)
+        p.template = t
+        if p.mapped:
+            m = self.maps[e.file]
+            p.buffers = [np.frombuffer(m, np.uint8, stop - start, e.offset + start) for start, stop in t.spans]
+        else:
+            p.buffers = [aligned_empty(stop - start) for start, stop in t.spans]
+        p.buf_starts = [start for start, _ in t.spans]
+        stored = numpy_dtype(e.dtype)
+        for key, k, off, nbytes, shape in t.views:
+            p.hosts[key] = p.buffers[k][off: off + nbytes].view(stored).reshape(shape)
+        for key, members, shape in t.fills:
+            host = aligned_empty(math.prod(shape) * self.target.itemsize).view(self.target).reshape(shape)
+            p.fills.extend((k, q, host) for k, q in members)
+            p.hosts[key] = host if e.shape else host.reshape(())
+        self.pieces.extend((p, k, s, stop) for k, s, stop in t.pieces)
+        p.pending = len(t.pieces)
 
-    def _place_hosts(self, p: _TensorPlan) -> None:
-        """Per distinct device slice, the host array jax gets: a view of the interval's bytes when jax can
-        alias it (one stored piece, whole rows, same dtype, 64-byte aligned), else an aligned array that
-        `_fill_rows` fills part by part."""
-        e = p.entry
+    def _template(self, p: _TensorPlan) -> _Template:
+        """The template of p's group (see _Template): per distinct device slice, a view of the interval's bytes
+        when jax can alias it (one stored piece, whole rows, same dtype, 64-byte aligned), else an aligned
+        array that `_fill_rows` fills part by part; and the pieces, rounded to checksum blocks. Tensors that
+        need a copy get one piece per interval, so that each block's completed rows are copied right after
+        its crc32, while the block is still in cache."""
+        e, bb = p.entry, self.bb
+        spans = tuple(_block_span(e, a, b, bb) for a, b in p.intervals)
+        views, fills = [], []
         for key, parts in p.parts.items():
             shape = tuple(b - a for a, b in key)
-            host = None
-            if len(parts) == 1 and parts[0].whole_rows(e):
+            if len(parts) == 1 and parts[0].whole_rows(e) and numpy_dtype(e.dtype) == self.target:
                 q = parts[0]
-                host = self._rows(p, self._interval(p, q), q.r0, q.r1)
-                if host.dtype != self.target or self._address(p, q) % ALIGN:
-                    host = None
-            if host is None:
-                host = aligned_empty(math.prod(shape) * self.target.itemsize).view(self.target)
-                p.fills.extend((self._interval(p, q), q, host.reshape(shape)) for q in parts)
-            p.hosts[key] = host.reshape(shape if e.shape else ())
+                k = _interval(p, q)
+                off = q.r0 * e.row_bytes - spans[k][0]
+                # the view's address modulo ALIGN: a map starts on a page, a read buffer is aligned
+                if ((e.offset + spans[k][0] + off) if p.mapped else off) % ALIGN == 0:
+                    views.append((key, k, off, (q.r1 - q.r0) * e.row_bytes, shape if e.shape else ()))
+                    continue
+            fills.append((key, tuple((_interval(p, q), q) for q in parts), shape))
+        piece = max(bb, (PIECE_BYTES // bb) * bb)
+        pieces = []
+        for k, (start, stop) in enumerate(spans):
+            step = max(stop - start, 1) if fills else piece
+            pieces += [(k, s, min(s + step, stop)) for s in range(start, stop, step)]
+        devices = list(p.keys)
+        aval = None
+        if self.put is not None:
+            from jax._src.core import ShapedArray, update_aval_with_sharding
 
-    def _address(self, p: _TensorPlan, q: _Part) -> int:
-        """Where the part's first stored row lies, as far as alignment to ALIGN goes: its file offset when
-        mapped (the map starts on a page), its offset in the buffer it is read into (which starts aligned).
-        Cheaper than asking numpy for the pointer."""
-        e, k = p.entry, self._interval(p, q)
-        offset = q.r0 * e.row_bytes - p.buf_starts[k]
-        return offset + (e.offset + p.buf_starts[k] if p.mapped else 0)
-
-    @staticmethod
-    def _interval(p: _TensorPlan, q: _Part) -> int:
-        return next(i for i, (a, b) in enumerate(p.intervals) if a <= q.r0 and q.r1 <= b)
+            aval = update_aval_with_sharding(ShapedArray(e.shape, self.target), p.sharding)
+        return _Template(spans, tuple(views), tuple(fills), tuple(pieces), devices,
+                         tuple(p.keys[d] for d in devices), aval)
 
     def _rows(self, p: _TensorPlan, k: int, r0: int, r1: int) -> np.ndarray:
         """Stored rows [r0, r1) of the tensor, viewed in interval k's bytes."""
@@ -409,17 +441,21 @@ class _Load:
                     self._rows(p, k, a, b)[(slice(None), *(slice(c0, c1) for c0, c1 in q.src))]
 
     def read_all(self, threads: int, progress: Callable[[int], object]) -> None:
-        """Read, verify and place every piece with `threads` workers; the first error stops the others."""
+        """Read, verify and place every piece with `threads` workers (1: in this thread, with no pool); the
+        first error stops the others."""
         self.ready = [p for p in self.plans.values() if p.pending == 0]
         queue = iter(self.pieces)
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
-            futures = [pool.submit(self._work, queue, progress) for _ in range(threads)]
-            try:
-                for f in futures:
-                    f.result()
-            except BaseException:
-                self.failed = True
-                raise
+        if threads <= 1:
+            self._work(queue, progress)
+        else:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
+                futures = [pool.submit(self._work, queue, progress) for _ in range(threads)]
+                try:
+                    for f in futures:
+                        f.result()
+                except BaseException:
+                    self.failed = True
+                    raise
         for p in self.ready:
             self._finish(p)
 
@@ -437,19 +473,21 @@ class _Load:
 
     def _read_piece(self, p: _TensorPlan, k: int, s: int, stop: int, progress: Callable[[int], object]) -> None:
         """Block by block: read (preadv) or map, verify the crc32, then copy the rows it completed."""
-        e, buf, base = p.entry, p.buffers[k], p.buf_starts[k]
+        e, bb, base = p.entry, self.bb, p.buf_starts[k]
+        buf = memoryview(cast("Buffer", p.buffers[k]))  # numpy's stubs declare the buffer protocol for 3.12+ only
+        crcs, verify, fills, mapped = e.crc32, self.verify, p.fills, p.mapped
         row = p.intervals[k][0]  # first row not yet copied (pieces of tensors with copies span the interval)
-        for b0 in range(s, stop, self.bb):
-            b1 = min(b0 + self.bb, stop)
+        for b0 in range(s, stop, bb):
+            b1 = b0 + bb if b0 + bb < stop else stop
             block = buf[b0 - base: b1 - base]
-            if not p.mapped:
-                # numpy's stubs declare the buffer protocol for Python >= 3.12 only
-                _pread_tensor_bytes(self.fds[e.file], e, b0, memoryview(cast("Buffer", block)), self.path)
-            if self.verify:
-                self._check_block(e, b0 // self.bb, block)
-            elif p.mapped:  # fault the mapped pages in now, so the load really reads them
-                int(block[::PAGE_BYTES].max(initial=0))
-            if p.fills:
+            if not mapped:
+                _pread_tensor_bytes(self.fds[e.file], e, b0, block, self.path)
+            if verify:
+                if crc32(block) != crcs[b0 // bb]:
+                    self._corrupt(e, b0 // bb)
+            elif mapped:  # fault the mapped pages in now, so the load really reads them
+                int(p.buffers[k][b0 - base: b1 - base: PAGE_BYTES].max(initial=0))
+            if fills:
                 done = min(p.intervals[k][1], b1 // e.row_bytes)
                 if done > row:
                     self._fill_rows(p, k, row, done)
@@ -465,46 +503,46 @@ class _Load:
         for q in batch:
             self._finish(q)
 
-    def _check_block(self, e: TensorEntry, blk: int, block: np.ndarray) -> None:
-        if crc32(block) != e.crc32[blk]:
-            raise CheckpointError(
-                f"checksum mismatch in block {blk} (tensor bytes [{blk * self.bb}, "
-                f"{min((blk + 1) * self.bb, e.length)})): the file is corrupt", str(self.path / e.file), tensor=e.name)
+    def _corrupt(self, e: TensorEntry, blk: int) -> None:
+        raise CheckpointError(
+            f"checksum mismatch in block {blk} (tensor bytes [{blk * self.bb}, "
+            f"{min((blk + 1) * self.bb, e.length)})): the file is corrupt", str(self.path / e.file), tensor=e.name)
 
     def _finish(self, p: _TensorPlan) -> None:
         """All of the tensor's pieces are in: hand each local device its host array (aliased on CPU)."""
-        import jax
-
-        e, hosts = p.entry, p.hosts
-        put = _batched_device_put() if self.target.itemsize < 8 else None
-        if put is not None:
-            devices = list(p.keys)
-            self.out[e.name] = put(e.shape, self.target, p.sharding, [hosts[p.keys[d]] for d in devices], devices)
+        e, hosts, t = p.entry, p.hosts, p.template
+        assert t is not None
+        if self.put is not None:
+            self.out[e.name] = self.put(t.aval, p.sharding, [hosts[k] for k in t.device_keys], t.devices)
         else:
+            import jax
+
             self.out[e.name] = jax.make_array_from_callback(e.shape, p.sharding,
                                                             lambda idx: hosts[_slice_key(idx, e.shape)])
         p.buffers, p.hosts, p.fills = [], {}, []
 
 
+def _interval(p: _TensorPlan, q: _Part) -> int:
+    """Which of the plan's merged intervals holds part q."""
+    return next(i for i, (a, b) in enumerate(p.intervals) if a <= q.r0 and q.r1 <= b)
+
+
 @lru_cache(maxsize=1)
 def _batched_device_put() -> Callable[..., Any] | None:
-    """jax's own last step of `make_array_from_callback` (a jax-internal function: None if this jax lacks
-    it, and the public call is used). Called directly it costs a third as much; on a host that reads a few
-    hundred MB of small tensors, the public call was a third of the load."""
+    """jax's own last step of `make_array_from_callback` (jax-internal: None if this jax lacks it, and the
+    public call is used): (aval, sharding, host arrays, their devices) -> the global array. Called directly
+    it costs a fraction of the public call, which on a host reading a few hundred MB of small tensors was a
+    third of the load."""
     try:
-        from jax._src.core import ShapedArray, update_aval_with_sharding
-        from jax._src.interpreters.pxla import batched_device_put
-    except ImportError:  # pragma: no cover - depends on the jax version
+        from jax._src.lib import xla_client as xc
+
+        put = xc.batched_device_put
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the jax version
         return None
 
-    @lru_cache(maxsize=256)  # layers repeat a few (shape, dtype, sharding)
-    def aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
-        return update_aval_with_sharding(ShapedArray(shape, dtype), sharding)
-
-    def put(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, xs: list[np.ndarray], devices: list[Any]) -> Any:
-        # the same aval and call as make_array_from_callback, without its per-device Python checks
-        return batched_device_put(aval(shape, dtype, sharding), sharding, xs, devices)
-    return put
+    def call(aval: Any, sharding: Any, xs: list[np.ndarray], devices: list[Any]) -> Any:
+        return put(aval, sharding, xs, devices, True)  # committed, as make_array_from_callback's arrays
+    return call
 
 
 @lru_cache(maxsize=1)
