@@ -1,8 +1,11 @@
 """Checkpoint loading in the gang: per-host throughput and whole-gang load time, against peers in the same run.
 
 - per host: each host's bytes read, seconds and GB/s during bring-up, versus a raw sequential read of
-  the same number of bytes from the same shard files (`os.readv` into a reused 16 MiB buffer, warm page cache; the
-  median of 3 reads, taken after the gang has stopped). Two peers: every host's raw read run at the same
+  the same number of bytes from the same shard files (`os.readv` into a reused, page-aligned 16 MiB buffer, warm
+  page cache; the median of 3 reads, taken after the gang has stopped). The buffer is page-aligned as `cat`'s
+  is: on the 2-core EPYC VM of docs/performance.md the kernel copied into a destination 16 bytes off a 64-byte
+  boundary at 2.2 GB/s instead of 7.7 (a `bytearray` lands there or not by chance, which made this peer swing
+  between 2.5 and 14 GB/s from run to run). Two peers: every host's raw read run at the same
   time, one process per host (the condition the hosts read under here, where the simulated hosts share
   one machine's cores and memory bandwidth; on a real cluster each host has its own), and one raw read
   alone (the machine's single-stream figure);
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from machine import cpu_flags  # benchmarks/machine.py (scripts run with benchmarks/ on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16 << 20
@@ -96,16 +100,18 @@ def wide_checkpoint(mesh: str) -> str:
     return str(dst)
 
 
-def raw_read_gbps(files: list[str], nbytes: int) -> float:
-    """Sequentially read `nbytes` from the start of the files (in order) into one reused 16 MiB buffer, warm
-    cache; GB/s. The buffer is reused so that the figure is the copy out of the page cache alone, without
+def raw_read(files: list[str], nbytes: int) -> tuple[float, float]:
+    """Sequentially read `nbytes` from the start of the files (in order) into one reused, page-aligned 16 MiB
+    buffer, warm cache; (GB/s, CPU seconds of the timed read). The buffer is reused so that the figure is the copy out of the page cache alone, without
     faulting in fresh memory for every block (what `os.read` returning new bytes objects would add)."""
-    buf = memoryview(bytearray(BLOCK))
+    from raydeploy.checkpoint.format import aligned_empty
+
+    buf = memoryview(aligned_empty(BLOCK, alignment=4096))
     for f in files:  # warm
         with open(f, "rb", buffering=0) as fh:
             while fh.readinto(buf):
                 pass
-    left, t0 = nbytes, time.perf_counter()
+    left, t0, c0 = nbytes, time.perf_counter(), time.process_time()
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -118,17 +124,18 @@ def raw_read_gbps(files: list[str], nbytes: int) -> float:
             os.close(fd)
         if left <= 0:
             break
-    return (nbytes - max(left, 0)) / (time.perf_counter() - t0) / 1e9
+    return (nbytes - max(left, 0)) / (time.perf_counter() - t0) / 1e9, time.process_time() - c0
 
 
-def _raw_read_worker(args: tuple) -> float:
+def _raw_read_worker(args: tuple) -> tuple[float, float]:
     files, nbytes, barrier = args
     barrier.wait(timeout=60)
-    return raw_read_gbps(files, nbytes)
+    return raw_read(files, nbytes)
 
 
-def concurrent_raw_read_gbps(files: list[str], sizes: list[int]) -> list[float]:
-    """One process per host, each reading its byte count at the same time (after a barrier); GB/s per host."""
+def concurrent_raw_reads(files: list[str], sizes: list[int]) -> list[tuple[float, float]]:
+    """One process per host, each reading its byte count at the same time (after a barrier); (GB/s, CPU
+    seconds) per host."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
@@ -201,26 +208,34 @@ def main() -> int:
                    for r in range(len(starts[0]["hosts"]))]
     st["phase_s"] = {"load_s": statistics.median(s["phase_s"]["load_s"] for s in starts)}
     sizes = [int(h["load"]["bytes_read"]) for h in st["hosts"]]
-    together = [statistics.median(col) for col in zip(*(concurrent_raw_read_gbps(files, sizes) for _ in range(3)), strict=True)]
+    runs = [concurrent_raw_reads(files, sizes) for _ in range(3)]
     hosts = []
-    for h, raw_together in zip(st["hosts"], together, strict=True):
+    for r, h in enumerate(st["hosts"]):
         ld = h["load"]
+        alone = [raw_read(files, int(ld["bytes_read"])) for _ in range(3)]  # median of 3: a shared machine swings
         hosts.append({"rank": h["rank"], "bytes_read": ld["bytes_read"], "seconds": ld["seconds"], "gbps": ld["gbps"],
-                      # median of 3: one raw read on a shared machine swung 1-5 GB/s
-                      "raw_read_gbps": statistics.median(raw_read_gbps(files, int(ld["bytes_read"])) for _ in range(3)),
-                      "raw_read_together_gbps": raw_together})
+                      "cpu_seconds": ld.get("cpu_seconds"),
+                      "raw_read_gbps": statistics.median(g for g, _ in alone),
+                      "raw_read_cpu_seconds": statistics.median(c for _, c in alone),
+                      "raw_read_together_gbps": statistics.median(run[r][0] for run in runs),
+                      "raw_read_together_cpu_seconds": statistics.median(run[r][1] for run in runs)})
     total = sum(os.path.getsize(f) for f in files)
-    out = {"mesh": args.mesh, "checkpoint": str(path), "checkpoint_bytes": total, "hosts": hosts, "gang_load_phase_s": st["phase_s"]["load_s"],
+    out = {"mesh": args.mesh, "cpu_flags": cpu_flags(), "checkpoint": str(path), "checkpoint_bytes": total, "hosts": hosts, "gang_load_phase_s": st["phase_s"]["load_s"],
            "gang_read_s": max(h["seconds"] for h in hosts), "one_process": one}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"checkpoint {total / 1e6:.0f} MB ({Path(path).name}), mesh {args.mesh}")
+    print(f"checkpoint {total / 1e6:.0f} MB ({Path(path).name}), mesh {args.mesh}; cpu {cpu_flags()}, "
+          f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     for h in hosts:
         print(f"host {h['rank']}: read {h['bytes_read'] / 1e6:.0f} MB in {h['seconds']:.3f} s = {h['gbps']:.2f} GB/s "
               f"(raw read of the same bytes with every host reading at once: {h['raw_read_together_gbps']:.2f} GB/s, "
               f"ratio {h['gbps'] / h['raw_read_together_gbps']:.2f}x, target >= 0.8x; "
               f"alone: {h['raw_read_gbps']:.2f} GB/s, ratio {h['gbps'] / h['raw_read_gbps']:.2f}x)")
+        if h["cpu_seconds"]:
+            print(f"  CPU seconds: load {h['cpu_seconds']:.3f}, raw read at once {h['raw_read_together_cpu_seconds']:.3f} "
+                  f"(ratio {h['raw_read_together_cpu_seconds'] / h['cpu_seconds']:.2f}x), alone "
+                  f"{h['raw_read_cpu_seconds']:.3f} (ratio {h['raw_read_cpu_seconds'] / h['cpu_seconds']:.2f}x)")
     print(f"whole gang: slowest host's read {out['gang_read_s']:.2f} s, load phase (read + engine build) "
           f"{out['gang_load_phase_s']:.2f} s; one process reading everything "
           f"{one['seconds']:.2f} s ({one['bytes_read'] / 1e6:.0f} MB, {one['gbps']:.2f} GB/s)")

@@ -68,13 +68,16 @@ PAGE_BYTES = mmap.PAGESIZE
 
 @dataclass(frozen=True)
 class LoadStats:
-    """What one `load` did: bytes read from disk (this process), wall seconds, GB/s, tensors, files."""
+    """What one `load` did: bytes read from disk (this process), wall seconds, GB/s, tensors, files, and the
+    CPU seconds this process spent meanwhile (all its threads: on a machine shared with other work the wall
+    time swings, the CPU time much less)."""
 
     bytes_read: int
     seconds: float
     gbps: float
     tensors: int
     files: int
+    cpu_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -278,11 +281,11 @@ class CheckpointReader:
         in place: no copy through a read buffer, and on CPU the arrays alias the page cache when no dtype
         cast or column slice is needed. Without it (or for tensors stored in several segments) the ranges
         are `os.preadv`-ed into aligned buffers one checksum block at a time, each block verified while it
-        is still in cache. `threads` is capped at the CPU count: the crc32 holds the GIL, so more threads
-        only contend."""
+        is still in cache. `threads` is capped at the CPU count (the crc32 releases the GIL, so threads verify
+        blocks in parallel where cores are free); with 1 the calling thread reads, with no pool."""
         from tqdm import tqdm
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with _gc_paused(), _Load(self, self._plan(specs, mesh, rules), numpy_dtype(dtype), verify, use_mmap) as run:
             bar = tqdm(total=run.total_bytes, unit="B", unit_scale=True, desc="load checkpoint",
                        disable=not progress)
@@ -296,7 +299,7 @@ class CheckpointReader:
         seconds = time.perf_counter() - t0
         stats = LoadStats(bytes_read=run.total_bytes, seconds=seconds,
                           gbps=run.total_bytes / seconds / 1e9 if seconds else 0.0, tensors=len(run.out),
-                          files=len(run.fds))
+                          files=len(run.fds), cpu_seconds=time.process_time() - c0)
         return {n: run.out[n] for n in specs}, stats
 
     def read_tensor(self, name: str, verify: bool = True) -> np.ndarray:
