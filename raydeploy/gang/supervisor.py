@@ -309,7 +309,7 @@ class GangSupervisor:
             if rank < len(loads):
                 ld = loads[rank]
                 row["load"] = {"bytes_read": ld.get("bytes_read"), "seconds": round(ld.get("wall_s", 0.0), 3),
-                               "gbps": round(ld.get("gbps", 0.0), 3)}
+                               "gbps": round(ld.get("gbps", 0.0), 3), "cpu_seconds": ld.get("cpu_seconds")}
             rows.append(row)
         return rows
 
