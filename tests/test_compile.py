@@ -102,6 +102,41 @@ def test_no_collective_moves_weights_tables_or_kv_cache(tpu_reports, name):
     assert decode["collectives"]["all-reduce"]["count"] >= 2 * llama.num_layers
 
 
+def test_moe_config_compiles_deviceless_with_experts_over_ep():
+    """Qwen3-30B-A3B (48 layers, 128 experts, 8 per token, bfloat16) on v5e-16 with ep=4 x tp=4: every program
+    compiles through libtpu, fits the chip, and moves only activations and logits between chips (per layer a
+    tp all-reduce after attention and one psum of the experts' parts over ep x tp); no expert weight is
+    gathered (no collective has an expert's hidden-unit dimension, 768 or its tp shard 192)."""
+    pytest.importorskip("libtpu")
+    from raydeploy.config import load_config
+    from raydeploy.plan import make_plan
+
+    name = "tpu-v5e-16-qwen3-30b-a3b"
+    r = _run(f"configs/{name}.yaml", "--json")
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    rep = json.loads(r.stdout)
+    plan = make_plan(load_config(REPO / "configs" / f"{name}.yaml"))
+    raw = json.loads((REPO / "configs/models/qwen3-30b-a3b/config.json").read_text())
+    layers, vocab_shard = raw["num_hidden_layers"], raw["vocab_size"] // plan.mesh["tp"]
+    assert rep["target"] == "tpu 16 devices (TPU v5 lite)" and rep["problems"] == []
+    assert rep["weight_bytes_per_chip"] == plan.param_bytes_per_device
+    names = sorted(p["name"] for p in rep["programs"])
+    # 16 slots (no dp): decode rows 1, 4, 16; the 256-token chunk and its quarter; 8192 tokens in pages of 16
+    assert names == sorted(["presence_row", *(f"step_{t}x512" for t in (1, 4, 16, 64, 256))])
+    for p in rep["programs"]:
+        assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
+        if not p["name"].startswith("step_"):
+            continue
+        assert p["argument_bytes"] >= rep["weight_bytes_per_chip"] + rep["kv_cache_bytes_per_chip"], p["name"]
+        assert p["collectives"]["all-reduce"]["count"] >= 2 * layers, p["name"]
+        for kind, c in p["collectives"].items():
+            for shape in c["shapes"]:
+                dims = [int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d]
+                assert not {192, 768} & set(dims), f"{p['name']}: {kind} of {shape}"
+                if kind == "all-gather":  # only logits rows come together (the LM head is split over tp)
+                    assert vocab_shard in dims, f"{p['name']}: {kind} of {shape}"
+
+
 def test_an_override_that_cannot_fit_names_the_program_and_the_numbers():
     pytest.importorskip("libtpu")
     r = _run("configs/tpu-v5e-16.yaml", "--only", "step", "--set", "engine.max_slots=256")

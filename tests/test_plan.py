@@ -19,7 +19,7 @@ SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
                       tie_word_embeddings=True)
 DEMO_CONFIGS = ["local.yaml", "cpu-fsdp.yaml", "predict-small.yaml"]
-BUNDLED_CONFIGS = ["tpu-v5e-16.yaml", "tpu-v6e-16.yaml", "gpu-2x8-h100.yaml"]
+BUNDLED_CONFIGS = ["tpu-v5e-16.yaml", "tpu-v6e-16.yaml", "gpu-2x8-h100.yaml", "tpu-v5e-16-qwen3-30b-a3b.yaml"]
 
 
 def test_every_config_is_covered() -> None:
@@ -51,6 +51,47 @@ def test_v5e_numbers() -> None:
     # 64 slots / dp 4 = 16 per host; 8 KV heads / tp 4 = 2 per chip; 8192 x 128 x 32 layers x K,V x 2 bytes
     assert plan.kv_bytes_per_device == 16 * 8192 * 2 * 128 * 32 * 2 * 2 == 4 * GIB
     assert plan.mesh_axis_span == {"dp": "across hosts", "tp": "in-host"}
+
+
+def test_moe_plan_counts_experts_over_ep(capsys: pytest.CaptureFixture) -> None:
+    """Qwen3-30B-A3B over ep=4 x tp=4, sizes worked out here from its config.json: each chip holds a
+    sixteenth of the experts (32 experts of 128 over ep, their 768 units over tp) and a quarter of everything
+    else but the norms (over tp, replicated over ep); KV bytes per token from the 4 KV heads of 128 dims."""
+    raw = json.loads((CONFIGS / "models/qwen3-30b-a3b/config.json").read_text())
+    layers, d, v = raw["num_hidden_layers"], raw["hidden_size"], raw["vocab_size"]
+    e, k, f = raw["num_experts"], raw["num_experts_per_tok"], raw["moe_intermediate_size"]
+    nh, nkv, hd = raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    attn = d * nh * hd + 2 * d * nkv * hd + nh * hd * d
+    norms = layers * (2 * d + 2 * hd) + d
+    experts = layers * e * 3 * d * f
+    router = layers * d * e
+    split4 = layers * attn + 2 * v * d  # attention, embedding and LM head: over tp
+    total = split4 + experts + router + norms
+    plan = make_plan(load_config(CONFIGS / "tpu-v5e-16-qwen3-30b-a3b.yaml"))
+    assert plan.ok, plan.problems
+    assert plan.mesh == {"ep": 4, "tp": 4}
+    assert plan.param_count == total and 30.4e9 < total < 30.6e9
+    assert plan.active_param_count == total - experts + experts * k // e
+    assert 3.2e9 < plan.active_param_count < 3.4e9
+    assert plan.param_bytes_total == 2 * total
+    assert plan.param_bytes_per_device == 2 * (experts // 16 + split4 // 4 + router + norms)
+    assert plan.kv_bytes_per_token == layers * 2 * nkv * hd * 2
+    # KV heads over tp only: every ep group holds the whole pool of its tp shard
+    assert plan.kv_bytes_per_device == plan.kv_bytes_total // 4
+    assert plan.model["experts"] == 128 and plan.model["experts_per_token"] == 8
+    assert main(["plan", str(CONFIGS / "tpu-v5e-16-qwen3-30b-a3b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "experts       128 per layer, 8 per token (ffn 768): 3.353B params active per token" in out
+    assert "96.0 KiB per token" in out
+
+
+def test_moe_plan_ep_must_divide_the_experts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    p = _write(tmp_path, "tpu-v5e-16-qwen3-30b-a3b.yaml",
+               "mesh: {axes: {ep: 3, tp: 4}}\ncluster: {num_hosts: 3}")
+    plan = make_plan(load_config(p))
+    assert "mesh axis ep=3 does not divide the model's 128 experts (ep must be a divisor of 128)" in plan.problems
+    assert main(["plan", str(p)]) == 1
+    assert "raydeploy plan: mesh axis ep=3 does not divide the model's 128 experts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", DEMO_CONFIGS)
