@@ -19,7 +19,10 @@ tensors are stored split (format version 2) and each host reads its slices witho
 instead of the demo's 0.1-1 MB) written once under /tmp: with the demo, a host reads for ~0.1 s, so fixed
 per-tensor costs weigh as much as the bytes; a checkpoint of real proportions shows the per-byte rate.
 
-    python benchmarks/gang_load.py [--mesh fsdp=2,tp=2] [--model demo|wide] [--starts 3] [--json]
+    python benchmarks/gang_load.py [--mesh fsdp=2,tp=2] [--model demo|wide] [--starts 3] [--load-threads N] [--json]
+
+`--load-threads` sets `model.load_threads` (default: the config's, capped at the CPU count by the reader):
+here the two simulated hosts share the machine's cores, so each host's threads compete with the other's.
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ def main() -> int:
     ap.add_argument("--model", choices=("demo", "wide"), default="demo")
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     ap.add_argument("--starts", type=int, default=3, help="bring-ups to take the median of (default 3)")
+    ap.add_argument("--load-threads", type=int, help="model.load_threads for the gang (default: the config's)")
     args = ap.parse_args()
     if args.peer:
         print(json.dumps(peer(args.mesh, args.checkpoint)))
@@ -183,7 +187,8 @@ def main() -> int:
     from raydeploy.config import load_config
     from raydeploy.gang.gang import resolve_checkpoint_path, start_gang
 
-    cfg = load_config(None, overrides(args.mesh))
+    extra = [] if args.load_threads is None else [f"model.load_threads={args.load_threads}"]
+    cfg = load_config(None, overrides(args.mesh) + extra)
     path = resolve_checkpoint_path(cfg) if args.model == "demo" else wide_checkpoint(args.mesh)
     files = [str(Path(path) / f) for f in sorted(CheckpointReader(path).index.files)]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8", XLA_FLAGS="--xla_force_host_platform_device_count=4")
@@ -220,12 +225,13 @@ def main() -> int:
                       "raw_read_together_gbps": statistics.median(run[r][0] for run in runs),
                       "raw_read_together_cpu_seconds": statistics.median(run[r][1] for run in runs)})
     total = sum(os.path.getsize(f) for f in files)
-    out = {"mesh": args.mesh, "cpu_flags": cpu_flags(), "checkpoint": str(path), "checkpoint_bytes": total, "hosts": hosts, "gang_load_phase_s": st["phase_s"]["load_s"],
+    out = {"mesh": args.mesh, "load_threads": cfg.model.load_threads, "cpu_flags": cpu_flags(), "checkpoint": str(path), "checkpoint_bytes": total, "hosts": hosts, "gang_load_phase_s": st["phase_s"]["load_s"],
            "gang_read_s": max(h["seconds"] for h in hosts), "one_process": one}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"checkpoint {total / 1e6:.0f} MB ({Path(path).name}), mesh {args.mesh}; cpu {cpu_flags()}, "
+    print(f"checkpoint {total / 1e6:.0f} MB ({Path(path).name}), mesh {args.mesh}, load_threads "
+          f"{cfg.model.load_threads}; cpu {cpu_flags()}, "
           f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     for h in hosts:
         print(f"host {h['rank']}: read {h['bytes_read'] / 1e6:.0f} MB in {h['seconds']:.3f} s = {h['gbps']:.2f} GB/s "
