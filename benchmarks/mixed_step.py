@@ -3,14 +3,17 @@
 While streams decode, the scheduler prefills a newly arrived prompt in chunks of at most `mixed_step_tokens`
 per dp group (decode rows included) beside them, so their tokens keep coming; the engine's default budget is a
 quarter of `engine.prefill_chunk`. A smaller budget keeps those steps shorter (the streams' time per output
-token, TPOT, stays nearer what it was) and makes the long prompt wait longer for its first token. This measures
-both for several budgets on the demo model, one engine (the same compiled programs), one CPU device:
+token, TPOT, stays nearer what it was) and makes the long prompt wait longer for its first token; so does
+`engine.max_decode_slowdown`, which holds the prompt's next chunk back for decode-only passes after each chunk
+step (0: never). This measures both for several budgets and limits on the demo model, one engine (the same
+compiled programs), one CPU device:
 
 - peer: the 7 streams' TPOT in a window of pure decoding before the prompt arrives (plans of
   `engine.decode_steps` decode passes);
-- per budget: their TPOT while a ~1500-token prompt prefills (until its first token), and that prompt's TTFT.
+- per budget and limit: their TPOT while a ~1500-token prompt prefills (until its first token), and that
+  prompt's TTFT.
 
-    .venv/bin/python benchmarks/mixed_step.py [--budgets 16,32,64] [--long-tokens 1500]
+    .venv/bin/python benchmarks/mixed_step.py [--budgets 16,32,64] [--slowdowns 0,2] [--long-tokens 1500]
 
 Prints the CPU's vector flags and writes benchmarks/results/mixed_step.json.
 """
@@ -36,12 +39,14 @@ def _gaps(times: list[float], lo: float, hi: float) -> list[float]:
     return [b - a for a, b in zip(inside, inside[1:], strict=False)]
 
 
-def run_budget(engine, budget: int, long_tokens: int, before_plans: int) -> dict:  # type: ignore[no-untyped-def]
+def run_budget(engine, budget: int, slowdown: float, long_tokens: int,  # type: ignore[no-untyped-def]
+               before_plans: int) -> dict:
     from raydeploy.engine.local import LocalRunner
     from raydeploy.engine.request import GenerationRequest
     from raydeploy.engine.scheduler import Paging, Scheduler
 
-    paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens, False, budget)
+    paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens, False, budget,
+                    slowdown)
     sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 16, [engine.max_step_tokens],
                       slot_order=engine.slot_order, decode_steps=engine.decode_steps, paging=paging)
     runner = LocalRunner(engine, sched)
@@ -68,7 +73,8 @@ def run_budget(engine, budget: int, long_tokens: int, before_plans: int) -> dict
     before = [g for i in range(STREAMS) for g in _gaps(times[f"s{i}"], t_before, t_arrive)]
     during = [g for i in range(STREAMS) for g in _gaps(times[f"s{i}"], t_arrive, t_first)]
     sched_steps = sched.steps
-    return {"budget_tokens": budget, "tpot_before_ms": 1000 * statistics.mean(before),
+    return {"budget_tokens": budget, "max_decode_slowdown": slowdown,
+            "tpot_before_ms": 1000 * statistics.mean(before),
             "tpot_during_ms": 1000 * statistics.mean(during),
             "ratio": statistics.mean(during) / statistics.mean(before),
             "long_prompt_ttft_s": t_first - t_arrive, "plans": sched_steps}
@@ -77,6 +83,8 @@ def run_budget(engine, budget: int, long_tokens: int, before_plans: int) -> dict
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="16,32,64", help="mixed-step token budgets per dp group to compare")
+    p.add_argument("--slowdowns", default="0,2",
+                   help="engine.max_decode_slowdown values to compare (0: a prompt chunk in every step)")
     p.add_argument("--long-tokens", type=int, default=1500)
     p.add_argument("--before-plans", type=int, default=6, help="pure decode plans in the window before")
     p.add_argument("--out", default=str(RESULTS))
@@ -106,12 +114,13 @@ def main() -> int:
     flags = cpu_flags()
     print(f"CPU flags: {flags} ({os.cpu_count()} cores), jax {jax.__version__}; token buckets {ps.token_buckets}")
     rows = []
-    for b in budgets:
-        r = run_budget(engine, b, args.long_tokens, args.before_plans)
-        rows.append(r)
-        print(f"budget {b:4d} tokens: TPOT before {r['tpot_before_ms']:6.1f} ms, while the {args.long_tokens}-token "
-              f"prompt prefills {r['tpot_during_ms']:6.1f} ms (x{r['ratio']:.2f}); its TTFT {r['long_prompt_ttft_s']:.2f} s",
-              flush=True)
+    for k in (float(x) for x in args.slowdowns.split(",")):
+        for b in budgets:
+            r = run_budget(engine, b, k, args.long_tokens, args.before_plans)
+            rows.append(r)
+            print(f"budget {b:4d} tokens, max_decode_slowdown {k:g}: TPOT before {r['tpot_before_ms']:6.1f} ms, while "
+                  f"the {args.long_tokens}-token prompt prefills {r['tpot_during_ms']:6.1f} ms (x{r['ratio']:.2f}); "
+                  f"its TTFT {r['long_prompt_ttft_s']:.2f} s", flush=True)
     out = {"cpu_flags": flags, "cpu_count": os.cpu_count(), "jax": jax.__version__,
            "load_average_1m": round(os.getloadavg()[0], 2), "streams": STREAMS, "long_tokens": args.long_tokens,
            "prefill_chunk": engine.max_step_tokens, "decode_steps": engine.decode_steps, "budgets": rows}

@@ -207,6 +207,12 @@ class EngineConfig(_Section):
     prefix_caching: bool = True
     """Reuse the KV pages of full pages whose token prefix matches an earlier request's (shared system
     prompts are prefilled once)."""
+    max_decode_slowdown: float = 2.0
+    """While a prompt prefills beside running streams, how much slower their mean time per token may get: after
+    each chunk step the prompt's next chunk waits for as many decode-only passes as keep the streams within this
+    factor of a decode pass (from the measured step times; at most 64 passes). A chunk step costs a few decode
+    passes on CPU and about one on TPU/GPU, where nothing waits. Lower: steadier streams, a longer wait for the
+    long prompt's first token; 0 = never wait (a chunk in every step). Prompts that fit one step never wait."""
 
 
 @dataclass(frozen=True)
@@ -477,6 +483,9 @@ def validate(cfg: Config) -> None:
                      "cluster.host_num_cpus": c.host_num_cpus}.items():
         if val < 0:
             raise ConfigError(f"must be >= 0, found {val}", file=src, key=key)
+    if e.max_decode_slowdown != 0 and e.max_decode_slowdown <= 1:
+        raise ConfigError(f"must be 0 (never hold a prompt's chunks back) or > 1, found {e.max_decode_slowdown}",
+                          file=src, key="engine.max_decode_slowdown")
     if not 0 <= s.port <= 65535:
         raise ConfigError(f"must be a TCP port 0-65535, found {s.port}", file=src, key="serving.port")
     if c.coordinator_port is not None and not 0 <= c.coordinator_port <= 65535:

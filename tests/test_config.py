@@ -90,6 +90,17 @@ def test_slots_vs_dp(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "engine: {max_slots: 3}\nmesh: {axes: {dp: 2, tp: 2}}\n"))
 
 
+@pytest.mark.parametrize("value", ["0.5", "1", "-2.0"])
+def test_max_decode_slowdown_is_zero_or_above_one(tmp_path: Path, value: str) -> None:
+    path = _write(tmp_path, f"engine: {{max_decode_slowdown: {value}}}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(path)
+    msg = str(ei.value)
+    assert "engine.max_decode_slowdown" in msg and "must be 0 (never hold a prompt's chunks back) or > 1" in msg
+    assert str(path) in msg
+    assert load_config(_write(tmp_path, "engine: {max_decode_slowdown: 0}\n")).engine.max_decode_slowdown == 0
+
+
 def test_buckets_must_cover_max_seq_len(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="largest prefill bucket 512 is smaller than model.max_seq_len 2048"):
         load_config(_write(tmp_path, "engine: {prefill_buckets: [128, 512]}\n"))

@@ -452,6 +452,92 @@ def test_steps_with_decode_rows_cap_prompt_tokens_at_the_mixed_step_size():
     assert b.result(5).token_ids == alone(long_prompt, 2) and c.result(5).token_ids == alone(prompt_of(30, 3), 2)
 
 
+class TimedEngine(PagedTokenEngine):
+    """A paged token engine whose steps take simulated time: `decode_s` per decode pass of a decode-only plan,
+    `chunk_s` for a step that carries prompt tokens."""
+
+    def __init__(self, clock: Clock, decode_s: float, chunk_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.clock, self.decode_s, self.chunk_s = clock, decode_s, chunk_s
+
+    def step(self, plan: StepPlan) -> StepResult:
+        out = super().step(plan)
+        chunk = any(len(q.tokens) for q in plan.seqs)
+        self.clock.t += self.chunk_s if chunk else self.decode_s * plan.decode_steps
+        return out
+
+
+def _held_run(limit: float, chunk_s: float, decode_steps: int = 4):
+    clock = Clock()
+    eng = TimedEngine(clock, 1.0, chunk_s, max_slots=3, groups=1, step_tokens=8, max_seq_len=128,
+                      pages_per_group=64)
+    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
+                    max_decode_slowdown=limit)
+    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=clock, slot_order=eng.slot_order,
+                      decode_steps=decode_steps, paging=paging)
+    runner = LocalRunner(eng, sched)
+    a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=100))
+    for _ in range(4):  # a decodes alone: the decode pass time is measured
+        runner.step_once()
+    long_prompt = prompt_of(60, 2)
+    b = runner.submit(req("b", prompt=long_prompt, max_tokens=2))
+    arrive = clock.t
+    while not any(q.slot == 1 and q.sample for q in eng.plans[-1].seqs):  # until b's last chunk
+        runner.step_once()
+    first_b = clock.t
+    runner.run_until_idle()
+    assert a.result(5).token_ids == alone(prompt_of(3, 1), 100)
+    assert b.result(5).token_ids == alone(long_prompt, 2)
+    chunk_plans = [i for i, p in enumerate(eng.plans) if any(q.slot == 1 and len(q.tokens) for q in p.seqs)]
+    held = [sum(p.decode_steps for p in eng.plans[i + 1:j]) for i, j in zip(chunk_plans, chunk_plans[1:],
+                                                                              strict=False)]
+    a_tokens_during = sum(p.decode_steps for p in eng.plans[chunk_plans[0]:chunk_plans[-1] + 1]
+                          if any(q.slot == 0 for q in p.seqs))
+    return eng, held, (first_b - arrive) / a_tokens_during, sched
+
+
+@pytest.mark.parametrize("limit,chunk_s,hold", [(2.0, 4.0, 2), (1.5, 4.0, 5), (3.0, 4.0, 1), (2.0, 1.5, 0),
+                                                (0.0, 4.0, 0)])
+def test_a_long_prompt_beside_decoding_streams_waits_as_many_passes_as_the_slowdown_limit_needs(limit, chunk_s,
+                                                                                                 hold):
+    eng, held, tpot, sched = _held_run(limit, chunk_s)
+    assert sched.decode_pass_s == pytest.approx(1.0) and sched.chunk_step_s == pytest.approx(chunk_s)
+    # the first chunk step has not been timed when the second is planned; from then on the hold is measured
+    assert held[0] == 0 and set(held[1:]) == {hold}, held
+    for p in eng.plans:  # only decode rows between two chunks, never more than decode_steps
+        if not any(len(q.tokens) for q in p.seqs):
+            assert p.decode_steps <= 4
+    if limit:
+        # a's mean time per token while b prefills stays near the limit (the untimed first chunk aside)
+        assert tpot <= limit * 1.0 * 1.15, tpot
+
+
+def test_held_prompts_do_not_hold_back_new_prompts_or_a_prompt_alone():
+    clock = Clock()
+    eng = TimedEngine(clock, 1.0, 10.0, max_slots=3, groups=1, step_tokens=8)
+    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
+                    max_decode_slowdown=2.0)
+    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=clock, slot_order=eng.slot_order,
+                      decode_steps=4, paging=paging)
+    runner = LocalRunner(eng, sched)
+    a = runner.submit(req("a", prompt=prompt_of(30, 1), max_tokens=30))
+    for _ in range(4):  # alone, a's prompt goes in whole chunks, one step after another
+        runner.step_once()
+    assert [len(q.tokens) for p in eng.plans for q in p.seqs] == [8, 8, 8, 6]
+    runner.step_once()  # a decodes: its pass is timed
+    b = runner.submit(req("b", prompt=prompt_of(30, 2), max_tokens=2))
+    for _ in range(3):  # b's first two chunks (the first is not timed yet), then b waits
+        runner.step_once()
+    assert all(len(q.tokens) == 0 for q in eng.plans[-1].seqs)
+    c = runner.submit(req("c", prompt=prompt_of(5, 3), max_tokens=2))  # fits one step: starts at once
+    runner.step_once()
+    assert [(q.slot, len(q.tokens)) for q in eng.plans[-1].seqs] == [(2, 5), (0, 0)]
+    runner.run_until_idle()
+    for name, stream, prompt, n in (("a", a, prompt_of(30, 1), 30), ("b", b, prompt_of(30, 2), 2),
+                                    ("c", c, prompt_of(5, 3), 2)):
+        assert stream.result(5).token_ids == alone(prompt, n), name
+
+
 def test_many_arriving_prompts_prefill_together_on_the_group_that_owns_their_slot():
     eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
     sched = paged(eng)
@@ -638,7 +724,7 @@ def test_for_engine_picks_the_paged_form_for_a_paged_engine():
 
     eng = PagedTokenEngine()
     sched = Scheduler.for_engine(eng, Config())
-    assert sched.paging == Paging(4, 32, 2, 16, True) and len(sched.pools) == 2
+    assert sched.paging == Paging(4, 32, 2, 16, True, max_decode_slowdown=2.0) and len(sched.pools) == 2
     assert sched.max_prompt_len == 63
 
     class SlotEngine:  # the slot engine's figures: no pages
@@ -711,7 +797,8 @@ def _real_sched(engine, cfg, prefix_caching=True, pages_per_group=None) -> Sched
 def test_real_model_second_request_with_the_same_system_prompt_reuses_its_pages(real_paged):
     engine, tok, cfg = real_paged
     serving = Scheduler.for_engine(engine, cfg)  # what the gang and `raydeploy generate` build
-    assert serving.paging == Paging(16, engine.pages_per_group, 1, 128, True, mixed_step_tokens=32)
+    assert serving.paging == Paging(16, engine.pages_per_group, 1, 128, True, mixed_step_tokens=32,
+                                    max_decode_slowdown=2.0)
     system = (SYSTEM * 5)[:1600]  # about 430 tokens
     a_ids = _chat(tok, system, "How much is an electric bike for two days?")
     b_ids = _chat(tok, system, "Can my 10 year old son ride alone?")

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 Sink = Callable[[TokenEvent], None]
 
+MAX_HOLD_PASSES = 64
+"""Most decode passes a prompt's next chunk waits beside running streams (`Paging.max_decode_slowdown`)."""
+
 
 class QueueFullError(RuntimeError):
     """The wait queue is full; the client should retry later (HTTP 503 + Retry-After)."""
@@ -79,6 +82,10 @@ class Paging:
     mixed_step_tokens: int | None = None
     """Most tokens per dp group in a step that carries decode rows (the engine's smaller step program), so
     running streams keep a short step while a long prompt is prefilled; None = max_step_tokens."""
+    max_decode_slowdown: float = 0.0
+    """While streams decode: hold a prompt's next chunk back for as many decode passes as keep their mean time
+    per token within this factor of a decode pass, from measured step times (`engine.max_decode_slowdown`);
+    0 = a chunk every step."""
 
 
 @dataclass
@@ -109,6 +116,8 @@ class _Running:
     """Positions this request's reservation covers."""
     started: bool = False
     """Its first chunk was planned (the engine has its sampling parameters)."""
+    next_chunk_pass: int = 0
+    """Paged form: its next prompt chunk waits until the scheduler has planned this many decode passes."""
 
 
 class Scheduler:
@@ -146,6 +155,12 @@ class Scheduler:
         self._paged_inflight: dict[int, list[tuple[int, _Running]]] = {}  # step_id -> (slot, request) per seq
         self._prefilling: list[int] = []  # paged: slots whose prompt is not fully computed, in arrival order
         self._step_id = 0
+        self._passes = 0  # paged: decode passes planned so far (a plan of n decode steps counts n)
+        self._planned_at: dict[int, tuple[float, str, int]] = {}  # step_id -> (clock, kind, passes)
+        self.decode_pass_s: float | None = None
+        """Paged form: recent seconds per decode pass of a decode-only plan (moving average)."""
+        self.chunk_step_s: float | None = None
+        """Paged form: recent seconds per step that carried prompt chunks beside decode rows (moving average)."""
         # counters
         self.steps = 0
         self.tokens_generated = 0
@@ -173,7 +188,8 @@ class Scheduler:
         paging = None
         if hasattr(engine, "pages_per_group"):
             paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
-                            cfg.engine.prefix_caching, getattr(engine, "mixed_step_tokens", None))
+                            cfg.engine.prefix_caching, getattr(engine, "mixed_step_tokens", None),
+                            cfg.engine.max_decode_slowdown)
         return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
                    cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order,
                    decode_steps=cfg.engine.decode_steps, paging=paging)
@@ -281,6 +297,7 @@ class Scheduler:
             for pool in self.pools:
                 pool.clear_cache()
             self._prefilling.clear()
+            self._planned_at.clear()  # plans that will never report back
             # The engine's slot table is gone with the gang, or it is cleared by these releases.
             self._release = [s for s in range(self.max_slots)]
             self._inflight.clear()
@@ -360,13 +377,17 @@ class Scheduler:
                 budget = [min(p.max_step_tokens, p.mixed_step_tokens)] * p.groups
             for slot, _ in decoding:
                 budget[slot // per_group] -= 1
+            held: list[_Running] = []  # prompts between two chunks while streams decode
             for slot in list(self._prefilling):
                 run = self._slots[slot]
                 assert run is not None
+                if decoding and run.started and run.next_chunk_pass > self._passes:
+                    held.append(run)
+                    continue
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
                 if n > 0:
                     budget[slot // per_group] -= n
-                    seqs.append(self._chunk(slot, run, n, updates))
+                    seqs.append(self._chunk(slot, run, n, updates, bool(decoding)))
                     entries.append((slot, run))
             while self._queue:  # admission: a slot and pages (its prefill starts when its group has budget)
                 placed = self._place(self._queue[0], p, budget)
@@ -384,9 +405,15 @@ class Scheduler:
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
                 if n > 0:  # else it holds its slot and pages and starts when its group has budget again
                     budget[slot // per_group] -= n
-                    seqs.append(self._chunk(slot, run, n, updates))
+                    seqs.append(self._chunk(slot, run, n, updates, bool(decoding)))
                     entries.append((slot, run))
             steps = 1 if seqs else self._paged_decode_steps([r for _, r in decoding])
+            if held and not seqs:  # a decode-only plan ends where the first held prompt may go on
+                steps = max(1, min(steps, min(r.next_chunk_pass for r in held) - self._passes))
+            if decoding:
+                self._passes += steps
+                # (seqs holds the prompt chunks so far) the plan's duration feeds `_hold_passes`
+                self._planned_at[self._step_id] = (self.clock(), "chunk" if seqs else "decode", steps)
             for slot, run in decoding:
                 self._grow(slot, run, run.computed + steps, updates)
                 seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True))
@@ -440,17 +467,43 @@ class Scheduler:
         elif new:
             updates.append(PageUpdate(slot, before, np.asarray(new, np.int32)))
 
-    def _chunk(self, slot: int, run: _Running, n: int, updates: list[PageUpdate]) -> SeqStep:
+    def _chunk(self, slot: int, run: _Running, n: int, updates: list[PageUpdate], decoding: bool = False
+               ) -> SeqStep:
         """The next `n` prompt tokens of `run` as a SeqStep (the first chunk carries sampling and the tokens
-        of the reused prefix, for the repetition penalty)."""
+        of the reused prefix, for the repetition penalty). Beside decoding streams, a chunk that leaves part
+        of the prompt holds its next chunk back (`_hold_passes`)."""
         start = run.computed
         self._grow(slot, run, start + n, updates)
         first = not run.started
         run.started = True
+        if decoding and start + n < run.prompt_len:
+            run.next_chunk_pass = self._passes + 1 + self._hold_passes()
         prompt = run.req.prompt_token_ids
         return SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
                        run.req.sampling if first else None,
                        np.asarray(prompt[:start], np.int32) if first and start > 0 else None)
+
+    def _hold_passes(self) -> int:
+        """Decode passes a prompt's next chunk waits after a chunk step so that the running streams' mean time
+        per token, (chunk step + n passes) / (n + 1), stays within `max_decode_slowdown` decode passes."""
+        limit = 0.0 if self.paging is None else self.paging.max_decode_slowdown
+        d, m = self.decode_pass_s, self.chunk_step_s
+        if not limit or d is None or m is None or d <= 0 or m <= limit * d:
+            return 0
+        return min(MAX_HOLD_PASSES, int(np.ceil((m - limit * d) / ((limit - 1) * d))))
+
+    def _timed(self, step_id: int, now: float) -> None:
+        """Fold a finished plan's duration into the moving averages of decode passes and chunk steps."""
+        planned = self._planned_at.pop(step_id, None)
+        if planned is None:
+            return
+        t0, kind, passes = planned
+        dt = max(now - t0, 0.0)
+        if kind == "decode":
+            x = dt / passes
+            self.decode_pass_s = x if self.decode_pass_s is None else 0.7 * self.decode_pass_s + 0.3 * x
+        else:
+            self.chunk_step_s = dt if self.chunk_step_s is None else 0.7 * self.chunk_step_s + 0.3 * dt
 
     def _paged_decode_steps(self, runs: list[_Running]) -> int:
         """Steps of a decode-only plan: `decode_steps`, but no more than the running requests still want and
@@ -463,6 +516,7 @@ class Scheduler:
 
     def _on_paged_result(self, plan: StepPlan, result: StepResult, events: list, now: float) -> None:
         entries = self._paged_inflight.pop(plan.step_id, [])
+        self._timed(plan.step_id, now)
         if result.tokens is None:
             raise ValueError(f"step {plan.step_id}: the engine returned no tokens for a paged plan")
         if result.tokens.shape != (plan.decode_steps, len(entries)):
