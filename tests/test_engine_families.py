@@ -38,12 +38,11 @@ MAX_SEQ_LEN = 64
 LOGIT_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def converted(request, tmp_path_factory) -> dict[str, Any]:
+def _convert(kind: str, tmp: Any) -> dict[str, Any]:
+    """transformers' tiny `kind` model converted into our checkpoint, with its 32 greedy tokens, their
+    log-softmax values and the prompt's last-position logits."""
     from raydeploy.checkpoint.convert import convert
 
-    kind = request.param
-    tmp = tmp_path_factory.mktemp(f"engine-{kind}")
     if kind in TINY:
         model, src = _hf_model(kind, tmp)
     else:
@@ -62,6 +61,11 @@ def converted(request, tmp_path_factory) -> dict[str, Any]:
     return {"kind": kind, "ckpt": dst, "greedy": greedy,
             "logprobs": [float(ref_lp[n - 1 + i, t]) for i, t in enumerate(greedy)],
             "last_logits": logits[n - 1].numpy()}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def converted(request, tmp_path_factory) -> dict[str, Any]:
+    return _convert(request.param, tmp_path_factory.mktemp(f"engine-{request.param}"))
 
 
 def _engine(ckpt: Any, mesh_shape: dict[str, int]) -> Any:
@@ -164,3 +168,48 @@ def test_engine_refuses_ep_that_does_not_divide_the_experts(kind, tmp_path):
                                          r"divisor of 4\)"):
         Engine(family, cfg, {}, mesh, merge_rules(None), ModelConfig(max_seq_len=MAX_SEQ_LEN),
                EngineConfig(max_slots=3, compilation_cache_dir=None))
+
+
+# -- a gang: real Ray, real jax.distributed, one MoE family with its experts across the hosts ----------------
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_gang_serves_moe_with_experts_across_hosts(tmp_path_factory):
+    """Qwen3-MoE on a 2-host gang (2 virtual CPU devices each), mesh ep=2 (across the hosts) x tp=2 (inside
+    each): each host builds its engine through `load_checkpoint_engine` (family from the checkpoint's config,
+    the mesh checked against the experts, its shards of the experts placed), and the gang's greedy tokens equal
+    transformers'."""
+    import os
+    import shutil
+
+    import ray
+
+    from raydeploy.config import load_config
+    from raydeploy.engine.request import GenerationRequest
+    from raydeploy.gang.gang import start_gang
+
+    case = _convert("qwen3_moe", tmp_path_factory.mktemp("gang-qwen3_moe"))
+    cache = tmp_path_factory.mktemp("gang-cache")
+    cfg = load_config(None, [
+        "cluster.devices_per_host=2", "mesh.axes={ep: 2, tp: 2}", f"model.checkpoint={case['ckpt']}",
+        f"model.max_seq_len={MAX_SEQ_LEN}", "engine.prefill_buckets=[64]", "engine.max_new_tokens=32",
+        "engine.max_slots=2", "engine.page_size=8", "engine.prefill_chunk=16", "cluster.heartbeat_timeout_s=10",
+        "cluster.init_timeout_s=60", "cluster.rpc_timeout_s=1200", f"engine.compilation_cache_dir={cache}"])
+    temp = f"/tmp/rdf-{os.getpid()}"
+    ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        gang = start_gang(cfg, checkpoint_path=str(case["ckpt"]))
+        try:
+            gang.wait_ready(900)
+            req = GenerationRequest("moe", tuple(PROMPT), max_tokens=STEPS, ignore_eos=True)
+            events = gang.generate(req, timeout_s=600)
+            meshes = [h["init"]["mesh"] for h in gang.status()["host_status"]]
+        finally:
+            gang.shutdown()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert events[-1].finish_reason == "length", events[-1]
+    assert [e.token_id for e in events] == case["greedy"]
+    assert meshes == [{"ep": 2, "tp": 2}] * 2
