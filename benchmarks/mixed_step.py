@@ -34,9 +34,14 @@ RESULTS = REPO / "benchmarks" / "results" / "mixed_step.json"
 STREAMS = 7
 
 
-def _gaps(times: list[float], lo: float, hi: float) -> list[float]:
-    inside = [t for t in times if lo <= t <= hi]
-    return [b - a for a, b in zip(inside, inside[1:], strict=False)]
+def _tpot(times: list[float], lo: float, hi: float) -> float:
+    """A stream's time per output token over (lo, hi]: the window over the tokens that arrived in it. (Not the
+    mean gap between arrivals: a plan of n decode passes delivers n tokens at once, so the gaps inside a window
+    are n - 1 zeros and one plan time per plan, and their mean undercounts by up to 1 / n per plan.)"""
+    n = sum(1 for t in times if lo < t <= hi)
+    if not n:
+        raise RuntimeError(f"no tokens in the window of {hi - lo:.2f} s")
+    return (hi - lo) / n
 
 
 def run_budget(engine, budget: int, slowdown: float, long_tokens: int,  # type: ignore[no-untyped-def]
@@ -70,14 +75,19 @@ def run_budget(engine, budget: int, slowdown: float, long_tokens: int,  # type: 
     while not times["long"]:
         runner.step_once()
     t_first = times["long"][0]
-    before = [g for i in range(STREAMS) for g in _gaps(times[f"s{i}"], t_before, t_arrive)]
-    during = [g for i in range(STREAMS) for g in _gaps(times[f"s{i}"], t_arrive, t_first)]
+    t_end = time.perf_counter()  # the end of the plan that gave the long prompt its first token
+    # both windows start and end between two plans, so each stream's tokens in a window are exactly those of
+    # the window's plans
+    before = [_tpot(times[f"s{i}"], t_before, t_arrive) for i in range(STREAMS)]
+    during = [_tpot(times[f"s{i}"], t_arrive, t_end) for i in range(STREAMS)]
     sched_steps = sched.steps
     return {"budget_tokens": budget, "max_decode_slowdown": slowdown,
             "tpot_before_ms": 1000 * statistics.mean(before),
             "tpot_during_ms": 1000 * statistics.mean(during),
             "ratio": statistics.mean(during) / statistics.mean(before),
-            "long_prompt_ttft_s": t_first - t_arrive, "plans": sched_steps}
+            "long_prompt_ttft_s": t_first - t_arrive, "plans": sched_steps,
+            "scheduler_decode_pass_ms": None if sched.decode_pass_s is None else 1000 * sched.decode_pass_s,
+            "scheduler_chunk_step_ms": None if sched.chunk_step_s is None else 1000 * sched.chunk_step_s}
 
 
 def main() -> int:

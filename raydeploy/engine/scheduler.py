@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 Sink = Callable[[TokenEvent], None]
 
 MAX_HOLD_PASSES = 64
-"""Most decode passes a prompt's next chunk waits beside running streams (`Paging.max_decode_slowdown`)."""
+"""Most decode passes one decision holds prompt chunks back beside running streams (`Paging.max_decode_slowdown`)."""
 
 
 class QueueFullError(RuntimeError):
@@ -116,8 +116,6 @@ class _Running:
     """Positions this request's reservation covers."""
     started: bool = False
     """Its first chunk was planned (the engine has its sampling parameters)."""
-    next_chunk_pass: int = 0
-    """Paged form: its next prompt chunk waits until the scheduler has planned this many decode passes."""
 
 
 class Scheduler:
@@ -155,12 +153,15 @@ class Scheduler:
         self._paged_inflight: dict[int, list[tuple[int, _Running]]] = {}  # step_id -> (slot, request) per seq
         self._prefilling: list[int] = []  # paged: slots whose prompt is not fully computed, in arrival order
         self._step_id = 0
-        self._passes = 0  # paged: decode passes planned so far (a plan of n decode steps counts n)
+        # paged: plans with decode rows while a prompt prefills (an "episode"): when it began, its decode passes
+        self._episode_t0: float | None = None
+        self._episode_passes = 0
         self._planned_at: dict[int, tuple[float, str, int]] = {}  # step_id -> (clock, kind, passes)
         self.decode_pass_s: float | None = None
-        """Paged form: recent seconds per decode pass of a decode-only plan (moving average)."""
+        """Paged form: recent seconds per decode pass of a decode-only plan of `decode_steps` passes (moving
+        average)."""
         self.chunk_step_s: float | None = None
-        """Paged form: recent seconds per step that carried prompt chunks beside decode rows (moving average)."""
+        """Paged form: seconds of the last step that carried prompt chunks beside decode rows."""
         # counters
         self.steps = 0
         self.tokens_generated = 0
@@ -298,6 +299,7 @@ class Scheduler:
                 pool.clear_cache()
             self._prefilling.clear()
             self._planned_at.clear()  # plans that will never report back
+            self._episode_t0, self._episode_passes = None, 0
             # The engine's slot table is gone with the gang, or it is cleared by these releases.
             self._release = [s for s in range(self.max_slots)]
             self._inflight.clear()
@@ -377,17 +379,18 @@ class Scheduler:
                 budget = [min(p.max_step_tokens, p.mixed_step_tokens)] * p.groups
             for slot, _ in decoding:
                 budget[slot // per_group] -= 1
-            held: list[_Running] = []  # prompts between two chunks while streams decode
+            wait = self._wait_passes() if decoding else 0
+            held = False  # a started prompt's next chunk waits for decode passes (max_decode_slowdown)
             for slot in list(self._prefilling):
                 run = self._slots[slot]
                 assert run is not None
-                if decoding and run.started and run.next_chunk_pass > self._passes:
-                    held.append(run)
+                if wait and run.started:
+                    held = True
                     continue
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
                 if n > 0:
                     budget[slot // per_group] -= n
-                    seqs.append(self._chunk(slot, run, n, updates, bool(decoding)))
+                    seqs.append(self._chunk(slot, run, n, updates))
                     entries.append((slot, run))
             while self._queue:  # admission: a slot and pages (its prefill starts when its group has budget)
                 placed = self._place(self._queue[0], p, budget)
@@ -405,15 +408,20 @@ class Scheduler:
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
                 if n > 0:  # else it holds its slot and pages and starts when its group has budget again
                     budget[slot // per_group] -= n
-                    seqs.append(self._chunk(slot, run, n, updates, bool(decoding)))
+                    seqs.append(self._chunk(slot, run, n, updates))
                     entries.append((slot, run))
             steps = 1 if seqs else self._paged_decode_steps([r for _, r in decoding])
-            if held and not seqs:  # a decode-only plan ends where the first held prompt may go on
-                steps = max(1, min(steps, min(r.next_chunk_pass for r in held) - self._passes))
-            if decoding:
-                self._passes += steps
-                # (seqs holds the prompt chunks so far) the plan's duration feeds `_hold_passes`
-                self._planned_at[self._step_id] = (self.clock(), "chunk" if seqs else "decode", steps)
+            if held and not seqs:  # a decode-only plan ends where the held prompts may go on
+                steps = max(1, min(steps, wait))
+            now = self.clock()
+            if decoding and self._prefilling:
+                if self._episode_t0 is None:
+                    self._episode_t0 = now
+                self._episode_passes += steps
+            else:
+                self._episode_t0, self._episode_passes = None, 0
+            if decoding:  # (seqs holds the prompt chunks so far) the plan's duration feeds `_wait_passes`
+                self._planned_at[self._step_id] = (now, "chunk" if seqs else "decode", steps)
             for slot, run in decoding:
                 self._grow(slot, run, run.computed + steps, updates)
                 seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True))
@@ -467,43 +475,46 @@ class Scheduler:
         elif new:
             updates.append(PageUpdate(slot, before, np.asarray(new, np.int32)))
 
-    def _chunk(self, slot: int, run: _Running, n: int, updates: list[PageUpdate], decoding: bool = False
-               ) -> SeqStep:
+    def _chunk(self, slot: int, run: _Running, n: int, updates: list[PageUpdate]) -> SeqStep:
         """The next `n` prompt tokens of `run` as a SeqStep (the first chunk carries sampling and the tokens
-        of the reused prefix, for the repetition penalty). Beside decoding streams, a chunk that leaves part
-        of the prompt holds its next chunk back (`_hold_passes`)."""
+        of the reused prefix, for the repetition penalty)."""
         start = run.computed
         self._grow(slot, run, start + n, updates)
         first = not run.started
         run.started = True
-        if decoding and start + n < run.prompt_len:
-            run.next_chunk_pass = self._passes + 1 + self._hold_passes()
         prompt = run.req.prompt_token_ids
         return SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
                        run.req.sampling if first else None,
                        np.asarray(prompt[:start], np.int32) if first and start > 0 else None)
 
-    def _hold_passes(self) -> int:
-        """Decode passes a prompt's next chunk waits after a chunk step so that the running streams' mean time
-        per token, (chunk step + n passes) / (n + 1), stays within `max_decode_slowdown` decode passes."""
+    def _wait_passes(self) -> int:
+        """Decode passes the prompts being prefilled must still wait before their next chunk (0: now), while
+        streams decode: the time since the prefill began beside them, plus one more chunk step, must stay within
+        `max_decode_slowdown` decode passes for each token the streams get. Counting the whole episode's wall
+        time, not one chunk step at a time, corrects itself when chunk steps grow (a prompt's later chunks attend
+        to more keys), when a step ran before one was measured, and for the host's time between plans."""
         limit = 0.0 if self.paging is None else self.paging.max_decode_slowdown
         d, m = self.decode_pass_s, self.chunk_step_s
-        if not limit or d is None or m is None or d <= 0 or m <= limit * d:
+        if not limit or d is None or m is None or d <= 0:
             return 0
-        return min(MAX_HOLD_PASSES, int(np.ceil((m - limit * d) / ((limit - 1) * d))))
+        elapsed = 0.0 if self._episode_t0 is None else self.clock() - self._episode_t0
+        need = (elapsed + m) / (limit * d) - (self._episode_passes + 1)
+        return min(MAX_HOLD_PASSES, max(0, int(np.ceil(need))))
 
     def _timed(self, step_id: int, now: float) -> None:
-        """Fold a finished plan's duration into the moving averages of decode passes and chunk steps."""
+        """Fold a finished plan's duration into the decode pass average or the last chunk step."""
         planned = self._planned_at.pop(step_id, None)
         if planned is None:
             return
         t0, kind, passes = planned
         dt = max(now - t0, 0.0)
         if kind == "decode":
-            x = dt / passes
-            self.decode_pass_s = x if self.decode_pass_s is None else 0.7 * self.decode_pass_s + 0.3 * x
+            if passes == self.decode_steps or self.decode_pass_s is None:
+                # the usual pass: a plan of decode_steps passes (a shorter one pays its per-plan costs over fewer)
+                x = dt / passes
+                self.decode_pass_s = x if self.decode_pass_s is None else 0.7 * self.decode_pass_s + 0.3 * x
         else:
-            self.chunk_step_s = dt if self.chunk_step_s is None else 0.7 * self.chunk_step_s + 0.3 * dt
+            self.chunk_step_s = dt
 
     def _paged_decode_steps(self, runs: list[_Running]) -> int:
         """Steps of a decode-only plan: `decode_steps`, but no more than the running requests still want and
