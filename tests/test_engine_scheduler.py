@@ -456,20 +456,21 @@ class TimedEngine(PagedTokenEngine):
     """A paged token engine whose steps take simulated time: `decode_s` per decode pass of a decode-only plan,
     `chunk_s` for a step that carries prompt tokens."""
 
-    def __init__(self, clock: Clock, decode_s: float, chunk_s: float, **kw) -> None:
+    def __init__(self, clock: Clock, decode_s: float, chunk_s: float, growth_s: float = 0.0, **kw) -> None:
         super().__init__(**kw)
-        self.clock, self.decode_s, self.chunk_s = clock, decode_s, chunk_s
+        self.clock, self.decode_s, self.chunk_s, self.growth_s = clock, decode_s, chunk_s, growth_s
 
     def step(self, plan: StepPlan) -> StepResult:
         out = super().step(plan)
         chunk = any(len(q.tokens) for q in plan.seqs)
         self.clock.t += self.chunk_s if chunk else self.decode_s * plan.decode_steps
+        self.chunk_s += self.growth_s if chunk else 0.0  # later chunks attend to more keys
         return out
 
 
-def _held_run(limit: float, chunk_s: float, decode_steps: int = 4):
+def _held_run(limit: float, chunk_s: float, decode_steps: int = 4, growth_s: float = 0.0):
     clock = Clock()
-    eng = TimedEngine(clock, 1.0, chunk_s, max_slots=3, groups=1, step_tokens=8, max_seq_len=128,
+    eng = TimedEngine(clock, 1.0, chunk_s, growth_s, max_slots=3, groups=1, step_tokens=8, max_seq_len=128,
                       pages_per_group=64)
     paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
                     max_decode_slowdown=limit)
@@ -514,6 +515,13 @@ def test_a_long_prompt_beside_decoding_streams_waits_as_many_passes_as_the_slowd
     assert tpot <= (limit if limit else chunk_s) + 1e-9, tpot
     if limit and steady:
         assert tpot >= 0.9 * limit, tpot  # and not held back more than the limit needs
+
+
+@pytest.mark.parametrize("growth_s", [0.5, 1.0])
+def test_growing_chunk_steps_are_paid_for_in_advance(growth_s):
+    _, held, tpot, _ = _held_run(2.0, 3.0, growth_s=growth_s)
+    assert tpot <= 2.0 + 1e-9, (tpot, held)
+    assert held[1:] == sorted(held[1:]), held  # dearer chunk steps, longer waits
 
 
 def test_held_prompts_do_not_hold_back_new_prompts_or_a_prompt_alone():

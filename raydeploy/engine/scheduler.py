@@ -162,6 +162,7 @@ class Scheduler:
         average)."""
         self.chunk_step_s: float | None = None
         """Paged form: seconds of the last step that carried prompt chunks beside decode rows."""
+        self._chunk_growth_s = 0.0  # how much the last chunk step took over the one before (0 if less)
         # counters
         self.steps = 0
         self.tokens_generated = 0
@@ -498,6 +499,7 @@ class Scheduler:
         if not limit or d is None or m is None or d <= 0:
             return 0
         elapsed = 0.0 if self._episode_t0 is None else self.clock() - self._episode_t0
+        m += self._chunk_growth_s  # a prompt's next chunk attends to more keys than its last: steps grow
         need = (elapsed + m) / (limit * d) - (self._episode_passes + 1)
         return min(MAX_HOLD_PASSES, max(0, int(np.ceil(need))))
 
@@ -514,6 +516,7 @@ class Scheduler:
                 x = dt / passes
                 self.decode_pass_s = x if self.decode_pass_s is None else 0.7 * self.decode_pass_s + 0.3 * x
         else:
+            self._chunk_growth_s = 0.0 if self.chunk_step_s is None else max(0.0, dt - self.chunk_step_s)
             self.chunk_step_s = dt
 
     def _paged_decode_steps(self, runs: list[_Running]) -> int:
