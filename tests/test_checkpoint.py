@@ -12,6 +12,7 @@ import pickle
 import re
 import shutil
 import threading
+import zlib
 from pathlib import Path
 
 import msgpack
@@ -639,7 +640,7 @@ def test_split_round_trip_index_and_flax_view(split_ckpt):
 
     params = tiny_params()
     r = CheckpointReader(split_ckpt)
-    assert r.index.version == 2 and json.loads((split_ckpt / INDEX_FILE).read_text())["version"] == 2
+    assert r.index.version == 3 and json.loads((split_ckpt / INDEX_FILE).read_text())["version"] == 3
     e = r.index.tensors["layers.0.attn.o_proj.kernel"]
     assert e.split == (2, 2) and e.shape == (4, 4, 16) and e.row_shape == (4, 8) and e.stored_rows == 8
     assert json.loads((split_ckpt / INDEX_FILE).read_text())["tensors"][e.name]["split"] == [2, 2]
@@ -772,7 +773,8 @@ def test_split_index_errors_name_the_tensor(tmp_path, split_ckpt, tiny_ckpt):
         with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: .*{msg}"):
             CheckpointReader(d)
     d = _copy(tiny_ckpt, tmp_path / "v1split")
-    _edit_index(d, lambda idx: idx.update(version=1) or idx["tensors"][name].update(split=[1, 2]))
+    _edit_index(d, lambda idx: idx.update(version=1, checksum={"algorithm": "crc32", "block_bytes": 256})
+                or idx["tensors"][name].update(split=[1, 2]))
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: 'split' needs format version 2"):
         CheckpointReader(d)
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: split into 3 parts"):
@@ -783,7 +785,7 @@ def test_version_1_checkpoint_still_reads(tmp_path):
     """An index written by the version-1 writer (no splits, "version": 1) loads as before and keeps its
     version (and so its fingerprint) when re-serialised."""
     params = tiny_params(4)
-    d = write_tiny(tmp_path / "v1", params, block_bytes=1 << 20)
+    d = write_tiny(tmp_path / "v1", params, block_bytes=1 << 20, checksum="crc32")
     _edit_index(d, lambda i: i.update(version=1))
     r = CheckpointReader(d)
     assert r.index.version == 1 and r.index.to_json()["version"] == 1
@@ -791,6 +793,62 @@ def test_version_1_checkpoint_still_reads(tmp_path):
     assert stats.bytes_read == r.index.total_bytes
     for n, a in params.items():
         np.testing.assert_array_equal(np.asarray(loaded[n]), a)
+
+
+def test_version_3_block_checksums_are_crc32c(tmp_path):
+    """The writer (format version 3) stores crc32c block checksums: each equals the crc32c of that block of the
+    tensor's raw bytes in the shard file, computed here independently."""
+    import crc32c
+
+    params = tiny_params(6)
+    d = write_tiny(tmp_path / "v3", params, block_bytes=100)
+    raw = json.loads((d / INDEX_FILE).read_text())
+    assert raw["version"] == 3 and raw["checksum"] == {"algorithm": "crc32c", "block_bytes": 100}
+    e = CheckpointReader(d).index.tensors["layers.1.mlp.down_proj.kernel"]
+    data = (d / e.file).read_bytes()[e.offset: e.offset + e.length]
+    assert list(e.crc32) == [crc32c.crc32c(data[i:i + 100]) for i in range(0, len(data), 100)]
+    assert list(e.crc32) != [zlib.crc32(data[i:i + 100]) for i in range(0, len(data), 100)]
+    loaded, _ = CheckpointReader(d).load(tiny_specs(), build_mesh(FSDP_TP), merge_rules(HEADS_REPLICATED),
+                                         progress=False)
+    for n, a in params.items():
+        np.testing.assert_array_equal(np.asarray(loaded[n]), a)
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_version_2_crc32_checkpoint_still_reads_and_checks(tmp_path, use_mmap):
+    """An index of the version-2 writer (crc32 block checksums) loads and is verified with crc32: a flipped
+    byte is reported naming the file, the tensor and the block."""
+    params = tiny_params(7)
+    d = write_tiny(tmp_path / "v2", params, block_bytes=128, checksum="crc32")
+    _edit_index(d, lambda i: i.update(version=2))
+    r = CheckpointReader(d)
+    assert r.index.version == 2 and r.index.checksum == "crc32"
+    loaded, _ = r.load(tiny_specs(), build_mesh(FSDP_TP), merge_rules(HEADS_REPLICATED), progress=False,
+                       use_mmap=use_mmap)
+    for n, a in params.items():
+        np.testing.assert_array_equal(np.asarray(loaded[n]), a)
+    e = r.index.tensors["layers.0.attn.q_proj.kernel"]
+    data = bytearray((d / e.file).read_bytes())
+    data[e.offset + 200] ^= 0x01  # block 1 of 128 bytes
+    (d / e.file).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"file .*{e.file}, tensor layers\.0\.attn\.q_proj\.kernel: "
+                                              r"checksum mismatch in block 1 "):
+        CheckpointReader(d).load(tiny_specs(), build_mesh(FSDP_TP), merge_rules(HEADS_REPLICATED),
+                                 progress=False, use_mmap=use_mmap)
+
+
+def test_checksum_algorithm_errors(tmp_path, tiny_ckpt):
+    d = _copy(tiny_ckpt, tmp_path / "c2")
+    _edit_index(d, lambda i: i.update(version=2))  # crc32c is a version-3 algorithm
+    with pytest.raises(CheckpointError, match=r"index\.json: checksum algorithm 'crc32c' needs format version 3 "
+                                              r"\(the index says 2\)"):
+        CheckpointReader(d)
+    d = _copy(tiny_ckpt, tmp_path / "md5")
+    _edit_index(d, lambda i: i["checksum"].update(algorithm="md5"))
+    with pytest.raises(CheckpointError, match=r"checksum algorithm 'md5' is not supported \(crc32, crc32c\)"):
+        CheckpointReader(d)
+    with pytest.raises(CheckpointError, match=r"checksum 'sha1' is not one of crc32, crc32c"):
+        CheckpointWriter(tmp_path / "w", checksum="sha1")
 
 
 def test_demo_cache_split_for_config_and_stale_version_1(tmp_path, monkeypatch):
@@ -801,7 +859,7 @@ def test_demo_cache_split_for_config_and_stale_version_1(tmp_path, monkeypatch):
     from raydeploy.config import load_config
 
     monkeypatch.setenv("RAYDEPLOY_CACHE", str(tmp_path))
-    stale = write_tiny(tmp_path / "smollm2-135m-instruct")
+    stale = write_tiny(tmp_path / "smollm2-135m-instruct", checksum="crc32")
     _edit_index(stale, lambda i: i.update(version=1))
     calls = []
 

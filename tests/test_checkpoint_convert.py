@@ -91,8 +91,8 @@ FSDP_TP_SPLITS = {"embed": 2, "mlp": 2, "vocab": 2}
 
 
 def assert_split_for_fsdp_tp(r: CheckpointReader) -> None:
-    """The converter stored the column-cut tensors split (format version 2), and only those."""
-    assert r.index.version == 2
+    """The converter stored the column-cut tensors split (format version 2, written as 3), and only those."""
+    assert r.index.version == 3
     for n, e in r.index.tensors.items():
         if n.endswith(("o_proj.kernel",)):
             assert e.split == (2, 2), n

@@ -11,7 +11,7 @@ Given the serving config (`split_for`), the demo is converted for its mesh: tens
 the mesh cuts are stored split into those parts (format version 2, layout.SplitPlan), in a cache directory
 of their own (`<name>@embed2-mlp2`), so each host reads its slices without copying them. A config whose
 mesh cuts no column dimension (dp, tp over rows only) uses the plain conversion. A cached conversion by an
-older writer (format version 1) is still read as it is.
+older writer (format version 1 or 2, crc32 checksums) is still read as it is.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEO
 
 
 def _is_current(ckpt: Path) -> bool:
-    """A complete cached conversion with aligned tensor data (format version 1 or 2; both are read)."""
+    """A complete cached conversion with aligned tensor data (format version 1, 2 or 3; all are read)."""
     try:
         index = json.loads((ckpt / INDEX_FILE).read_text())
     except (OSError, json.JSONDecodeError):

@@ -10,7 +10,7 @@
      dimension is a run of whole rows of that piece, so it is read (and placed) like a row slice;
   3. maps those ranges copy-on-write, widened to whole checksum blocks (with `use_mmap=False`, and for
      tensors stored in several segments, `os.preadv`s them into 64-byte aligned buffers block by block), and
-     walks them one block at a time on a small thread pool: verifies the block's crc32 (an error names the
+     walks them one block at a time on a small thread pool: verifies the block's checksum (an error names the
      file and tensor) and, while the block is still in cache, copies the rows it completes into the device
      slices that need a copy (a column slice of an unsplit tensor, a slice spanning several pieces, a dtype
      cast). A slice that needs none is a view of the mapped bytes, which jax on CPU aliases (64-byte
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from raydeploy.checkpoint.format import (
+    CHECKSUMS,
     CONFIG_FILE,
     FLOAT_DTYPES,
     INDEX_FILE,
@@ -50,7 +51,6 @@ from raydeploy.checkpoint.format import (
     CheckpointIndex,
     TensorEntry,
     aligned_empty,
-    crc32,
     numpy_dtype,
     read_index,
 )
@@ -281,7 +281,7 @@ class CheckpointReader:
         in place: no copy through a read buffer, and on CPU the arrays alias the page cache when no dtype
         cast or column slice is needed. Without it (or for tensors stored in several segments) the ranges
         are `os.preadv`-ed into aligned buffers one checksum block at a time, each block verified while it
-        is still in cache. `threads` is capped at the CPU count (the crc32 releases the GIL, so threads verify
+        is still in cache. `threads` is capped at the CPU count (crc32 and crc32c release the GIL, so threads verify
         blocks in parallel where cores are free); with 1 the calling thread reads, with no pool."""
         from tqdm import tqdm
 
@@ -315,9 +315,9 @@ class CheckpointReader:
         finally:
             os.close(fd)
         if verify:
-            bb = self.index.block_bytes
+            bb, check = self.index.block_bytes, CHECKSUMS[self.index.checksum]
             for blk, want in enumerate(e.crc32):
-                if crc32(buf[blk * bb:(blk + 1) * bb]) != want:
+                if check(buf[blk * bb:(blk + 1) * bb]) != want:
                     raise CheckpointError(f"checksum mismatch in block {blk}: the file is corrupt",
                                           str(self.path / e.file), tensor=name)
         x = buf.view(numpy_dtype(e.dtype))
@@ -331,12 +331,13 @@ class _Load:
 
     A piece is a run of whole checksum blocks of one tensor interval. Tensors that need a copy (a column
     slice, a dtype cast, an unaligned slice) get one piece per interval, so each block's completed rows are
-    copied right after its crc32, while the block is still in cache; the others are split in PIECE_BYTES
+    copied right after its checksum, while the block is still in cache; the others are split in PIECE_BYTES
     pieces and placed zero-copy."""
 
     def __init__(self, reader: CheckpointReader, plans: dict[str, _TensorPlan], target: np.dtype,
                  verify: bool, use_mmap: bool):
         self.path, self.bb = reader.path, reader.index.block_bytes
+        self.check = CHECKSUMS[reader.index.checksum]  # the index's block checksum (crc32 or crc32c)
         self.plans, self.target, self.verify, self.use_mmap = plans, target, verify, use_mmap
         self.fds: dict[str, int] = {}
         self.maps: dict[str, mmap.mmap] = {}
@@ -399,7 +400,7 @@ class _Load:
         when jax can alias it (one stored piece, whole rows, same dtype, 64-byte aligned), else an aligned
         array that `_fill_rows` fills part by part; and the pieces, rounded to checksum blocks. Tensors that
         need a copy get one piece per interval, so that each block's completed rows are copied right after
-        its crc32, while the block is still in cache."""
+        its checksum, while the block is still in cache."""
         e, bb = p.entry, self.bb
         spans = tuple(_block_span(e, a, b, bb) for a, b in p.intervals)
         views, fills = [], []
@@ -475,10 +476,10 @@ class _Load:
                 raise
 
     def _read_piece(self, p: _TensorPlan, k: int, s: int, stop: int, progress: Callable[[int], object]) -> None:
-        """Block by block: read (preadv) or map, verify the crc32, then copy the rows it completed."""
+        """Block by block: read (preadv) or map, verify the checksum, then copy the rows it completed."""
         e, bb, base = p.entry, self.bb, p.buf_starts[k]
         buf = memoryview(cast("Buffer", p.buffers[k]))  # numpy's stubs declare the buffer protocol for 3.12+ only
-        crcs, verify, fills, mapped = e.crc32, self.verify, p.fills, p.mapped
+        crcs, check, verify, fills, mapped = e.crc32, self.check, self.verify, p.fills, p.mapped
         row = p.intervals[k][0]  # first row not yet copied (pieces of tensors with copies span the interval)
         for b0 in range(s, stop, bb):
             b1 = b0 + bb if b0 + bb < stop else stop
@@ -486,7 +487,7 @@ class _Load:
             if not mapped:
                 _pread_tensor_bytes(self.fds[e.file], e, b0, block, self.path)
             if verify:
-                if crc32(block) != crcs[b0 // bb]:
+                if check(block) != crcs[b0 // bb]:
                     self._corrupt(e, b0 // bb)
             elif mapped:  # fault the mapped pages in now, so the load really reads them
                 int(p.buffers[k][b0 - base: b1 - base: PAGE_BYTES].max(initial=0))

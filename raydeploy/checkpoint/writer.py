@@ -27,9 +27,11 @@ import msgpack
 import numpy as np
 
 from raydeploy.checkpoint.format import (
+    CHECKSUMS,
     CONFIG_FILE,
     DATA_ALIGNMENT,
     DEFAULT_BLOCK_BYTES,
+    DEFAULT_CHECKSUM,
     FLAX_MAX_CHUNK_BYTES,
     INDEX_FILE,
     PAD_KEY,
@@ -40,7 +42,6 @@ from raydeploy.checkpoint.format import (
     TensorEntry,
     bin32_header,
     check_split,
-    crc32,
     ext32_header,
     map32_header,
 )
@@ -70,8 +71,10 @@ def parse_size(text: str | int) -> int:
     return int(value * mult)
 
 
-def block_crcs(raw: memoryview, block_bytes: int) -> list[int]:
-    return [crc32(raw[i:i + block_bytes]) for i in range(0, len(raw), block_bytes)]
+def block_crcs(raw: memoryview, block_bytes: int, algorithm: str) -> list[int]:
+    """The checksum (format.CHECKSUMS[algorithm]) of each `block_bytes` block of `raw`."""
+    check = CHECKSUMS[algorithm]
+    return [check(raw[i:i + block_bytes]) for i in range(0, len(raw), block_bytes)]
 
 
 def _ndarray_prefix(shape: tuple[int, ...], dtype: str, nbytes: int) -> bytes:
@@ -84,10 +87,13 @@ class CheckpointWriter:
     call `close(config, tokenizer_dir)`; nothing counts as a checkpoint until the index is written."""
 
     def __init__(self, dst: str | Path, shard_size_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 max_chunk_bytes: int = FLAX_MAX_CHUNK_BYTES):
+                 max_chunk_bytes: int = FLAX_MAX_CHUNK_BYTES, checksum: str = DEFAULT_CHECKSUM):
         self.dst = Path(dst)
         if (self.dst / INDEX_FILE).exists():
             raise CheckpointError("destination already holds a checkpoint (remove it first)", str(self.dst))
+        if checksum not in CHECKSUMS:
+            raise CheckpointError(f"checksum {checksum!r} is not one of {', '.join(CHECKSUMS)}")
+        self.checksum = checksum
         if shard_size_bytes <= 0 or block_bytes <= 0 or max_chunk_bytes <= 0:
             raise CheckpointError("shard_size_bytes, block_bytes and max_chunk_bytes must be positive")
         self.dst.mkdir(parents=True, exist_ok=True)
@@ -187,7 +193,7 @@ class CheckpointWriter:
         self.bytes_written += arr.nbytes
         self._entries[name] = TensorEntry(
             name=name, dtype=dtype, shape=shape, file=self._fname, offset=segments[0][0], length=arr.nbytes,
-            segments=tuple(segments), crc32=tuple(block_crcs(raw, self.block_bytes)), split=split)
+            segments=tuple(segments), crc32=tuple(block_crcs(raw, self.block_bytes, self.checksum)), split=split)
 
     # -- finishing --
     def close(self, config: dict[str, Any] | str | Path | None = None,
@@ -205,7 +211,7 @@ class CheckpointWriter:
         for fname, data in (extra_files or {}).items():
             (self.dst / fname).write_bytes(data)
         index = CheckpointIndex(tensors=dict(self._entries), files=dict(self._files), block_bytes=self.block_bytes,
-                                total_bytes=sum(e.length for e in self._entries.values()))
+                                total_bytes=sum(e.length for e in self._entries.values()), checksum=self.checksum)
         tmp = self.dst / f".{INDEX_FILE}.tmp"
         with open(tmp, "w") as f:
             json.dump(index.to_json(), f, separators=(",", ":"))
