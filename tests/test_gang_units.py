@@ -7,6 +7,7 @@ path with the stand-in scheduler, bring-up phase errors.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import numpy as np
@@ -245,6 +246,14 @@ def test_gang_errors_cross_ray_intact():
         assert getattr(back, "phase", None) == getattr(err, "phase", None)
 
 
+@pytest.mark.parametrize("devices,hosts,cores,threads", [(1, 2, 2, 1), (1, 2, 16, 8), (1, 4, 2, 1), (1, 1, 2, 2),
+                                                          (2, 2, 2, 8), (4, 2, 64, 16)])
+def test_simulated_hosts_split_the_cores_unless_they_hold_several_devices(devices, hosts, cores, threads):
+    from raydeploy.gang.host import simulated_host_threads
+
+    assert simulated_host_threads(devices, hosts, cores) == threads
+
+
 def test_host_env_sets_jax_before_import_and_actor_options_follow_the_bundle():
     from raydeploy.gang.host import actor_options, host_env
 
@@ -252,6 +261,8 @@ def test_host_env_sets_jax_before_import_and_actor_options_follow_the_bundle():
     env = host_env(cfg)
     assert env["JAX_PLATFORMS"] == "cpu" and env["FOO"] == "bar"
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2" and int(env["PJRT_NPROC"]) >= 8
+    one = host_env(load_config(None, []))  # the embedded default: 2 hosts x 1 device on this machine
+    assert one["PJRT_NPROC"] == str(max(1, (os.cpu_count() or 1) // 2))
     opts = actor_options(cfg, 0, {"CPU": 0.5, "TPU": 4.0, "slice-head": 1.0}, None, 1)
     assert opts["num_cpus"] == 0.5 and opts["resources"] == {"TPU": 4.0, "slice-head": 1.0}
     assert opts["runtime_env"]["env_vars"] == env and opts["max_restarts"] == 0
