@@ -3,7 +3,7 @@
 Both run in the same process and the same run, alternating, with a warm page cache (the files are read
 once before timing). The peer is `cat <shard files> > /dev/null`: the fastest a plain sequential reader
 gets here. Reported: GB/s of each (best and median of --repeat runs) and the ratio load/cat, for the
-default load (mmap + crc32 per block), without checksums, and with `use_mmap=False` (preadv into buffers).
+default load (mmap + the index's checksum per block: crc32c, or crc32 before format version 3), without checksums, and with `use_mmap=False` (preadv into buffers).
 The demo checkpoint is read as the gang would: stored split for the mesh when it shards column dimensions
 (`--no-split` reads the plain conversion, whose column slices are copied).
 
