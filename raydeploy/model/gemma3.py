@@ -44,7 +44,7 @@ from raydeploy.model.llama import (
     apply_rope,
     rope_inv_freq,
 )
-from raydeploy.model.registry import Family
+from raydeploy.model.registry import GGUF_NORM_PLUS_ONE, Family
 from raydeploy.model.spec import TensorSpec
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -401,5 +401,26 @@ HF_GEMMA3_NAMES = (
     (r"lm_head\.weight", "lm_head.kernel", LINEAR_OI),
 )
 
+# llama.cpp's names (architecture `gemma3`). Its converter stores every norm weight as (1 + w).
+_B = r"blk\." + _L
+GGUF_GEMMA3_NAMES = (
+    (r"token_embd\.weight", "embed.embedding", COPY),
+    (rf"{_B}\.attn_norm\.weight", "layers.{layer}.attn_norm.scale", GGUF_NORM_PLUS_ONE),
+    (rf"{_B}\.attn_q\.weight", "layers.{layer}.attn.q_proj.kernel", Q_OI),
+    (rf"{_B}\.attn_k\.weight", "layers.{layer}.attn.k_proj.kernel", KV_OI),
+    (rf"{_B}\.attn_v\.weight", "layers.{layer}.attn.v_proj.kernel", KV_OI),
+    (rf"{_B}\.attn_q_norm\.weight", "layers.{layer}.attn.q_norm.scale", GGUF_NORM_PLUS_ONE),
+    (rf"{_B}\.attn_k_norm\.weight", "layers.{layer}.attn.k_norm.scale", GGUF_NORM_PLUS_ONE),
+    (rf"{_B}\.attn_output\.weight", "layers.{layer}.attn.o_proj.kernel", O_OI),
+    (rf"{_B}\.post_attention_norm\.weight", "layers.{layer}.post_attn_norm.scale", GGUF_NORM_PLUS_ONE),
+    (rf"{_B}\.ffn_norm\.weight", "layers.{layer}.mlp_norm.scale", GGUF_NORM_PLUS_ONE),
+    (rf"{_B}\.post_ffw_norm\.weight", "layers.{layer}.post_mlp_norm.scale", GGUF_NORM_PLUS_ONE),
+    (rf"{_B}\.ffn_gate\.weight", "layers.{layer}.mlp.gate_proj.kernel", LINEAR_OI),
+    (rf"{_B}\.ffn_up\.weight", "layers.{layer}.mlp.up_proj.kernel", LINEAR_OI),
+    (rf"{_B}\.ffn_down\.weight", "layers.{layer}.mlp.down_proj.kernel", LINEAR_OI),
+    (r"output_norm\.weight", "final_norm.scale", GGUF_NORM_PLUS_ONE),
+    (r"output\.weight", "lm_head.kernel", LINEAR_OI),
+)
+
 FAMILY = Family("gemma3", Gemma3Config.from_hf_dict, gemma3_param_specs, "raydeploy.model.gemma3:Gemma3",
-                HF_GEMMA3_NAMES, (r"model\.rotary_emb\.\w+",))
+                HF_GEMMA3_NAMES, (r"model\.rotary_emb\.\w+",), GGUF_GEMMA3_NAMES)

@@ -21,10 +21,10 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from raydeploy.checkpoint.layout import COPY, HF_IGNORED, HF_NAMES, LINEAR_OI
+from raydeploy.checkpoint.layout import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES, LINEAR_OI
 from raydeploy.model.llama import DTYPES, Attention, DecoderLayer, Dense, Llama, RMSNorm, _param
 from raydeploy.model.qwen3 import Qwen3Attention
-from raydeploy.model.registry import Family, expert_split
+from raydeploy.model.registry import GGUF_STACKED_EXPERTS_OI, Family, expert_split
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
 
 GATHER_MAX_ROWS = 64
@@ -262,9 +262,29 @@ HF_MIXTRAL_NAMES = (
      "layers.{layer}.mlp.experts.down_proj.kernel[{expert}]", LINEAR_OI),
 )
 
+# llama.cpp's names: the experts of a layer arrive already stacked [E, out, in] (`ffn_*_exps`), the router is
+# `ffn_gate_inp`. Qwen3-MoE (architecture `qwen3moe`) adds the per-head norms; Mixtral is architecture `llama`
+# with experts (its Q/K rope-permuted like Llama's).
+_GGUF_ATTN_ONLY = tuple(row for row in GGUF_NAMES if ".mlp." not in row[1])
+_GGUF_EXPERTS = (
+    (rf"blk\.{_L}\.ffn_gate_inp\.weight", "layers.{layer}.mlp.router.kernel", LINEAR_OI),
+    (rf"blk\.{_L}\.ffn_gate_exps\.weight", "layers.{layer}.mlp.experts.gate_proj.kernel", GGUF_STACKED_EXPERTS_OI),
+    (rf"blk\.{_L}\.ffn_up_exps\.weight", "layers.{layer}.mlp.experts.up_proj.kernel", GGUF_STACKED_EXPERTS_OI),
+    (rf"blk\.{_L}\.ffn_down_exps\.weight", "layers.{layer}.mlp.experts.down_proj.kernel", GGUF_STACKED_EXPERTS_OI),
+)
+GGUF_QWEN3_MOE_NAMES = (
+    *_GGUF_ATTN_ONLY,
+    (rf"blk\.{_L}\.attn_q_norm\.weight", "layers.{layer}.attn.q_norm.scale", COPY),
+    (rf"blk\.{_L}\.attn_k_norm\.weight", "layers.{layer}.attn.k_norm.scale", COPY),
+    *_GGUF_EXPERTS,
+)
+GGUF_MIXTRAL_NAMES = (*_GGUF_ATTN_ONLY, *_GGUF_EXPERTS)
+
 QWEN3_MOE = Family("qwen3_moe", config_from_hf, moe_param_specs, "raydeploy.model.moe:MoE", HF_QWEN3_MOE_NAMES,
-                   HF_IGNORED, rules=MOE_RULES, mesh_check=check_mesh, num_experts=lambda c: c.num_experts,
+                   HF_IGNORED, GGUF_QWEN3_MOE_NAMES, GGUF_IGNORED, rules=MOE_RULES, mesh_check=check_mesh,
+                   num_experts=lambda c: c.num_experts,
                    experts_per_token=lambda c: c.num_experts_per_tok, kernel_layouts=("in_out",))
 MIXTRAL = Family("mixtral", config_from_hf, moe_param_specs, "raydeploy.model.moe:MoE", HF_MIXTRAL_NAMES,
-                 HF_IGNORED, rules=MOE_RULES, mesh_check=check_mesh, num_experts=lambda c: c.num_experts,
+                 HF_IGNORED, GGUF_MIXTRAL_NAMES, GGUF_IGNORED, rules=MOE_RULES, mesh_check=check_mesh,
+                 num_experts=lambda c: c.num_experts,
                  experts_per_token=lambda c: c.num_experts_per_tok, kernel_layouts=("in_out",))

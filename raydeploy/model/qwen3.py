@@ -14,7 +14,7 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 
-from raydeploy.checkpoint.layout import COPY, HF_IGNORED, HF_NAMES
+from raydeploy.checkpoint.layout import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
 from raydeploy.model.llama import MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope
 from raydeploy.model.registry import Family
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
@@ -83,5 +83,12 @@ HF_QWEN3_NAMES = (
     (rf"model\.layers\.{_L}\.self_attn\.k_norm\.weight", "layers.{layer}.attn.k_norm.scale", COPY),
 )
 
+# llama.cpp's names (architecture `qwen3`): Llama's plus the per-head norms; Q/K are not rope-permuted.
+GGUF_QWEN3_NAMES = (
+    *GGUF_NAMES,
+    (rf"blk\.{_L}\.attn_q_norm\.weight", "layers.{layer}.attn.q_norm.scale", COPY),
+    (rf"blk\.{_L}\.attn_k_norm\.weight", "layers.{layer}.attn.k_norm.scale", COPY),
+)
+
 FAMILY = Family("qwen3", config_from_hf, qwen3_param_specs, "raydeploy.model.qwen3:Qwen3", HF_QWEN3_NAMES,
-                HF_IGNORED)
+                HF_IGNORED, GGUF_QWEN3_NAMES, GGUF_IGNORED)

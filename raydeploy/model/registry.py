@@ -6,7 +6,9 @@ A `Family` supplies everything the rest of the system needs to know about one ar
 - `module(cfg, dtype, param_dtype, rngs, kernel_layout)`: the Flax NNX decoder;
 - `kv_heads(cfg)` / `head_dim`: the KV spec (the paged pool's shape, `kv_pool_spec`);
 - `hf_names` / `hf_ignored`: the foreign-name table of the safetensors converter (regex, our name, layout kind;
-  see `raydeploy.checkpoint.layout`).
+  see `raydeploy.checkpoint.layout`);
+- `gguf_names` / `gguf_ignored`: the same for llama.cpp's GGUF names (None: no GGUF converter for the family);
+  besides layout's kinds they may use `GGUF_NORM_PLUS_ONE` and `GGUF_STACKED_EXPERTS_OI` (below).
 
 The registry itself is a table of model_type -> "module:attribute" strings; a family module is imported only
 when that model_type is asked for. An unknown model_type is an error listing the supported ones.
@@ -34,6 +36,11 @@ _ENTRIES: dict[str, str] = {
 }
 
 
+# GGUF-only layout kinds (raydeploy.checkpoint.convert_gguf applies them):
+GGUF_NORM_PLUS_ONE = "gguf_norm_plus_one"  # llama.cpp stores Gemma's (1 + w) norm weights; we keep w
+GGUF_STACKED_EXPERTS_OI = "gguf_stacked_experts_oi"  # llama.cpp's stacked experts [E, out, in] -> [E, in, out]
+
+
 class UnknownModelType(ValueError):
     """A config's model_type that no family serves."""
 
@@ -54,6 +61,7 @@ class Family:
     hf_names: Sequence[tuple[str, str, str]]
     hf_ignored: Sequence[str] = ()
     gguf_names: Sequence[tuple[str, str, str]] | None = None
+    gguf_ignored: Sequence[str] = ()
     rules: Mapping[str, Any] = field(default_factory=dict)  # sharding rules of the family's own logical axes
     mesh_check: Callable[[Any, dict[str, int]], None] | None = None  # raises ValueError for a mesh it cannot use
     num_experts: Callable[[Any], int] | None = None  # mixture-of-experts families: experts per layer
@@ -245,11 +253,11 @@ def expert_split(num_experts: int, ep: int) -> int:
 
 
 def _llama_family() -> Family:
-    from raydeploy.checkpoint.layout import GGUF_NAMES, HF_IGNORED, HF_NAMES
+    from raydeploy.checkpoint.layout import GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
     from raydeploy.model.spec import LlamaConfig, param_specs
 
     return Family("llama", LlamaConfig.from_hf_dict, param_specs, "raydeploy.model.llama:Llama", HF_NAMES,
-                  HF_IGNORED, GGUF_NAMES)
+                  HF_IGNORED, GGUF_NAMES, GGUF_IGNORED)
 
 
 LLAMA = _llama_family()
