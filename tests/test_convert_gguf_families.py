@@ -119,8 +119,10 @@ def _gguf_tensors(kind: str, hf_cfg: dict[str, Any], tensors: dict[str, np.ndarr
     return out
 
 
-def write_gguf(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> Path:
-    """A GGUF file of float32 tensors with `meta` (key suffix after "<arch>." -> value; ints as uint32)."""
+def write_gguf(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, np.ndarray],
+               q8_0: tuple[str, ...] = ()) -> Path:
+    """A GGUF file of float32 tensors (those named in `q8_0` quantized Q8_0) with `meta` (key suffix after
+    "<arch>." -> value; ints as uint32)."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in meta.items():
         full = f"{arch}.{key}"
@@ -132,8 +134,13 @@ def write_gguf(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, n
             w.add_float32(full, value)
         else:
             w.add_array(full, value)
+    q8 = gguf.GGMLQuantizationType.Q8_0
     for name, arr in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
+        arr = np.ascontiguousarray(arr, np.float32)
+        if name in q8_0:
+            w.add_tensor(name, gguf.quants.quantize(arr, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -239,6 +246,25 @@ def test_gemma3_norms_are_stored_plus_one(built, tmp_path):
     hf = case["hf"].model.layers[0].self_attn.q_norm.weight.detach().numpy()
     np.testing.assert_allclose(np.asarray(stored), hf, atol=1e-6)
     np.testing.assert_allclose(case["tensors"]["blk.0.attn_q_norm.weight"], hf + 1.0, atol=1e-6)
+
+
+def test_quantized_expert_stacks_dequantize_in_our_layout(built, tmp_path):
+    """Real MoE GGUFs store the stacked experts quantized: Q8_0 [E, out, in] stacks come back as what Q8_0 keeps
+    of each expert, transposed to [E, in, out]."""
+    case = built["qwen3_moe"]
+    stacks = ("blk.0.ffn_gate_exps.weight", "blk.1.ffn_down_exps.weight")
+    src = write_gguf(tmp_path / "q8.gguf", case["arch"], case["meta"], case["tensors"], q8_0=stacks)
+    convert_gguf(src, tmp_path / "out", progress=False)
+    reader = CheckpointReader(tmp_path / "out")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for gname, ours in zip(stacks, ("layers.0.mlp.experts.gate_proj.kernel", "layers.1.mlp.experts.down_proj.kernel"),
+                           strict=True):
+        orig = case["tensors"][gname]
+        kept = gguf.quants.dequantize(gguf.quants.quantize(orig, q8), q8).reshape(orig.shape)
+        got = np.asarray(reader.read_tensor(ours))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, kept.swapaxes(1, 2))
+        assert not np.array_equal(kept, orig)  # Q8_0 really changed the values: the file really was quantized
 
 
 # ---- bad input ----
