@@ -106,3 +106,21 @@ def trusted_steps(gaps: list[float], min_gap: float = 0.05) -> int:
     flip either way, so exact token comparison stops there)."""
     small = [i for i, g in enumerate(gaps) if g < min_gap]
     return small[0] if small else len(gaps)
+
+
+def tiny_hf_model(config: dict[str, Any], dst: Path) -> Any:
+    """A tiny transformers model from `config` (`AutoConfig.for_model` keywords) with seeded random weights,
+    norms included (they start at 1 or 0, so a wrong norm would not show), saved with `save_pretrained` to
+    `dst`; no download."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(dst)
+    return model

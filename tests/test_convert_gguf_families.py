@@ -62,15 +62,10 @@ def _hf_model(kind: str, tmp: Path) -> tuple[Any, dict[str, np.ndarray]]:
     writes them (the names llama.cpp's converter reads)."""
     from safetensors.numpy import load_file
 
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(**TINY[kind][0])
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms start at 1 (or 0); give them random values so a wrong norm shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    from hf_reference import tiny_hf_model
+
     src = tmp / f"hf-{kind}"
-    model.save_pretrained(src)
+    model = tiny_hf_model(TINY[kind][0], src)
     tensors: dict[str, np.ndarray] = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))

@@ -58,16 +58,10 @@ MOE = ("qwen3_moe", "mixtral")
 
 def _hf_model(kind: str, tmp: Path) -> tuple[Any, Path]:
     """A tiny transformers model of `kind` with seeded random weights, saved under tmp/hf-<kind>."""
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(**TINY[kind])
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms start at 1 (or 0); give them random values so a wrong norm shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    from hf_reference import tiny_hf_model
+
     src = tmp / f"hf-{kind}"
-    model.save_pretrained(src)
-    return model, src
+    return tiny_hf_model(TINY[kind], src), src
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
