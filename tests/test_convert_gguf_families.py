@@ -60,9 +60,8 @@ TINY: dict[str, tuple[dict[str, Any], str]] = {
 def _hf_model(kind: str, tmp: Path) -> tuple[Any, dict[str, np.ndarray]]:
     """A tiny transformers model of `kind` with seeded random weights, and its tensors as `save_pretrained`
     writes them (the names llama.cpp's converter reads)."""
-    from safetensors.numpy import load_file
-
     from hf_reference import tiny_hf_model
+    from safetensors.numpy import load_file
 
     src = tmp / f"hf-{kind}"
     model = tiny_hf_model(TINY[kind][0], src)

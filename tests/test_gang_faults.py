@@ -81,6 +81,13 @@ def _check_generation(gang, rid: str, n: int = 6) -> None:
     assert events[-1].finish_reason == "length"
 
 
+def _wait_restarts(gang, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while gang.state()["restarts"] < n:
+        assert time.monotonic() < deadline, f"the supervisor did not restart the gang within {timeout_s:g}s"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("victim", [1, 0])
 def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster, victim):
     gang = start_gang(_cfg(), engine="toy")
@@ -100,6 +107,8 @@ def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster,
         assert last.finish_reason == "error" and last.retriable, last
         assert "gang failure" in last.error
         assert out["ended_s"] - killed_s < HEARTBEAT_S + 5
+        # the stream can learn of the death before the supervisor does: until then the gang still reads ready
+        _wait_restarts(gang, 1, HEARTBEAT_S + 30)
         st = gang.wait_ready(120)
         assert st["restarts"] == 1 and f"host {victim}" in (st["last_error"] or "") or st["history"], st
         _check_generation(gang, "after")
