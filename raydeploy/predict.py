@@ -183,12 +183,15 @@ async def generate_all(gang: Any, examples: list[Example], temperature: float, c
     timeout_s = cfg.serving.request_timeout_s
     max_attempts = cfg.cluster.max_restarts + 1
     ready_timeout_s = cfg.cluster.placement_timeout_s + cfg.cluster.init_timeout_s + cfg.cluster.rpc_timeout_s
+    # the gang generation requests go to, as last seen ready: a request that fails waits for a later one
+    seen = {"generation": (await asyncio.to_thread(gang.state))["generation"]}
 
     async def run(ex: Example) -> Outcome:
         from raydeploy.gang.bringup import GangError
 
         async with sem:
             for attempt in range(max_attempts):
+                sent_to = seen["generation"]
                 try:
                     out = await asyncio.wait_for(_generate_one(gang, make_request(ex, temperature, cfg, attempt)),
                                                  timeout_s)
@@ -204,7 +207,8 @@ async def generate_all(gang: Any, examples: list[Example], temperature: float, c
                 if not out.retriable or attempt + 1 == max_attempts:
                     raise RuntimeError(f"input line {ex.index}: generation failed after {attempt + 1} attempt(s): "
                                        f"{out.error}")
-                await asyncio.to_thread(gang.wait_ready, ready_timeout_s)
+                st = await asyncio.to_thread(gang.wait_ready, ready_timeout_s, newer_than=sent_to)
+                seen["generation"] = max(seen["generation"], st["generation"])
             raise AssertionError("unreachable")
 
     tasks = [asyncio.ensure_future(run(ex)) for ex in examples]

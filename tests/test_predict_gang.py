@@ -83,6 +83,52 @@ def test_toy_gang_order_and_resume(ray_cluster, codec, tmp_path: Path, capsys: p
     assert "0 to generate" in capsys.readouterr().err
 
 
+def test_toy_gang_coordinator_killed_mid_run_every_line_still_written(ray_cluster, codec, tmp_path: Path) -> None:
+    """Rank 0 dies while lines are in flight: the requests fail retriably, predict waits for the restarted
+    gang (not the dead generation, which can still read ready for a moment) and resubmits them; every line
+    is written once, in order, with the oracle's tokens."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from raydeploy.gang.gang import start_gang
+
+    cfg = load_config(REPO / "configs" / "predict-small.yaml",
+                      ["engine.max_slots=2", "engine.max_new_tokens=200", "cluster.init_timeout_s=30",
+                       "cluster.heartbeat_timeout_s=4",
+                       "cluster.restart_backoff_s=0.2", "cluster.max_restarts=2"])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts = PROMPTS * 2
+    inp.write_text("".join(json.dumps({"prompt": t, "max_tokens": 200}) + "\n" for t in prompts))
+    gang = start_gang(cfg, engine="toy")
+    killed: list[int] = []
+
+    def kill_rank0_after_first_line() -> None:
+        pid = gang.status()["host_status"][0]["pid"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 1):
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    try:
+        gang.wait_ready(120)
+        killer = threading.Thread(target=kill_rank0_after_first_line, daemon=True)
+        killer.start()
+        assert run_predict(cfg, _args(inp, out), engine="toy", gang=gang) == 0
+        killer.join(5)
+        assert killed, "rank 0 was not killed"
+        st = gang.state()
+        assert st["restarts"] == 1 and st["generation"] == 2, st
+    finally:
+        gang.shutdown(60)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(1, len(prompts) + 1))
+    for r, text in zip(rows, prompts, strict=True):
+        assert r["token_ids"] == toy_expected_tokens(codec.encode(text), 200), f"line {r['index']}"
+
+
 REAL_PROMPTS = [
     {"prompt": "The capital of France is"},
     {"messages": [{"role": "user", "content": "Name three colors."}]},

@@ -129,6 +129,7 @@ class _FakeGang:
         self.restarting_calls = restarting_calls
         self.coord = _FakeCoordinator(fail_first)
         self.waits = 0
+        self.generation = 1
 
     def coordinator(self):
         from raydeploy.gang.bringup import GangError
@@ -138,9 +139,15 @@ class _FakeGang:
             raise GangError("gang is not ready (state restarting)", phase="serve")
         return self.coord
 
-    def wait_ready(self, timeout_s: float):
+    def state(self):
+        return {"state": "ready", "generation": self.generation}
+
+    def wait_ready(self, timeout_s: float, newer_than: int | None = None):
+        """Each wait is one restart: the generation moves past the one the caller saw fail."""
         self.waits += 1
-        return {"state": "ready"}
+        assert newer_than is not None, "a retry must wait for a generation after the failed one"
+        self.generation = max(self.generation, newer_than + 1)
+        return self.state()
 
 
 def test_generate_all_retries_gang_restarts_and_keeps_order(cfg) -> None:

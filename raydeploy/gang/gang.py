@@ -45,12 +45,16 @@ class Gang:
 
         return ray.get(self.supervisor.get_status.remote(), timeout=timeout_s)
 
-    def wait_ready(self, timeout_s: float, poll_s: float = 0.2) -> dict[str, Any]:
-        """Wait until `ready`; raise GangError on `failed` or when `timeout_s` passes."""
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.2, newer_than: int | None = None) -> dict[str, Any]:
+        """Wait until `ready`; raise GangError on `failed` or when `timeout_s` passes.
+
+        `newer_than`: wait for a gang generation after that one. A caller that saw its request fail with the
+        gang passes the generation it sent the request to: the supervisor may not have noticed the death yet,
+        and until it does, the dead generation still reads `ready`."""
         deadline = time.monotonic() + timeout_s
         while True:
             st = self.state()
-            if st["state"] == "ready":
+            if st["state"] == "ready" and (newer_than is None or st["generation"] > newer_than):
                 return st
             if st["state"] in ("failed", "stopped"):
                 raise GangError(f"gang {st['state']}: {st['last_error']}", phase="bring-up", retriable=False)
