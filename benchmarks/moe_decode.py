@@ -8,9 +8,8 @@ attention by the xla backend over a paged pool, logits at every token, greedy ar
 `--iters` after a warm-up.
 
 At batch 8 it also reports the bytes of expert weights a step reads per token: the distinct experts the batch
-routes to in each layer (what the sorted grouped matmul reads: each routed expert once) and what the CPU
-decode form reads (it gathers each token-expert assignment's weights, so an expert two tokens share is read
-twice), against the bytes of all experts.
+routes to in each layer (what the sorted grouped matmul reads: each routed expert once) and what the CPU form
+reads (`tiled_grouped_matmul`: each routed expert once per tile of its rows), against the bytes of all experts.
 
     .venv/bin/python benchmarks/moe_decode.py
     .venv/bin/python benchmarks/moe_decode.py --batches 1,8 --experts 32 --top-k 4
@@ -105,19 +104,20 @@ def time_step(step: Any, state: Any, pool: Any, batch: int, iters: int) -> float
     return statistics.median(times)
 
 
-def routed_experts(graphdef: Any, state: Any, cfg: Any, batch: int, context: int, page_size: int) -> list[int]:
-    """Distinct experts the batch routes to, per layer (recorded from the router inside one decode step)."""
+def routed_experts(graphdef: Any, state: Any, cfg: Any, batch: int, context: int, page_size: int
+                   ) -> list[list[int]]:
+    """Rows each routed expert gets, per layer (recorded from the router inside one decode step)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from raydeploy.model import moe
 
-    seen: list[int] = []
+    seen: list[list[int]] = []
     original = moe.expert_ffn
 
     def record(ids: np.ndarray) -> None:
-        seen.append(len(np.unique(ids)))
+        seen.append(np.unique(ids, return_counts=True)[1].tolist())
 
     def wrapped(x, expert_ids, *args, **kw):  # type: ignore[no-untyped-def]
         jax.debug.callback(record, expert_ids)
@@ -177,12 +177,16 @@ def main() -> None:
         print(f"batch {b}: {json.dumps(row)}")
     if 8 in (int(x) for x in a.batches.split(",")):
         _, cfg, graphdef, state = models["moe"]
-        distinct = routed_experts(graphdef, state, cfg, 8, a.context, a.page_size)
+        from raydeploy.model.moe import tile_rows
+
+        rows = routed_experts(graphdef, state, cfg, 8, a.context, a.page_size)
+        t = tile_rows(8 * cfg.num_experts_per_tok, cfg.num_experts)
         expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # float32 gate, up, down
         result["expert_bytes_per_token_batch8"] = {
-            "distinct_experts_per_layer": distinct,
-            "grouped_matmul_reads": int(sum(distinct) * expert_bytes / 8),
-            "cpu_gather_reads": int(cfg.num_layers * cfg.num_experts_per_tok * expert_bytes),
+            "distinct_experts_per_layer": [len(r) for r in rows],
+            "grouped_matmul_reads": int(sum(len(r) for r in rows) * expert_bytes / 8),
+            "cpu_tiled_reads": int(sum(-(-c // t) for r in rows for c in r) * expert_bytes / 8),
+            "cpu_tile_rows": t,
             "all_experts": int(cfg.num_layers * cfg.num_experts * expert_bytes / 8),
         }
         print(json.dumps(result["expert_bytes_per_token_batch8"]))

@@ -282,36 +282,43 @@ def test_ep_must_divide_experts(kind):
         fam.check_mesh(cfg, {"ep": 3})
 
 
-def test_expert_ffn_methods_agree():
-    """The gather form (CPU decode) and the sorted grouped matmul (ragged_dot) compute the same experts."""
-    from raydeploy.model.moe import expert_ffn, route
+def _expert_ffn_numpy(x, ids, w, gate, up, down) -> np.ndarray:
+    x, gate, up, down = (np.asarray(v, np.float64) for v in (x, gate, up, down))
+    ref = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            g = int(ids[t, j])
+            h = x[t] @ gate[g]
+            ref[t] += float(w[t, j]) * ((h / (1 + np.exp(-h)) * (x[t] @ up[g])) @ down[g])
+    return ref
 
-    rng = np.random.default_rng(0)
-    n, d, f, e, k = 12, 16, 8, 6, 2
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    gate, up = (jnp.asarray(rng.normal(size=(e, d, f)), jnp.float32) for _ in range(2))
-    down = jnp.asarray(rng.normal(size=(e, f, d)), jnp.float32)
-    w, ids = route(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
-    a = expert_ffn(x, ids, w, gate, up, down, method="gather")
-    b = expert_ffn(x, ids, w, gate, up, down, method="ragged_dot")
-    # Split over ep=2 (x tp=2): each shard's own experts, added by a psum.
-    from raydeploy.model.moe import expert_ffn_ep
+
+def test_expert_ffn_methods_agree():
+    """The CPU tiled grouped matmul and ragged_dot (the TPU/GPU kernels' form) compute the same experts as
+    numpy, at batch sizes whose tiles hold 1 to 64 rows (an expert's rows spread over several tiles), alone
+    and split over ep=2 x tp=2."""
+    from raydeploy.model.moe import expert_ffn, expert_ffn_ep, route, tile_rows
     from raydeploy.model.sharding import build_mesh
 
+    rng = np.random.default_rng(0)
+    d, f, e, k = 16, 8, 6, 2
+    gate, up = (jnp.asarray(rng.normal(size=(e, d, f)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(e, f, d)), jnp.float32)
     mesh = build_mesh({"ep": 2, "tp": 2})
-    ep_gather = jax.jit(lambda *a: expert_ffn_ep(*a, mesh=mesh))(x, ids, w, gate, up, down)
-    ep_ragged = jax.jit(lambda *a: expert_ffn_ep(*a, mesh=mesh, method="ragged_dot"))(x, ids, w, gate, up, down)
-    ref = np.zeros((n, d), np.float32)
-    for t in range(n):
-        for j in range(k):
-            g = int(ids[t, j])
-            h = np.asarray(x[t] @ gate[g])
-            ref[t] += float(w[t, j]) * ((h / (1 + np.exp(-h)) * np.asarray(x[t] @ up[g])) @ np.asarray(down[g]))
-    np.testing.assert_allclose(np.asarray(a), ref, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(b), ref, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(ep_gather), ref, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(ep_ragged), ref, rtol=1e-4, atol=1e-4)
-
+    assert [tile_rows(n * k, e) for n in (1, 3, 12, 100)] == [1, 2, 8, 64]
+    for n in (1, 3, 12, 100):
+        x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+        w, ids = route(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
+        ref = _expert_ffn_numpy(x, ids, w, gate, up, down)
+        outs = {
+            "tiled": jax.jit(lambda *a: expert_ffn(*a, method="tiled"))(x, ids, w, gate, up, down),
+            "ragged_dot": expert_ffn(x, ids, w, gate, up, down, method="ragged_dot"),
+            "ep tiled": jax.jit(lambda *a: expert_ffn_ep(*a, mesh=mesh))(x, ids, w, gate, up, down),
+            "ep ragged_dot": jax.jit(lambda *a: expert_ffn_ep(*a, mesh=mesh, method="ragged_dot"))(
+                x, ids, w, gate, up, down),
+        }
+        for name, y in outs.items():
+            np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4, err_msg=f"{name}, {n} tokens")
 
 
 def test_real_qwen3_30b_a3b_sizes():
@@ -399,5 +406,5 @@ def test_moe_rejects_out_in_kernels_and_unknown_method():
                                          r"got 'out_in'"):
         nnx.eval_shape(lambda: fam.module(cfg, kernel_layout="out_in"))
     z = jnp.zeros((2, 4, 4))
-    with pytest.raises(ValueError, match=r"method must be auto, gather or ragged_dot, got 'dense'"):
+    with pytest.raises(ValueError, match=r"method must be one of auto, tiled, ragged_dot, got 'dense'"):
         expert_ffn(jnp.zeros((1, 4)), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)), z, z, z, method="dense")

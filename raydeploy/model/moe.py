@@ -6,10 +6,12 @@ renormalised over the k when `norm_topk_prob`, which Mixtral always does), and t
 stacked [E, ...] with the logical axis `expert` (mapped to the `ep` mesh axis by `MOE_RULES`).
 
 The expert computation never multiplies every token by every expert. The token-expert assignments are sorted
-by expert and multiplied as one grouped matmul (`jax.lax.ragged_dot` with the group sizes): on TPU and GPU
-that lowers to a grouped-matmul kernel. XLA:CPU lowers `ragged_dot` densely (each group masked over all rows),
-so on CPU a small batch (decode: tokens x k <= `GATHER_MAX_ROWS`) gathers the routed experts' weights instead
-and reads only those; a large CPU batch (a long prefill) takes the dense `ragged_dot` form.
+by expert and multiplied as one grouped matmul: on TPU and GPU `jax.lax.ragged_dot` with the group sizes,
+which lowers to a grouped-matmul kernel. XLA:CPU lowers `ragged_dot` densely (every group masked over all
+rows: 50-400 ms for 1-256 tokens at 32 experts of 512x512), so on CPU the same sorted assignments go through
+`tiled_grouped_matmul`: a loop over row tiles of one expert each, that reads each routed expert's weights in
+place (no gathered copy) once per tile. With tiles about twice the mean rows per expert, that is each routed
+expert once at decode sizes (`benchmarks/moe_decode.py`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from raydeploy.model.qwen3 import Qwen3Attention
 from raydeploy.model.registry import GGUF_STACKED_EXPERTS_OI, Family, expert_split
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
 
-GATHER_MAX_ROWS = 64
-"""On CPU, batches of at most this many token-expert assignments gather their experts' weights."""
+MAX_TILE_ROWS = 64
+METHODS = ("auto", "tiled", "ragged_dot")
+SCAN_LAYER = "_scan_layer"
 
 MOE_RULES: dict[str, Any] = {"expert": "ep", "expert_mlp": "tp", "router": None}
 """Sharding rules of the MoE logical axes: experts over `ep`, each expert's hidden units over `tp`."""
@@ -103,72 +106,120 @@ def check_mesh(cfg: MoEConfig, mesh_shape: dict[str, int]) -> None:
 
 
 def expert_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-               down: jax.Array, method: str = "auto", valid: jax.Array | None = None) -> jax.Array:
+               down: jax.Array, method: str = "auto", valid: jax.Array | None = None,
+               layer: jax.Array | None = None) -> jax.Array:
     """Routed SwiGLU experts: x [N, D], expert_ids / weights [N, k], gate/up [E, D, F], down [E, F, D] ->
-    [N, D] = sum_k weights * expert(x). `method`: "ragged_dot" (sorted assignments, one grouped matmul),
-    "gather" (each assignment gathers its expert's weights), "auto" (see the module docstring). `valid`
-    [N, k]: assignments to compute (the others are sorted last, outside every group, and contribute 0)."""
+    [N, D] = sum_k weights * expert(x). The assignments are sorted by expert and multiplied group by group;
+    `method`: "ragged_dot" (one `jax.lax.ragged_dot` per matrix: TPU and GPU kernels), "tiled"
+    (`tiled_grouped_matmul`: XLA:CPU), "auto" (tiled on CPU, else ragged_dot). `valid` [N, k]: assignments to
+    compute (the others are sorted last, outside every group, and contribute 0). `layer`: the weights hold
+    every layer, [L, E, ...], and this is the one to use (indexed where the weights are read, see
+    `MoEDecoderLayer.scan`)."""
+    if method not in METHODS:
+        raise ValueError(f"expert_ffn: method must be one of {', '.join(METHODS)}, got {method!r}")
     n, k = expert_ids.shape
-    e = gate.shape[0]
+    e = gate.shape[0] if layer is None else gate.shape[1]
     flat = expert_ids.reshape(-1)
     keep = None if valid is None else valid.reshape(-1)
     if keep is not None:
         flat = jnp.where(keep, flat, e)  # sentinel group e: after every real group
     tok = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
     if method == "auto":
-        method = "gather" if jax.default_backend() == "cpu" and n * k <= GATHER_MAX_ROWS else "ragged_dot"
-    xw = x.astype(gate.dtype)
-    if method == "gather":
-        xs = xw[tok]
-        idx = jnp.minimum(flat, e - 1)
-        h = jnp.einsum("md,mdf->mf", xs, gate[idx], preferred_element_type=jnp.float32)
-        u = jnp.einsum("md,mdf->mf", xs, up[idx], preferred_element_type=jnp.float32)
-        a = (jax.nn.silu(h) * u).astype(down.dtype)
-        y = jnp.einsum("mf,mfd->md", a, down[idx], preferred_element_type=jnp.float32)
-    elif method == "ragged_dot":
-        order = jnp.argsort(flat, stable=True)
-        xs = xw[tok[order]]
-        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        method = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    order = jnp.argsort(flat, stable=True)
+    xs = x.astype(gate.dtype)[tok[order]]
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    if method == "tiled":
+        ys = tiled_grouped_matmul(xs, sizes, gate, up, down, layer)
+    else:
+        if layer is not None:
+            gate, up, down = (jax.lax.dynamic_index_in_dim(w, layer, keepdims=False) for w in (gate, up, down))
         h = jax.lax.ragged_dot(xs, gate, sizes, preferred_element_type=jnp.float32)
         u = jax.lax.ragged_dot(xs, up, sizes, preferred_element_type=jnp.float32)
         a = (jax.nn.silu(h) * u).astype(down.dtype)
         ys = jax.lax.ragged_dot(a, down, sizes, preferred_element_type=jnp.float32)
-        y = jnp.zeros_like(ys).at[order].set(ys)
-    else:
-        raise ValueError(f"expert_ffn: method must be auto, gather or ragged_dot, got {method!r}")
+    y = jnp.zeros_like(ys).at[order].set(ys)
     if keep is not None:  # rows outside every group are not defined by every grouped-matmul kernel
         y = jnp.where(keep[:, None], y, 0.0)
     y = y * weights.reshape(-1, 1).astype(jnp.float32)
     return y.reshape(n, k, -1).sum(axis=1)
 
 
+def tile_rows(assignments: int, experts: int) -> int:
+    """Rows per tile of `tiled_grouped_matmul`: the power of two at or above twice the mean rows per expert
+    (1 to MAX_TILE_ROWS). Measured on CPU, 32 experts of 512x512, 4 per token: at 1 / 8 / 16 / 64 / 256 tokens
+    the best tile was 1 / 2 / 4 / 16 / 32-64 rows; a tile costs one read of its expert's weights."""
+    want = max(1, -(-2 * assignments // experts))
+    return min(MAX_TILE_ROWS, 1 << (want - 1).bit_length())
+
+
+def tiled_grouped_matmul(xs: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                         layer: jax.Array | None = None) -> jax.Array:
+    """SwiGLU over rows sorted by expert: xs [M, D] whose first sizes[0] rows go to expert 0, the next sizes[1]
+    to expert 1, ... -> [M, D] float32 (rows after the last group: 0). A `fori_loop` over the tiles actually
+    used (sum of ceil(sizes / T), at most M / T + E): each tile takes T rows of one group and that expert's
+    matrices by a dynamic index (read in place) and writes its T rows back. A group's last tile also writes
+    rows of the next group; the tiles run in row order, so the next group's first tile, which starts right
+    there, overwrites them (the last group's spill lands in the padding or in rows outside every group).
+    `layer`: the weights are [L, E, ...] and a tile reads [layer, expert] in place: a layer's experts sliced
+    out of the stack before the loop would be a copy of all of them (XLA materialises a loop's operand)."""
+    m, d = xs.shape
+    t = tile_rows(m, gate.shape[0] if layer is None else gate.shape[1])
+
+    def matrix(w: jax.Array, ex: jax.Array) -> jax.Array:
+        if layer is None:
+            return jax.lax.dynamic_index_in_dim(w, ex, keepdims=False)
+        return jax.lax.dynamic_slice(w, (layer, ex, 0, 0), (1, 1, *w.shape[2:]))[0, 0]
+
+    xs = jnp.concatenate([xs, jnp.zeros((t, d), xs.dtype)])
+    starts = jnp.cumsum(sizes) - sizes
+    tiles = (sizes + t - 1) // t
+    ends = jnp.cumsum(tiles)
+
+    def tile(j: jax.Array, ys: jax.Array) -> jax.Array:
+        ex = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
+        first = starts[ex] + (j - (ends[ex] - tiles[ex])) * t
+        rows = jax.lax.dynamic_slice_in_dim(xs, first, t)
+        h = jnp.dot(rows, matrix(gate, ex), preferred_element_type=jnp.float32)
+        u = jnp.dot(rows, matrix(up, ex), preferred_element_type=jnp.float32)
+        a = (jax.nn.silu(h) * u).astype(down.dtype)
+        o = jnp.dot(a, matrix(down, ex), preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(ys, o, first, 0)
+
+    ys = jax.lax.fori_loop(0, ends[-1], tile, jnp.zeros((m + t, down.shape[-1]), jnp.float32))
+    return ys[:m]
+
+
 def expert_ffn_ep(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, mesh: Any, method: str = "auto") -> jax.Array:
+                  down: jax.Array, mesh: Any, method: str = "auto", layer: jax.Array | None = None) -> jax.Array:
     """`expert_ffn` with the experts split over the mesh's `ep` axis (and each expert's hidden units over `tp`
     when the mesh has it), inside `shard_map`: every ep shard computes only the assignments routed to its own
     experts (the rest are sorted behind them and masked out), and one psum over ep (and tp) adds the parts.
-    The tokens and routing are replicated over ep, so no token moves; no expert's weights are gathered."""
+    The tokens and routing are replicated over ep, so no token moves; no expert's weights are gathered.
+    `layer`: as in `expert_ffn` (weights [L, E, ...])."""
     from jax.sharding import PartitionSpec as P
 
     names = dict(mesh.shape)
     tp = "tp" if names.get("tp", 1) > 1 and gate.shape[-1] % names["tp"] == 0 else None
     reduce_axes = ("ep", tp) if tp else ("ep",)
 
-    def local(x: jax.Array, ids: jax.Array, w: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
-              ) -> jax.Array:
-        e_local = gate.shape[0]
+    def local(x: jax.Array, ids: jax.Array, w: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+              layer: jax.Array | None) -> jax.Array:
+        e_local = gate.shape[0] if layer is None else gate.shape[1]
         lid = ids - jax.lax.axis_index("ep") * e_local
         mine = (lid >= 0) & (lid < e_local)
         # Assignments to other shards' experts keep weight 0 and an in-range id: computed, then dropped.
         y = expert_ffn(x, jnp.where(mine, lid, 0), jnp.where(mine, w, 0.0), gate, up, down, method,
-                       valid=mine)
+                       valid=mine, layer=layer)
         return jax.lax.psum(y, reduce_axes)
 
     rep = P()
-    return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, P("ep", None, tp), P("ep", None, tp),
-                                                     P("ep", tp, None)),
+    lead = () if layer is None else (None,)
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(rep, rep, rep, P(*lead, "ep", None, tp), P(*lead, "ep", None, tp),
+                                   P(*lead, "ep", tp, None), None if layer is None else rep),
                          out_specs=rep, axis_names=frozenset(reduce_axes), check_vma=False)(
-        x, expert_ids, weights, gate, up, down)
+        x, expert_ids, weights, gate, up, down, layer)
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -205,11 +256,12 @@ class MoEBlock(nnx.Module):
         w, ids = route(self.router(x2), self.top_k, self.normalize)
         weights = (self.experts.gate_proj.kernel[...], self.experts.up_proj.kernel[...],
                    self.experts.down_proj.kernel[...])
+        layer = getattr(self, SCAN_LAYER, None)  # set by MoEDecoderLayer.scan: the weights hold every layer
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and dict(mesh.shape).get("ep", 1) > 1:
-            y = expert_ffn_ep(x2, ids, w, *weights, mesh)
+            y = expert_ffn_ep(x2, ids, w, *weights, mesh, layer=layer)
         else:
-            y = expert_ffn(x2, ids, w, *weights)
+            y = expert_ffn(x2, ids, w, *weights, layer=layer)
         return y.astype(x.dtype).reshape(x.shape)
 
 
@@ -220,6 +272,24 @@ class MoEDecoderLayer(DecoderLayer):
         self.attn = attn(cfg, param_dtype, rngs, False, lead)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
         self.mlp = MoEBlock(cfg, param_dtype, rngs, lead)  # type: ignore[assignment]
+
+    def scan(self, body: Any, carry: Any, xs: Any = None) -> tuple[Any, Any]:
+        """`DecoderLayer.scan`, except that the experts' weights are not sliced per layer: each traced layer
+        holds all of them, [L, E, ...], and its MoE block the layer index (`SCAN_LAYER`), and the expert
+        computation indexes [layer, expert] where it reads a matrix. A scan slices its per-layer inputs
+        into new buffers, and the CPU grouped matmul is a loop that reads only the routed experts: given a
+        layer's slice it would first copy every expert of the layer (measured: 94 instead of 9 ms a
+        decode step at 1 token, `benchmarks/moe_decode.py`)."""
+        graphdef, experts, rest = nnx.split(self, nnx.PathContains("experts"), ...)  # type: ignore[misc]
+        layers = jnp.arange(self.attn_norm.scale.shape[0], dtype=jnp.int32)
+
+        def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
+            layer_state, x, i = per_layer
+            layer = nnx.merge(graphdef, experts, layer_state)
+            object.__setattr__(layer.mlp, SCAN_LAYER, i)
+            return body(layer, c, x)  # type: ignore[no-any-return]
+
+        return jax.lax.scan(step, carry, (rest, xs, layers))
 
 
 class MoE(Llama):
