@@ -206,7 +206,13 @@ class EngineConfig(_Section):
     platform), auto = pallas on TPU/GPU, xla on CPU."""
     prefix_caching: bool = True
     """Reuse the KV pages of full pages whose token prefix matches an earlier request's (shared system
-    prompts are prefilled once)."""
+    prompts are prefilled once). Off for a model whose sliding-window layers keep rings (window_pages)."""
+    window_pages: Literal["ring", "all"] = "ring"
+    """KV pages of a model's sliding-window layers (Gemma 3's local layers, Mistral's window): ring = each slot
+    keeps a ring of pages covering the window plus one step's chunk, in a pool of their own, and the other
+    layers' pool holds only the other layers (Gemma 3: 5 of every 6 layers stop growing with the context);
+    prefix caching is then off for that model (a reused prefix would lack its window in the rings). all = every
+    layer keeps every page of the sequence (prefix caching works). Models without windows: no effect."""
     max_decode_slowdown: float = 2.0
     """While a prompt prefills beside running streams, how much slower their mean time per token may get: after
     each chunk step the prompt's next chunk waits for as many decode-only passes as keep the streams within this

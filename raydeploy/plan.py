@@ -82,6 +82,10 @@ class Plan:
     """Parameters one token's forward reads (a mixture-of-experts token uses k of its experts)."""
     kv_bytes_per_token: int = 0
     """KV cache bytes of one token (K and V, every layer, whole model)."""
+    window_ring_pages: int = 0
+    """Pages of each slot's ring for the sliding-window layers (`engine.window_pages: ring`); 0 = none."""
+    window_layers: int = 0
+    """Layers whose pages are rings (they are not in the main pool)."""
 
     @property
     def ok(self) -> bool:
@@ -243,9 +247,12 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
     groups = math.prod(mesh.get(a, 1) for a in _axes(rules.get("cache_batch")))
     slots_per_group = max(eng.max_slots // groups, 1)
     pages_per_group = resolve_num_pages(eng.num_pages, slots_per_group, cfg.model.max_seq_len, eng.page_size)
-    kv_spec = family.kv_pool_spec(model, pages_per_group * groups, eng.page_size)
+    from raydeploy.engine.kv_cache import PoolLayout, pool_specs  # imports jax: only when planning
+
+    layout = PoolLayout.for_engine(family, model, eng, cfg.model.max_seq_len, groups)
+    kv_specs = pool_specs(family, model, layout, pages_per_group * groups, eng.page_size, eng.max_slots)
     seen: set[str] = set()
-    for spec in [*specs.values(), page_table_spec(eng.max_slots, cfg.model.max_seq_len, eng.page_size), kv_spec]:
+    for spec in [*specs.values(), page_table_spec(eng.max_slots, cfg.model.max_seq_len, eng.page_size), *kv_specs]:
         try:
             check_divisible(spec, pool_rules, mesh)
         except ConfigError as err:
@@ -260,8 +267,8 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
     p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[cfg.model.dtype]
     param_count = family.param_count(model)
     p_dev = sum(_shard_numel(s, rules, mesh) for s in specs.values()) * p_item
-    kv_total = kv_spec.numel * kv_item
-    kv_dev = _shard_numel(kv_spec, pool_rules, mesh) * kv_item
+    kv_total = sum(spec.numel for spec in kv_specs) * kv_item
+    kv_dev = sum(_shard_numel(spec, pool_rules, mesh) for spec in kv_specs) * kv_item
 
     mem, mem_from = device_memory(cfg)
     usable = int(mem * USABLE_FRACTION[c.platform])
@@ -312,6 +319,7 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
         free_bytes_per_device=usable - need, problems=problems, warnings=warnings,
         slice_head_bundle=head_bundle(c), active_param_count=family.active_param_count(model),
         kv_bytes_per_token=family.kv_bytes_per_token(model, kv_item),
+        window_ring_pages=layout.ring_pages, window_layers=len(layout.window_layers),
     )
 
 
@@ -340,7 +348,9 @@ def format_plan(plan: Plan) -> str:
         f"{_gib(plan.kv_bytes_per_device)}, per host {_gib(plan.kv_bytes_per_host)} "
         f"(paged: {plan.pages_per_dp_group} pages of {plan.page_size} tokens = "
         f"{plan.pages_per_dp_group * plan.page_size} tokens per dp group; {plan.slots_per_dp_group} slots per dp "
-        f"group); {plan.kv_bytes_per_token / 1024:.1f} KiB per token",
+        f"group); {plan.kv_bytes_per_token / 1024:.1f} KiB per token"
+        + (f"; {plan.window_layers} sliding-window layers keep a ring of {plan.window_ring_pages} pages per slot "
+           f"instead (no prefix caching)" if plan.window_ring_pages else ""),
         f"device memory {_gib(plan.device_memory_bytes)} ({plan.device_memory_from}); usable "
         f"{_gib(plan.usable_bytes_per_device)}; free after params + KV {_gib(plan.free_bytes_per_device)}",
     ]

@@ -213,3 +213,102 @@ def test_gang_serves_moe_with_experts_across_hosts(tmp_path_factory):
     assert events[-1].finish_reason == "length", events[-1]
     assert [e.token_id for e in events] == case["greedy"]
     assert meshes == [{"ep": 2, "tp": 2}] * 2
+
+
+# -- sliding-window layers keep rings of pages ------------------------------------------------------------------
+
+
+def _ring_engine(ckpt: Any, window_pages: str, max_slots: int = 2) -> Any:
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.engine.engine import Engine
+    from raydeploy.model.registry import from_hf_config
+    from raydeploy.model.sharding import build_mesh, merge_rules
+
+    mesh = build_mesh({"dp": 1}, jax.devices()[:1])
+    rules = merge_rules(None)
+    reader = CheckpointReader(ckpt)
+    family, cfg = from_hf_config(reader.hf_config)
+    params, _ = reader.load(family.param_specs(cfg), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
+    engine_cfg = EngineConfig(max_slots=max_slots, page_size=8, prefill_chunk=16, decode_steps=4,
+                              compilation_cache_dir=None, warmup=False, window_pages=window_pages)
+    return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg)
+
+
+def _scheduled(engine: Any, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """(tokens, logprobs) of the prompts through the real scheduler (config defaults: prefix caching on unless
+    the engine's rings forbid it) and an in-process step loop, all submitted at once."""
+    from raydeploy.config import load_config
+    from raydeploy.engine.local import LocalRunner
+    from raydeploy.engine.request import GenerationRequest
+    from raydeploy.engine.scheduler import Scheduler
+
+    sched = Scheduler.for_engine(engine, load_config(None, ["engine.max_slots=2"]))
+    outs = LocalRunner(engine, sched).generate(
+        [GenerationRequest(f"r{i}", tuple(p), new_tokens, ignore_eos=True) for i, p in enumerate(prompts)])
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+def _check_scheduled(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]]) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(logprobs, ref_logprobs, atol=LOGIT_ATOL, rtol=0)
+
+
+# Deep enough (4 layers of window 4: the last prompt token sees 12 positions back) that a key overwritten in a
+# ring while a chunk's query still needs it changes the first generated token's logprob.
+RING_CASES = {"gemma3_text": TINY["gemma3_text"], "mistral": {**CASES["mistral"], "num_hidden_layers": 4}}
+
+
+@pytest.mark.parametrize("kind", sorted(RING_CASES))
+def test_sliding_window_layers_keep_rings_through_the_scheduler(kind, tmp_path):
+    """With `engine.window_pages: ring` (the default) a sliding-window layer (window 4) keeps a ring of
+    ceil((4 + 16 - 1) / 8) + 1 = 4 pages per slot in a window pool, and the main pool holds only the other
+    layers (Gemma 3: 2 of 4; Mistral: none). A 41-token prompt alone (chunks of 16, 16 and 9: a chunk's
+    writes land in the ring while its first queries still read the keys before it), then with a 30-token one
+    beside it, each decoded 14 tokens (positions up to 54, so the 32-token rings wrap), give transformers'
+    greedy tokens and logprobs (1e-3), as with every page kept (`all`); prefix caching is off with rings and on
+    without. (A ring of 2 pages, without room for the chunk, fails it.)"""
+    from raydeploy.checkpoint.convert import convert
+    from tests.test_families import _hf_greedy
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.AutoConfig.for_model(**RING_CASES[kind])
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    src, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    model.save_pretrained(src)
+    convert(src, ckpt, progress=False)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 128, size=n).tolist() for n in (41, 30)]
+    want = []
+    for p in prompts:
+        tokens = _hf_greedy(model, p, 14)
+        with torch.no_grad():
+            logits = model(torch.tensor([p + tokens[:-1]])).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1).numpy()
+        want.append((tokens, [float(lp[len(p) - 1 + i, t]) for i, t in enumerate(tokens)]))
+
+    ring = _ring_engine(ckpt, "ring")
+    layout = ring.programs_set.layout
+    windows = ring.family.layer_windows(ring.cfg)
+    assert layout.ring_pages == 4 and ring.window_rings
+    assert layout.window_layers == tuple(i for i, w in enumerate(windows) if w)
+    main, window = ring.pool
+    assert main.shape[0] == len(windows) - len(layout.window_layers)
+    assert window.shape[:2] == (len(layout.window_layers), 2 * 4)  # 2 slots x a 4-page ring
+    _check_scheduled(_scheduled(ring, prompts[:1], 14), want[:1])  # alone: whole 16-token chunks
+    _check_scheduled(_scheduled(ring, prompts, 14), want)
+
+    full = _ring_engine(ckpt, "all")
+    assert full.programs_set.layout.ring_pages == 0 and not full.window_rings
+    assert full.pool[0].shape[0] == len(windows) and full.pool[1].shape[0] == 0
+    assert full.pool[0].size > main.size + window.size
+    _check_scheduled(_scheduled(full, prompts, 14), want)
+
+    from raydeploy.config import load_config
+    from raydeploy.engine.scheduler import Scheduler
+
+    cfg = load_config(None, ["engine.max_slots=2"])
+    assert cfg.engine.prefix_caching
+    assert not Scheduler.for_engine(ring, cfg).paging.prefix_caching
+    assert Scheduler.for_engine(full, cfg).paging.prefix_caching

@@ -205,7 +205,7 @@ def test_dp2_tp2_mesh_batches_staggered_requests_like_one_device(demo_checkpoint
     assert mesh_engine.groups == 2 and mesh_engine.slots_per_group == 2
     assert mesh_engine.programs_set.token_buckets == [1, 2, 16, 64]
     assert mesh_engine.slot_order == [0, 2, 1, 3]
-    assert mesh_engine.pool.sharding.spec[1] == "dp"
+    assert mesh_engine.pool[0].sharding.spec[1] == "dp"
     got = _greedy(mesh_engine, [prompt_ids[0], prompt_ids[1], prompt_ids[0]], stagger=[0, 3, 7])
     for ours, one_dev, (_, gaps, _) in zip(got, [alone[0], alone[1], alone[0]], reference[:2] + reference[:1],
                                            strict=True):
@@ -216,7 +216,7 @@ def test_dp2_tp2_mesh_batches_staggered_requests_like_one_device(demo_checkpoint
 def test_2x2_mesh_gives_the_same_greedy_tokens(demo_checkpoint, prompt_ids, alone, reference):
     mesh_engine = _build_engine(demo_checkpoint, {"fsdp": 2, "tp": 2},
                                 {"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
-    assert mesh_engine.pool.sharding.mesh.devices.size == 4
+    assert mesh_engine.pool[0].sharding.mesh.devices.size == 4
     assert len(mesh_engine._param_leaves[0].sharding.device_set) == 4
     got = _greedy(mesh_engine, prompt_ids[:2])
     for ours, one_dev, (_, gaps, _) in zip(got, alone, reference, strict=False):

@@ -253,7 +253,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(alone, reference):
 def test_dp2_prefills_on_the_owning_group_and_matches_transformers(demo_checkpoint, prompt_ids, reference):
     dp = _build_engine(demo_checkpoint, {"dp": 2})
     assert dp.groups == 2 and dp.slot_order == [0, 2, 1, 3]
-    assert dp.pool.sharding.spec[1] == "dp"
+    assert dp.pool[0].sharding.spec[1] == "dp"
     results = PlanDriver(dp).run([(f"r{i}", ids, NEW_TOKENS, None) for i, ids in enumerate(prompt_ids)],
                                  stagger=[0, 2, 5])
     _check_reference([results[f"r{i}"] for i in range(3)], reference)

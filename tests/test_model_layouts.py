@@ -142,7 +142,7 @@ def test_ragged_paged_steps_equal_the_plain_forward(mesh_shape, rules):
 
     eng = _paged_engine(mesh_shape, rules)
     if "dp" in mesh_shape and mesh_shape["dp"] == 2:
-        assert eng.groups == 2 and eng.pool.sharding.spec[1] == "dp" and eng.pool.sharding.spec[3] == "tp"
+        assert eng.groups == 2 and eng.pool[0].sharding.spec[1] == "dp" and eng.pool[0].sharding.spec[3] == "tp"
     rng = np.random.default_rng(4)
     prompts = {0: rng.integers(0, TINY.vocab_size, 10).tolist(), 1: rng.integers(0, TINY.vocab_size, 6).tolist()}
     want = {s: _plain_greedy(eng, p, 7) for s, p in prompts.items()}
@@ -219,7 +219,7 @@ def test_the_step_updates_the_kv_pool_in_place(mesh_shape):
 
     engine = _paged_engine(mesh_shape, {})
     ps = engine.programs_set
-    pool_elems = int(np.prod(ps.pool_shape)) // ps.mesh.size * (ps.mesh.size // ps.groups)
+    pool_elems = int(np.prod(ps.pool_shapes[0])) // ps.mesh.size * (ps.mesh.size // ps.groups)
     for tokens in ps.token_buckets:
         text = ps.lower(ProgramShape("step", tokens, ps.page_buckets[-1])).compile().as_text()
         copies = []

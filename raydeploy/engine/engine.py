@@ -69,12 +69,14 @@ class Engine:
         _, state = family.build_model(cfg, params, model_cfg.dtype, model_cfg.param_dtype, ps.kernel_layout)
         del params
         self._param_leaves = jax.tree.leaves(state)
-        self.pool = allocate_pool(family, cfg, ps.total_pages, ps.page_size, ps.dtype, mesh, ps.rules)
+        self.pool = allocate_pool(family, cfg, ps.layout, ps.total_pages, ps.page_size, ps.max_slots, ps.dtype, mesh,
+                                  ps.rules)
         vocab = cfg.vocab_size
         self.presence = jax.jit(lambda: jnp.zeros((ps.max_slots, vocab), bool),
                                 out_shardings=ps.presence_sharding)()
         self.last_tokens = jax.jit(lambda: jnp.zeros((ps.max_slots,), jnp.int32), out_shardings=ps.replicated)()
-        self.tables = PageTables(ps.max_slots, ps.groups, ps.max_pages_per_seq, ps.pages_per_group)
+        self.tables = PageTables(ps.max_slots, ps.groups, ps.max_pages_per_seq, ps.pages_per_group,
+                                 ps.layout.ring_pages)
         self._active = np.zeros(ps.max_slots, bool)  # slot-form plans: slots holding a request
         self._lengths = np.zeros(ps.max_slots, np.int64)  # slot-form plans: tokens in each slot's cache
         self._shardings = ps.input_shardings()
@@ -98,6 +100,11 @@ class Engine:
     @property
     def pages_per_group(self) -> int:
         return self.programs_set.pages_per_group
+
+    @property
+    def window_rings(self) -> bool:
+        """The model's sliding-window layers keep rings of pages (`engine.window_pages: ring`): no prefix reuse."""
+        return self.programs_set.layout.ring_pages > 0
 
     @property
     def slots_per_group(self) -> int:

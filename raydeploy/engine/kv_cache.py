@@ -1,9 +1,11 @@
 """The paged KV cache: the device pool, the host mirror of the page tables, and one step's inputs as data.
 
-Device side: one pool per layer stack, [layers, pages, page_size, 2 * kv_heads, head_dim] (`kv_pool_spec`), K
-and V interleaved on the head axis. The pages axis is split over the dp mesh axes, so each dp group owns
+Device side: a main pool, [layers, pages, page_size, 2 * kv_heads, head_dim] (`kv_pool_spec`), K and V
+interleaved on the head axis. The pages axis is split over the dp mesh axes, so each dp group owns
 `pages_per_group` pages and a sequence's page ids are local to its group; the kv-heads axis follows the
-`cache_kv_heads` rule (tp). `allocate_pool` creates it directly on the mesh (one jitted zeros).
+`cache_kv_heads` rule (tp). Beside it a window pool of the same form holds the rings of sliding-window layers
+(`PoolLayout`; no layers when the model has no windows or `engine.window_pages` is all). `allocate_pool`
+creates both directly on the mesh (one jitted zeros).
 
 Host side: `PageTables` is what every host keeps identical by applying the same `StepPlan`s: each slot's row
 of page ids and its sampling parameters. The scheduler (rank 0) owns the pool's allocation and prefix cache;
@@ -32,39 +34,96 @@ if TYPE_CHECKING:
     from raydeploy.model.registry import Family
 
 
-def pool_sharding(family: Family, cfg: Any, total_pages: int, page_size: int, mesh: Any,
-                  rules: Mapping[str, Any]) -> Any:
-    """The pool's sharding on `mesh` (`Family.kv_pool_spec` placed by its logical axes)."""
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Which layers keep which pages. Layers without a window keep every page of a sequence in the main pool
+    (page ids from the plan's tables). With `engine.window_pages: ring`, the sliding-window layers keep a ring
+    instead, in a window pool of their own: each slot owns `ring_pages` consecutive pages of its group's window
+    pool, and a sequence's logical page j lives in ring page j % ring_pages. The ring covers the widest window
+    plus one step's tokens, so a step's writes never overwrite a key that a query of the same step still sees
+    (keys older than the window are masked, whatever their ring page holds now)."""
+
+    ring_pages: int                  # per slot; 0 = no window pool
+    main_layers: tuple[int, ...]     # model layers in the main pool, in order
+    window_layers: tuple[int, ...]   # model layers in the window pool, in order
+    index: tuple[int, ...]           # each model layer's index in its own pool
+
+    @staticmethod
+    def create(windows: Sequence[int | None], mode: str, page_size: int, step_tokens: int,
+               max_pages_per_seq: int) -> PoolLayout:
+        widest = max((w for w in windows if w), default=0)
+        ring = -(-(widest + step_tokens - 1) // page_size) + 1 if widest and mode == "ring" else 0
+        if ring >= max_pages_per_seq:  # a ring as long as the sequence saves nothing
+            ring = 0
+        in_ring = [bool(ring and w) for w in windows]
+        main = tuple(i for i, r in enumerate(in_ring) if not r)
+        window = tuple(i for i, r in enumerate(in_ring) if r)
+        index = tuple(window.index(i) if r else main.index(i) for i, r in enumerate(in_ring))
+        return PoolLayout(ring, main, window, index)
+
+    @staticmethod
+    def for_engine(family: Family, cfg: Any, engine_cfg: Any, max_seq_len: int, groups: int) -> PoolLayout:
+        """The layout an engine with `engine_cfg` uses for this model (the engine, `raydeploy plan`)."""
+        from raydeploy.model.spec import pages_per_seq
+
+        return PoolLayout.create(family.layer_windows(cfg), engine_cfg.window_pages, engine_cfg.page_size,
+                                 step_tokens(engine_cfg, groups), pages_per_seq(max_seq_len, engine_cfg.page_size))
+
+    def window_pool_pages(self, max_slots: int) -> int:
+        """Pages of the window pool over every dp group (each slot's ring)."""
+        return max_slots * self.ring_pages
+
+
+def step_tokens(engine_cfg: Any, groups: int) -> int:
+    """Most tokens one step computes per dp group: the prefill chunk, or one per slot of the group if more."""
+    return max(engine_cfg.prefill_chunk, engine_cfg.max_slots // groups)
+
+
+def pool_specs(family: Family, cfg: Any, layout: PoolLayout, total_pages: int, page_size: int, max_slots: int
+               ) -> tuple[Any, Any]:
+    """TensorSpecs of (main pool, window pool); a pool with no layers has a zero-length layer axis."""
+    return (family.kv_pool_spec(cfg, total_pages, page_size, len(layout.main_layers)),
+            family.kv_pool_spec(cfg, layout.window_pool_pages(max_slots), page_size, len(layout.window_layers)))
+
+
+def pool_sharding(family: Family, cfg: Any, layout: PoolLayout, total_pages: int, page_size: int, max_slots: int,
+                  mesh: Any, rules: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The pools' shardings on `mesh` (`Family.kv_pool_spec` placed by its logical axes)."""
     from jax.sharding import NamedSharding
 
     from raydeploy.model.sharding import check_divisible, partition_spec
 
-    spec = family.kv_pool_spec(cfg, total_pages, page_size)
     all_rules = {**rules, **POOL_RULES}
     mesh_shape = dict(mesh.shape)
-    check_divisible(spec, all_rules, mesh_shape)
-    return NamedSharding(mesh, partition_spec(spec.logical_axes, all_rules, mesh_shape, "kv_pages"))
+    out = []
+    for spec in pool_specs(family, cfg, layout, total_pages, page_size, max_slots):
+        check_divisible(spec, all_rules, mesh_shape)
+        out.append(NamedSharding(mesh, partition_spec(spec.logical_axes, all_rules, mesh_shape, "kv_pages")))
+    return out[0], out[1]
 
 
-def allocate_pool(family: Family, cfg: Any, total_pages: int, page_size: int, dtype: Any, mesh: Any,
-                  rules: Mapping[str, Any]) -> jax.Array:
-    """The zeroed pool, sharded on the mesh (never passes through host memory; works across processes)."""
+def allocate_pool(family: Family, cfg: Any, layout: PoolLayout, total_pages: int, page_size: int, max_slots: int,
+                  dtype: Any, mesh: Any, rules: Mapping[str, Any]) -> tuple[jax.Array, jax.Array]:
+    """The zeroed (main, window) pools, sharded on the mesh (never pass through host memory; work across
+    processes)."""
     import jax.numpy as jnp
 
-    sharding = pool_sharding(family, cfg, total_pages, page_size, mesh, rules)
-    shape = family.kv_pool_spec(cfg, total_pages, page_size).shape
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    shardings = pool_sharding(family, cfg, layout, total_pages, page_size, max_slots, mesh, rules)
+    shapes = tuple(s.shape for s in pool_specs(family, cfg, layout, total_pages, page_size, max_slots))
+    return jax.jit(lambda: tuple(jnp.zeros(sh, dtype) for sh in shapes), out_shardings=shardings)()
 
 
 class PageTables:
     """Host mirror of every slot's page-table row and sampling parameters (identical on every host)."""
 
-    def __init__(self, max_slots: int, groups: int, max_pages_per_seq: int, pages_per_group: int) -> None:
+    def __init__(self, max_slots: int, groups: int, max_pages_per_seq: int, pages_per_group: int,
+                 ring_pages: int = 0) -> None:
         self.max_slots = max_slots
         self.groups = groups
         self.slots_per_group = max_slots // groups
         self.max_pages_per_seq = max_pages_per_seq
         self.pages_per_group = pages_per_group
+        self.ring_pages = ring_pages  # pages of each slot's ring in the window pool (0: no window pool)
         self.table = np.zeros((max_slots, max_pages_per_seq), np.int32)
         self.sampling: list[SamplingParams] = [SamplingParams() for _ in range(max_slots)]
         self.started = np.zeros(max_slots, bool)
@@ -105,8 +164,10 @@ class StepInputs:
     token_slot: jax.Array      # i32[G*T] global slot of each token; max_slots for padding places
     write_page: jax.Array      # i32[G*T] local page the token's K/V go to; pages_per_group (dropped) for padding
     write_offset: jax.Array    # i32[G*T] offset in that page
+    ring_write_page: jax.Array  # i32[G*T] the same in the window pool: page of the slot's ring; out of range for padding
     kv_lens: jax.Array         # i32[G*R] tokens in each row's cache after this step's write
     page_indices: jax.Array    # i32[G*R, P] each row's page ids (local to the group)
+    ring_page_indices: jax.Array  # i32[G*R, P] the same in the window pool: logical page j in ring page j % W
     cu_q_lens: jax.Array       # i32[G*(R+1)] token offsets of each row within its group
     num_seqs: jax.Array        # i32[G] live rows per group
     logit_index: jax.Array     # i32[G*R] place (within the group) of each row's last token
@@ -124,8 +185,8 @@ class StepInputs:
 # Leading-axis layout of each field: "tokens" = [G*T], "rows" = [G*R...], "groups" = [G], "replicated".
 FIELD_LAYOUT = {
     "tokens": "tokens", "from_last": "tokens", "positions": "tokens", "token_slot": "tokens",
-    "write_page": "tokens", "write_offset": "tokens",
-    "kv_lens": "rows", "page_indices": "rows", "cu_q_lens": "rows", "num_seqs": "rows",
+    "write_page": "tokens", "write_offset": "tokens", "ring_write_page": "tokens",
+    "kv_lens": "rows", "page_indices": "rows", "ring_page_indices": "rows", "cu_q_lens": "rows", "num_seqs": "rows",
     "logit_index": "rows", "row_slot": "rows", "temperature": "rows", "top_p": "rows", "top_k": "rows",
     "repetition_penalty": "rows", "seed": "rows", "sample_position": "rows",
     "reset": "replicated", "any_sampled": "replicated",
@@ -142,6 +203,7 @@ def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: 
     out.update({n: ((g * r,), f32) for n in ("temperature", "top_p", "repetition_penalty")})
     out["seed"] = ((g * r,), np.dtype(np.uint32))
     out["page_indices"] = ((g * r, pages), i32)
+    out["ring_page_indices"] = ((g * r, pages), i32)
     out["cu_q_lens"] = ((g * (r + 1),), i32)
     out["num_seqs"] = ((g,), i32)
     out["reset"] = ((max_slots,), np.dtype(bool))
@@ -171,6 +233,8 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     a["from_last"][:] = -1
     a["token_slot"][:] = ms
     a["write_page"][:] = tables.pages_per_group
+    ring = tables.ring_pages
+    a["ring_write_page"][:] = spg * ring  # past the group's window pool: dropped
     a["row_slot"][:] = ms
     a["temperature"][:] = 0.0
     a["top_p"][:] = 1.0
@@ -196,10 +260,15 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
         a["token_slot"][sl] = q.slot
         a["write_page"][sl] = tables.table[q.slot, pos // page_size]
         a["write_offset"][sl] = pos % page_size
+        if ring:
+            base = (q.slot % spg) * ring
+            a["ring_write_page"][sl] = base + (pos // page_size) % ring
         row = g * r_n + r
         kv_len = start + n
         a["kv_lens"][row] = kv_len
         a["page_indices"][row] = tables.table[q.slot, :pages]
+        if ring:
+            a["ring_page_indices"][row] = base + np.arange(pages) % ring
         a["cu_q_lens"][g * (r_n + 1) + r + 1] = t0 + n
         a["logit_index"][row] = t0 + n - 1
         if q.sample:

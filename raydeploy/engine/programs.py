@@ -36,7 +36,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.config import EngineConfig, ModelConfig
-from raydeploy.engine.kv_cache import FIELD_LAYOUT, StepInputs, abstract_inputs, pool_sharding
+from raydeploy.engine.kv_cache import (
+    FIELD_LAYOUT,
+    PoolLayout,
+    StepInputs,
+    abstract_inputs,
+    pool_sharding,
+    pool_specs,
+    step_tokens,
+)
 from raydeploy.engine.sampling import sample
 from raydeploy.model.llama import DTYPES, ActivationSharding
 from raydeploy.model.registry import Family
@@ -164,9 +172,13 @@ class ProgramSet:
         self.pages_per_group = resolve_num_pages(engine_cfg.num_pages, self.slots_per_group, self.max_seq_len,
                                                  self.page_size)
         self.total_pages = self.pages_per_group * self.groups
-        self.pool_sharding = pool_sharding(family, cfg, self.total_pages, self.page_size, mesh, self.rules)
-        self.pool_shape = family.kv_pool_spec(cfg, self.total_pages, self.page_size).shape
-        heads = self.pool_sharding.spec[3]
+        self.max_step_tokens = step_tokens(engine_cfg, self.groups)
+        self.layout = PoolLayout.for_engine(family, cfg, engine_cfg, self.max_seq_len, self.groups)
+        self.pool_sharding = pool_sharding(family, cfg, self.layout, self.total_pages, self.page_size,
+                                           self.max_slots, mesh, self.rules)
+        self.pool_shapes = tuple(s.shape for s in pool_specs(family, cfg, self.layout, self.total_pages,
+                                                             self.page_size, self.max_slots))
+        heads = self.pool_sharding[0].spec[3]
         self.head_axes: tuple[str, ...] = () if heads is None else ((heads,) if isinstance(heads, str) else tuple(heads))
         n_head_shards = math.prod(mesh_shape[a] for a in self.head_axes)
         if cfg.num_heads % n_head_shards:
@@ -177,7 +189,6 @@ class ProgramSet:
             mesh, partition_spec(("cache_batch", "act_vocab"), self.rules, mesh_shape, "presence"))
         slow_single_row = self.param_dtype == jnp.bfloat16 and platform == "cpu"
         decode = default_decode_rows(self.slots_per_group, 2 if slow_single_row else 1)
-        self.max_step_tokens = max(engine_cfg.prefill_chunk, self.slots_per_group)
         # decode rows in powers of four, the chunk, and a quarter chunk: a short prompt (or a step whose prompt
         # tokens the scheduler caps) is not padded to a whole chunk
         quarter = self.max_step_tokens // 4
@@ -213,7 +224,7 @@ class ProgramSet:
         out = {}
         for name, layout in FIELD_LAYOUT.items():
             out[name] = (self.replicated if layout == "replicated"
-                         else self.sharded_2d if name == "page_indices" else self.sharded_1d)
+                         else self.sharded_2d if name in ("page_indices", "ring_page_indices") else self.sharded_1d)
         return out
 
     def abstract_inputs(self, tokens: int, pages: int) -> StepInputs:
@@ -223,8 +234,9 @@ class ProgramSet:
         return StepInputs(**fields)
 
     def abstract_state(self) -> tuple[Any, ...]:
-        """(params, pool, presence, last tokens) as ShapeDtypeStructs."""
-        pool = jax.ShapeDtypeStruct(self.pool_shape, self.dtype, sharding=self.pool_sharding)
+        """(params, pools, presence, last tokens) as ShapeDtypeStructs."""
+        pool = tuple(jax.ShapeDtypeStruct(shape, self.dtype, sharding=sh)
+                     for shape, sh in zip(self.pool_shapes, self.pool_sharding, strict=True))
         presence = jax.ShapeDtypeStruct((self.max_slots, self.cfg.vocab_size), jnp.bool_,
                                         sharding=self.presence_sharding)
         last = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.replicated)
@@ -295,18 +307,25 @@ class ProgramSet:
         # one sharded body per (window, soft cap): both are static for the backend; a family passes them per
         # layer (Gemma 3's local layers, a Mistral window on every layer), the engine knows no family
         bodies: dict[tuple[int | None, float | None], Callable[..., Any]] = {}
+        index = jnp.asarray(self.layout.index, jnp.int32)
+        ring = self.layout.ring_pages > 0
 
-        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, *,
-                   sliding_window: int | None = None, soft_cap: float | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
+        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, pools: tuple[jax.Array, jax.Array],
+                   *, sliding_window: int | None = None, soft_cap: float | None = None
+                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             key = (int(sliding_window) if sliding_window else None, float(soft_cap) if soft_cap else None)
             if key not in bodies:
                 bodies[key] = self._manual(partial(local, sliding_window=key[0], soft_cap=key[1]), in_specs,
                                            out_specs)
-            kv = _interleave(k, v).astype(pool.dtype)
-            out, pool = bodies[key](q, kv, pool, layer, inp.write_page, inp.write_offset, inp.kv_lens,
-                                    inp.page_indices, inp.cu_q_lens, inp.num_seqs)
-            return out.astype(q.dtype), pool
+            main, window = pools
+            kv = _interleave(k, v).astype(main.dtype)
+            if ring and key[0]:  # a sliding-window layer: its ring in the window pool (PoolLayout)
+                out, window = bodies[key](q, kv, window, index[layer], inp.ring_write_page, inp.write_offset,
+                                          inp.kv_lens, inp.ring_page_indices, inp.cu_q_lens, inp.num_seqs)
+            else:
+                out, main = bodies[key](q, kv, main, index[layer], inp.write_page, inp.write_offset, inp.kv_lens,
+                                        inp.page_indices, inp.cu_q_lens, inp.num_seqs)
+            return out.astype(q.dtype), (main, window)
 
         return attend
 

@@ -189,8 +189,10 @@ class Scheduler:
         when the engine is paged) with the config's queue, buckets and decode steps."""
         paging = None
         if hasattr(engine, "pages_per_group"):
+            # a model whose sliding-window layers keep rings cannot reuse a prefix (its window is not in them)
+            prefix = cfg.engine.prefix_caching and not getattr(engine, "window_rings", False)
             paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
-                            cfg.engine.prefix_caching, getattr(engine, "mixed_step_tokens", None),
+                            prefix, getattr(engine, "mixed_step_tokens", None),
                             cfg.engine.max_decode_slowdown)
         return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
                    cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order,

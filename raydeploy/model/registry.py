@@ -111,10 +111,22 @@ class Family:
     def param_bytes(self, cfg: Any, itemsize: int) -> int:
         return self.param_count(cfg) * itemsize
 
-    def kv_pool_spec(self, cfg: Any, total_pages: int, page_size: int) -> TensorSpec:
-        """The paged KV pool [layers, pages, page_size, 2 * kv_heads, head_dim] (as `spec.kv_pool_spec`)."""
-        return TensorSpec("kv_pages", (cfg.num_layers, total_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim),
+    def kv_pool_spec(self, cfg: Any, total_pages: int, page_size: int, layers: int | None = None) -> TensorSpec:
+        """The paged KV pool [layers, pages, page_size, 2 * kv_heads, head_dim] (as `spec.kv_pool_spec`) of
+        every layer, or of `layers` of them."""
+        n = cfg.num_layers if layers is None else layers
+        return TensorSpec("kv_pages", (n, total_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim),
                           (LAYER_AXIS, "cache_batch", "page_offset", "cache_kv_heads", "head_dim"))
+
+    def layer_windows(self, cfg: Any) -> tuple[int | None, ...]:
+        """Each layer's attention window in tokens (None: the whole sequence), as the module passes
+        `sliding_window=` to the engine's attention: a config's `sliding_window` on every layer, or on the
+        layers its `local_layers` marks (Gemma 3)."""
+        window = getattr(cfg, "sliding_window", None)
+        local = getattr(cfg, "local_layers", None)
+        if local is None:
+            return (window,) * cfg.num_layers
+        return tuple(window if is_local else None for is_local in local)
 
     def kv_bytes_per_token(self, cfg: Any, itemsize: int) -> int:
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
