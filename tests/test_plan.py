@@ -213,3 +213,29 @@ def test_unknown_accelerator(tmp_path: Path) -> None:
         make_plan(load_config(p))
     p = _write(tmp_path, "tpu-v5e-16.yaml", "cluster: {accelerator_type: v99, device_memory_gib: 16}")
     assert make_plan(load_config(p)).device_memory_bytes == 16 * GIB
+
+
+def test_sliding_window_rings_shrink_the_planned_kv_cache() -> None:
+    """Gemma 3 27B's shapes (62 layers, 52 local with a 1024-token window) on the v6e-16 config: with rings the
+    local layers' KV is a ring of ceil((1024 + chunk - 1) / page) + 1 pages per slot, and the plan's KV bytes
+    are the main pool of the 10 global layers plus the rings; `window_pages: all` plans every layer at full
+    length."""
+    from raydeploy.model.registry import from_hf_config
+    from raydeploy.plan import format_plan
+
+    _, gemma = from_hf_config(dict(
+        model_type="gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+        num_attention_heads=32, num_key_value_heads=16, head_dim=128, sliding_window=1024, sliding_window_pattern=6,
+        query_pre_attn_scalar=168, max_position_embeddings=131072))
+    plans = {mode: make_plan(load_config(CONFIGS / "tpu-v6e-16.yaml", [f"engine.window_pages={mode}"]), model=gemma)
+             for mode in ("ring", "all")}
+    ring, full = plans["ring"], plans["all"]
+    e = load_config(CONFIGS / "tpu-v6e-16.yaml").engine
+    pages = -(-(1024 + e.prefill_chunk - 1) // e.page_size) + 1
+    assert (ring.window_ring_pages, ring.window_layers) == (pages, 52)
+    assert (full.window_ring_pages, full.window_layers) == (0, 0)
+    per_page = 2 * 16 * 128 * e.page_size * (2 if ring.kv_dtype == "bfloat16" else 4)  # K and V, one layer
+    assert ring.kv_bytes_total == full.kv_bytes_total * 10 // 62 + 52 * e.max_slots * pages * per_page
+    assert ring.kv_bytes_total < full.kv_bytes_total / 3
+    assert f"52 sliding-window layers keep a ring of {pages} pages per slot" in format_plan(ring)
+    assert "ring" not in format_plan(full)
