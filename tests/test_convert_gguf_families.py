@@ -41,6 +41,12 @@ _COMMON = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_va
 TINY: dict[str, tuple[dict[str, Any], str]] = {
     "llama": (dict(model_type="llama", intermediate_size=96, num_hidden_layers=2, rope_theta=10000.0,
                    tie_word_embeddings=False, **_COMMON), "llama"),
+    # Llama 3 rope scaling: llama.cpp drops the rope_scaling dict and stores per-frequency divisors as the
+    # tensor rope_freqs.weight; the original context (64) puts the 8 frequencies in all three bands
+    "llama3": (dict(model_type="llama", intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}, **_COMMON), "llama"),
     "qwen3": (dict(model_type="qwen3", intermediate_size=96, num_hidden_layers=2, rope_theta=10000.0,
                    tie_word_embeddings=False, **_COMMON), "qwen3"),
     "gemma3_text": (dict(model_type="gemma3_text", intermediate_size=96, num_hidden_layers=6, sliding_window=4,
@@ -103,6 +109,9 @@ def _gguf_tensors(kind: str, hf_cfg: dict[str, Any], tensors: dict[str, np.ndarr
         new = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, name
         out[new] = w
+    rope = hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":
+        out["rope_freqs.weight"] = _llama3_rope_factors(hf_cfg, rope)
     for (layer, w_name), per_expert in experts.items():
         stacked = np.stack([per_expert[i] for i in range(len(per_expert))])
         merged = (f"layers.{layer}.feed_forward.experts.{w_name}.weight" if kind == "mixtral"
@@ -111,6 +120,27 @@ def _gguf_tensors(kind: str, hf_cfg: dict[str, Any], tensors: dict[str, np.ndarr
         assert new is not None, merged
         out[new] = stacked
     return out
+
+
+def _llama3_rope_factors(hf_cfg: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's LlamaModel.generate_extra_tensors: the divisor of each rope frequency under Llama 3 scaling."""
+    import math
+
+    dim = hf_cfg["head_dim"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
 
 
 def write_gguf(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, np.ndarray],
@@ -197,7 +227,10 @@ def test_gguf_logits_match_transformers(kind, built):
     assert result["format"] == "gguf"
     reader = CheckpointReader(dst)
     hf_cfg = reader.hf_config
-    assert hf_cfg["model_type"] == kind
+    assert hf_cfg["model_type"] == TINY[kind][0]["model_type"]
+    if kind == "llama3":  # the divisors became the config's rope scaling
+        assert hf_cfg["rope_scaling"]["rope_type"] == "freq_factors"
+        np.testing.assert_allclose(hf_cfg["rope_scaling"]["factors"], case["tensors"]["rope_freqs.weight"])
     fam, cfg = from_hf_config(hf_cfg)
     assert cfg.vocab_size == 128 and cfg.head_dim == 16 and cfg.num_layers == TINY[kind][0]["num_hidden_layers"]
     params = {n: reader.read_tensor(n) for n in fam.param_specs(cfg)}
@@ -297,6 +330,16 @@ def test_missing_dense_tensor_is_named(built, tmp_path):
     with pytest.raises(CheckpointError) as e:
         convert_gguf(src, tmp_path / "out", progress=False)
     assert e.value.tensor == "blk.5.post_ffw_norm.weight" and "gemma3" in str(e.value)
+
+
+def test_bad_rope_freqs_are_refused_with_the_numbers(built, tmp_path):
+    src = _rewrite(built["llama3"], tmp_path / "l.gguf", add={"rope_freqs.weight": np.ones(5, np.float32)})
+    with pytest.raises(CheckpointError, match=r"rope_freqs.weight must hold 8 positive factors \(head_dim / 2\), "
+                                              r"got shape \(5,\)"):
+        convert_gguf(src, tmp_path / "out", progress=False)
+    src = _rewrite(built["llama3"], tmp_path / "z.gguf", add={"rope_freqs.weight": np.zeros(8, np.float32)})
+    with pytest.raises(CheckpointError, match="8 positive factors"):
+        convert_gguf(src, tmp_path / "out2", progress=False)
 
 
 def test_missing_expert_metadata_is_named(built, tmp_path):

@@ -213,6 +213,21 @@ def _moe_fields(meta: Mapping[str, Any], arch: str, model_type: str, tensors: Ma
             "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
+def rope_freq_factors(factors: np.ndarray, hf_cfg: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """`rope_freqs.weight`: the per-frequency divisors llama.cpp stores for Llama 3 style rope scaling (its
+    converter computes them from the Hugging Face `llama3` rope_scaling, which the GGUF does not keep). They
+    become `rope_scaling: {rope_type: freq_factors, factors: [...]}`: the inverse frequencies divided by them,
+    as llama.cpp applies them."""
+    half = int(hf_cfg["head_dim"]) // 2
+    if factors.shape != (half,) or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise CheckpointError(f"GGUF tensor rope_freqs.weight must hold {half} positive factors (head_dim / 2), "
+                              f"got shape {factors.shape}", path)
+    if hf_cfg.get("rope_scaling"):
+        raise CheckpointError(f"GGUF has both rope_freqs.weight and rope scaling {hf_cfg['rope_scaling']}; "
+                              f"only one is supported", path)
+    return {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
+
+
 def unpermute_rope(w_oi: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K permutation (convert_hf_to_gguf `permute`): per head, rows were reordered
     from [first half, second half] to interleaved pairs."""
@@ -279,6 +294,9 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_si
     family = family_of(meta, str(src))
     permuted = meta.get("general.architecture") in ROPE_PERMUTED
     hf_cfg = hf_config_from_gguf(meta, tensor_shapes, str(src), dtype)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        hf_cfg["rope_scaling"] = rope_freq_factors(np.asarray(freqs.data, np.float32), hf_cfg, str(src))
     # a GGUF without an embedded tokenizer (tests, some exports) converts weights and config only
     save_tokenizer = save_tokenizer and "tokenizer.ggml.model" in meta
     try:

@@ -98,7 +98,7 @@ def _constrain(shard: ActivationSharding | None, x: jax.Array, axes: Sequence[st
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim / 2] with the config's rope scaling (none, linear, llama3)."""
+    """Inverse frequencies [head_dim / 2] with the config's rope scaling (none, linear, llama3, freq_factors)."""
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     scaling = cfg.rope_scaling or {}
@@ -107,6 +107,12 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
         return inv.astype(np.float32)
     if kind == "linear":
         return (inv / float(scaling["factor"])).astype(np.float32)
+    if kind == "freq_factors":  # llama.cpp's rope_freqs (a Llama 3 GGUF): a divisor per frequency
+        factors = np.asarray(scaling["factors"], np.float64)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope_scaling freq_factors: {factors.size} factors for {inv.size} frequencies "
+                             f"(head_dim / 2)")
+        return (inv / factors).astype(np.float32)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -117,7 +123,8 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, "
+                     f"freq_factors)")
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
