@@ -333,8 +333,8 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"config        {plan.source}",
         f"model         {m['model_type']}: {plan.param_count / 1e9:.3f}B params, {m['layers']} layers, hidden "
-        f"{m['hidden']}, heads {m['heads']}/{m['kv_heads']} kv, head_dim {m['head_dim']}, ffn {m['ffn']}, "
-        f"vocab {m['vocab']}  ({plan.model_config_json})",
+        f"{m['hidden']}, heads {m['heads']}/{m['kv_heads']} kv, head_dim {m['head_dim']}, "
+        + (f"ffn {m['ffn']}, " if "ffn" in m else "") + f"vocab {m['vocab']}  ({plan.model_config_json})",
         *([f"experts       {m['experts']} per layer, {m['experts_per_token']} per token (ffn {m['expert_ffn']}): "
            f"{plan.active_param_count / 1e9:.3f}B params active per token"] if "experts" in m else []),
         f"hosts         {plan.num_hosts} x {plan.devices_per_host} {plan.platform} device(s)"

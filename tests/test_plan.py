@@ -82,6 +82,7 @@ def test_moe_plan_counts_experts_over_ep(capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", str(CONFIGS / "tpu-v5e-16-qwen3-30b-a3b.yaml")]) == 0
     out = capsys.readouterr().out
     assert "experts       128 per layer, 8 per token (ffn 768): 3.353B params active per token" in out
+    assert "ffn 6144" not in out  # the config's dense intermediate size: no layer of this model uses it
     assert "96.0 KiB per token" in out
 
 

@@ -225,6 +225,7 @@ class Family:
                "head_dim": cfg.head_dim, "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
                "tied_embeddings": cfg.tie_word_embeddings}
         if self.num_experts is not None and self.experts_per_token is not None:
+            del out["ffn"]  # every layer's MLP is routed experts: a dense intermediate size would be unused
             out.update(experts=self.num_experts(cfg), experts_per_token=self.experts_per_token(cfg),
                        expert_ffn=getattr(cfg, "moe_intermediate_size", None))
         return out
