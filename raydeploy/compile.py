@@ -88,9 +88,12 @@ def prepare_environment(cfg: Config) -> None:
 
     A TPU target compiles through libtpu without a TPU: JAX itself runs on CPU, and libtpu is told not to
     ask a cloud metadata server for a TPU that is not there. A CPU target needs as many CPU devices as the
-    config's mesh."""
+    config's mesh. libtpu takes a machine-wide lock file when it loads, so a second compile at the same time
+    (or one on a TPU VM whose server holds the chips) would fail ("libtpu multi-process lockfile"); this
+    process opens no TPU, so it loads libtpu without the lock."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if cfg.cluster.platform == "cpu" and "jax" not in sys.modules:
         n = cfg.cluster.num_hosts * cfg.cluster.devices_per_host
         flags = os.environ.get("XLA_FLAGS", "")

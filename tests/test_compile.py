@@ -137,6 +137,37 @@ def test_moe_config_compiles_deviceless_with_experts_over_ep():
                     assert vocab_shard in dims, f"{p['name']}: {kind} of {shape}"
 
 
+def test_gemma3_long_context_config_compiles_deviceless_with_window_rings():
+    """Gemma 3 27B (62 layers, 52 local with a 1024-token window, bfloat16) with 16 slots of 32768 tokens on
+    v5e-16, tp=16: every step program, with the Pallas ragged paged attention kernel reading the main pool on
+    the global layers and the rings of the window pool on the local ones, compiles through libtpu and fits the
+    chip; the KV bytes per chip are the plan's (main pool + rings, 3.0 GiB; without rings 15.5 GiB, which does
+    not fit: test_plan); only activations and logits move between chips."""
+    pytest.importorskip("libtpu")
+    from raydeploy.config import load_config
+    from raydeploy.plan import make_plan
+
+    name = "tpu-v5e-16-gemma3-27b"
+    r = _run(f"configs/{name}.yaml", "--json")
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    rep = json.loads(r.stdout)
+    plan = make_plan(load_config(REPO / "configs" / f"{name}.yaml"))
+    assert plan.window_ring_pages == 81 and plan.window_layers == 52
+    assert rep["target"] == "tpu 16 devices (TPU v5 lite)" and rep["problems"] == []
+    assert rep["weight_bytes_per_chip"] == plan.param_bytes_per_device
+    assert rep["kv_cache_bytes_per_chip"] == plan.kv_bytes_per_device
+    steps = [p for p in rep["programs"] if p["name"].startswith("step_")]
+    assert sorted(p["name"] for p in steps) == sorted(f"step_{t}x2048" for t in (1, 4, 16, 64, 256))
+    vocab_shard = 262208 // 16
+    for p in steps:
+        assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
+        assert p["argument_bytes"] >= rep["weight_bytes_per_chip"] + rep["kv_cache_bytes_per_chip"], p["name"]
+        assert p["collectives"]["all-reduce"]["count"] >= 2 * 62, p["name"]  # attention and MLP, per layer
+        for shape in p["collectives"].get("all-gather", {}).get("shapes", []):
+            dims = [int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d]
+            assert vocab_shard in dims, f"{p['name']}: all-gather of {shape}"  # logits rows only
+
+
 def test_an_override_that_cannot_fit_names_the_program_and_the_numbers():
     pytest.importorskip("libtpu")
     r = _run("configs/tpu-v5e-16.yaml", "--only", "step", "--set", "engine.max_slots=256")
@@ -144,6 +175,36 @@ def test_an_override_that_cannot_fit_names_the_program_and_the_numbers():
     # either our accounting or the TPU compiler's own out-of-memory check catches it; both name the numbers
     assert "DOES NOT FIT: program step_" in r.stdout, r.stdout[-2000:]
     assert "16.00 GiB" in r.stdout and re.search(r"\d+(\.\d+)? ?Gi?B?", r.stdout)
+
+
+_HOLD_TOPOLOGY = """
+import sys, time
+from raydeploy.compile import prepare_environment, target_devices
+from raydeploy.config import load_config
+cfg = load_config("configs/tpu-v5e-16.yaml")
+prepare_environment(cfg)
+print(len(target_devices(cfg)), flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_two_deviceless_compiles_at_once():
+    """libtpu's machine-wide lock file: a second process describing a TPU topology while another holds libtpu
+    failed ("Internal error when accessing libtpu multi-process lockfile"); the compile environment loads it
+    without the lock, so two compiles (or one on a TPU VM that is serving) run side by side."""
+    pytest.importorskip("libtpu")
+    base = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY",
+                                                            "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+    first = subprocess.Popen([sys.executable, "-c", _HOLD_TOPOLOGY, "30"], cwd=REPO, env=base, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "16"  # holds libtpu now
+        second = subprocess.run([sys.executable, "-c", _HOLD_TOPOLOGY, "0"], cwd=REPO, env=base, text=True,
+                                capture_output=True, timeout=300)
+        assert second.returncode == 0 and second.stdout.strip() == "16", second.stderr[-2000:]
+    finally:
+        first.kill()
+        first.wait(60)
 
 
 def test_unknown_program_kind_is_named():

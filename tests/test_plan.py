@@ -19,7 +19,8 @@ SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
                       tie_word_embeddings=True)
 DEMO_CONFIGS = ["local.yaml", "cpu-fsdp.yaml", "predict-small.yaml"]
-BUNDLED_CONFIGS = ["tpu-v5e-16.yaml", "tpu-v6e-16.yaml", "gpu-2x8-h100.yaml", "tpu-v5e-16-qwen3-30b-a3b.yaml"]
+BUNDLED_CONFIGS = ["tpu-v5e-16.yaml", "tpu-v6e-16.yaml", "gpu-2x8-h100.yaml", "tpu-v5e-16-qwen3-30b-a3b.yaml",
+                   "tpu-v5e-16-gemma3-27b.yaml"]
 
 
 def test_every_config_is_covered() -> None:
@@ -216,27 +217,26 @@ def test_unknown_accelerator(tmp_path: Path) -> None:
     assert make_plan(load_config(p)).device_memory_bytes == 16 * GIB
 
 
-def test_sliding_window_rings_shrink_the_planned_kv_cache() -> None:
-    """Gemma 3 27B's shapes (62 layers, 52 local with a 1024-token window) on the v6e-16 config: with rings the
-    local layers' KV is a ring of ceil((1024 + chunk - 1) / page) + 1 pages per slot, and the plan's KV bytes
-    are the main pool of the 10 global layers plus the rings; `window_pages: all` plans every layer at full
-    length."""
-    from raydeploy.model.registry import from_hf_config
+def test_sliding_window_rings_shrink_the_planned_kv_cache(capsys: pytest.CaptureFixture) -> None:
+    """Gemma 3 27B (bundled config.json: 62 layers, 52 local with a 1024-token window) with 16 slots of 32768
+    tokens on v5e-16: with rings the local layers' KV is a ring of ceil((1024 + 256 - 1) / 16) + 1 = 81 pages
+    per slot, the plan's KV is the main pool of the 10 global layers plus the rings, and it fits; with
+    `window_pages: all` every layer keeps every page and the plan is impossible, naming the numbers."""
     from raydeploy.plan import format_plan
 
-    _, gemma = from_hf_config(dict(
-        model_type="gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
-        num_attention_heads=32, num_key_value_heads=16, head_dim=128, sliding_window=1024, sliding_window_pattern=6,
-        query_pre_attn_scalar=168, max_position_embeddings=131072))
-    plans = {mode: make_plan(load_config(CONFIGS / "tpu-v6e-16.yaml", [f"engine.window_pages={mode}"]), model=gemma)
-             for mode in ("ring", "all")}
-    ring, full = plans["ring"], plans["all"]
-    e = load_config(CONFIGS / "tpu-v6e-16.yaml").engine
+    path = CONFIGS / "tpu-v5e-16-gemma3-27b.yaml"
+    ring = make_plan(load_config(path))
+    full = make_plan(load_config(path, ["engine.window_pages=all"]))
+    e = load_config(path).engine
     pages = -(-(1024 + e.prefill_chunk - 1) // e.page_size) + 1
-    assert (ring.window_ring_pages, ring.window_layers) == (pages, 52)
+    assert pages == 81 and (ring.window_ring_pages, ring.window_layers) == (81, 52)
     assert (full.window_ring_pages, full.window_layers) == (0, 0)
-    per_page = 2 * 16 * 128 * e.page_size * (2 if ring.kv_dtype == "bfloat16" else 4)  # K and V, one layer
+    per_page = 2 * 16 * 128 * e.page_size * 2  # K and V of one layer's page, bfloat16
+    assert full.kv_bytes_total == 62 * e.max_slots * (32768 // e.page_size) * per_page
     assert ring.kv_bytes_total == full.kv_bytes_total * 10 // 62 + 52 * e.max_slots * pages * per_page
-    assert ring.kv_bytes_total < full.kv_bytes_total / 3
+    assert ring.ok and ring.kv_bytes_per_device == ring.kv_bytes_total // 16
     assert f"52 sliding-window layers keep a ring of {pages} pages per slot" in format_plan(ring)
-    assert "ring" not in format_plan(full)
+    assert not full.ok and "ring" not in format_plan(full)
+    assert "KV cache 15.50 GiB" in full.problems[0] and "exceeds the usable 14.40 GiB" in full.problems[0]
+    assert main(["plan", str(path), "--set", "engine.window_pages=all"]) != 0
+    assert "15.50 GiB" in capsys.readouterr().err

@@ -35,11 +35,13 @@ def _free_port() -> int:
 
 
 def replica_cfg(port: int, *extra: str):
-    """One-host gangs with a small slot count; failures noticed within seconds."""
+    """One-host gangs with a small slot count; failures noticed within seconds (a killed host by its actor's
+    death; JAX's own heartbeat stays at its default 10 s: at 4 s a host process starved of CPU on a busy
+    2-core machine was once declared dead by its own coordination service, and the gang restarted unasked)."""
     return load_config(None, [
         "cluster.num_hosts=1", "cluster.devices_per_host=1", "mesh.axes={dp: 1}", "engine.max_slots=4",
         "serving.max_queue=32", f"serving.port={port}", "serving.request_timeout_s=600",
-        "cluster.heartbeat_timeout_s=4", "cluster.init_timeout_s=60", "cluster.restart_backoff_s=0.5",
+        "cluster.heartbeat_timeout_s=10", "cluster.init_timeout_s=60", "cluster.restart_backoff_s=0.5",
         "cluster.max_restarts=3", "replicas.routing_stats_period_s=0.5", "replicas.health_check_period_s=2",
         # the stand-in engine holds no KV cache: a long context costs nothing and lets a stream run for minutes
         "model.max_seq_len=1000000", "engine.prefill_buckets=[64,1000000]", "engine.max_new_tokens=999000", *extra])
