@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,20 +103,23 @@ def test_no_collective_moves_weights_tables_or_kv_cache(tpu_reports, name):
     assert decode["collectives"]["all-reduce"]["count"] >= 2 * llama.num_layers
 
 
+def _report_and_plan(name: str) -> tuple[dict, Any]:
+    """`raydeploy compile configs/NAME.yaml --json` (must succeed) and the config's plan."""
+    from raydeploy.config import load_config
+    from raydeploy.plan import make_plan
+
+    r = _run(f"configs/{name}.yaml", "--json")
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout), make_plan(load_config(REPO / "configs" / f"{name}.yaml"))
+
+
 def test_moe_config_compiles_deviceless_with_experts_over_ep():
     """Qwen3-30B-A3B (48 layers, 128 experts, 8 per token, bfloat16) on v5e-16 with ep=4 x tp=4: every program
     compiles through libtpu, fits the chip, and moves only activations and logits between chips (per layer a
     tp all-reduce after attention and one psum of the experts' parts over ep x tp); no expert weight is
     gathered (no collective has an expert's hidden-unit dimension, 768 or its tp shard 192)."""
     pytest.importorskip("libtpu")
-    from raydeploy.config import load_config
-    from raydeploy.plan import make_plan
-
-    name = "tpu-v5e-16-qwen3-30b-a3b"
-    r = _run(f"configs/{name}.yaml", "--json")
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    rep = json.loads(r.stdout)
-    plan = make_plan(load_config(REPO / "configs" / f"{name}.yaml"))
+    rep, plan = _report_and_plan("tpu-v5e-16-qwen3-30b-a3b")
     raw = json.loads((REPO / "configs/models/qwen3-30b-a3b/config.json").read_text())
     layers, vocab_shard = raw["num_hidden_layers"], raw["vocab_size"] // plan.mesh["tp"]
     assert rep["target"] == "tpu 16 devices (TPU v5 lite)" and rep["problems"] == []
@@ -144,14 +148,7 @@ def test_gemma3_long_context_config_compiles_deviceless_with_window_rings():
     chip; the KV bytes per chip are the plan's (main pool + rings, 3.0 GiB; without rings 15.5 GiB, which does
     not fit: test_plan); only activations and logits move between chips."""
     pytest.importorskip("libtpu")
-    from raydeploy.config import load_config
-    from raydeploy.plan import make_plan
-
-    name = "tpu-v5e-16-gemma3-27b"
-    r = _run(f"configs/{name}.yaml", "--json")
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    rep = json.loads(r.stdout)
-    plan = make_plan(load_config(REPO / "configs" / f"{name}.yaml"))
+    rep, plan = _report_and_plan("tpu-v5e-16-gemma3-27b")
     assert plan.window_ring_pages == 81 and plan.window_layers == 52
     assert rep["target"] == "tpu 16 devices (TPU v5 lite)" and rep["problems"] == []
     assert rep["weight_bytes_per_chip"] == plan.param_bytes_per_device

@@ -68,7 +68,7 @@ def converted(request, tmp_path_factory) -> dict[str, Any]:
     return _convert(request.param, tmp_path_factory.mktemp(f"engine-{request.param}"))
 
 
-def _engine(ckpt: Any, mesh_shape: dict[str, int]) -> Any:
+def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring") -> Any:
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
     from raydeploy.engine.engine import Engine
@@ -82,7 +82,7 @@ def _engine(ckpt: Any, mesh_shape: dict[str, int]) -> Any:
     family, cfg = from_hf_config(reader.hf_config)
     params, _ = reader.load(family.param_specs(cfg), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
     engine_cfg = EngineConfig(max_slots=2, page_size=8, prefill_chunk=16, decode_steps=4,
-                              compilation_cache_dir=None, warmup=False)
+                              compilation_cache_dir=None, warmup=False, window_pages=window_pages)
     return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg)
 
 
@@ -218,23 +218,6 @@ def test_gang_serves_moe_with_experts_across_hosts(tmp_path_factory):
 # -- sliding-window layers keep rings of pages ------------------------------------------------------------------
 
 
-def _ring_engine(ckpt: Any, window_pages: str, max_slots: int = 2) -> Any:
-    from raydeploy.checkpoint.reader import CheckpointReader
-    from raydeploy.config import EngineConfig, ModelConfig
-    from raydeploy.engine.engine import Engine
-    from raydeploy.model.registry import from_hf_config
-    from raydeploy.model.sharding import build_mesh, merge_rules
-
-    mesh = build_mesh({"dp": 1}, jax.devices()[:1])
-    rules = merge_rules(None)
-    reader = CheckpointReader(ckpt)
-    family, cfg = from_hf_config(reader.hf_config)
-    params, _ = reader.load(family.param_specs(cfg), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
-    engine_cfg = EngineConfig(max_slots=max_slots, page_size=8, prefill_chunk=16, decode_steps=4,
-                              compilation_cache_dir=None, warmup=False, window_pages=window_pages)
-    return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg)
-
-
 def _scheduled(engine: Any, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
     """(tokens, logprobs) of the prompts through the real scheduler (config defaults: prefix caching on unless
     the engine's rings forbid it) and an in-process step loop, all submitted at once."""
@@ -288,7 +271,7 @@ def test_sliding_window_layers_keep_rings_through_the_scheduler(kind, tmp_path):
         lp = torch.log_softmax(logits, dim=-1).numpy()
         want.append((tokens, [float(lp[len(p) - 1 + i, t]) for i, t in enumerate(tokens)]))
 
-    ring = _ring_engine(ckpt, "ring")
+    ring = _engine(ckpt, {"dp": 1})
     layout = ring.programs_set.layout
     windows = ring.family.layer_windows(ring.cfg)
     assert layout.ring_pages == 4 and ring.window_rings
@@ -299,7 +282,7 @@ def test_sliding_window_layers_keep_rings_through_the_scheduler(kind, tmp_path):
     _check_scheduled(_scheduled(ring, prompts[:1], 14), want[:1])  # alone: whole 16-token chunks
     _check_scheduled(_scheduled(ring, prompts, 14), want)
 
-    full = _ring_engine(ckpt, "all")
+    full = _engine(ckpt, {"dp": 1}, "all")
     assert full.programs_set.layout.ring_pages == 0 and not full.window_rings
     assert full.pool[0].shape[0] == len(windows) and full.pool[1].shape[0] == 0
     assert full.pool[0].size > main.size + window.size

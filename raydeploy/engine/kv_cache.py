@@ -260,15 +260,15 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
         a["token_slot"][sl] = q.slot
         a["write_page"][sl] = tables.table[q.slot, pos // page_size]
         a["write_offset"][sl] = pos % page_size
+        ring_base = (q.slot % spg) * ring  # the slot's ring in its group's window pool
         if ring:
-            base = (q.slot % spg) * ring
-            a["ring_write_page"][sl] = base + (pos // page_size) % ring
+            a["ring_write_page"][sl] = ring_base + (pos // page_size) % ring
         row = g * r_n + r
         kv_len = start + n
         a["kv_lens"][row] = kv_len
         a["page_indices"][row] = tables.table[q.slot, :pages]
         if ring:
-            a["ring_page_indices"][row] = base + np.arange(pages) % ring
+            a["ring_page_indices"][row] = ring_base + np.arange(pages) % ring
         a["cu_q_lens"][g * (r_n + 1) + r + 1] = t0 + n
         a["logit_index"][row] = t0 + n - 1
         if q.sample:
