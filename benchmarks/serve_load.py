@@ -244,15 +244,21 @@ def _prefix_figures(url: str) -> dict:
     return out
 
 
-def measure_simultaneous(serving, model: str, n: int, rounds: int, max_tokens: int, temperature: float) -> dict:
-    """`n` prompts sent at once (PROMPTS[:n], as the transformers peer): the TTFT of the last to get its first
-    token, and the aggregate tokens/s of the round."""
+def simultaneous_prompts(n: int, round_: int) -> list[str]:
+    """The prompts of one round of `measure_simultaneous`: PROMPTS[:n], each behind the round's number, so no
+    round finds its prompts in the prefix cache (the peer prefills the first round's)."""
+    return [f"Question {round_ + 1}: {p}" for p in PROMPTS[:n]]
 
-    async def one() -> tuple[list[float], int, float]:
+
+def measure_simultaneous(serving, model: str, n: int, rounds: int, max_tokens: int, temperature: float) -> dict:
+    """`n` prompts sent at once (`simultaneous_prompts`, as the transformers peer): the TTFT of the last to get
+    its first token, and the aggregate tokens/s of the round."""
+
+    async def one(r: int) -> tuple[list[float], int, float]:
         client = _client(serving.url)
         t0 = time.perf_counter()
         streams = [_Stream(client, model, [{"role": "user", "content": p}], max_tokens, temperature)
-                   for p in PROMPTS[:n]]
+                   for p in simultaneous_prompts(n, r)]
         tokens = await asyncio.gather(*[s.task for s in streams])
         wall = time.perf_counter() - t0
         await client.close()
@@ -260,8 +266,8 @@ def measure_simultaneous(serving, model: str, n: int, rounds: int, max_tokens: i
 
     before = _engine_stats(serving)
     last, agg = [], []
-    for _ in range(rounds):
-        ttfts, tokens, wall = asyncio.run(one())
+    for r in range(rounds):
+        ttfts, tokens, wall = asyncio.run(one(r))
         last.append(max(ttfts))
         agg.append(tokens / wall)
     after = _engine_stats(serving)
@@ -377,21 +383,25 @@ def bench_hf(tok, batch: int, max_tokens: int, rounds: int) -> dict:
 
     torch.set_num_threads(2)
     model, _ = load_hf("float32")
-    ids = [_chat_ids(tok, [{"role": "user", "content": p}]) for p in PROMPTS[:batch]]
-    width = max(len(i) for i in ids)
-    input_ids = torch.tensor([[2] * (width - len(i)) + i for i in ids])
-    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    def left_padded(prompts: list[str]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        ids = [_chat_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
+        width = max(len(i) for i in ids)
+        return (ids, torch.tensor([[2] * (width - len(i)) + i for i in ids]),
+                torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]))
 
-    def gen(n: int) -> float:
+    def gen(prompts: list[str], n: int) -> float:
+        _, input_ids, mask = left_padded(prompts)
         t = time.perf_counter()
         with torch.no_grad():
             model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=2)
         return time.perf_counter() - t
 
-    gen(4)  # warm up
-    prefill = [gen(1) for _ in range(max(3, rounds))]
-    full = [gen(max_tokens) for _ in range(rounds)]
+    gen(PROMPTS[:batch], 4)  # warm up
+    full = [gen(PROMPTS[:batch], max_tokens) for _ in range(rounds)]
+    # the batched prefill of the prompts `measure_simultaneous` sends in its first round
+    ids = left_padded(simultaneous_prompts(batch, 0))[0]
+    prefill = [gen(simultaneous_prompts(batch, 0), 1) for _ in range(max(3, rounds))]
     out = {"backend": "transformers generate, float32, torch 2 threads, greedy", "batch": batch,
            "max_new_tokens": max_tokens, "prompt_tokens": [len(i) for i in ids],
            "batched_prefill_ms": round(1e3 * statistics.median(prefill), 1),

@@ -219,6 +219,10 @@ class EngineConfig(_Section):
     factor of a decode pass (from the measured step times; at most 64 passes). A chunk step costs a few decode
     passes on CPU and about one on TPU/GPU, where nothing waits. Lower: steadier streams, a longer wait for the
     long prompt's first token; 0 = never wait (a chunk in every step). Prompts that fit one step never wait."""
+    burst_wait: float = 0.25
+    """A request that finds the engine idle waits this fraction of a decode pass (measured) before its first
+    step, so requests that arrive with it (a burst sent at once reaches rank 0 over some milliseconds) share that
+    step instead of waiting a whole step behind it. 0 = start at once; at most 1."""
 
 
 @dataclass(frozen=True)
@@ -492,6 +496,9 @@ def validate(cfg: Config) -> None:
     if e.max_decode_slowdown != 0 and e.max_decode_slowdown <= 1:
         raise ConfigError(f"must be 0 (never hold a prompt's chunks back) or > 1, found {e.max_decode_slowdown}",
                           file=src, key="engine.max_decode_slowdown")
+    if not 0 <= e.burst_wait <= 1:
+        raise ConfigError(f"must be a fraction of a decode pass in [0, 1], found {e.burst_wait}", file=src,
+                          key="engine.burst_wait")
     if not 0 <= s.port <= 65535:
         raise ConfigError(f"must be a TCP port 0-65535, found {s.port}", file=src, key="serving.port")
     if c.coordinator_port is not None and not 0 <= c.coordinator_port <= 65535:

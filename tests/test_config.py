@@ -101,6 +101,17 @@ def test_max_decode_slowdown_is_zero_or_above_one(tmp_path: Path, value: str) ->
     assert load_config(_write(tmp_path, "engine: {max_decode_slowdown: 0}\n")).engine.max_decode_slowdown == 0
 
 
+@pytest.mark.parametrize("value", ["-0.1", "1.5"])
+def test_burst_wait_is_a_fraction_of_a_pass(tmp_path: Path, value: str) -> None:
+    path = _write(tmp_path, f"engine: {{burst_wait: {value}}}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(path)
+    msg = str(ei.value)
+    assert "engine.burst_wait" in msg and f"must be a fraction of a decode pass in [0, 1], found {value}" in msg
+    assert str(path) in msg
+    assert load_config(_write(tmp_path, "engine: {burst_wait: 0}\n")).engine.burst_wait == 0
+
+
 def test_buckets_must_cover_max_seq_len(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="largest prefill bucket 512 is smaller than model.max_seq_len 2048"):
         load_config(_write(tmp_path, "engine: {prefill_buckets: [128, 512]}\n"))

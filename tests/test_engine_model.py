@@ -203,7 +203,7 @@ def test_dp2_tp2_mesh_batches_staggered_requests_like_one_device(demo_checkpoint
     assert gathered, "a vocab-sharded step gathers its logits across tp"
     assert max(gathered) < table // 8, f"a decode step all-gathers {max(gathered)} elements (the table has {table})"
     assert mesh_engine.groups == 2 and mesh_engine.slots_per_group == 2
-    assert mesh_engine.programs_set.token_buckets == [1, 2, 16, 64]
+    assert mesh_engine.programs_set.token_buckets == [1, 2, 16, 32, 64]
     assert mesh_engine.slot_order == [0, 2, 1, 3]
     assert mesh_engine.pool[0].sharding.spec[1] == "dp"
     got = _greedy(mesh_engine, [prompt_ids[0], prompt_ids[1], prompt_ids[0]], stagger=[0, 3, 7])

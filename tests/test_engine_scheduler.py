@@ -736,7 +736,7 @@ def test_for_engine_picks_the_paged_form_for_a_paged_engine():
 
     eng = PagedTokenEngine()
     sched = Scheduler.for_engine(eng, Config())
-    assert sched.paging == Paging(4, 32, 2, 16, True, max_decode_slowdown=2.0) and len(sched.pools) == 2
+    assert sched.paging == Paging(4, 32, 2, 16, True, max_decode_slowdown=2.0, burst_wait=0.25) and len(sched.pools) == 2
     assert sched.max_prompt_len == 63
 
     class SlotEngine:  # the slot engine's figures: no pages
@@ -810,7 +810,7 @@ def test_real_model_second_request_with_the_same_system_prompt_reuses_its_pages(
     engine, tok, cfg = real_paged
     serving = Scheduler.for_engine(engine, cfg)  # what the gang and `raydeploy generate` build
     assert serving.paging == Paging(16, engine.pages_per_group, 1, 128, True, mixed_step_tokens=32,
-                                    max_decode_slowdown=2.0)
+                                    max_decode_slowdown=2.0, burst_wait=0.25)
     system = (SYSTEM * 5)[:1600]  # about 430 tokens
     a_ids = _chat(tok, system, "How much is an electric bike for two days?")
     b_ids = _chat(tok, system, "Can my 10 year old son ride alone?")
@@ -864,3 +864,80 @@ def test_real_model_exhausted_pool_queues_requests_that_complete_later_unchanged
         assert out.finish_reason == "length" and out.token_ids == alone_out[r.request_id]
     st = tight.stats()
     assert st["pages_used"] == 0 and st["pages_reserved"] == 0 and st["tokens_generated"] == 3 * 24
+
+
+def _burst_scheduler(eng: PagedTokenEngine, burst_wait: float) -> Scheduler:
+    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True, burst_wait=burst_wait)
+    return Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 16, [], clock=Clock(), slot_order=eng.slot_order,
+                     paging=paging)
+
+
+def test_a_burst_reaching_an_idle_engine_over_some_milliseconds_starts_in_one_step():
+    """The loop thread is idle when the first request arrives; the other three come 50 ms later. With a burst
+    wait they share the first step (the wait ends early once every slot has a request); each request's tokens
+    are still its own."""
+    import time
+
+    eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
+    sched = _burst_scheduler(eng, 0.25)
+    sched.decode_pass_s = 8.0  # as measured from earlier decode plans: a 2 s window
+    runner = LocalRunner(eng, sched, idle_wait_s=0.05).start()
+    try:
+        time.sleep(0.2)  # the loop waits for work
+        reqs = [req(f"r{i}", prompt=prompt_of(5 + i, i), max_tokens=3) for i in range(4)]
+        streams = [runner.submit(reqs[0])]
+        time.sleep(0.05)
+        streams += [runner.submit(r) for r in reqs[1:]]
+        outs = [s.result(10) for s in streams]
+    finally:
+        runner.stop()
+    assert sorted(q.slot for q in eng.plans[0].seqs) == [0, 1, 2, 3], [q.slot for q in eng.plans[0].seqs]
+    for r, out in zip(reqs, outs, strict=True):
+        assert out.token_ids == alone(r.prompt_token_ids, 3)
+
+
+class _RecordingCondition:
+    """The scheduler's condition variable with every wait's timeout recorded (and not slept)."""
+
+    def __init__(self, cond) -> None:
+        self.cond, self.timeouts = cond, []
+
+    def wait(self, timeout=None) -> bool:
+        self.timeouts.append(timeout)
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.cond, name)
+
+
+@pytest.mark.parametrize(("burst_wait", "pass_s", "waits"), [(0.25, 0.4, True), (0.25, None, False),
+                                                            (0.0, 0.4, False)])
+def test_burst_wait_is_a_fraction_of_a_measured_pass_and_only_when_idle(burst_wait, pass_s, waits):
+    eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
+    sched = _burst_scheduler(eng, burst_wait)
+    sched.decode_pass_s = pass_s
+    sched._work = rec = _RecordingCondition(sched._work)
+    sched.submit(req("a", prompt=prompt_of(5, 1), max_tokens=20), lambda ev: None)
+    assert sched.wait_for_work(1.0)
+    if waits:  # one wait of about a quarter pass (0.1 s), then the deadline has passed (waits are not slept here)
+        assert rec.timeouts and 0.05 < rec.timeouts[0] <= 0.1, rec.timeouts
+    else:
+        assert rec.timeouts == []
+    rec.timeouts.clear()
+    LocalRunner(eng, sched).step_once()  # a runs now: the engine is busy, so new arrivals never wait
+    sched.submit(req("b", prompt=prompt_of(5, 2), max_tokens=3), lambda ev: None)
+    assert sched.wait_for_work(1.0) and rec.timeouts == []
+
+
+@pytest.mark.parametrize(("slots", "chunk", "platform", "want"), [
+    (8, 256, "cpu", [1, 4, 8, 16, 32, 64, 128, 256]),  # every power of two above twice the slots
+    (4, 256, "cpu", [1, 4, 16, 32, 64, 128, 256]),     # from 16 at least
+    (8, 256, "tpu", [1, 4, 8, 64, 256]),               # the chunk and a quarter chunk
+    (8, 256, "gpu", [1, 4, 8, 64, 256]),
+    (2, 32, "cpu", [1, 2, 8, 16, 32]),                 # a quarter chunk off the ladder is kept
+    (4, 16, "tpu", [1, 4, 16]),                        # a quarter chunk within the slots is not
+])
+def test_token_buckets_are_finer_for_prompts_on_cpu(slots, chunk, platform, want):
+    from raydeploy.engine.programs import default_decode_rows, default_token_buckets
+
+    assert default_token_buckets(default_decode_rows(slots), slots, chunk, platform) == want

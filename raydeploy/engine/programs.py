@@ -9,8 +9,9 @@ engine's programs:
   signature) on the whole pool with the rows' page ids offset to that layer, inside `jax.shard_map`
   (sequences and pages over dp, heads over tp). Nothing of the cache is sliced or copied per layer (XLA
   updates the donated, carried pool in place). Logits only at each
-  sequence's last token of the step; sampling fused. T is a token bucket (powers of four up to the slots of a
-  group for decode steps, and `engine.prefill_chunk` for steps with prompt chunks), P the page table's width:
+  sequence's last token of the step; sampling fused. T is a token bucket (`default_token_buckets`: powers
+  of four up to the slots of a group for decode steps; for steps with prompt chunks `engine.prefill_chunk`, a
+  quarter of it, and on CPU every power of two between), P the page table's width:
   max_seq_len's pages, or page buckets (from 256 tokens up by 8x) for a backend whose work follows the
   table's width rather than the live tokens (`attention.work_follows_table`: the GPU one).
 - `presence_row`: sets one slot's repetition-penalty token set from the host (a request that starts on reused
@@ -72,6 +73,34 @@ def default_decode_rows(slots_per_group: int, min_rows: int = 1) -> list[int]:
         out.append(r)
         r *= 4
     return out + [slots_per_group]
+
+
+FINE_PROMPT_BUCKETS = ("cpu",)
+"""Platforms whose prompt steps get a bucket at every power of two between the group's slots and the chunk.
+On CPU a step's cost grows with its tokens (the demo model: a 64-token step costs ~3 decode passes, a 256-token
+one ~8), so padding 140 tokens to 256 nearly doubles the step. On TPU and GPU a step of a few hundred tokens
+costs about one weight read whatever its tokens, and fewer programs compile faster: there the prompt steps are
+the chunk and a quarter chunk."""
+MIN_FINE_PROMPT_BUCKET = 16
+"""The smallest of those buckets: a step of fewer tokens costs about a decode pass on CPU too."""
+
+
+def default_token_buckets(decode_rows: Sequence[int], slots_per_group: int, max_step_tokens: int,
+                          platform: str) -> list[int]:
+    """Token places per dp group of the step programs: the decode row buckets, the chunk (`max_step_tokens`),
+    the quarter chunk (the engine's `mixed_step_tokens`, the step beside running streams) and, on a platform
+    in `FINE_PROMPT_BUCKETS`, every power of two from twice the group's slots (at least
+    `MIN_FINE_PROMPT_BUCKET`) up to the chunk."""
+    out = set(decode_rows) | {max_step_tokens}
+    quarter = max_step_tokens // 4
+    if quarter > slots_per_group:
+        out.add(quarter)
+    if platform in FINE_PROMPT_BUCKETS:
+        t = max(MIN_FINE_PROMPT_BUCKET, 1 << (2 * slots_per_group - 1).bit_length())
+        while t < max_step_tokens:
+            out.add(t)
+            t *= 2
+    return sorted(out)
 
 
 def pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
@@ -189,11 +218,7 @@ class ProgramSet:
             mesh, partition_spec(("cache_batch", "act_vocab"), self.rules, mesh_shape, "presence"))
         slow_single_row = self.param_dtype == jnp.bfloat16 and platform == "cpu"
         decode = default_decode_rows(self.slots_per_group, 2 if slow_single_row else 1)
-        # decode rows in powers of four, the chunk, and a quarter chunk: a short prompt (or a step whose prompt
-        # tokens the scheduler caps) is not padded to a whole chunk
-        quarter = self.max_step_tokens // 4
-        self.token_buckets = sorted(set(decode) | {self.max_step_tokens}
-                                    | ({quarter} if quarter > self.slots_per_group else set()))
+        self.token_buckets = default_token_buckets(decode, self.slots_per_group, self.max_step_tokens, platform)
         from raydeploy.engine.attention import work_follows_table
 
         self.page_buckets = (default_page_buckets(self.max_pages_per_seq, self.page_size)

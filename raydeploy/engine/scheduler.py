@@ -86,6 +86,9 @@ class Paging:
     """While streams decode: hold a prompt's next chunk back for as many decode passes as keep their mean time
     per token within this factor of a decode pass, from measured step times (`engine.max_decode_slowdown`);
     0 = a chunk every step."""
+    burst_wait: float = 0.0
+    """A request that finds the engine idle waits this fraction of a measured decode pass for others arriving
+    with it (`engine.burst_wait`); 0 = its step starts at once."""
 
 
 @dataclass
@@ -193,7 +196,7 @@ class Scheduler:
             prefix = cfg.engine.prefix_caching and not getattr(engine, "window_rings", False)
             paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
                             prefix, getattr(engine, "mixed_step_tokens", None),
-                            cfg.engine.max_decode_slowdown)
+                            cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
         return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
                    cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order,
                    decode_steps=cfg.engine.decode_steps, paging=paging)
@@ -311,12 +314,27 @@ class Scheduler:
         self._emit(events)
 
     def wait_for_work(self, timeout_s: float) -> bool:
-        """Block until there may be a plan to run (or timeout); True if there is work."""
+        """Block until there may be a plan to run (or timeout); True if there is work. Requests that find the
+        engine idle are held for the burst wait (`Paging.burst_wait`) before this returns."""
         with self._lock:
-            if self._queue or self.slots_in_use or self._release:
-                return True
-            self._work.wait(timeout_s)
+            if not (self._queue or self.slots_in_use or self._release):
+                self._work.wait(timeout_s)
+            if self._queue and not (self.slots_in_use or self._release):
+                self._gather_burst()
             return bool(self._queue or self.slots_in_use or self._release)
+
+    def _gather_burst(self) -> None:
+        """Under the lock, with requests queued at an idle engine: wait until `burst_wait` decode passes after the
+        first of them arrived (bounded by that; nothing to wait for before a pass was measured), or until the
+        queue holds a request for every slot, so a burst that reaches rank 0 over some milliseconds starts in
+        one step."""
+        frac = 0.0 if self.paging is None else self.paging.burst_wait
+        if not frac or not self.decode_pass_s:
+            return
+        left = self._queue[0].submitted_s + frac * self.decode_pass_s - self.clock()
+        deadline = time.monotonic() + min(left, frac * self.decode_pass_s)  # real time, whatever the clock
+        while len(self._queue) < self.max_slots and (left := deadline - time.monotonic()) > 0:
+            self._work.wait(left)
 
     # -- the step loop
     def next_plan(self) -> StepPlan | None:
