@@ -8,7 +8,7 @@ after a row's end are not counted). raydeploy's gang is brought up and compiled 
 served model); its bring-up time is reported separately. transformers runs float32 on the same CPU
 threads the gang uses.
 
-    .venv/bin/python benchmarks/predict_throughput.py [--prompts 32] [--batch 8] [--max-tokens 64]
+    .venv/bin/python benchmarks/predict_throughput.py [--prompts 32] [--batch 8] [--max-tokens 64] [--set KEY=VALUE]
 
 Prints one JSON object with both sides' prompts/s and tokens/s, the ratio, whether the greedy outputs
 are identical, and the machine's load average during the run (writes it to benchmarks/results/).
@@ -41,7 +41,8 @@ def make_prompts(n: int) -> list[list[dict[str, str]]]:
                                          f"(note {i})."}] for i in range(n)]
 
 
-def run_raydeploy(prompts: list[list[dict[str, str]]], batch: int, max_tokens: int, config: str) -> dict:
+def run_raydeploy(prompts: list[list[dict[str, str]]], batch: int, max_tokens: int, config: str,
+                  overrides: list[str]) -> dict:
     import ray
 
     from raydeploy.config import load_config
@@ -50,7 +51,7 @@ def run_raydeploy(prompts: list[list[dict[str, str]]], batch: int, max_tokens: i
     from raydeploy.serve.text import TextCodec
 
     cfg = load_config(config, [f"engine.max_slots={batch}", "engine.warmup=true",
-                               f"engine.max_new_tokens={max(max_tokens, 16)}"])
+                               f"engine.max_new_tokens={max(max_tokens, 16)}", *overrides])
     path = resolve_checkpoint_path(cfg)
     codec = TextCodec.from_dir(path)
     examples = [Example(i + 1, i + 1, tuple(codec.encode_chat(codec.chat_prompt(m))), max_tokens)
@@ -75,7 +76,7 @@ def run_raydeploy(prompts: list[list[dict[str, str]]], batch: int, max_tokens: i
             gang.shutdown(cfg.cluster.rpc_timeout_s)
         ray.shutdown()
     tokens = sum(len(r.token_ids) for r in results)
-    return {"engine": "raydeploy", "config": config, "mesh": cfg.mesh_shape, "batch": batch,
+    return {"engine": "raydeploy", "config": config, "overrides": overrides, "hosts": cfg.cluster.num_hosts, "mesh": cfg.mesh_shape, "batch": batch,
             "prompts": len(results), "tokens": tokens, "seconds": round(elapsed_s, 2),
             "prompts_per_s": round(len(results) / elapsed_s, 3), "tokens_per_s": round(tokens / elapsed_s, 1),
             "bringup_s": round(bringup_s, 1), "token_ids": [r.token_ids for r in results]}
@@ -123,13 +124,15 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--config", default=str(REPO / "configs" / "predict-small.yaml"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="config override KEY=VALUE, e.g. --set cluster.num_hosts=1 --set 'mesh.axes={dp: 1}'")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads (default: all cores)")
     ap.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "predict_throughput.json"),
                     help="also write the JSON here (default benchmarks/results/predict_throughput.json)")
     a = ap.parse_args()
     prompts = make_prompts(a.prompts)
     load_1m = [round(os.getloadavg()[0], 1)]  # other work on the machine skews both sides; record it
-    ours = run_raydeploy(prompts, a.batch, a.max_tokens, a.config)
+    ours = run_raydeploy(prompts, a.batch, a.max_tokens, a.config, a.overrides)
     load_1m.append(round(os.getloadavg()[0], 1))
     peer = run_transformers(prompts, a.batch, a.max_tokens, a.threads)
     load_1m.append(round(os.getloadavg()[0], 1))
