@@ -76,7 +76,8 @@ def run_raydeploy(prompts: list[list[dict[str, str]]], batch: int, max_tokens: i
             gang.shutdown(cfg.cluster.rpc_timeout_s)
         ray.shutdown()
     tokens = sum(len(r.token_ids) for r in results)
-    return {"engine": "raydeploy", "config": config, "overrides": overrides, "hosts": cfg.cluster.num_hosts, "mesh": cfg.mesh_shape, "batch": batch,
+    return {"engine": "raydeploy", "config": config, "overrides": overrides, "hosts": cfg.cluster.num_hosts,
+            "mesh": cfg.mesh_shape, "batch": batch,
             "prompts": len(results), "tokens": tokens, "seconds": round(elapsed_s, 2),
             "prompts_per_s": round(len(results) / elapsed_s, 3), "tokens_per_s": round(tokens / elapsed_s, 1),
             "bringup_s": round(bringup_s, 1), "token_ids": [r.token_ids for r in results]}

@@ -383,25 +383,28 @@ def bench_hf(tok, batch: int, max_tokens: int, rounds: int) -> dict:
 
     torch.set_num_threads(2)
     model, _ = load_hf("float32")
+
     def left_padded(prompts: list[str]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
         ids = [_chat_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
         width = max(len(i) for i in ids)
         return (ids, torch.tensor([[2] * (width - len(i)) + i for i in ids]),
                 torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]))
 
-    def gen(prompts: list[str], n: int) -> float:
-        _, input_ids, mask = left_padded(prompts)
+    def gen(batch_in: tuple[list[list[int]], torch.Tensor, torch.Tensor], n: int) -> float:
+        _, input_ids, mask = batch_in
         t = time.perf_counter()
         with torch.no_grad():
             model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=2)
         return time.perf_counter() - t
 
-    gen(PROMPTS[:batch], 4)  # warm up
-    full = [gen(PROMPTS[:batch], max_tokens) for _ in range(rounds)]
+    streams = left_padded(PROMPTS[:batch])
+    gen(streams, 4)  # warm up
+    full = [gen(streams, max_tokens) for _ in range(rounds)]
     # the batched prefill of the prompts `measure_simultaneous` sends in its first round
-    ids = left_padded(simultaneous_prompts(batch, 0))[0]
-    prefill = [gen(simultaneous_prompts(batch, 0), 1) for _ in range(max(3, rounds))]
+    burst = left_padded(simultaneous_prompts(batch, 0))
+    prefill = [gen(burst, 1) for _ in range(max(3, rounds))]
+    ids = burst[0]
     out = {"backend": "transformers generate, float32, torch 2 threads, greedy", "batch": batch,
            "max_new_tokens": max_tokens, "prompt_tokens": [len(i) for i in ids],
            "batched_prefill_ms": round(1e3 * statistics.median(prefill), 1),

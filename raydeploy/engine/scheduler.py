@@ -229,7 +229,7 @@ class Scheduler:
 
     def idle(self) -> bool:
         with self._lock:
-            return not self._queue and self.slots_in_use == 0 and not self._release
+            return not (self._queue or self._busy())
 
     # -- requests
     def _reserve_for(self, prompt_len: int, max_tokens: int) -> int:
@@ -317,11 +317,15 @@ class Scheduler:
         """Block until there may be a plan to run (or timeout); True if there is work. Requests that find the
         engine idle are held for the burst wait (`Paging.burst_wait`) before this returns."""
         with self._lock:
-            if not (self._queue or self.slots_in_use or self._release):
+            if not (self._queue or self._busy()):
                 self._work.wait(timeout_s)
-            if self._queue and not (self.slots_in_use or self._release):
+            if self._queue and not self._busy():
                 self._gather_burst()
-            return bool(self._queue or self.slots_in_use or self._release)
+            return bool(self._queue or self._busy())
+
+    def _busy(self) -> bool:
+        """Under the lock: requests are running or slots wait to be released (a plan is due whatever the queue)."""
+        return bool(self.slots_in_use or self._release)
 
     def _gather_burst(self) -> None:
         """Under the lock, with requests queued at an idle engine: wait until `burst_wait` decode passes after the
@@ -331,8 +335,9 @@ class Scheduler:
         frac = 0.0 if self.paging is None else self.paging.burst_wait
         if not frac or not self.decode_pass_s:
             return
-        left = self._queue[0].submitted_s + frac * self.decode_pass_s - self.clock()
-        deadline = time.monotonic() + min(left, frac * self.decode_pass_s)  # real time, whatever the clock
+        wait = frac * self.decode_pass_s
+        since_first = self.clock() - self._queue[0].submitted_s
+        deadline = time.monotonic() + min(wait, wait - since_first)  # waited in real time, whatever the clock
         while len(self._queue) < self.max_slots and (left := deadline - time.monotonic()) > 0:
             self._work.wait(left)
 
