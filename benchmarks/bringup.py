@@ -118,7 +118,7 @@ cfg = load_config("configs/local.yaml", ["engine.compilation_cache_dir={cache}"]
 mesh = build_mesh({{"dp": 1}}, jax.devices()[:1])
 rules = merge_rules(cfg.mesh.rules)
 reader = CheckpointReader(resolve_checkpoint(cfg.model.checkpoint))
-params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, cfg.model.param_dtype, 2, progress=False)
+params, _ = reader.load(reader.param_specs(), mesh, rules, cfg.model.param_dtype, 2, progress=False)
 engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, cfg.model, cfg.engine)
 engine.warmup()
 print(time.perf_counter() - t0, engine.program_counts())

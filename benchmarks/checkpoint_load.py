@@ -42,9 +42,7 @@ def main() -> int:
     from raydeploy.checkpoint.demo import DEMO_PREFIX, ensure_demo_checkpoint, resolve_checkpoint
     from raydeploy.checkpoint.layout import column_splits
     from raydeploy.checkpoint.reader import CheckpointReader
-    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     mesh_shape = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
     # attention heads of the demo model (9/3) do not split over 2 or 4: replicate them, shard MLP and vocab
@@ -54,7 +52,7 @@ def main() -> int:
     else:
         path = resolve_checkpoint(args.checkpoint)
     reader = CheckpointReader(path)
-    specs = param_specs(from_hf_config(reader.hf_config)[1])
+    specs = reader.param_specs()
     n_dev = 1
     for v in mesh_shape.values():
         n_dev *= v

@@ -117,7 +117,6 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     from raydeploy.engine.scheduler import Paging, Scheduler
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     path = resolve_checkpoint("demo:smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -125,7 +124,7 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     rules = merge_rules({})
     reader = CheckpointReader(path)
     t0 = time.perf_counter()
-    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, dtype, 4, progress=False)
+    params, _ = reader.load(reader.param_specs(), mesh, rules, dtype, 4, progress=False)
     model_cfg = ModelConfig(dtype="float32", param_dtype=dtype, max_seq_len=512)  # float32 activations
     engine_cfg = EngineConfig(max_slots=8, prefill_buckets=[64, 512], max_new_tokens=256)
     engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, model_cfg, engine_cfg)

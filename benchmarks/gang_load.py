@@ -154,15 +154,13 @@ def peer(mesh: str, checkpoint: str | None) -> dict:
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import load_config
     from raydeploy.gang.gang import resolve_checkpoint_path
-    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     cfg = load_config(None, overrides(mesh))
     m = build_mesh(cfg.mesh_shape, jax.local_devices()[:cfg.total_devices])
     reader = CheckpointReader(checkpoint or resolve_checkpoint_path(cfg))
     t0 = time.perf_counter()
-    _, stats = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), m, merge_rules(cfg.mesh.rules), cfg.model.param_dtype,
+    _, stats = reader.load(reader.param_specs(), m, merge_rules(cfg.mesh.rules), cfg.model.param_dtype,
                            cfg.model.load_threads, progress=False)
     return {"seconds": time.perf_counter() - t0, "bytes_read": stats.bytes_read, "gbps": stats.gbps}
 

@@ -69,13 +69,12 @@ def peer(args: argparse.Namespace) -> dict:
     from raydeploy.gang.gang import resolve_checkpoint_path
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     cfg = load_config(None, overrides(args))
     mesh = build_mesh(cfg.mesh_shape, jax.local_devices()[:mesh_devices(args)])
     rules = merge_rules(cfg.mesh.rules)
     reader = CheckpointReader(resolve_checkpoint_path(cfg))
-    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, cfg.model.param_dtype, 8,
+    params, _ = reader.load(reader.param_specs(), mesh, rules, cfg.model.param_dtype, 8,
                             progress=False)
     engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, cfg.model, cfg.engine)
     engine.warmup()

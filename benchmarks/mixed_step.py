@@ -108,14 +108,13 @@ def main() -> int:
     from raydeploy.engine.engine import Engine
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     budgets = [int(b) for b in args.budgets.split(",")]
     path = resolve_checkpoint("demo:smollm2-135m-instruct")
     mesh = build_mesh({"dp": 1}, jax.devices()[:1])
     rules = merge_rules({})
     reader = CheckpointReader(path)
-    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, "float32", 4, progress=False)
+    params, _ = reader.load(reader.param_specs(), mesh, rules, "float32", 4, progress=False)
     engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, ModelConfig(max_seq_len=2048),
                     EngineConfig(max_slots=8, max_new_tokens=1536))
     ps = engine.programs_set

@@ -24,12 +24,10 @@ def main() -> int:
 
     jax.distributed.initialize(addr, nproc, pid, initialization_timeout=60, coordinator_bind_address=addr)
     from raydeploy.checkpoint.reader import CheckpointReader
-    from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     r = CheckpointReader(ckpt)
-    specs = param_specs(from_hf_config(r.hf_config)[1])
+    specs = r.param_specs()
     if mode == "fsdp_tp":
         rules = merge_rules({"q_heads": None, "kv_heads": None})
         mesh = build_mesh({"fsdp": 2, "tp": 2})
@@ -50,7 +48,6 @@ def main() -> int:
     if mode == "fsdp_tp":  # the union of the local devices' slices, element by element (blocks of 1 element)
         from jax.sharding import NamedSharding
 
-        from raydeploy.model.registry import from_hf_config
         from raydeploy.model.sharding import partition_spec
 
         for name, spec in specs.items():

@@ -23,7 +23,7 @@ from raydeploy.checkpoint.format import INDEX_FILE, PAD_KEY, CheckpointError
 from raydeploy.checkpoint.reader import CheckpointReader, LoadStats, merge_intervals
 from raydeploy.checkpoint.writer import CheckpointWriter, parse_size
 from raydeploy.model.sharding import build_mesh, merge_rules
-from raydeploy.model.spec import LlamaConfig, param_specs
+from raydeploy.model.spec import LlamaConfig, param_specs, stacked_param_specs
 
 TINY_HF = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
@@ -34,6 +34,13 @@ def tiny_params(seed: int = 0, dtype: str = "float32") -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     cfg = LlamaConfig.from_hf_dict(TINY_HF)
     return {n: rng.standard_normal(s.shape).astype(dtype) for n, s in param_specs(cfg).items()}
+
+
+def stacked(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-layer tensors -> `layers.x` [L, ...], as the converters store them (independently of the writer)."""
+    cfg = LlamaConfig.from_hf_dict(TINY_HF)
+    return {n: np.stack([params[f"layers.{i}.{n[len('layers.'):]}"] for i in range(cfg.num_layers)])
+            if n.startswith("layers.") else params[n] for n in stacked_param_specs(cfg)}
 
 
 def write_tiny(dst: Path, params: dict[str, np.ndarray] | None = None, **writer_kw) -> Path:
@@ -287,15 +294,16 @@ def test_demo_one_device_equals_2x2_mesh(demo_checkpoint):
     import jax
 
     r = CheckpointReader(demo_checkpoint)
-    specs = param_specs(LlamaConfig.from_hf_dict(r.hf_config))
+    specs = r.param_specs()
     rules = merge_rules({"q_heads": None, "kv_heads": None, "cache_kv_heads": None})
     one, s1 = r.load(specs, build_mesh({"tp": 1}, devices=jax.devices()[:1]), rules, progress=False)
     four, s4 = r.load(specs, build_mesh({"dp": 2, "tp": 2}), rules, progress=False, use_mmap=False)
     assert s1.bytes_read == s4.bytes_read == r.index.total_bytes
-    for n in ("embed.embedding", "layers.0.attn.q_proj.kernel", "layers.29.mlp.gate_proj.kernel",
-              "layers.7.mlp.down_proj.kernel", "final_norm.scale"):
+    for n in ("embed.embedding", "layers.attn.q_proj.kernel", "layers.mlp.gate_proj.kernel",
+              "layers.mlp.down_proj.kernel", "final_norm.scale"):
         np.testing.assert_array_equal(np.asarray(one[n]), np.asarray(four[n]))
-    assert four["layers.3.mlp.gate_proj.kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    assert four["layers.mlp.gate_proj.kernel"].shape == (30, 576, 1536)
+    assert four["layers.mlp.gate_proj.kernel"].sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
     assert len(one) == len(four) == len(specs)
 
 
@@ -483,7 +491,7 @@ def test_demo_cache_converts_once_under_lock(tmp_path, monkeypatch):
         calls.append(dst)
         started.set()
         threading.Event().wait(0.3)  # hold the lock while the others arrive
-        write_tiny(Path(dst))
+        write_tiny(Path(dst), stacked(tiny_params()))
 
     monkeypatch.setattr(cg, "convert_gguf", fake_convert)
     results, errors = [], []
@@ -608,7 +616,7 @@ def write_split(dst: Path, params: dict[str, np.ndarray] | None = None, plan: di
     plan = split_plan_for(FSDP_TP, HEADS_REPLICATED) if plan is None else plan
     with CheckpointWriter(dst, **writer_kw) as w:
         for n, a in params.items():
-            w.add(n, a, split=plan.get(n))
+            w.add(n, a, splits=plan.get(n))
         w.close(config=TINY_HF)
     return dst
 
@@ -621,16 +629,16 @@ def split_ckpt(tmp_path_factory) -> Path:
 def test_split_plan_cuts_the_column_dims_the_mesh_shards():
     plan = split_plan_for(FSDP_TP, HEADS_REPLICATED)
     # embed -> fsdp, mlp and vocab -> tp; heads replicated: q/k/v are cut along dim 0 only (rows: no split)
-    assert plan["embed.embedding"] == (1, 2) and plan["lm_head.kernel"] == (1, 2)
-    assert plan["layers.0.attn.o_proj.kernel"] == (2, 2)
-    assert plan["layers.1.mlp.gate_proj.kernel"] == plan["layers.1.mlp.down_proj.kernel"] == (1, 2)
+    assert plan["embed.embedding"] == ((1, 2),) and plan["lm_head.kernel"] == ((1, 2),)
+    assert plan["layers.0.attn.o_proj.kernel"] == ((2, 2),)
+    assert plan["layers.1.mlp.gate_proj.kernel"] == plan["layers.1.mlp.down_proj.kernel"] == ((1, 2),)
     assert "layers.0.attn.q_proj.kernel" not in plan and "final_norm.scale" not in plan
     # heads over tp=2 too: q is then cut along its heads dim; k/v (2 KV heads) as well
-    assert split_plan_for(FSDP_TP, {})["layers.0.attn.q_proj.kernel"] == (1, 2)
+    assert split_plan_for(FSDP_TP, {})["layers.0.attn.q_proj.kernel"] == ((1, 2),)
     # tp=4 over mlp and vocab only: gate/up and the head are cut into 4 column parts; down_proj's mlp is its
     # first dim (rows: no split); dp only: nothing to split
     tp4 = split_plan_for({"tp": 4}, {"embed": None, "q_heads": None, "kv_heads": None})
-    assert tp4["layers.0.mlp.up_proj.kernel"] == tp4["lm_head.kernel"] == (1, 4)
+    assert tp4["layers.0.mlp.up_proj.kernel"] == tp4["lm_head.kernel"] == ((1, 4),)
     assert "layers.0.mlp.down_proj.kernel" not in tp4 and "embed.embedding" not in tp4
     assert split_plan_for({"dp": 2}, {}) == {}
 
@@ -642,13 +650,13 @@ def test_split_round_trip_index_and_flax_view(split_ckpt):
     r = CheckpointReader(split_ckpt)
     assert r.index.version == 3 and json.loads((split_ckpt / INDEX_FILE).read_text())["version"] == 3
     e = r.index.tensors["layers.0.attn.o_proj.kernel"]
-    assert e.split == (2, 2) and e.shape == (4, 4, 16) and e.row_shape == (4, 8) and e.stored_rows == 8
+    assert e.splits == ((2, 2),) and e.shape == (4, 4, 16) and e.row_shape == (4, 8) and e.stored_rows == 8
     assert json.loads((split_ckpt / INDEX_FILE).read_text())["tensors"][e.name]["split"] == [2, 2]
     for n, a in params.items():
         np.testing.assert_array_equal(r.read_tensor(n), a, err_msg=n)
         e = r.index.tensors[n]
         stored = msgpack_restore((split_ckpt / e.file).read_bytes())[n]  # flax sees the stacked pieces
-        want = np.stack(np.split(a, e.split[1], axis=e.split[0])) if e.split else a
+        want = np.stack(np.split(a, e.splits[0][1], axis=e.splits[0][0])) if e.splits else a
         np.testing.assert_array_equal(stored, want, err_msg=n)
 
 
@@ -696,6 +704,162 @@ def test_split_checkpoint_on_its_mesh_is_copied_nowhere(split_ckpt, tiny_ckpt):
     assert not plain["layers.0.mlp.gate_proj.kernel"] and not plain["embed.embedding"]
 
 
+# ---------------------------------------------- stacked layer tensors, split along two dims (version 4)
+
+def tiny_stacked_specs():
+    return stacked_param_specs(LlamaConfig.from_hf_dict(TINY_HF))
+
+
+def write_stacked(dst: Path, seed: int = 0, **writer_kw) -> Path:
+    """The tiny model stacked over its layers, split for fsdp=2 x tp=2 (heads replicated), every stacked
+    tensor written one layer at a time through reserve / put, as the converters do."""
+    from raydeploy.checkpoint.layout import SplitPlan, column_splits
+
+    cfg = LlamaConfig.from_hf_dict(TINY_HF)
+    plan = SplitPlan.build(cfg, column_splits(FSDP_TP, merge_rules(HEADS_REPLICATED)), stacked_param_specs(cfg))
+    params = tiny_params(seed)
+    with CheckpointWriter(dst, **writer_kw) as w:
+        for n, spec in stacked_param_specs(cfg).items():
+            if not n.startswith("layers."):
+                w.add(n, params[n], splits=plan.splits.get(n))
+                continue
+            w.reserve(n, spec.shape, "float32", plan.splits.get(n))
+            for i in reversed(range(cfg.num_layers)):  # in any order
+                w.put(n, i, params[f"layers.{i}.{n[len('layers.'):]}"])
+        w.close(config=TINY_HF)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def stacked_ckpt(tmp_path_factory) -> Path:
+    return write_stacked(tmp_path_factory.mktemp("stacked") / "tiny", shard_size_bytes=4096, block_bytes=256)
+
+
+def test_stacked_split_round_trip_index_and_flax_view(stacked_ckpt, tmp_path):
+    """reserve / put store exactly what `add` of the whole stacked tensor stores (bytes, checksums, index);
+    the MLP kernels are split along embed and mlp (format version 4), read back whole and per layer."""
+    from flax.serialization import msgpack_restore
+
+    from raydeploy.checkpoint.format import join_pieces, split_pieces
+
+    params, want = tiny_params(), stacked(tiny_params())
+    r = CheckpointReader(stacked_ckpt)
+    assert r.index.version == 4 and set(r.index.tensors) == set(tiny_stacked_specs())
+    e = r.index.tensors["layers.mlp.gate_proj.kernel"]
+    assert e.splits == ((1, 2), (2, 2)) and e.shape == (2, 16, 32) and e.row_shape == (8, 16) and e.parts == 4
+    assert json.loads((stacked_ckpt / INDEX_FILE).read_text())["tensors"][e.name]["split"] == [[1, 2], [2, 2]]
+    for n, a in want.items():
+        np.testing.assert_array_equal(r.read_tensor(n), a, err_msg=n)
+        e = r.index.tensors[n]
+        stored = msgpack_restore((stacked_ckpt / e.file).read_bytes())[n]
+        np.testing.assert_array_equal(stored, split_pieces(a, e.splits) if e.splits else a, err_msg=n)
+        if e.splits:
+            np.testing.assert_array_equal(join_pieces(stored, e.splits), a, err_msg=n)
+    for n, a in params.items():  # per-layer names read as rows of the stacked tensors
+        np.testing.assert_array_equal(r.read_tensor(n), a, err_msg=n)
+    with CheckpointWriter(tmp_path / "whole", shard_size_bytes=4096, block_bytes=256) as w:
+        for n, a in want.items():
+            w.add(n, a, splits=r.index.tensors[n].splits)
+        w.close(config=TINY_HF)
+    whole = CheckpointReader(tmp_path / "whole").index
+    for n, e in r.index.tensors.items():
+        assert (whole.tensors[n].crc32, whole.tensors[n].length) == (e.crc32, e.length), n
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+@pytest.mark.parametrize("mesh_shape,overrides", [
+    (FSDP_TP, HEADS_REPLICATED), ({"dp": 2, "tp": 2}, HEADS_REPLICATED), ({"tp": 1}, {}),
+    ({"tp": 4}, {"embed": None, "q_heads": None, "kv_heads": None}), ({"fsdp": 4}, {}), ({"fsdp": 2, "tp": 2}, {})])
+def test_stacked_checkpoint_loads_on_any_mesh(stacked_ckpt, use_mmap, mesh_shape, overrides):
+    """Stacked and split along two dims for fsdp=2 x tp=2, read on meshes that cut the pieces differently:
+    every device shard equals the stacked tensor's slice."""
+    want = stacked(tiny_params())
+    r = CheckpointReader(stacked_ckpt)
+    devices = _devices()[:math.prod(mesh_shape.values())]
+    loaded, stats = r.load(r.param_specs(), build_mesh(mesh_shape, devices=devices), merge_rules(overrides),
+                           threads=2, progress=False, use_mmap=use_mmap)
+    assert stats.bytes_read == r.index.total_bytes and stats.tensors == len(want)
+    for n, a in want.items():
+        for shard in loaded[n].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), a[shard.index], err_msg=n)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_stacked_checkpoint_on_its_mesh_is_copied_nowhere(stacked_ckpt):
+    """On the mesh it was split for, every device shard of every stacked tensor (the MLP kernels cut on two
+    dims) is a view of the mapped shard file."""
+    r = CheckpointReader(stacked_ckpt)
+    loaded, _ = r.load(r.param_specs(), build_mesh(FSDP_TP), merge_rules(HEADS_REPLICATED), progress=False)
+    maps = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 6 and fields[5].startswith(str(stacked_ckpt)):
+            maps.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    copied = [n for n, arr in loaded.items()
+              if not all(any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in maps)
+                         for s in arr.addressable_shards)]
+    assert maps and copied == []
+
+
+def test_reserve_put_errors_name_the_tensor_and_leave_no_checkpoint(tmp_path):
+    name = "layers.mlp.up_proj.kernel"
+    w = CheckpointWriter(tmp_path / "w")
+    w.reserve(name, (2, 16, 32), "float32", [(1, 2)])
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: row 0: float64 \[16, 32\] does not "
+                                              r"match the reserved float32 \[16, 32\]"):
+        w.put(name, 0, np.zeros((16, 32)))
+    with pytest.raises(CheckpointError, match=r"row 0: float32 \[32, 16\] does not match"):
+        w.put(name, 0, np.zeros((32, 16), np.float32))
+    w.put(name, 1, np.ones((16, 32), np.float32))
+    for i in (1, 2, -1):
+        with pytest.raises(CheckpointError, match=rf"row {i} is out of range \[0, 2\) or written twice"):
+            w.put(name, i, np.ones((16, 32), np.float32))
+    with pytest.raises(CheckpointError, match=r"tensor layers\.x: put into a tensor that was not reserved"):
+        w.put("layers.x", 0, np.ones((16, 32), np.float32))
+    with pytest.raises(CheckpointError, match=rf"tensor written twice: {re.escape(name)}"):
+        w.add(name, np.ones((2, 16, 32), np.float32))
+    with pytest.raises(CheckpointError, match=r"split into 3 parts must be >= 2 parts that divide dimension 2"):
+        w.reserve("layers.y", (2, 16, 32), "float32", [(2, 3)])
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: reserved tensor is incomplete: rows "
+                                              r"\[0\] of 2 were never put"):
+        w.close(config=TINY_HF)
+    assert not (tmp_path / "w" / INDEX_FILE).exists()
+
+
+def test_reserved_tensor_over_the_chunk_limit_spans_segments(tmp_path):
+    """A reserved tensor bigger than the msgpack chunk limit is stored in flax's chunked form; its puts land
+    across the segments, and it reads back (and flax restores it) whole."""
+    from flax.serialization import msgpack_restore
+
+    a = np.random.default_rng(5).standard_normal((3, 8, 20)).astype(np.float32)
+    with CheckpointWriter(tmp_path / "c", max_chunk_bytes=700, block_bytes=100) as w:
+        w.reserve("layers.k", a.shape, "float32", [(2, 2)])
+        for i in (2, 0, 1):
+            w.put("layers.k", i, a[i])
+        w.close(config=TINY_HF)
+    r = CheckpointReader(tmp_path / "c")
+    e = r.index.tensors["layers.k"]
+    assert len(e.segments) > 1 and e.splits == ((2, 2),)
+    np.testing.assert_array_equal(r.read_tensor("layers.k"), a)
+    from raydeploy.checkpoint.format import split_pieces
+
+    stored = msgpack_restore((tmp_path / "c" / e.file).read_bytes())["layers.k"]
+    np.testing.assert_array_equal(stored, split_pieces(a, e.splits))
+
+
+def test_multi_dim_split_needs_version_4(tmp_path, stacked_ckpt):
+    name = "layers.mlp.gate_proj.kernel"
+    d = _copy(stacked_ckpt, tmp_path / "v3")
+    _edit_index(d, lambda idx: idx.update(version=3))
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: 'split' along several dimensions needs "
+                                              r"format version 4 \(the index says 3\)"):
+        CheckpointReader(d)
+    d = _copy(stacked_ckpt, tmp_path / "order")
+    _edit_index(d, lambda idx: idx["tensors"][name].update(split=[[2, 2], [1, 2]]))
+    with pytest.raises(CheckpointError, match=r"split dims \[2, 1\] must be distinct and increasing"):
+        CheckpointReader(d)
+
+
 def _host_bytes(r: CheckpointReader, specs, mesh, rules, devices) -> int:
     """Bytes of the union of the devices' slices, counted element by element from jax's own index map."""
     from jax.sharding import NamedSharding
@@ -735,7 +899,7 @@ def test_split_partial_reads_on_fsdp_tp_read_only_the_host_bytes(tmp_path):
 def test_split_checksum_mismatch_names_file_and_tensor(tmp_path, split_ckpt):
     d = _copy(split_ckpt, tmp_path / "crc")
     e = CheckpointReader(d).index.tensors["layers.1.mlp.down_proj.kernel"]
-    assert e.split
+    assert e.splits
     data = bytearray((d / e.file).read_bytes())
     data[e.offset + e.length - 1] ^= 0xFF  # the last stored row of the second piece
     (d / e.file).write_bytes(bytes(data))
@@ -778,7 +942,7 @@ def test_split_index_errors_name_the_tensor(tmp_path, split_ckpt, tiny_ckpt):
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: 'split' needs format version 2"):
         CheckpointReader(d)
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)}: split into 3 parts"):
-        CheckpointWriter(tmp_path / "w").add(name, tiny_params()[name], split=(1, 3))
+        CheckpointWriter(tmp_path / "w").add(name, tiny_params()[name], splits=[(1, 3)])
 
 
 def test_version_1_checkpoint_still_reads(tmp_path):
@@ -851,31 +1015,34 @@ def test_checksum_algorithm_errors(tmp_path, tiny_ckpt):
         CheckpointWriter(tmp_path / "w", checksum="sha1")
 
 
-def test_demo_cache_split_for_config_and_stale_version_1(tmp_path, monkeypatch):
-    """A cached version-1 demo conversion is used as it is; a config whose mesh cuts column dims gets its
-    own conversion, split for that mesh."""
+def test_demo_cache_split_for_config_and_per_layer_cache_replaced(tmp_path, monkeypatch):
+    """A cached demo conversion from before stacking (one tensor per layer, here a version-1 index) is
+    converted again once, in its place; a config whose mesh cuts column dims gets its own conversion, split
+    for that mesh (the stacked MLP kernels along both of their cut dims)."""
     import raydeploy.checkpoint.convert_gguf as cg
     from raydeploy.checkpoint import demo
+    from raydeploy.checkpoint.layout import SplitPlan
     from raydeploy.config import load_config
 
     monkeypatch.setenv("RAYDEPLOY_CACHE", str(tmp_path))
     stale = write_tiny(tmp_path / "smollm2-135m-instruct", checksum="crc32")
     _edit_index(stale, lambda i: i.update(version=1))
     calls = []
+    cfg = LlamaConfig.from_hf_dict(TINY_HF)
 
     def fake_convert(src, dst, splits=None, **kw):
         calls.append(splits)
-        from raydeploy.checkpoint.layout import SplitPlan
-
-        write_split(Path(dst), plan=SplitPlan.build(LlamaConfig.from_hf_dict(TINY_HF), splits).splits)
+        write_split(Path(dst), stacked(tiny_params()), SplitPlan.build(cfg, splits, stacked_param_specs(cfg)).splits)
 
     monkeypatch.setattr(cg, "convert_gguf", fake_convert)
-    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct") == stale and calls == []
+    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct") == stale and calls == [None]
+    assert "layers.mlp.up_proj.kernel" in CheckpointReader(stale).index.tensors
     dp = load_config(None, ["cluster.num_hosts=2", "cluster.devices_per_host=1", "mesh.axes={dp: 2}"])
-    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=dp) == stale and calls == []
+    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=dp) == stale and calls == [None]
     fsdp = load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu-fsdp.yaml", [])
     got = demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=fsdp)
     assert got == tmp_path / "smollm2-135m-instruct@embed2-mlp2-vocab2"
-    assert calls == [{"embed": 2, "mlp": 2, "vocab": 2}]
-    assert CheckpointReader(got).index.tensors["layers.0.mlp.up_proj.kernel"].split == (1, 2)
-    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=fsdp) == got and len(calls) == 1
+    assert calls == [None, {"embed": 2, "mlp": 2, "vocab": 2}]
+    r = CheckpointReader(got)
+    assert r.index.tensors["layers.mlp.up_proj.kernel"].splits == ((1, 2), (2, 2)) and r.index.version == 4
+    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=fsdp) == got and len(calls) == 2

@@ -18,7 +18,7 @@ from raydeploy.checkpoint.format import CheckpointError
 from raydeploy.checkpoint.reader import CheckpointReader
 from raydeploy.model.registry import from_hf_config
 from raydeploy.model.sharding import build_mesh, merge_rules
-from raydeploy.model.spec import param_specs
+from raydeploy.model.spec import split_layer_name
 
 torch = pytest.importorskip("torch")
 
@@ -72,15 +72,27 @@ def expected_ours(sd: dict[str, np.ndarray], nh: int = 4, nkv: int = 2, hd: int 
     return out
 
 
-def assert_checkpoint_equals(ckpt: Path, expected: dict[str, np.ndarray]) -> CheckpointReader:
+def assert_checkpoint_equals(ckpt: Path, expected: dict[str, np.ndarray], stacked: bool = True) -> CheckpointReader:
+    """The checkpoint holds exactly `expected` (per-layer names): stacked over the layers as `layers.x`
+    [L, ...] (the converters' default) or one tensor per layer; it loads on a fsdp x tp mesh."""
     r = CheckpointReader(ckpt)
-    specs = param_specs(from_hf_config(r.hf_config)[1])
-    assert set(specs) == set(expected)
+    family, cfg = from_hf_config(r.hf_config)
+    assert set(family.param_specs(cfg)) == set(expected)
+    per_layer = [n for n in r.index.tensors if split_layer_name(n)]
+    if stacked:
+        assert not per_layer and set(r.index.tensors) == set(family.stacked_param_specs(cfg))
+        for n, e in r.index.tensors.items():
+            if n.startswith("layers."):  # row i of a stacked tensor is layer i's, bit for bit
+                want = np.stack([expected[f"layers.{i}.{n[len('layers.'):]}"] for i in range(cfg.num_layers)])
+                assert e.shape == want.shape, n
+                np.testing.assert_array_equal(r.read_tensor(n).astype(np.float32), want.astype(np.float32), n)
+    else:
+        assert set(r.index.tensors) == set(expected)
     for n, a in expected.items():
         got = r.read_tensor(n)
         assert got.shape == a.shape, n
         np.testing.assert_array_equal(got.astype(np.float32), a.astype(np.float32), err_msg=n)
-    loaded, _ = r.load(specs, build_mesh({"fsdp": 2, "tp": 2}), merge_rules({}), progress=False)
+    loaded, _ = r.load(r.param_specs(), build_mesh({"fsdp": 2, "tp": 2}), merge_rules({}), progress=False)
     np.testing.assert_array_equal(np.asarray(loaded["embed.embedding"]).astype(np.float32),
                                   expected["embed.embedding"].astype(np.float32))
     return r
@@ -91,16 +103,21 @@ FSDP_TP_SPLITS = {"embed": 2, "mlp": 2, "vocab": 2}
 
 
 def assert_split_for_fsdp_tp(r: CheckpointReader) -> None:
-    """The converter stored the column-cut tensors split (format version 2, written as 3), and only those."""
-    assert r.index.version == 3
+    """The converter stored the column-cut tensors split, and only those: the stacked MLP kernels [L, embed,
+    mlp] / [L, mlp, embed] along both (format version 4), q/k/v [L, embed, heads, head_dim] along embed, o_proj
+    [L, heads, head_dim, embed] along its last dim, the embedding [vocab, embed] and head [embed, vocab] along
+    their second."""
+    assert r.index.version == 4
     for n, e in r.index.tensors.items():
-        if n.endswith(("o_proj.kernel",)):
-            assert e.split == (2, 2), n
-        elif n.endswith(("gate_proj.kernel", "up_proj.kernel", "down_proj.kernel")) or n in ("embed.embedding",
-                                                                                          "lm_head.kernel"):
-            assert e.split == (1, 2), n
+        if n.endswith("o_proj.kernel"):
+            assert e.splits == ((3, 2),), n
+        elif n.endswith(("gate_proj.kernel", "up_proj.kernel", "down_proj.kernel")):
+            assert e.splits == ((1, 2), (2, 2)), n
+        elif n.endswith(("q_proj.kernel", "k_proj.kernel", "v_proj.kernel")) or n in ("embed.embedding",
+                                                                                   "lm_head.kernel"):
+            assert e.splits == ((1, 2),), n
         else:
-            assert e.split is None, n
+            assert not e.splits, n
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +136,7 @@ def test_safetensors_llama_sharded_round_trip(tiny_llama, tmp_path):
     assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert from_hf_config(r.hf_config)[1].num_kv_heads == 2 and not from_hf_config(r.hf_config)[1].tie_word_embeddings
-    assert all(e.split is None for e in r.index.tensors.values())
+    assert all(not e.splits for e in r.index.tensors.values()) and r.index.version == 3
     convert(src, tmp_path / "split", shard_size_bytes=8192, progress=False, splits=FSDP_TP_SPLITS)
     assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(sd)))
 
@@ -130,10 +147,10 @@ def test_safetensors_qwen2_bias_tied_bf16(tmp_path):
     convert(src, tmp_path / "out", progress=False)
     r = assert_checkpoint_equals(tmp_path / "out", expected_ours(sd, tied=True))
     assert from_hf_config(r.hf_config)[1].attention_bias and from_hf_config(r.hf_config)[1].tie_word_embeddings
-    assert r.index.tensors["layers.1.attn.k_proj.bias"].dtype == "bfloat16"
+    assert r.index.tensors["layers.attn.k_proj.bias"].dtype == "bfloat16"
     assert "lm_head.kernel" not in r.index.tensors
     convert(src, tmp_path / "f32", dtype="float32", progress=False)
-    assert CheckpointReader(tmp_path / "f32").index.tensors["layers.1.attn.k_proj.bias"].dtype == "float32"
+    assert CheckpointReader(tmp_path / "f32").index.tensors["layers.attn.k_proj.bias"].dtype == "float32"
 
 
 def _easydel_params(sd: dict[str, np.ndarray]) -> dict:
@@ -235,7 +252,8 @@ def test_convert_command(tiny_llama, tmp_path, capsys):
     src, sd = tiny_llama
     assert main(["convert", str(src), str(tmp_path / "c"), "--shard-size", "10KB", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert "converted safetensors" in out and "21 tensors" in out and "bytes" in out
+    assert "converted safetensors" in out and "21 tensors (stored as 12, stacked over the layers)" in out
+    assert "bytes" in out
     r = CheckpointReader(tmp_path / "c")
     assert r.index.tensors["embed.embedding"].dtype == "bfloat16" and len(r.index.files) > 1
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "d")]) == 1
@@ -247,6 +265,9 @@ def test_convert_command(tiny_llama, tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "s"), "--split-for", str(fsdp_yaml)]) == 0
     assert "split for" in capsys.readouterr().out
     assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "s", expected_ours(sd)))
+    assert main(["convert", str(src), str(tmp_path / "p"), "--layers", "per-layer"]) == 0
+    assert "21 tensors" in capsys.readouterr().out
+    assert_checkpoint_equals(tmp_path / "p", expected_ours(sd), stacked=False)
     assert main(["convert", str(src), str(tmp_path / "f"), "--split-for", str(tmp_path / "no.yaml")]) == 1
     err = capsys.readouterr().err
     assert "raydeploy convert:" in err and "no.yaml" in err

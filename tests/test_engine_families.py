@@ -80,7 +80,7 @@ def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring") -
     rules = merge_rules(None)
     reader = CheckpointReader(ckpt)
     family, cfg = from_hf_config(reader.hf_config)
-    params, _ = reader.load(family.param_specs(cfg), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
+    params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
     engine_cfg = EngineConfig(max_slots=2, page_size=8, prefill_chunk=16, decode_steps=4,
                               compilation_cache_dir=None, warmup=False, window_pages=window_pages)
     return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg)

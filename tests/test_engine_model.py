@@ -41,13 +41,12 @@ def _build_engine(checkpoint, mesh_shape, rules_overrides, param_dtype="float32"
     from raydeploy.engine.engine import Engine
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     n = int(np.prod(list(mesh_shape.values())))
     mesh = build_mesh(mesh_shape, jax.devices()[:n])
     rules = merge_rules(rules_overrides)
     reader = CheckpointReader(checkpoint)
-    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, param_dtype, 4, progress=False)
+    params, _ = reader.load(reader.param_specs(), mesh, rules, param_dtype, 4, progress=False)
     model_cfg, engine_cfg = _engine_cfgs()
     model_cfg = dataclasses.replace(model_cfg, param_dtype=param_dtype)
     return Engine(*from_hf_config(reader.hf_config), params, mesh, rules, model_cfg, engine_cfg)

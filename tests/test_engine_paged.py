@@ -171,13 +171,12 @@ def _build_engine(checkpoint, mesh_shape, max_seq_len=256, max_slots=4, prefill_
     from raydeploy.engine.engine import Engine as PagedEngine
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     n = int(np.prod(list(mesh_shape.values())))
     mesh = build_mesh(mesh_shape, jax.devices()[:n])
     rules = merge_rules({"q_heads": None, "kv_heads": None, "cache_kv_heads": None} if "tp" in mesh_shape else {})
     reader = CheckpointReader(checkpoint)
-    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, "float32", 4, progress=False)
+    params, _ = reader.load(reader.param_specs(), mesh, rules, "float32", 4, progress=False)
     engine_cfg = EngineConfig(max_slots=max_slots, prefill_buckets=[max_seq_len], max_new_tokens=64,
                               prefill_chunk=prefill_chunk, decode_steps=decode_steps, **engine_kw)
     return PagedEngine(*from_hf_config(reader.hf_config), params, mesh, rules, ModelConfig(max_seq_len=max_seq_len), engine_cfg)

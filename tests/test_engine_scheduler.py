@@ -778,12 +778,11 @@ def real_paged(demo_checkpoint):
     from raydeploy.engine.engine import Engine
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     mesh = build_mesh({"dp": 1}, jax.devices()[:1])
     rules = merge_rules({})
     reader = CheckpointReader(demo_checkpoint)
-    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, "float32", 4, progress=False)
+    params, _ = reader.load(reader.param_specs(), mesh, rules, "float32", 4, progress=False)
     cfg = Config(model=ModelConfig(max_seq_len=512),
                  engine=EngineConfig(max_slots=4, prefill_buckets=[512], max_new_tokens=64, prefill_chunk=128,
                                      decode_steps=4))

@@ -78,12 +78,11 @@ def _reference_tokens(cfg, checkpoint: Path) -> list[list[int]]:
     from raydeploy.engine.scheduler import Scheduler
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.model.spec import param_specs
 
     mesh = build_mesh(cfg.mesh_shape, jax.local_devices()[:4])
     rules = merge_rules(cfg.mesh.rules)
     reader = CheckpointReader(checkpoint)
-    params, _ = reader.load(param_specs(from_hf_config(reader.hf_config)[1]), mesh, rules, cfg.model.param_dtype, 4,
+    params, _ = reader.load(reader.param_specs(), mesh, rules, cfg.model.param_dtype, 4,
                             progress=False)
     engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, cfg.model, cfg.engine)
     runner = LocalRunner(engine, Scheduler.for_engine(engine, cfg))

@@ -99,6 +99,40 @@ def test_out_in_kernels_give_the_same_logits(mesh_shape, rules):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_stacked_checkpoint_params_give_the_engine_the_same_params(layout):
+    """A checkpoint stored stacked over the layers is read as `stacked_param_specs` and handed to the engine
+    as it is (in_out: the loaded arrays themselves; out_in: transposed only): the same arrays and shardings as
+    stacking a per-layer checkpoint's."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from raydeploy.model.registry import LLAMA
+    from raydeploy.model.sharding import merge_rules, partition_spec
+
+    mesh, rules = _mesh({"fsdp": 2, "tp": 2}), merge_rules({"q_heads": None, "kv_heads": None})
+    per_layer = _placed(_random_params(TINY, 3), mesh, rules)
+    specs = stacked_param_specs(TINY)
+    assert LLAMA.checkpoint_specs(TINY, per_layer) == param_specs(TINY)
+    assert LLAMA.checkpoint_specs(TINY, specs) == specs
+    stacked = {n: jax.device_put(np.stack([np.asarray(per_layer[f"layers.{i}.{n[len('layers.'):]}"])
+                                           for i in range(TINY.num_layers)]) if n.startswith("layers.")
+                                 else np.asarray(per_layer[n]),
+                                 NamedSharding(mesh, partition_spec(s.logical_axes, rules, dict(mesh.shape), n)))
+               for n, s in specs.items()}
+    want = LLAMA.stack_layers(TINY, per_layer, layout, mesh, rules)
+    got = LLAMA.stack_layers(TINY, stacked, layout, mesh, rules)
+    assert set(got) == set(want) == set(specs)
+    for n in want:
+        assert got[n].sharding == want[n].sharding, n
+        np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want[n]), err_msg=n)
+        if layout == "in_out":
+            assert got[n] is stacked[n], n  # no copy: the loaded array is the engine's
+    with pytest.raises(ValueError, match=r"params do not match the model: missing 1 tensor\(s\), e\.g\. "
+                                         r"layers\.mlp\.up_proj\.kernel"):
+        LLAMA.stack_layers(TINY, {k: v for k, v in stacked.items() if k != "layers.mlp.up_proj.kernel"}, layout)
+
+
 def _paged_engine(mesh_shape, rules_overrides, **engine_kw):
     from raydeploy.config import EngineConfig, ModelConfig
     from raydeploy.engine.engine import Engine as PagedEngine

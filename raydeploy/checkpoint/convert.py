@@ -4,7 +4,9 @@ Formats: a Hugging Face safetensors directory, a GGUF file, or an EasyDeL/fjform
 (`--from auto` guesses from the path). The result is a checkpoint directory (docs/checkpoint-format.md)
 that `CheckpointReader` loads. User errors print one line naming the file/tensor and return 1.
 `--split-for CONFIG` stores the tensors whose column dimensions that config's mesh cuts split into those
-parts (format version 2), so its hosts read their slices without copying them; any mesh still reads it.
+parts (format version 2, or 4 when a tensor is cut along two), so its hosts read their slices without
+copying them; any mesh still reads it. Per-layer tensors are stored stacked over the layers, as the engine
+holds them (`--layers per-layer` keeps one tensor per layer, as versions before stacking wrote).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from raydeploy.checkpoint.format import INDEX_FILE, CheckpointError
+from raydeploy.checkpoint.format import INDEX_FILE, CheckpointError, read_index
 from raydeploy.checkpoint.writer import parse_size
 
 
@@ -38,9 +40,10 @@ def detect_format(src: Path) -> str:
 
 def convert(src: str | Path, dst: str | Path, src_format: str = "auto", hf_config: str | None = None,
             shard_size_bytes: int = 1 << 30, dtype: str = "keep", progress: bool = True,
-            splits: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """Convert SRC into a checkpoint at DST (tensors stored split for `splits`: layout.column_splits).
-    Returns {'format', 'bytes', 'tensors', 'seconds'}."""
+            splits: Mapping[str, int] | None = None, stacked: bool = True) -> dict[str, Any]:
+    """Convert SRC into a checkpoint at DST (tensors stored split for `splits`: layout.column_splits; with
+    `stacked`, each per-layer tensor stacked over the layers: layout.TensorSink).
+    Returns {'format', 'bytes', 'tensors' (converted), 'stored' (in the index), 'seconds'}."""
     src, dst = Path(src), Path(dst)
     if (dst / INDEX_FILE).exists():
         raise CheckpointError("destination already holds a checkpoint (remove it or choose another)", str(dst))
@@ -50,19 +53,21 @@ def convert(src: str | Path, dst: str | Path, src_format: str = "auto", hf_confi
         from raydeploy.checkpoint.convert_safetensors import convert_safetensors
 
         out = convert_safetensors(src, dst, dtype=dtype, shard_size_bytes=shard_size_bytes, progress=progress,
-                                  splits=splits)
+                                  splits=splits, stacked=stacked)
     elif fmt == "gguf":
         from raydeploy.checkpoint.convert_gguf import convert_gguf
 
-        out = convert_gguf(src, dst, dtype=dtype, shard_size_bytes=shard_size_bytes, progress=progress, splits=splits)
+        out = convert_gguf(src, dst, dtype=dtype, shard_size_bytes=shard_size_bytes, progress=progress, splits=splits,
+                           stacked=stacked)
     elif fmt == "easydel":
         from raydeploy.checkpoint.convert_easydel import convert_easydel
 
         out = convert_easydel(src, dst, hf_config, dtype=dtype, shard_size_bytes=shard_size_bytes,
-                              progress=progress, splits=splits)
+                              progress=progress, splits=splits,
+                           stacked=stacked)
     else:
         raise CheckpointError(f"unknown source format {fmt!r} (safetensors, gguf, easydel)")
-    return {"format": fmt, **out, "seconds": time.perf_counter() - t0}
+    return {"format": fmt, **out, "stored": len(read_index(dst).tensors), "seconds": time.perf_counter() - t0}
 
 
 def splits_for_config(path: str | Path) -> dict[str, int]:
@@ -77,7 +82,7 @@ def splits_for_config(path: str | Path) -> dict[str, int]:
 
 def run_convert(args: argparse.Namespace) -> int:
     """CLI entry: args.src, args.dst, args.src_format, args.hf_config, args.shard_size, args.dtype,
-    args.split_for (a config file, or None)."""
+    args.split_for (a config file, or None), args.layers ('stacked' or 'per-layer')."""
     from raydeploy.config import ConfigError
 
     split_for = getattr(args, "split_for", None)
@@ -85,12 +90,15 @@ def run_convert(args: argparse.Namespace) -> int:
         splits = splits_for_config(split_for) if split_for else None
         result = convert(args.src, args.dst, src_format=args.src_format, hf_config=args.hf_config,
                          shard_size_bytes=parse_size(args.shard_size), dtype=args.dtype,
-                         progress=sys.stderr.isatty(), splits=splits)
+                         progress=sys.stderr.isatty(), splits=splits,
+                         stacked=getattr(args, "layers", "stacked") == "stacked")
     except (CheckpointError, ConfigError) as e:
         print(f"raydeploy convert: {e}", file=sys.stderr)
         return 1
     gb = result["bytes"] / 1e9
-    print(f"converted {result['format']} {args.src} -> {args.dst}: {result['tensors']} tensors, "
+    stored = (f" (stored as {result['stored']}, stacked over the layers)" if result["stored"] != result["tensors"]
+              else "")
+    print(f"converted {result['format']} {args.src} -> {args.dst}: {result['tensors']} tensors{stored}, "
           f"{result['bytes']} bytes ({gb:.3f} GB) in {result['seconds']:.1f} s "
           f"({gb / max(result['seconds'], 1e-9):.2f} GB/s)"
           + (f", split for {split_for}: {', '.join(f'{k} in {v}' for k, v in sorted(splits.items()))}"

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from raydeploy.checkpoint.format import CheckpointError
-from raydeploy.checkpoint.layout import EASYDEL_NAMES, NameMap, SplitPlan, cast, check_against_specs, to_ours
+from raydeploy.checkpoint.layout import EASYDEL_NAMES, NameMap, TensorSink, cast, check_against_specs, to_ours
 from raydeploy.checkpoint.writer import CheckpointWriter
+from raydeploy.model.registry import family_for
 from raydeploy.model.spec import LlamaConfig
 
 READ_SIZE_BYTES = 16 << 20
@@ -28,8 +29,9 @@ EASYDEL_IGNORED = (r"(opt_state|step|tx)(/.*)?",)
 
 def convert_easydel(src: str | Path, dst: str | Path, hf_config: str | Path | None, dtype: str = "keep",
                     shard_size_bytes: int = 1 << 30, progress: bool = True,
-                    splits: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """Convert one streaming msgpack file (storing tensors split for `splits`, see layout.SplitPlan).
+                    splits: Mapping[str, int] | None = None, stacked: bool = True) -> dict[str, Any]:
+    """Convert one streaming msgpack file (storing tensors split for `splits` and, with `stacked`, stacked
+    over the layers: see layout.TensorSink).
     Returns {'bytes': ..., 'tensors': ...}."""
     import msgpack
     from flax.serialization import msgpack_restore
@@ -53,8 +55,8 @@ def convert_easydel(src: str | Path, dst: str | Path, hf_config: str | Path | No
 
     name_map = NameMap(EASYDEL_NAMES, ignored=EASYDEL_IGNORED, source="EasyDeL")
     shapes: dict[str, tuple[int, ...]] = {}
-    plan = SplitPlan.build(cfg, splits)
     writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
+    sink = TensorSink(writer, family_for("llama"), cfg, splits, stacked)
     bar = tqdm(total=src.stat().st_size, unit="B", unit_scale=True, desc="convert easydel", disable=not progress)
     try:
         with open(src, "rb") as f:
@@ -81,7 +83,7 @@ def convert_easydel(src: str | Path, dst: str | Path, hf_config: str | Path | No
                     continue
                 out = cast(to_ours(kind, arr, cfg, name=path), dtype)
                 shapes[ours] = tuple(out.shape)
-                writer.add(ours, out, split=plan.for_tensor(ours, out))
+                sink.add(ours, out)
                 new_pos = unpacker.tell()
                 bar.update(new_pos - pos)
                 pos = new_pos

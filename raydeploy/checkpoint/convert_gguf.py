@@ -25,7 +25,7 @@ import numpy as np
 from raydeploy.checkpoint.format import CheckpointError
 from raydeploy.checkpoint.layout import (
     NameMap,
-    SplitPlan,
+    TensorSink,
     cast,
     check_against_specs,
     to_ours,
@@ -274,9 +274,9 @@ def family_of(meta: Mapping[str, Any], path: str) -> Family:
 
 def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_size_bytes: int = 1 << 30,
                  progress: bool = True, save_tokenizer: bool = True,
-                 splits: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """Convert one GGUF file into a checkpoint directory (storing tensors split for `splits`, see
-    layout.SplitPlan). Returns {'bytes': ..., 'tensors': ...}."""
+                 splits: Mapping[str, int] | None = None, stacked: bool = True) -> dict[str, Any]:
+    """Convert one GGUF file into a checkpoint directory (storing tensors split for `splits` and, with
+    `stacked`, stacked over the layers: see layout.TensorSink). Returns {'bytes': ..., 'tensors': ...}."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFReader
     from tqdm import tqdm
@@ -309,8 +309,8 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_si
     plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
     shapes: dict[str, tuple[int, ...]] = {}
-    plan = SplitPlan.build(cfg, splits, specs)
     writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
+    sink = TensorSink(writer, family, cfg, splits, stacked)
     try:
         for t in tqdm(reader.tensors, desc="convert gguf", unit="tensor", disable=not progress):
             mapped = name_map.lookup(t.name)
@@ -333,7 +333,7 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "keep", shard_si
                 w = unpermute_rope(w, cfg.num_kv_heads)
             out = cast(gguf_to_ours(kind, w, cfg, t.name), dtype)
             shapes[ours] = tuple(out.shape)
-            writer.add(ours, out, split=plan.for_tensor(ours, out))
+            sink.add(ours, out)
         missing = [n for n in specs if n not in shapes]
         if missing:
             named = [source_name(table, n) for n in missing]

@@ -20,7 +20,7 @@ import numpy as np
 from raydeploy.checkpoint.format import CONFIG_FILE, CheckpointError, numpy_dtype
 from raydeploy.checkpoint.layout import (
     NameMap,
-    SplitPlan,
+    TensorSink,
     cast,
     check_against_specs,
     to_ours,
@@ -104,9 +104,10 @@ def read_hf_config(src: Path) -> dict[str, Any]:
 
 
 def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", shard_size_bytes: int = 1 << 30,
-                        progress: bool = True, splits: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """Convert a Hugging Face safetensors model directory (storing tensors split for `splits`, see
-    layout.SplitPlan). Returns {'bytes': ..., 'tensors': ...}."""
+                        progress: bool = True, splits: Mapping[str, int] | None = None,
+                        stacked: bool = True) -> dict[str, Any]:
+    """Convert a Hugging Face safetensors model directory (storing tensors split for `splits` and, with
+    `stacked`, stacked over the layers: see layout.TensorSink). Returns {'bytes': ..., 'tensors': ...}."""
     from tqdm import tqdm
 
     src = Path(src)
@@ -122,10 +123,10 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
     name_map = NameMap(family.hf_names, family.hf_ignored, source="safetensors")
     files = safetensors_files(src)
     shapes: dict[str, tuple[int, ...]] = {}
-    plan = SplitPlan.build(cfg, splits, specs)
     num_experts = family.num_experts(cfg) if family.num_experts is not None else 0
     experts: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
     writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
+    sink = TensorSink(writer, family, cfg, splits, stacked)
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="convert safetensors",
                disable=not progress)
     try:
@@ -158,7 +159,7 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
                 else:
                     out = cast(to_ours(kind, arr, cfg, name=name), dtype)
                 shapes[ours] = tuple(out.shape)
-                writer.add(ours, out, split=plan.for_tensor(ours, out))
+                sink.add(ours, out)
         for ours, got in experts.items():
             missing = [i for i in range(num_experts) if i not in got]
             seen, _ = next(iter(got.values()))

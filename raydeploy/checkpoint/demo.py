@@ -10,8 +10,9 @@ then find it. Nothing is downloaded.
 Given the serving config (`split_for`), the demo is converted for its mesh: tensors whose column dimension
 the mesh cuts are stored split into those parts (format version 2, layout.SplitPlan), in a cache directory
 of their own (`<name>@embed2-mlp2`), so each host reads its slices without copying them. A config whose
-mesh cuts no column dimension (dp, tp over rows only) uses the plain conversion. A cached conversion by an
-older writer (format version 1 or 2, crc32 checksums) is still read as it is.
+mesh cuts no column dimension (dp, tp over rows only) uses the plain conversion. Per-layer tensors are
+stored stacked over the layers, as the engine holds them (layout.TensorSink); a cached conversion from
+before stacking (one tensor per layer) is converted again once, replacing it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raydeploy.checkpoint.format import DATA_ALIGNMENT, INDEX_FILE, CheckpointError
+from raydeploy.model.spec import split_layer_name
 
 if TYPE_CHECKING:
     from raydeploy.config import Config
@@ -117,12 +119,13 @@ def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEO
 
 
 def _is_current(ckpt: Path) -> bool:
-    """A complete cached conversion with aligned tensor data (format version 1, 2 or 3; all are read)."""
+    """A complete cached conversion with aligned tensor data, stacked over the layers."""
     try:
         index = json.loads((ckpt / INDEX_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return index.get("data_alignment") == DATA_ALIGNMENT
+    stacked = any(split_layer_name(n) is None and n.startswith("layers.") for n in index.get("tensors", {}))
+    return index.get("data_alignment") == DATA_ALIGNMENT and stacked
 
 
 class _exclusive_lock:

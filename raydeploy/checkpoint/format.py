@@ -5,7 +5,8 @@ A checkpoint is a directory (specified in docs/checkpoint-format.md):
     index.json            format name + version, checksum scheme, every tensor's dtype, shape, shard file,
                           byte offset/length of its raw row-major bytes and a checksum per fixed-size block
                           (crc32; version 3: crc32c, the writer's default);
-                          (version 2) a tensor may be stored split along one dimension (see TensorEntry)
+                          (version 2) a tensor may be stored split along one dimension, (version 4) along
+                          several (see TensorEntry)
     shard-00000.msgpack   a msgpack map {tensor name: flax ndarray ext}; readable by `msgpack.unpackb` and by
     shard-00001.msgpack   `flax.serialization.msgpack_restore`, and by `os.pread` of exactly the rows needed
     config.json           the Hugging Face config of the model (`LlamaConfig.from_json`)
@@ -35,10 +36,12 @@ except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32 as crc32
 
 FORMAT_NAME = "raydeploy-checkpoint"
-FORMAT_VERSION = 3
-# Version 1 is version 2 without `split` entries; version 2 is version 3 with crc32 block checksums only.
-# The reader reads all three, the writer writes 3.
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+# Version 1 is version 2 without `split` entries; version 2 is version 3 with crc32 block checksums only;
+# version 3 is version 4 with splits along one dimension only. The reader reads all four; the writer writes
+# the lowest version that holds what it wrote (3 unless a tensor is split along several dimensions).
+READABLE_VERSIONS = (1, 2, 3, 4)
+MULTI_SPLIT_SINCE = 4
 # Block checksum algorithms (index `checksum.algorithm`) -> the function, and the first version that has it.
 # crc32c (the SSE4.2 / ARMv8 CRC instruction, ~18 GB/s a core here) verifies at 1.5-1.8x ISA-L's crc32.
 CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32": crc32, "crc32c": crc32c}
@@ -100,11 +103,13 @@ class TensorEntry:
     algorithm: crc32, or crc32c from version 3 on; the key keeps its version-1 name) of raw bytes
     [i*block_bytes, (i+1)*block_bytes) of the tensor.
 
-    `split = (dim, parts)` (version 2): the raw bytes are not `shape` in C order but the `parts` equal
-    pieces of the tensor cut along `dim` (>= 1), one after the other, each in C order:
-    `np.stack(np.split(x, parts, axis=dim))`. A device slice that is one piece along `dim` (a tp or fsdp
-    shard of a column dimension) is then a contiguous byte range. The reader works in "stored rows": the
-    `parts * shape[0]` rows of that stacked array, each `row_bytes` long."""
+    `splits = ((dim, parts), ...)` (version 2: one; version 4: several, dims increasing): the raw bytes are
+    not `shape` in C order but the pieces of the tensor cut into `parts` along each `dim` (>= 1), one after
+    the other in row-major order of the piece grid (the first split's piece index varies slowest), each in
+    C order: `split_pieces(x, splits)`. A device slice that is one piece along every split dim (a tp or fsdp
+    shard of a column dimension, or of two: a stacked layer kernel [L, embed, mlp] on fsdp x tp) is then a
+    contiguous byte range. The reader works in "stored rows": the `parts * shape[0]` rows of those stacked
+    pieces (`parts` = the grid's size), each `row_bytes` long."""
 
     name: str
     dtype: str
@@ -114,7 +119,7 @@ class TensorEntry:
     length: int
     segments: tuple[tuple[int, int], ...]
     crc32: tuple[int, ...]
-    split: tuple[int, int] | None = None
+    splits: tuple[tuple[int, int], ...] = ()
 
     @cached_property  # the reader asks per block: computed once per entry
     def itemsize(self) -> int:
@@ -122,14 +127,15 @@ class TensorEntry:
 
     @cached_property
     def parts(self) -> int:
-        return self.split[1] if self.split else 1
+        """Pieces the tensor is stored in (the product of its splits' parts; 1 unsplit)."""
+        return math.prod(n for _, n in self.splits)
 
     @cached_property
     def row_shape(self) -> tuple[int, ...]:
-        """Shape of one stored row: shape[1:], with the split dimension cut to one piece."""
+        """Shape of one stored row: shape[1:], with each split dimension cut to one piece."""
         rest = list(self.shape[1:])
-        if self.split:
-            rest[self.split[0] - 1] //= self.split[1]
+        for dim, n in self.splits:
+            rest[dim - 1] //= n
         return tuple(rest)
 
     @cached_property
@@ -146,8 +152,10 @@ class TensorEntry:
                              "offset": self.offset, "length": self.length, "crc32": list(self.crc32)}
         if len(self.segments) > 1:
             d["segments"] = [list(s) for s in self.segments]
-        if self.split:
-            d["split"] = list(self.split)
+        if len(self.splits) == 1:
+            d["split"] = list(self.splits[0])
+        elif self.splits:
+            d["split"] = [list(s) for s in self.splits]
         return d
 
 
@@ -281,34 +289,79 @@ def _parse_entry(name: str, e: Any, files: dict[str, int], block_bytes: int, pat
     n_blocks = -(-length // block_bytes)
     if len(crcs) != n_blocks or not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs):
         raise fail(f"crc32 must list {n_blocks} block checksums (32-bit integers), found {len(crcs)}")
-    split = _parse_split(e.get("split"), shape, version, fail)
+    splits = _parse_split(e.get("split"), shape, version, fail)
     return TensorEntry(name=name, dtype=dtype, shape=shape, file=fname, offset=e["offset"], length=length,
-                       segments=tuple(segments), crc32=tuple(crcs), split=split)
+                       segments=tuple(segments), crc32=tuple(crcs), splits=splits)
 
 
-def check_split(split: Any, shape: tuple[int, ...]) -> str | None:
-    """Why `split` is not a valid (dim, parts) for a tensor of `shape`, or None."""
-    if (not isinstance(split, (list, tuple)) or len(split) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in split)):
-        return f"split {split!r} must be [dim, parts] (two integers)"
-    dim, parts = split
-    if not 1 <= dim < len(shape):
-        return f"split dim {dim} must be a dimension after the first of shape {list(shape)}"
-    if parts < 2 or shape[dim] % parts:
-        return f"split into {parts} parts must be >= 2 parts that divide dimension {dim} (size {shape[dim]})"
+def _is_pair(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                               for v in x)
+
+
+def check_splits(splits: Any, shape: tuple[int, ...]) -> str | None:
+    """Why `splits` is not a valid sequence of (dim, parts) for a tensor of `shape`, or None."""
+    if not isinstance(splits, (list, tuple)) or not splits or not all(_is_pair(s) for s in splits):
+        return f"split {splits!r} must be [dim, parts] or a list of them (integers)"
+    dims = [d for d, _ in splits]
+    if dims != sorted(set(dims)):
+        return f"split dims {dims} must be distinct and increasing"
+    for dim, parts in splits:
+        if not 1 <= dim < len(shape):
+            return f"split dim {dim} must be a dimension after the first of shape {list(shape)}"
+        if parts < 2 or shape[dim] % parts:
+            return f"split into {parts} parts must be >= 2 parts that divide dimension {dim} (size {shape[dim]})"
     return None
 
 
 def _parse_split(split: Any, shape: tuple[int, ...], version: int,
-                 fail: Callable[[str], CheckpointError]) -> tuple[int, int] | None:
+                 fail: Callable[[str], CheckpointError]) -> tuple[tuple[int, int], ...]:
+    """The index's `split`: [dim, parts] (version 2) or [[dim, parts], ...] (version 4)."""
     if split is None:
-        return None
+        return ()
     if version < 2:
         raise fail(f"'split' needs format version 2 (the index says {version})")
-    why = check_split(split, shape)
+    several = isinstance(split, list) and bool(split) and isinstance(split[0], list)
+    if several and version < MULTI_SPLIT_SINCE:
+        raise fail(f"'split' along several dimensions needs format version {MULTI_SPLIT_SINCE} "
+                   f"(the index says {version})")
+    splits = split if several else [split]
+    why = check_splits(splits, shape)
     if why:
         raise fail(why)
-    return int(split[0]), int(split[1])
+    return tuple((int(d), int(n)) for d, n in splits)
+
+
+def split_pieces(x: np.ndarray, splits: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The stored form of a split tensor: its pieces [parts, ...] in row-major order of the piece grid."""
+    pieces = [np.asarray(x)]
+    for dim, n in splits:
+        pieces = [q for p in pieces for q in np.split(p, n, axis=dim)]
+    return np.stack(pieces)
+
+
+def join_pieces(stored: np.ndarray, splits: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The inverse of `split_pieces`: [parts, ...] pieces -> the tensor."""
+    pieces = list(stored)
+    for dim, n in reversed(splits):
+        pieces = [np.concatenate(pieces[i:i + n], axis=dim) for i in range(0, len(pieces), n)]
+    return pieces[0]
+
+
+def tensor_spans(e: TensorEntry, start: int, n: int) -> list[tuple[int, int, int]]:
+    """(file offset, position in the n bytes, length) of the tensor's raw bytes [start, start + n), following
+    its segments."""
+    out, pos, done = [], 0, 0
+    for off, length in e.segments:
+        lo = max(start + done, pos)
+        if done < n and lo < pos + length:
+            take = min(pos + length - lo, n - done)
+            out.append((off + lo - pos, done, take))
+            done += take
+        pos += length
+    if done != n:
+        raise CheckpointError(f"bytes [{start}, {start + n}) lie beyond the tensor's {e.length}", tensor=e.name)
+    return out
 
 
 def read_index(ckpt_dir: Path) -> CheckpointIndex:

@@ -6,8 +6,9 @@ dequantized (and Q/K un-permuted), have the same [out, in] layout; EasyDeL/Flax 
 [in, out]. Ours are input-dims-first with attention heads split out: q_proj.kernel [hidden, heads, head_dim],
 o_proj.kernel [heads, head_dim, hidden].
 
-`SplitPlan` chooses which tensors a converter stores split along a column dimension (format version 2),
-from the axes a mesh cuts (`column_splits`).
+`SplitPlan` chooses which tensors a converter stores split along column dimensions (format version 2 / 4),
+from the axes a mesh cuts (`column_splits`); `TensorSink` writes a converter's tensors split that way and,
+by default, stacked over the layers as the engine holds them.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from raydeploy.checkpoint.format import CheckpointError
-from raydeploy.model.spec import LlamaConfig, TensorSpec
+from raydeploy.model.spec import LlamaConfig, TensorSpec, split_layer_name
 
 if TYPE_CHECKING:
+    from raydeploy.checkpoint.writer import CheckpointWriter
+    from raydeploy.model.registry import Family
     from raydeploy.model.sharding import Rule
 
 # Layout kinds. "_oi" sources are [out, in] (PyTorch / GGUF), "_io" sources are [in, out] (Flax).
@@ -215,12 +218,13 @@ def splits_tag(splits: Mapping[str, int]) -> str:
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Which tensors a converter stores split (format version 2), from `column_splits`: a tensor whose
-    dimensions after the first include exactly one cut axis is split along it into that many parts (if
-    they divide it). Any mesh still reads the result; on a mesh that cuts the same axes into the same
-    parts, every device slice is one run of whole stored rows, which the reader hands to jax uncopied."""
+    """Which tensors a converter stores split, from `column_splits`: a tensor is split along each of its
+    dimensions after the first that the mesh cuts (into that many parts, where they divide it; format
+    version 2, or version 4 for several dimensions: a stacked layer kernel [L, embed, mlp] on fsdp x tp).
+    Any mesh still reads the result; on a mesh that cuts the same axes into the same parts, every device
+    slice is one run of whole stored rows, which the reader hands to jax uncopied."""
 
-    splits: dict[str, tuple[int, int]]  # tensor name -> (dim, parts)
+    splits: dict[str, tuple[tuple[int, int], ...]]  # tensor name -> ((dim, parts), ...)
     shapes: dict[str, tuple[int, ...]]
 
     @staticmethod
@@ -228,19 +232,49 @@ class SplitPlan:
               specs: Mapping[str, TensorSpec] | None = None) -> SplitPlan:
         from raydeploy.model.spec import param_specs
 
-        out: dict[str, tuple[int, int]] = {}
+        out: dict[str, tuple[tuple[int, int], ...]] = {}
         specs, cuts = (param_specs(cfg) if specs is None else specs), dict(splits or {})
         for name, s in specs.items():
-            cut = [(d, cuts[la]) for d, la in enumerate(s.logical_axes) if d > 0 and la in cuts]
-            if len(cut) == 1 and s.shape[cut[0][0]] % cut[0][1] == 0:
-                out[name] = cut[0]
+            cut = tuple((d, cuts[la]) for d, la in enumerate(s.logical_axes)
+                        if d > 0 and la in cuts and s.shape[d] % cuts[la] == 0)
+            if cut:
+                out[name] = cut
         return SplitPlan(out, {n: s.shape for n, s in specs.items()})
 
-    def for_tensor(self, name: str, array: np.ndarray) -> tuple[int, int] | None:
-        """The split of one converted tensor (None when it is not split, or has another shape than the
+    def for_tensor(self, name: str, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """The splits of one converted tensor (none when it is not split, or has another shape than the
         config expects: the converter's shape check then reports it)."""
         split = self.splits.get(name)
-        return split if split and tuple(array.shape) == self.shapes.get(name) else None
+        return split if split and tuple(shape) == self.shapes.get(name) else ()
+
+
+class TensorSink:
+    """Where a converter puts each converted tensor, named as the family's `param_specs`: the writer, each
+    tensor split as the plan says. With `stacked` (the default layout), layer i's tensor `layers.{i}.x` goes
+    into row i of the stacked tensor `layers.x` [L, ...] (reserved at the first layer that arrives), so the
+    checkpoint holds the parameters as the engine does (`Family.stacked_param_specs`) and a host loads them
+    with no stacking copy, as a few large tensors. A tensor the specs do not expect (another shape, a layer
+    beyond the config's) is written as it came, for the converter's shape check to report."""
+
+    def __init__(self, writer: CheckpointWriter, family: Family, cfg: Any, splits: Mapping[str, int] | None,
+                 stacked: bool = True):
+        self.writer, self.cfg = writer, cfg
+        self.per_layer = family.param_specs(cfg)
+        self.stacked = family.stacked_param_specs(cfg) if stacked else None
+        self.plan = SplitPlan.build(cfg, splits, self.stacked or self.per_layer)
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        layer = split_layer_name(name)
+        spec = self.per_layer.get(name)
+        if self.stacked is None or layer is None or spec is None or tuple(array.shape) != spec.shape:
+            self.writer.add(name, array, self.plan.for_tensor(name, array.shape))
+            return
+        i, suffix = layer
+        stacked = f"layers.{suffix}"
+        if not self.writer.reserved_or_written(stacked):
+            shape = self.stacked[stacked].shape
+            self.writer.reserve(stacked, shape, array.dtype.name, self.plan.for_tensor(stacked, shape))
+        self.writer.put(stacked, i, array)
 
 
 @lru_cache(maxsize=1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import json
 import math
 import mmap
@@ -51,10 +52,12 @@ from raydeploy.checkpoint.format import (
     CheckpointIndex,
     TensorEntry,
     aligned_empty,
+    join_pieces,
     numpy_dtype,
     read_index,
+    tensor_spans,
 )
-from raydeploy.model.spec import TensorSpec
+from raydeploy.model.spec import TensorSpec, split_layer_name
 
 if TYPE_CHECKING:
     import jax
@@ -101,18 +104,22 @@ class _Part:
 
 
 def _parts(e: TensorEntry, key: SliceKey) -> list[_Part]:
-    """Where a device slice (logical (start, stop) per dim) lies in the stored rows of its tensor."""
+    """Where a device slice (logical (start, stop) per dim) lies in the stored rows of its tensor: one part
+    per stored piece it overlaps (the pieces of the split dims' grid, in stored order)."""
     (r0, r1), cols = key[0], key[1:]
-    if not e.split:
-        return [_Part(r0, r1, cols, tuple(slice(None) for _ in cols))]
-    dim, parts = e.split
-    width, (a, b) = e.shape[dim] // parts, cols[dim - 1]
+    # per split dim: the pieces the slice overlaps, as (piece index, (src lo, hi) in the piece, dst slice)
+    per_dim: list[list[tuple[int, tuple[int, int], slice]]] = []
+    for dim, n in e.splits:
+        width, (a, b) = e.shape[dim] // n, cols[dim - 1]
+        per_dim.append([(t, (max(a, t * width) - t * width, min(b, (t + 1) * width) - t * width),
+                         slice(max(a, t * width) - a, min(b, (t + 1) * width) - a))
+                        for t in range(a // width, -(-b // width))])
     out = []
-    for t in range(a // width, -(-b // width)):
-        lo, hi = max(a, t * width), min(b, (t + 1) * width)
-        src = cols[:dim - 1] + ((lo - t * width, hi - t * width),) + cols[dim:]
-        dst = tuple(slice(lo - a, hi - a) if i == dim - 1 else slice(None) for i in range(len(cols)))
-        out.append(_Part(t * e.shape[0] + r0, t * e.shape[0] + r1, src, dst))
+    for combo in itertools.product(*per_dim):
+        src, dst, piece = list(cols), [slice(None)] * len(cols), 0
+        for (dim, n), (t, rng, sl) in zip(e.splits, combo, strict=True):
+            src[dim - 1], dst[dim - 1], piece = rng, sl, piece * n + t
+        out.append(_Part(piece * e.shape[0] + r0, piece * e.shape[0] + r1, tuple(src), tuple(dst)))
     return out
 
 
@@ -206,6 +213,14 @@ class CheckpointReader:
         h.update((self.path / CONFIG_FILE).read_bytes())
         return h.hexdigest()
 
+    def param_specs(self) -> dict[str, TensorSpec]:
+        """The specs of the model this checkpoint holds (its config.json's family), in the checkpoint's layout:
+        stacked over the layers, or per layer (`Family.checkpoint_specs`)."""
+        from raydeploy.model.registry import from_hf_config
+
+        family, cfg = from_hf_config(self.hf_config, source=str(self.path / CONFIG_FILE))
+        return family.checkpoint_specs(cfg, self.index.tensors)
+
     # ---- validation ----
     def check_specs(self, specs: Mapping[str, TensorSpec]) -> None:
         """The checkpoint holds exactly these tensors with these shapes and a float dtype."""
@@ -246,7 +261,7 @@ class CheckpointReader:
         cache: dict[Any, tuple[Any, dict[Any, SliceKey], dict[SliceKey, list[_Part]], list[tuple[int, int]]]] = {}
         for name, spec in specs.items():
             e = self.index.tensors[name]
-            ck = (tuple(spec.shape), tuple(spec.logical_axes), e.split)
+            ck = (tuple(spec.shape), tuple(spec.logical_axes), e.splits)
             if ck not in cache:
                 check_divisible(spec, rules, mesh_shape)
                 sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules, mesh_shape, name))
@@ -303,7 +318,13 @@ class CheckpointReader:
         return {n: run.out[n] for n in specs}, stats
 
     def read_tensor(self, name: str, verify: bool = True) -> np.ndarray:
-        """One whole tensor as numpy (for tools and tests; serving uses `load`)."""
+        """One whole tensor as numpy (for tools and tests; serving uses `load`). A per-layer name
+        (`layers.3.x`) of a checkpoint stored stacked over the layers is row 3 of its `layers.x`."""
+        layer = split_layer_name(name) if name not in self.index.tensors else None
+        if layer is not None and f"layers.{layer[1]}" in self.index.tensors:
+            stacked = self.read_tensor(f"layers.{layer[1]}", verify)
+            if layer[0] < stacked.shape[0]:
+                return stacked[layer[0]].copy()
         if name not in self.index.tensors:
             raise CheckpointError("no such tensor in the checkpoint", str(self.path / INDEX_FILE), tensor=name)
         e = self.index.tensors[name]
@@ -321,8 +342,8 @@ class CheckpointReader:
                     raise CheckpointError(f"checksum mismatch in block {blk}: the file is corrupt",
                                           str(self.path / e.file), tensor=name)
         x = buf.view(numpy_dtype(e.dtype))
-        if e.split:
-            return np.concatenate(list(x.reshape((e.parts, e.shape[0], *e.row_shape))), axis=e.split[0])
+        if e.splits:
+            return join_pieces(x.reshape((e.parts, e.shape[0], *e.row_shape)), e.splits)
         return x.reshape(e.shape)
 
 
@@ -569,19 +590,12 @@ def _gc_paused() -> Iterator[None]:
 
 def _pread_tensor_bytes(fd: int, e: TensorEntry, start: int, out: memoryview, ckpt: Path) -> None:
     """Fill `out` with the tensor's raw bytes [start, start+len(out)), following its file segments."""
-    pos, done = 0, 0  # pos: tensor byte offset where the current segment begins
-    need = len(out)
-    for off, n in e.segments:
-        if done >= need:
-            break
-        lo = max(start + done, pos)
-        if lo < pos + n:
-            take = min(pos + n - lo, need - done)
-            _pread_exact(fd, out[done: done + take], off + (lo - pos), ckpt / e.file, e.name)
-            done += take
-        pos += n
-    if done != need:
-        raise CheckpointError(f"could read only {done} of {need} bytes", str(ckpt / e.file), tensor=e.name)
+    try:
+        spans = tensor_spans(e, start, len(out))
+    except CheckpointError as err:
+        raise CheckpointError(err.message, str(ckpt / e.file), tensor=e.name) from None
+    for off, at, take in spans:
+        _pread_exact(fd, out[at: at + take], off, ckpt / e.file, e.name)
 
 
 def _pread_exact(fd: int, out: memoryview, offset: int, path: Path, tensor: str) -> None:

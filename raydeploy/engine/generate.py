@@ -98,7 +98,7 @@ def _generate(cfg: Config, args: argparse.Namespace) -> int:
     path = resolve_checkpoint(cfg.model.checkpoint)
     reader = CheckpointReader(path)
     family, model = from_hf_config(reader.hf_config, source=str(path / "config.json"))
-    params, _ = reader.load(family.param_specs(model), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads,
+    params, _ = reader.load(family.checkpoint_specs(model, reader.index.tensors), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads,
                             progress=False, verify=cfg.model.verify_checksums)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     engine = Engine(family, model, params, mesh, rules, cfg.model, cfg.engine)

@@ -122,7 +122,7 @@ def load_checkpoint_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) 
     family, model = from_hf_config(reader.hf_config, source=f"{checkpoint_path}/config.json")
     family.check_mesh(model, dict(mesh.shape))  # before any weight is read
     t0 = time.perf_counter()
-    params, stats = reader.load(family.param_specs(model), mesh, {**family.rules, **rules}, cfg.model.param_dtype,
+    params, stats = reader.load(family.checkpoint_specs(model, reader.index.tensors), mesh, {**family.rules, **rules}, cfg.model.param_dtype,
                                 cfg.model.load_threads, progress=False, verify=cfg.model.verify_checksums)
     seconds = time.perf_counter() - t0
     engine = Engine(family, model, params, mesh, rules, cfg.model, cfg.engine)

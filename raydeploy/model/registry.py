@@ -18,7 +18,7 @@ Adding a dense family: one new module defining `FAMILY`, one line in `_ENTRIES` 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,29 +157,42 @@ class Family:
         specs = self.stacked_param_specs(cfg)
         return specs if kernel_layout == "in_out" else {n: out_in_spec(s) for n, s in specs.items()}
 
+    def checkpoint_specs(self, cfg: Any, names: Collection[str]) -> dict[str, TensorSpec]:
+        """The specs to read a checkpoint holding tensors `names` with: stacked over the layers
+        (`stacked_param_specs`, what converters write) when it holds a stacked layer tensor, else per layer
+        (`param_specs`, checkpoints converted before stacking, or with `--layers per-layer`)."""
+        stacked = self.stacked_param_specs(cfg)
+        if any(n.startswith("layers.") and n in stacked for n in names):
+            return stacked
+        return self.param_specs(cfg)
+
     def stack_layers(self, cfg: Any, params: Mapping[str, Any], kernel_layout: str = "in_out",
                      mesh: Any = None, rules: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Checkpoint params (per-layer names, in_out kernels) -> the engine's: each per-layer tensor stacked
-        over the layers, kernels in `kernel_layout`. With a mesh, each result is placed by its logical axes
-        (the layer axis unsharded), one parameter kind at a time, one compiled program per (shape, sharding)."""
+        """Checkpoint params (in_out kernels; per-layer names, or already stacked over the layers as
+        `stacked_param_specs`) -> the engine's: each per-layer tensor stacked over the layers, kernels in
+        `kernel_layout`. With a mesh, each result is placed by its logical axes (the layer axis unsharded), one
+        parameter kind at a time, one compiled program per (shape, sharding); a tensor that needs neither
+        stacking nor a transpose is passed on as it is (placed by the reader with the same sharding)."""
         import jax
         import jax.numpy as jnp
 
         from raydeploy.model.llama import check_params
         from raydeploy.model.spec import is_kernel, kernel_input_dims
 
-        check_params(params, self.param_specs(cfg))
+        stacked_in = not any(split_layer_name(n) for n in params)
+        check_params(params, self.stacked_param_specs(cfg) if stacked_in else self.param_specs(cfg))
         targets = self.engine_param_specs(cfg, kernel_layout)
         programs: dict[tuple[Any, ...], Any] = {}
         out: dict[str, Any] = {}
         for name, spec in targets.items():
-            stacked = spec.logical_axes[:1] == (LAYER_AXIS,)
+            lead = int(spec.logical_axes[:1] == (LAYER_AXIS,))  # the engine's tensor has a layer axis first
+            stacked = bool(lead) and not stacked_in  # ... that is made here, from per-layer tensors
             suffix = name[len("layers."):]
             members = [params[f"layers.{i}.{suffix}"] for i in range(cfg.num_layers)] if stacked else [params[name]]
             perm: tuple[int, ...] | None = None
             if kernel_layout == "out_in" and is_kernel(name):
-                n, lead = kernel_input_dims(name), int(stacked)
-                nd = members[0].ndim + lead
+                n = kernel_input_dims(name)
+                nd = members[0].ndim + int(stacked)
                 perm = tuple(range(lead)) + tuple(range(lead + n, nd)) + tuple(range(lead, lead + n))
 
             def assemble(*xs: Any, perm: tuple[int, ...] | None = perm, stacked: bool = stacked) -> Any:
