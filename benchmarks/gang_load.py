@@ -12,8 +12,10 @@
 - whole gang: the slowest host's read and the bring-up's load phase (all hosts in parallel; the phase also
   builds the engine) versus one process with 4 devices reading the whole checkpoint for the same mesh shape.
 The mesh shards weights across hosts (fsdp=2 outermost) so each host reads only its part. The checkpoint
-is the one bring-up reads: the demo converted for the config's mesh, so on fsdp x tp its column-sharded
-tensors are stored split (format version 2) and each host reads its slices without copying them.
+is the one bring-up reads: the demo converted for the config's mesh, its layer tensors stacked over the
+layers ([L, ...], as the engine holds them), so on fsdp x tp its column-sharded tensors are stored split
+(format version 4: the stacked MLP kernels along both cut dims) and each host reads its slices without
+copying them, as a few large tensors.
 
 `--model wide` loads a random-weight Llama of width 2048 and 8 layers (2.2 GB in float32, tensors of 8-46 MB
 instead of the demo's 0.1-1 MB) written once under /tmp: with the demo, a host reads for ~0.1 s, so fixed
@@ -76,7 +78,7 @@ def wide_checkpoint(mesh: str) -> str:
     cfg = load_config(None, overrides(mesh))
     splits = column_splits(cfg.mesh_shape, merge_rules(cfg.mesh.rules))
     root = Path("/tmp/raydeploy-bench-wide")
-    src, dst = root / "hf", root / f"ckpt{'@' + splits_tag(splits) if splits else ''}"
+    src, dst = root / "hf", root / f"stacked{'@' + splits_tag(splits) if splits else ''}"
     if (dst / "index.json").exists():
         return str(dst)
     if not (src / "model.safetensors").exists():
