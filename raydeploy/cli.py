@@ -58,10 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-for", default=None, metavar="CONFIG",
                    help="store the tensors whose column dims this config's mesh shards split into its shard "
                         "count, so its hosts read their slices without copies (any mesh still reads it)")
-    p.add_argument("--layers", choices=["stacked", "per-layer"], default="stacked",
-                   help="stacked (default): each per-layer tensor stored stacked over the layers [L, ...], as the "
-                        "engine holds them, so hosts load them with no stacking copy; per-layer: one tensor per "
-                        "layer (as checkpoints before stacking)")
+    p.add_argument("--layers", choices=["auto", "stacked", "per-layer"], default="auto",
+                   help="stacked: each per-layer tensor stored stacked over the layers [L, ...], as the engine holds "
+                        "them, so hosts load them with no stacking copy (best read on the --split-for mesh); "
+                        "per-layer: one tensor per layer (any mesh reads its row slices); auto (default): stacked "
+                        "with --split-for, else per-layer")
 
     p = sub.add_parser("plan", help="show what a config would do, without any hardware",
                        description="Print hosts, devices, mesh, per-host parameter and KV-cache bytes and "

@@ -299,11 +299,10 @@ def test_demo_one_device_equals_2x2_mesh(demo_checkpoint):
     one, s1 = r.load(specs, build_mesh({"tp": 1}, devices=jax.devices()[:1]), rules, progress=False)
     four, s4 = r.load(specs, build_mesh({"dp": 2, "tp": 2}), rules, progress=False, use_mmap=False)
     assert s1.bytes_read == s4.bytes_read == r.index.total_bytes
-    for n in ("embed.embedding", "layers.attn.q_proj.kernel", "layers.mlp.gate_proj.kernel",
-              "layers.mlp.down_proj.kernel", "final_norm.scale"):
+    for n in ("embed.embedding", "layers.0.attn.q_proj.kernel", "layers.29.mlp.gate_proj.kernel",
+              "layers.7.mlp.down_proj.kernel", "final_norm.scale"):
         np.testing.assert_array_equal(np.asarray(one[n]), np.asarray(four[n]))
-    assert four["layers.mlp.gate_proj.kernel"].shape == (30, 576, 1536)
-    assert four["layers.mlp.gate_proj.kernel"].sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
+    assert four["layers.3.mlp.gate_proj.kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
     assert len(one) == len(four) == len(specs)
 
 
@@ -491,7 +490,7 @@ def test_demo_cache_converts_once_under_lock(tmp_path, monkeypatch):
         calls.append(dst)
         started.set()
         threading.Event().wait(0.3)  # hold the lock while the others arrive
-        write_tiny(Path(dst), stacked(tiny_params()))
+        write_tiny(Path(dst))
 
     monkeypatch.setattr(cg, "convert_gguf", fake_convert)
     results, errors = [], []
@@ -1015,34 +1014,43 @@ def test_checksum_algorithm_errors(tmp_path, tiny_ckpt):
         CheckpointWriter(tmp_path / "w", checksum="sha1")
 
 
-def test_demo_cache_split_for_config_and_per_layer_cache_replaced(tmp_path, monkeypatch):
-    """A cached demo conversion from before stacking (one tensor per layer, here a version-1 index) is
-    converted again once, in its place; a config whose mesh cuts column dims gets its own conversion, split
-    for that mesh (the stacked MLP kernels along both of their cut dims)."""
+def test_demo_cache_for_a_config_is_stacked_and_split_and_stale_layouts_replaced(tmp_path, monkeypatch):
+    """The plain demo conversion (no config) keeps one tensor per layer: a cached version-1 one is used as it
+    is. A config gets its own conversion, stacked over the layers (`@stacked`) and split for its mesh when it
+    cuts column dims (the stacked MLP kernels along both); a cache in the other layout than its name says
+    is converted again, in its place."""
     import raydeploy.checkpoint.convert_gguf as cg
     from raydeploy.checkpoint import demo
     from raydeploy.checkpoint.layout import SplitPlan
     from raydeploy.config import load_config
 
     monkeypatch.setenv("RAYDEPLOY_CACHE", str(tmp_path))
-    stale = write_tiny(tmp_path / "smollm2-135m-instruct", checksum="crc32")
-    _edit_index(stale, lambda i: i.update(version=1))
+    plain = write_tiny(tmp_path / "smollm2-135m-instruct", checksum="crc32")
+    _edit_index(plain, lambda i: i.update(version=1))
     calls = []
     cfg = LlamaConfig.from_hf_dict(TINY_HF)
 
     def fake_convert(src, dst, splits=None, **kw):
-        calls.append(splits)
-        write_split(Path(dst), stacked(tiny_params()), SplitPlan.build(cfg, splits, stacked_param_specs(cfg)).splits)
+        calls.append((splits, kw["stacked"]))
+        if kw["stacked"]:
+            write_split(Path(dst), stacked(tiny_params()), SplitPlan.build(cfg, splits, stacked_param_specs(cfg)).splits)
+        else:
+            write_tiny(Path(dst))
 
     monkeypatch.setattr(cg, "convert_gguf", fake_convert)
-    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct") == stale and calls == [None]
-    assert "layers.mlp.up_proj.kernel" in CheckpointReader(stale).index.tensors
+    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct") == plain and calls == []
     dp = load_config(None, ["cluster.num_hosts=2", "cluster.devices_per_host=1", "mesh.axes={dp: 2}"])
-    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=dp) == stale and calls == [None]
+    got = demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=dp)
+    assert got == tmp_path / "smollm2-135m-instruct@stacked" and calls == [({}, True)]
+    assert "layers.mlp.up_proj.kernel" in CheckpointReader(got).index.tensors
     fsdp = load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu-fsdp.yaml", [])
     got = demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=fsdp)
-    assert got == tmp_path / "smollm2-135m-instruct@embed2-mlp2-vocab2"
-    assert calls == [None, {"embed": 2, "mlp": 2, "vocab": 2}]
+    assert got == tmp_path / "smollm2-135m-instruct@stacked-embed2-mlp2-vocab2"
+    assert calls[1:] == [({"embed": 2, "mlp": 2, "vocab": 2}, True)]
     r = CheckpointReader(got)
     assert r.index.tensors["layers.mlp.up_proj.kernel"].splits == ((1, 2), (2, 2)) and r.index.version == 4
     assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=fsdp) == got and len(calls) == 2
+    shutil.rmtree(got)  # a per-layer conversion where a stacked one belongs is converted again
+    write_tiny(got)
+    assert demo.resolve_checkpoint("demo:smollm2-135m-instruct", split_for=fsdp) == got and len(calls) == 3
+    assert "layers.mlp.up_proj.kernel" in CheckpointReader(got).index.tensors

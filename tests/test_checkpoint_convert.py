@@ -72,9 +72,9 @@ def expected_ours(sd: dict[str, np.ndarray], nh: int = 4, nkv: int = 2, hd: int 
     return out
 
 
-def assert_checkpoint_equals(ckpt: Path, expected: dict[str, np.ndarray], stacked: bool = True) -> CheckpointReader:
-    """The checkpoint holds exactly `expected` (per-layer names): stacked over the layers as `layers.x`
-    [L, ...] (the converters' default) or one tensor per layer; it loads on a fsdp x tp mesh."""
+def assert_checkpoint_equals(ckpt: Path, expected: dict[str, np.ndarray], stacked: bool = False) -> CheckpointReader:
+    """The checkpoint holds exactly `expected` (per-layer names): one tensor per layer (a conversion for no
+    mesh), or stacked over the layers as `layers.x` [L, ...] (for a mesh); it loads on a fsdp x tp mesh."""
     r = CheckpointReader(ckpt)
     family, cfg = from_hf_config(r.hf_config)
     assert set(family.param_specs(cfg)) == set(expected)
@@ -138,7 +138,7 @@ def test_safetensors_llama_sharded_round_trip(tiny_llama, tmp_path):
     assert from_hf_config(r.hf_config)[1].num_kv_heads == 2 and not from_hf_config(r.hf_config)[1].tie_word_embeddings
     assert all(not e.splits for e in r.index.tensors.values()) and r.index.version == 3
     convert(src, tmp_path / "split", shard_size_bytes=8192, progress=False, splits=FSDP_TP_SPLITS)
-    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(sd)))
+    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(sd), stacked=True))
 
 
 def test_safetensors_qwen2_bias_tied_bf16(tmp_path):
@@ -147,10 +147,10 @@ def test_safetensors_qwen2_bias_tied_bf16(tmp_path):
     convert(src, tmp_path / "out", progress=False)
     r = assert_checkpoint_equals(tmp_path / "out", expected_ours(sd, tied=True))
     assert from_hf_config(r.hf_config)[1].attention_bias and from_hf_config(r.hf_config)[1].tie_word_embeddings
-    assert r.index.tensors["layers.attn.k_proj.bias"].dtype == "bfloat16"
+    assert r.index.tensors["layers.1.attn.k_proj.bias"].dtype == "bfloat16"
     assert "lm_head.kernel" not in r.index.tensors
     convert(src, tmp_path / "f32", dtype="float32", progress=False)
-    assert CheckpointReader(tmp_path / "f32").index.tensors["layers.attn.k_proj.bias"].dtype == "float32"
+    assert CheckpointReader(tmp_path / "f32").index.tensors["layers.1.attn.k_proj.bias"].dtype == "float32"
 
 
 def _easydel_params(sd: dict[str, np.ndarray]) -> dict:
@@ -192,7 +192,7 @@ def test_easydel_stream_converts_like_safetensors(tiny_llama, tmp_path, wrapped)
     assert_checkpoint_equals(tmp_path / "out", expected_ours(sd))
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     convert(stream, tmp_path / "split", hf_config=str(src / "config.json"), progress=False, splits=FSDP_TP_SPLITS)
-    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(sd)))
+    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(sd), stacked=True))
 
 
 def test_easydel_errors(tiny_llama, tmp_path):
@@ -252,8 +252,7 @@ def test_convert_command(tiny_llama, tmp_path, capsys):
     src, sd = tiny_llama
     assert main(["convert", str(src), str(tmp_path / "c"), "--shard-size", "10KB", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert "converted safetensors" in out and "21 tensors (stored as 12, stacked over the layers)" in out
-    assert "bytes" in out
+    assert "converted safetensors" in out and "21 tensors," in out and "bytes" in out
     r = CheckpointReader(tmp_path / "c")
     assert r.index.tensors["embed.embedding"].dtype == "bfloat16" and len(r.index.files) > 1
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "d")]) == 1
@@ -264,10 +263,14 @@ def test_convert_command(tiny_llama, tmp_path, capsys):
     fsdp_yaml = Path(__file__).resolve().parents[1] / "configs" / "cpu-fsdp.yaml"
     assert main(["convert", str(src), str(tmp_path / "s"), "--split-for", str(fsdp_yaml)]) == 0
     assert "split for" in capsys.readouterr().out
-    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "s", expected_ours(sd)))
-    assert main(["convert", str(src), str(tmp_path / "p"), "--layers", "per-layer"]) == 0
-    assert "21 tensors" in capsys.readouterr().out
-    assert_checkpoint_equals(tmp_path / "p", expected_ours(sd), stacked=False)
+    assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "s", expected_ours(sd), stacked=True))
+    assert main(["convert", str(src), str(tmp_path / "st"), "--layers", "stacked"]) == 0
+    assert "21 tensors (stored as 12, stacked over the layers)" in capsys.readouterr().out
+    assert_checkpoint_equals(tmp_path / "st", expected_ours(sd), stacked=True)
+    assert main(["convert", str(src), str(tmp_path / "pl"), "--split-for", str(fsdp_yaml), "--layers", "per-layer"]) == 0
+    capsys.readouterr()
+    r = assert_checkpoint_equals(tmp_path / "pl", expected_ours(sd))
+    assert r.index.tensors["layers.0.mlp.up_proj.kernel"].splits == ((1, 2),) and r.index.version == 3
     assert main(["convert", str(src), str(tmp_path / "f"), "--split-for", str(tmp_path / "no.yaml")]) == 1
     err = capsys.readouterr().err
     assert "raydeploy convert:" in err and "no.yaml" in err
@@ -380,7 +383,7 @@ def test_gguf_tiny_round_trip_unpermutes_and_dequantizes(tmp_path):
     assert not (tmp_path / "out" / "tokenizer.json").exists()  # none embedded in this file
     convert(path, tmp_path / "split", dtype="float32", progress=False, splits=FSDP_TP_SPLITS)
     assert_split_for_fsdp_tp(assert_checkpoint_equals(tmp_path / "split", expected_ours(hf, nh=nh, nkv=nkv, hd=hd,
-                                                                                         d=d)))
+                                                                                         d=d), stacked=True))
 
 
 def test_gguf_rejects_other_architectures(tmp_path):

@@ -5,8 +5,11 @@ Formats: a Hugging Face safetensors directory, a GGUF file, or an EasyDeL/fjform
 that `CheckpointReader` loads. User errors print one line naming the file/tensor and return 1.
 `--split-for CONFIG` stores the tensors whose column dimensions that config's mesh cuts split into those
 parts (format version 2, or 4 when a tensor is cut along two), so its hosts read their slices without
-copying them; any mesh still reads it. Per-layer tensors are stored stacked over the layers, as the engine
-holds them (`--layers per-layer` keeps one tensor per layer, as versions before stacking wrote).
+copying them; any mesh still reads it. A conversion for a mesh stores the per-layer tensors stacked over the
+layers, as the engine holds them (`--layers auto`, the default; `stacked` / `per-layer` choose). Without
+`--split-for` they stay one tensor per layer: a mesh cuts a per-layer tensor's first dim (fsdp over hidden)
+into row ranges each host reads alone, where in a stacked tensor that dim is the second and, unless split
+for the mesh, every host would read all of it.
 """
 
 from __future__ import annotations
@@ -40,14 +43,16 @@ def detect_format(src: Path) -> str:
 
 def convert(src: str | Path, dst: str | Path, src_format: str = "auto", hf_config: str | None = None,
             shard_size_bytes: int = 1 << 30, dtype: str = "keep", progress: bool = True,
-            splits: Mapping[str, int] | None = None, stacked: bool = True) -> dict[str, Any]:
+            splits: Mapping[str, int] | None = None, stacked: bool | None = None) -> dict[str, Any]:
     """Convert SRC into a checkpoint at DST (tensors stored split for `splits`: layout.column_splits; with
-    `stacked`, each per-layer tensor stacked over the layers: layout.TensorSink).
+    `stacked`, each per-layer tensor stacked over the layers: layout.TensorSink; None: stacked when converting
+    for a mesh, `splits` given, see the module docstring).
     Returns {'format', 'bytes', 'tensors' (converted), 'stored' (in the index), 'seconds'}."""
     src, dst = Path(src), Path(dst)
     if (dst / INDEX_FILE).exists():
         raise CheckpointError("destination already holds a checkpoint (remove it or choose another)", str(dst))
     fmt = detect_format(src) if src_format == "auto" else src_format
+    stacked = splits is not None if stacked is None else stacked
     t0 = time.perf_counter()
     if fmt == "safetensors":
         from raydeploy.checkpoint.convert_safetensors import convert_safetensors
@@ -82,7 +87,7 @@ def splits_for_config(path: str | Path) -> dict[str, int]:
 
 def run_convert(args: argparse.Namespace) -> int:
     """CLI entry: args.src, args.dst, args.src_format, args.hf_config, args.shard_size, args.dtype,
-    args.split_for (a config file, or None), args.layers ('stacked' or 'per-layer')."""
+    args.split_for (a config file, or None), args.layers ('auto', 'stacked' or 'per-layer')."""
     from raydeploy.config import ConfigError
 
     split_for = getattr(args, "split_for", None)
@@ -91,7 +96,7 @@ def run_convert(args: argparse.Namespace) -> int:
         result = convert(args.src, args.dst, src_format=args.src_format, hf_config=args.hf_config,
                          shard_size_bytes=parse_size(args.shard_size), dtype=args.dtype,
                          progress=sys.stderr.isatty(), splits=splits,
-                         stacked=getattr(args, "layers", "stacked") == "stacked")
+                         stacked={"stacked": True, "per-layer": False}.get(getattr(args, "layers", "auto")))
     except (CheckpointError, ConfigError) as e:
         print(f"raydeploy convert: {e}", file=sys.stderr)
         return 1

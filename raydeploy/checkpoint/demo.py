@@ -8,11 +8,12 @@ into a temporary directory that is renamed into place only when complete; the ot
 then find it. Nothing is downloaded.
 
 Given the serving config (`split_for`), the demo is converted for its mesh: tensors whose column dimension
-the mesh cuts are stored split into those parts (format version 2, layout.SplitPlan), in a cache directory
-of their own (`<name>@embed2-mlp2`), so each host reads its slices without copying them. A config whose
-mesh cuts no column dimension (dp, tp over rows only) uses the plain conversion. Per-layer tensors are
-stored stacked over the layers, as the engine holds them (layout.TensorSink); a cached conversion from
-before stacking (one tensor per layer) is converted again once, replacing it.
+the mesh cuts are stored split into those parts (format version 2 / 4, layout.SplitPlan), in a cache
+directory of their own (`<name>@stacked-embed2-mlp2`), so each host reads its slices without copying them. A config whose
+mesh cuts no column dimension (dp, tp over rows only) gets `<name>@stacked`. A conversion for a config
+stores the per-layer tensors stacked over the layers, as the engine holds them (layout.TensorSink); the
+plain `<name>` (no config: tools, `raydeploy generate`) keeps one tensor per layer, which any mesh reads by
+rows. A cached conversion in the other layout than its name says is converted again once, replacing it.
 """
 
 from __future__ import annotations
@@ -92,20 +93,22 @@ def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEO
 
     gguf_path = demo_gguf_path(name)
     root = cache_root()
-    tag = splits_tag(splits or {})
-    name = f"{name}@{tag}" if tag else name
+    stacked = splits is not None
+    if stacked:
+        tag = splits_tag(splits or {})
+        name = f"{name}@stacked" + (f"-{tag}" if tag else "")
     final = root / name
-    if _is_current(final):
+    if _is_current(final, stacked):
         return final
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(root / f".{name}.lock", lock_timeout_s):
-        if _is_current(final):  # another process finished while we waited
+        if _is_current(final, stacked):  # another process finished while we waited
             return final
         from raydeploy.checkpoint.convert_gguf import convert_gguf
 
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
         try:
-            convert_gguf(gguf_path, tmp, dtype="float32", progress=progress, splits=splits)
+            convert_gguf(gguf_path, tmp, dtype="float32", progress=progress, splits=splits, stacked=stacked)
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
             if final.exists():  # incomplete (crashed run) or written by an older writer: replace it
                 stale = root / f".{name}.stale-{os.getpid()}"
@@ -118,14 +121,14 @@ def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEO
     return final
 
 
-def _is_current(ckpt: Path) -> bool:
-    """A complete cached conversion with aligned tensor data, stacked over the layers."""
+def _is_current(ckpt: Path, stacked: bool) -> bool:
+    """A complete cached conversion with aligned tensor data, stacked over the layers or not as asked."""
     try:
         index = json.loads((ckpt / INDEX_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    stacked = any(split_layer_name(n) is None and n.startswith("layers.") for n in index.get("tensors", {}))
-    return index.get("data_alignment") == DATA_ALIGNMENT and stacked
+    has_stacked = any(split_layer_name(n) is None and n.startswith("layers.") for n in index.get("tensors", {}))
+    return index.get("data_alignment") == DATA_ALIGNMENT and has_stacked == stacked
 
 
 class _exclusive_lock:
