@@ -290,11 +290,13 @@ class CheckpointWriter:
         """Every row of a reserved tensor is in: checksum its bytes (read back) and enter it in the index."""
         e = self._reserved.pop(name).entry
         fd = self._put_fd(e.file)
+        from raydeploy.checkpoint.reader import _pread_tensor_bytes
+
         crcs, check, bb = [], CHECKSUMS[self.checksum], self.block_bytes
         buf = bytearray(min(bb, max(e.length, 1)))
         for start in range(0, e.length, bb):
             view = memoryview(buf)[: min(bb, e.length - start)]
-            _pread_tensor_bytes_into(fd, e, start, view)
+            _pread_tensor_bytes(fd, e, start, view, self.dst)
             crcs.append(check(view))
         self._entries[name] = TensorEntry(name=e.name, dtype=e.dtype, shape=e.shape, file=e.file, offset=e.offset,
                                           length=e.length, segments=e.segments, crc32=tuple(crcs), splits=e.splits)
@@ -360,16 +362,6 @@ def _pwrite_tensor_bytes(fd: int, e: TensorEntry, start: int, raw: memoryview) -
         done = 0
         while done < take:
             done += os.pwrite(fd, raw[at + done: at + take], off + done)
-
-
-def _pread_tensor_bytes_into(fd: int, e: TensorEntry, start: int, out: memoryview) -> None:
-    for off, at, take in tensor_spans(e, start, len(out)):
-        done = 0
-        while done < take:
-            n = os.preadv(fd, [out[at + done: at + take]], off + done)
-            if n == 0:
-                raise CheckpointError(f"unexpected end of file at byte {off + done}", e.file, tensor=e.name)
-            done += n
 
 
 def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:
