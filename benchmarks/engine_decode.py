@@ -13,6 +13,12 @@ text (teacher-forced, every position).
 
     .venv/bin/python benchmarks/engine_decode.py --dtype float32,bfloat16   # our engine in both weight dtypes
     .venv/bin/python benchmarks/engine_decode.py --rounds 3   # interleaved repeats, medians reported
+    .venv/bin/python benchmarks/engine_decode.py --sampling temperature=0.7,top_p=0.95   # sampled decode
+
+With `--sampling`, the timed decodes sample on both sides with those settings (the embedded default's are
+temperature 0.7, top_p 0.95; transformers gets the same temperature / top_p / top_k, its default top_k of 50
+off unless given), every row decodes its full token count (eos ignored on both sides), and one seed per
+row; the quality checks stay greedy.
 
 Our engine runs the serving configuration: max_slots 8 (a decode covers the occupied slots' bucket, so at
 batch 1 one row), 4 decode steps per plan, float32 activations, float32 weights unless --dtype says
@@ -104,7 +110,20 @@ def _our_perplexity(llama_cfg, params, dtype: str, ids: list[int]) -> float:
     return _perplexity(jnp.take_along_axis(lp, jnp.asarray(ids[1:])[:, None], axis=-1)[:, 0].tolist())
 
 
-def bench_ours(new_tokens: int, dtype: str) -> dict:
+def _parse_sampling(text: str | None) -> dict:
+    """`temperature=0.7,top_p=0.95[,top_k=K]` -> the settings (empty: greedy)."""
+    if not text:
+        return {}
+    out: dict = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key not in ("temperature", "top_p", "top_k") or not value:
+            raise ValueError(f"--sampling takes temperature=, top_p= and top_k= (comma-separated), got {part!r}")
+        out[key] = int(value) if key == "top_k" else float(value)
+    return out
+
+
+def bench_ours(new_tokens: int, dtype: str, sampling: dict) -> dict:
     import jax
     from transformers import AutoTokenizer
 
@@ -115,6 +134,7 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     from raydeploy.engine.local import LocalRunner
     from raydeploy.engine.request import GenerationRequest
     from raydeploy.engine.scheduler import Paging, Scheduler
+    from raydeploy.engine.step import SamplingParams
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
 
@@ -138,7 +158,9 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
         sched = Scheduler(8, 512, (), 16, [64, 512], slot_order=engine.slot_order, decode_steps=engine.decode_steps,
                           paging=paging)
         runner = LocalRunner(engine, sched)
-        reqs = [GenerationRequest(f"b{batch}-{i}", tuple(prompts[i]), new_tokens) for i in range(batch)]
+        reqs = [GenerationRequest(f"b{batch}-{i}", tuple(prompts[i]), new_tokens,
+                                  SamplingParams(**sampling, seed=i) if sampling else SamplingParams(),
+                                  ignore_eos=bool(sampling)) for i in range(batch)]
         t = time.perf_counter()
         outs = runner.generate(reqs)
         total = time.perf_counter() - t
@@ -150,13 +172,15 @@ def bench_ours(new_tokens: int, dtype: str) -> dict:
     run(1)  # one untimed pass: first calls after warmup still page in buffers
     outs1, ttft1, tps1 = run(1)
     _, ttft8, tps8 = run(8)
-    return {"backend": f"raydeploy engine (JAX, {dtype} weights, max_slots 8, decode_steps {engine.decode_steps})", "ttft_s": ttft1, "decode_tok_s_b1": tps1,
+    how = f", sampling {sampling}" if sampling else ""
+    return {"backend": f"raydeploy engine (JAX, {dtype} weights, max_slots 8, decode_steps {engine.decode_steps}{how})",
+            "ttft_s": ttft1, "decode_tok_s_b1": tps1,
             "decode_tok_s_b8": tps8, "ttft_b8_s": ttft8, "load_s": load_s,
             "compile_s": sum(compile_s.values()), "peak_rss_mb": _peak_rss_mb(), "perplexity": ppl,
-            "greedy_tokens": outs1[0].token_ids}
+            "greedy_tokens": None if sampling else outs1[0].token_ids}
 
 
-def bench_hf(new_tokens: int) -> dict:
+def bench_hf(new_tokens: int, sampling: dict) -> dict:
     import torch
     from hf_reference import load_hf
 
@@ -166,15 +190,18 @@ def bench_hf(new_tokens: int) -> dict:
     load_s = time.perf_counter() - t0
     prompts = _tokenized(tok, 8)
 
+    sample_kw = {"do_sample": True, "top_k": 0, **sampling} if sampling else {"do_sample": False}
+
     def gen(batch: int, n: int) -> tuple[float, list[int]]:
         ids = prompts[:batch]
         width = max(len(i) for i in ids)
         input_ids = torch.tensor([[2] * (width - len(i)) + i for i in ids])
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+        torch.manual_seed(0)
         t = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=2)
+                                 pad_token_id=2, **sample_kw)
         return time.perf_counter() - t, out[0, width:].tolist()
 
     from hf_reference import hf_greedy, trusted_steps
@@ -189,7 +216,8 @@ def bench_hf(new_tokens: int) -> dict:
     ppl = _perplexity(lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist())
     ttft8, _ = gen(8, 1)
     t8, _ = gen(8, new_tokens)
-    return {"backend": "transformers PyTorch (float32, 2 threads)", "ttft_s": ttft1,
+    how = f", sampling {sampling}" if sampling else ""
+    return {"backend": f"transformers PyTorch (float32, 2 threads{how})", "ttft_s": ttft1,
             "decode_tok_s_b1": (new_tokens - 1) / (t1 - ttft1), "decode_tok_s_b8": 8 * (new_tokens - 1) / (t8 - ttft8),
             "ttft_b8_s": ttft8, "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "perplexity": ppl,
             "greedy_tokens": tokens, "greedy_trusted_steps": trusted_steps(gaps)}
@@ -228,19 +256,21 @@ def bench_llamacpp(new_tokens: int) -> dict:
 # -- orchestration --------------------------------------------------------------------------------------------
 
 
-def _child(backend: str, new_tokens: int, dtype: str) -> None:
+def _child(backend: str, new_tokens: int, dtype: str, sampling: str | None) -> None:
     _env()
     if backend == "ours":
-        res = bench_ours(new_tokens, dtype)
+        res = bench_ours(new_tokens, dtype, _parse_sampling(sampling))
     elif backend == "hf":
-        res = bench_hf(new_tokens)
+        res = bench_hf(new_tokens, _parse_sampling(sampling))
     else:
         res = bench_llamacpp(new_tokens)
     print("RESULT " + json.dumps(res))
 
 
-def _run_child(backend: str, new_tokens: int, dtype: str, timeout_s: float) -> dict | None:
+def _run_child(backend: str, new_tokens: int, dtype: str, timeout_s: float, sampling: str | None) -> dict | None:
     cmd = [sys.executable, __file__, "--child", backend, "--new-tokens", str(new_tokens), "--dtype", dtype]
+    if sampling:
+        cmd += ["--sampling", sampling]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -289,12 +319,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every backend this many times, interleaved, and report the medians (noisy machines)")
     ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument("--sampling", default=None,
+                    help="sample the timed decodes, e.g. temperature=0.7,top_p=0.95 (default: greedy)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.child:
-        _child(args.child, args.new_tokens, args.dtype)
+        _child(args.child, args.new_tokens, args.dtype, args.sampling)
         return 0
+    try:
+        _parse_sampling(args.sampling)
+    except ValueError as e:
+        ap.error(str(e))
     dtypes = args.dtype.split(",")
     if any(d not in ("float32", "bfloat16") for d in dtypes):
         ap.error(f"--dtype takes float32 and/or bfloat16, got {args.dtype!r}")
@@ -302,6 +338,10 @@ def main() -> int:
     for rnd in range(args.rounds):  # interleaved, so every backend sees the same spells of machine load
         for b in args.backends.split(","):
             if b == "llamacpp":
+                if args.sampling:
+                    if rnd == 0:
+                        print("[llamacpp] runs greedy only; skipped with --sampling", file=sys.stderr)
+                    continue
                 try:
                     import llama_cpp  # noqa: F401
                 except ImportError:
@@ -311,13 +351,14 @@ def main() -> int:
                     continue
             for dtype in dtypes if b == "ours" else dtypes[:1]:
                 key = b if b != "ours" or dtype == dtypes[0] else f"ours-{dtype}"
-                r = _run_child(b, args.new_tokens, dtype, args.timeout_s)
+                r = _run_child(b, args.new_tokens, dtype, args.timeout_s, args.sampling)
                 if r is not None:
                     runs.setdefault(key, []).append(r)
                     print(f"[{key} round {rnd + 1}] " + json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}),
                           flush=True)
     results = {key: _median_result(rs) for key, rs in runs.items()}
     report = {"new_tokens": args.new_tokens, "prompts": "chat template, 30-40 tokens", "rounds": args.rounds,
+              "sampling": _parse_sampling(args.sampling) or "greedy",
               "load_avg_1m": os.getloadavg()[0], "results": results}
     for key in [k for k in results if k.startswith("ours")]:
         if "hf" not in results:
@@ -325,9 +366,10 @@ def main() -> int:
         ours, hf, sfx = results[key], results["hf"], key[len("ours"):]
         report[f"speedup_vs_hf_b1{sfx}"] = ours["decode_tok_s_b1"] / hf["decode_tok_s_b1"]
         report[f"speedup_vs_hf_b8{sfx}"] = ours["decode_tok_s_b8"] / hf["decode_tok_s_b8"]
-        report[f"greedy_match_prefix{sfx}"] = _matching_prefix(ours["greedy_tokens"], hf["greedy_tokens"])
-        report[f"greedy_matches_trusted_steps{sfx}"] = (
-            report[f"greedy_match_prefix{sfx}"] >= hf["greedy_trusted_steps"])
+        if ours["greedy_tokens"] is not None:  # sampled runs check quality by perplexity only
+            report[f"greedy_match_prefix{sfx}"] = _matching_prefix(ours["greedy_tokens"], hf["greedy_tokens"])
+            report[f"greedy_matches_trusted_steps{sfx}"] = (
+                report[f"greedy_match_prefix{sfx}"] >= hf["greedy_trusted_steps"])
         report[f"perplexity_ratio_vs_hf{sfx}"] = ours["perplexity"] / hf["perplexity"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

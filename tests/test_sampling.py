@@ -109,6 +109,25 @@ def test_large_seeds_are_reduced_not_rejected(seed):
     assert host.arrays["seed"].dtype == np.uint32 and int(host.arrays["seed"][host.rows[0]]) == seed % 2**32
 
 
+def test_step_inputs_say_whether_any_row_samples_or_filters():
+    """The sampling branch and the top-k/top-p mask run on flags the host sets from the rows' parameters
+    (replicated inputs), never on a reduction over rows that may sit on other devices."""
+    from raydeploy.engine.kv_cache import PageTables, build_inputs
+    from raydeploy.engine.step import SeqStep
+
+    cases = [([SamplingParams(), SamplingParams(top_p=0.5)], (False, False)),  # greedy rows never filter
+             ([SamplingParams(), SamplingParams(temperature=0.7)], (True, False)),
+             ([SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.95)], (True, True)),
+             ([SamplingParams(temperature=1.0, top_k=40), SamplingParams()], (True, True))]
+    for params, want in cases:
+        tables = PageTables(2, 1, 4, 8)
+        for slot, sp in enumerate(params):
+            tables.sampling[slot] = sp
+        host = build_inputs([SeqStep(s, np.arange(3, dtype=np.int32), 0, True) for s in range(2)], tables, 8, 8, 2, 4)
+        got = (bool(host.arrays["any_sampled"]), bool(host.arrays["any_filtered"]))
+        assert got == want, (params, got)
+
+
 def _sorted_reference_mask(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     """Hugging Face's order with a full sort: top-k, then the smallest prefix of the renormalised top-k
     distribution whose mass reaches top_p (ties at either threshold kept)."""
@@ -156,13 +175,68 @@ def test_top_k_candidates_equal_a_full_sort(seed):
     ps = np.asarray([0.9, 1.0, 0.5, 0.3, 1.0], np.float32)
     got = np.asarray(top_k_top_p_mask(jnp.asarray(lg), jnp.asarray(ks), jnp.asarray(ps)))
     k = jnp.asarray(np.where(ks <= 0, v, ks))
-    cand = np.asarray(_candidate_mask(jnp.asarray(lg), k, jnp.asarray(ps), TOP_K_CANDIDATES))
+    x = jnp.asarray(lg)
+    cand = np.asarray(_candidate_mask(x, k, jnp.asarray(ps), jax.lax.top_k(x, TOP_K_CANDIDATES)[0],
+                                      jax.nn.logsumexp(x, axis=-1)))
     bis = np.asarray(_bisection_mask(jnp.asarray(lg), k, jnp.asarray(ps)))
     for i in range(5):
         want = _sorted_reference_mask(lg[i], int(ks[i]), float(ps[i]))
         np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}: top_k={ks[i]} top_p={ps[i]}")
         np.testing.assert_array_equal(cand[i], want, err_msg=f"candidates, row {i}")
         np.testing.assert_array_equal(bis[i], want, err_msg=f"bisection, row {i}")
+
+
+def _peaked_rows(rng: np.random.Generator, rows: int, v: int) -> np.ndarray:
+    """Rows shaped like a trained model's logits: a few dozen plausible tokens, a long flat tail."""
+    lg = rng.normal(size=(rows, v)).astype(np.float32)
+    for r in range(rows):
+        top = rng.choice(v, size=40, replace=False)
+        lg[r, top] += rng.uniform(10, 14, size=40).astype(np.float32)
+    return lg
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_p_without_top_k_from_candidates_equals_a_full_sort(seed):
+    """Top-p with no top-k (the embedded default's sampling) over a 49152-token vocabulary: when the
+    candidates hold p of a row's mass the thresholds come from them alone, and equal a full sort's over the
+    whole row; a flat row whose candidates do not reach p sends the batch through the bisection, still equal."""
+    from raydeploy.engine.sampling import TOP_K_CANDIDATES, _candidate_mask
+
+    rng = np.random.default_rng(seed)
+    v = 49152
+    lg = _peaked_rows(rng, 4, v)
+    lg[2, :12] = lg[2].max()  # ties at the top
+    ps = np.asarray([0.95, 0.5, 0.9, 0.98], np.float32)
+    x = jnp.asarray(lg)
+    vals, lse = jax.lax.top_k(x, TOP_K_CANDIDATES)[0], jax.nn.logsumexp(x, axis=-1)
+    mass = np.asarray(jnp.sum(jnp.exp(vals - lse[:, None]), axis=-1))
+    assert (mass >= ps).all(), mass  # the candidate route is the one under test
+    k = jnp.full((4,), v, jnp.int32)
+    cand = np.asarray(_candidate_mask(x, k, jnp.asarray(ps), vals, lse))
+    got = np.asarray(top_k_top_p_mask(x, jnp.zeros(4, jnp.int32), jnp.asarray(ps)))
+    for i in range(4):
+        want = _sorted_reference_mask(lg[i], 0, float(ps[i]))
+        np.testing.assert_array_equal(cand[i], want, err_msg=f"candidates, row {i}: top_p={ps[i]}")
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}: top_p={ps[i]}")
+    flat = lg.copy()
+    flat[3] = rng.normal(size=v).astype(np.float32) * 0.5  # top 128 of 49152 hold ~0.5% of the mass
+    got = np.asarray(top_k_top_p_mask(jnp.asarray(flat), jnp.zeros(4, jnp.int32), jnp.asarray(ps)))
+    for i in range(4):
+        want = _sorted_reference_mask(flat[i], 0, float(ps[i]))
+        assert i != 3 or want.sum() > TOP_K_CANDIDATES
+        np.testing.assert_array_equal(got[i], want, err_msg=f"with a flat row, row {i}: top_p={ps[i]}")
+
+
+def test_top_values_over_chunks_equal_one_top_k():
+    """A sharded vocabulary's chunked candidates are the same values as one `lax.top_k` over the row."""
+    from raydeploy.engine.sampling import TOP_K_CHUNKS, _top_values, chunks_for_shards
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 49152 + 5)).astype(np.float32))
+    one = np.asarray(_top_values(x, 128, chunks_for_shards(1)))
+    chunked = np.asarray(_top_values(x, 128, chunks_for_shards(4)))
+    np.testing.assert_array_equal(chunked, one)
+    np.testing.assert_array_equal(one, np.sort(np.asarray(x), axis=-1)[:, ::-1][:, :128])
+    assert chunks_for_shards(1) == 1 and chunks_for_shards(2) == TOP_K_CHUNKS
 
 
 def test_greedy_and_top_k_programs_sort_nothing():

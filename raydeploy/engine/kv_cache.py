@@ -180,6 +180,7 @@ class StepInputs:
     sample_position: jax.Array  # i32[G*R] position the sampled token takes (its randomness key)
     reset: jax.Array           # bool[max_slots] slots whose repetition-penalty set starts over this step
     any_sampled: jax.Array     # bool[] some row samples with temperature > 0
+    any_filtered: jax.Array    # bool[] some sampling row has a top-k or a top-p
 
 
 # Leading-axis layout of each field: "tokens" = [G*T], "rows" = [G*R...], "groups" = [G], "replicated".
@@ -189,7 +190,7 @@ FIELD_LAYOUT = {
     "kv_lens": "rows", "page_indices": "rows", "ring_page_indices": "rows", "cu_q_lens": "rows", "num_seqs": "rows",
     "logit_index": "rows", "row_slot": "rows", "temperature": "rows", "top_p": "rows", "top_k": "rows",
     "repetition_penalty": "rows", "seed": "rows", "sample_position": "rows",
-    "reset": "replicated", "any_sampled": "replicated",
+    "reset": "replicated", "any_sampled": "replicated", "any_filtered": "replicated",
 }
 
 
@@ -208,6 +209,7 @@ def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: 
     out["num_seqs"] = ((g,), i32)
     out["reset"] = ((max_slots,), np.dtype(bool))
     out["any_sampled"] = ((), np.dtype(bool))
+    out["any_filtered"] = ((), np.dtype(bool))
     return out
 
 
@@ -242,7 +244,7 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     fill_t = np.zeros(g_n, np.int64)
     fill_r = np.zeros(g_n, np.int64)
     out_rows = []
-    any_sampled = False
+    any_sampled = any_filtered = False
     for q in seqs:
         g = q.slot // spg
         r, t0 = int(fill_r[g]), int(fill_t[g])
@@ -281,6 +283,7 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
             a["seed"][row] = sp.seed % SEED_MODULUS
             a["sample_position"][row] = kv_len
             any_sampled |= sp.temperature > 0
+            any_filtered |= sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
         fill_t[g] += n
         fill_r[g] += 1
         out_rows.append(row)
@@ -291,4 +294,5 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
         a["num_seqs"][g] = r_live
     a["reset"][list(reset)] = True
     a["any_sampled"] = np.asarray(any_sampled)
+    a["any_filtered"] = np.asarray(any_filtered)
     return HostStep(a, out_rows)

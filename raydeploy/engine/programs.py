@@ -46,10 +46,10 @@ from raydeploy.engine.kv_cache import (
     pool_specs,
     step_tokens,
 )
-from raydeploy.engine.sampling import sample
+from raydeploy.engine.sampling import chunks_for_shards, sample
 from raydeploy.model.llama import DTYPES, ActivationSharding
 from raydeploy.model.registry import Family
-from raydeploy.model.sharding import partition_spec
+from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
 from raydeploy.model.spec import pages_per_seq, resolve_num_pages
 
 
@@ -193,6 +193,8 @@ class ProgramSet:
         self.shard = ActivationSharding.create(mesh, self.rules)
         self.dp_axes = self.shard.slot_axes
         self.groups = self.shard.slot_groups
+        vocab_axes = logical_to_mesh_axes(("act_vocab",), self.rules, mesh_shape, "logits")[0] or ()
+        self.vocab_chunks = chunks_for_shards(math.prod(mesh_shape[a] for a in vocab_axes))
         if self.max_slots % self.groups:
             raise ValueError(f"engine.max_slots {self.max_slots} is not divisible by the {self.groups} dp groups")
         self.slots_per_group = self.max_slots // self.groups
@@ -372,7 +374,7 @@ class ProgramSet:
         presence = presence.at[inp.token_slot, tokens].set(True, mode="drop")
         seen = presence[jnp.minimum(inp.row_slot, ms - 1)]
         tok, lp = sample(logits, seen, inp.temperature, inp.top_p, inp.top_k, inp.repetition_penalty, inp.seed,
-                         inp.sample_position, inp.any_sampled)
+                         inp.sample_position, inp.any_sampled, self.vocab_chunks, inp.any_filtered)
         presence = presence.at[inp.row_slot, tok].set(True, mode="drop")
         last_tokens = last_tokens.at[inp.row_slot].set(tok, mode="drop")
         return pool, presence, last_tokens, pack(tok, lp)
