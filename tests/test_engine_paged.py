@@ -249,6 +249,37 @@ def test_greedy_tokens_and_logprobs_match_transformers(alone, reference):
     _check_reference(alone, reference)
 
 
+def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, prompt_ids, alone):
+    """On CPU the one-token step program runs the layers unrolled, over per-layer arrays that are views of the
+    stacked weights' memory (XLA CPU copies a scanned layer's weight slice before each matmul); every other
+    program scans. The unrolled program's tokens and logprobs equal the scanned one's."""
+    from raydeploy.engine.programs import ProgramShape
+
+    ps = engine.programs_set
+    pages = ps.page_buckets[0]
+    assert ps.unrolled(ProgramShape("step", 1, pages))
+    assert not any(ps.unrolled(ProgramShape("step", t, pages)) for t in ps.token_buckets if t > 1)
+    views = engine._layer_views
+    stacked = [engine._param_leaves[i] for i in ps.layer_leaves]
+    assert len(views) == engine.cfg.num_layers and len(stacked) >= 9
+    for layer in (0, 7, engine.cfg.num_layers - 1):
+        for view, x in zip(views[layer], stacked, strict=True):
+            step = int(np.prod(x.shape[1:])) * x.dtype.itemsize
+            assert view.unsafe_buffer_pointer() == x.unsafe_buffer_pointer() + layer * step  # no copy
+            np.testing.assert_array_equal(np.asarray(view), np.asarray(x)[layer])
+    unrolled = alone[0]
+    saved = ps.unrolled_tokens
+    try:
+        ps.unrolled_tokens = frozenset()
+        engine._executables.clear()
+        scanned = PlanDriver(engine).run([("r0", prompt_ids[0], NEW_TOKENS, None)])["r0"]
+    finally:
+        ps.unrolled_tokens = saved
+        engine._executables.clear()
+    assert scanned["out"] == unrolled["out"]
+    np.testing.assert_allclose(scanned["logprobs"], unrolled["logprobs"], atol=1e-5)
+
+
 def test_dp2_prefills_on_the_owning_group_and_matches_transformers(demo_checkpoint, prompt_ids, reference):
     dp = _build_engine(demo_checkpoint, {"dp": 2})
     assert dp.groups == 2 and dp.slot_order == [0, 2, 1, 3]

@@ -69,6 +69,8 @@ class Engine:
         _, state = family.build_model(cfg, params, model_cfg.dtype, model_cfg.param_dtype, ps.kernel_layout)
         del params
         self._param_leaves = jax.tree.leaves(state)
+        # the one-token CPU programs' weights: per-layer arrays over the stacked ones' memory (or none)
+        self._layer_views = ps.layer_views(self._param_leaves)
         self.pool = allocate_pool(family, cfg, ps.layout, ps.total_pages, ps.page_size, ps.max_slots, ps.dtype, mesh,
                                   ps.rules)
         vocab = cfg.vocab_size
@@ -253,13 +255,15 @@ class Engine:
             longest = max(longest, q.start + q.num_tokens + steps - 1)
         tokens = ps.token_buckets[bisect.bisect_left(ps.token_buckets, int(per_group.max()))]
         pages = ps.page_buckets[bisect.bisect_left(ps.page_buckets, -(-longest // ps.page_size))]
-        exe = self.executable(ProgramShape("step", tokens, pages))
+        shape = ProgramShape("step", tokens, pages)
+        exe = self.executable(shape)
+        params = (self._param_leaves, self._layer_views) if ps.unrolled(shape) else self._param_leaves
         outs, rows = [], []
         for k in range(steps):  # no host round trip between the steps of a plan
             host = build_inputs(seqs, t, ps.page_size, tokens, ps.rows_for(tokens), pages, step=k,
                                 reset=reset if k == 0 else ())
             self.pool, self.presence, self.last_tokens, out = exe(
-                self._param_leaves, self.pool, self.presence, self.last_tokens, self._device_inputs(host.arrays))
+                params, self.pool, self.presence, self.last_tokens, self._device_inputs(host.arrays))
             outs.append(out)
             rows = host.rows
         packed = np.stack([np.asarray(o) for o in outs])  # [steps, 2, G*R]

@@ -43,6 +43,7 @@ from raydeploy.model.llama import (
     _constrain,
     apply_rope,
     rope_inv_freq,
+    scan_layers,
 )
 from raydeploy.model.registry import GGUF_NORM_PLUS_ONE, Family
 from raydeploy.model.spec import TensorSpec
@@ -215,6 +216,8 @@ class Gemma3MLP(nnx.Module):
 
 
 class Gemma3Layer(nnx.Module):
+    unrollable = True  # `scan` goes through `scan_layers`
+
     def __init__(self, cfg: Gemma3Config, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
                  lead: tuple[int, ...] = ()) -> None:
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -230,13 +233,7 @@ class Gemma3Layer(nnx.Module):
 
     def scan(self, body: Any, carry: Any, xs: Any = None) -> tuple[Any, Any]:
         """`lax.scan` of body(layer, carry, x) over the stacked layers (as `DecoderLayer.scan`)."""
-        graphdef, state = nnx.split(self)
-
-        def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
-            layer_state, x = per_layer
-            return body(nnx.merge(graphdef, layer_state), c, x)
-
-        return jax.lax.scan(step, carry, (state, xs))
+        return scan_layers(self, body, carry, xs)
 
 
 def _dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,

@@ -266,6 +266,8 @@ class MoEBlock(nnx.Module):
 
 
 class MoEDecoderLayer(DecoderLayer):
+    unrollable = False  # its scan hands every layer the stacked experts (see `scan`)
+
     def __init__(self, cfg: MoEConfig, param_dtype: Any, rngs: nnx.Rngs | None, lead: tuple[int, ...] = ()) -> None:
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
         attn = Qwen3Attention if cfg.qk_norm else Attention
