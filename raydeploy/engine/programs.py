@@ -139,8 +139,10 @@ UNROLL_MAX_TOKENS = 1
 2 rows 24 -> 21 ms, 4 rows 28 -> 31 ms, 8 rows the same): the one-row decode bucket."""
 
 
-def _layer_sharding(s: NamedSharding) -> NamedSharding:
-    """A stacked [L, ...] parameter's sharding without its (never sharded) layer dimension."""
+def _layer_sharding(s: jax.sharding.Sharding) -> NamedSharding:
+    """A stacked [L, ...] parameter's sharding (a NamedSharding) without its never sharded layer dimension."""
+    if not isinstance(s, NamedSharding):
+        raise TypeError(f"stacked layer parameters are placed with a NamedSharding, got {s!r}")
     return NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
 
 
