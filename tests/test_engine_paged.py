@@ -249,10 +249,11 @@ def test_greedy_tokens_and_logprobs_match_transformers(alone, reference):
     _check_reference(alone, reference)
 
 
-def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, prompt_ids, alone):
+def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, demo_checkpoint, prompt_ids, alone):
     """On CPU the one-token step program runs the layers unrolled, over per-layer arrays that are views of the
     stacked weights' memory (XLA CPU copies a scanned layer's weight slice before each matmul); every other
-    program scans. The unrolled program's tokens and logprobs equal the scanned one's."""
+    program scans. The unrolled program's tokens and logprobs equal those of an engine with
+    `engine.unroll_layers: off`, which scans everywhere."""
     from raydeploy.engine.programs import ProgramShape
 
     ps = engine.programs_set
@@ -268,14 +269,9 @@ def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, 
             assert view.unsafe_buffer_pointer() == x.unsafe_buffer_pointer() + layer * step  # no copy
             np.testing.assert_array_equal(np.asarray(view), np.asarray(x)[layer])
     unrolled = alone[0]
-    saved = ps.unrolled_tokens
-    try:
-        ps.unrolled_tokens = frozenset()
-        engine._executables.clear()
-        scanned = PlanDriver(engine).run([("r0", prompt_ids[0], NEW_TOKENS, None)])["r0"]
-    finally:
-        ps.unrolled_tokens = saved
-        engine._executables.clear()
+    off = _build_engine(demo_checkpoint, {"dp": 1}, unroll_layers="off")
+    assert off.programs_set.unrolled_tokens == frozenset() and off._layer_views is None
+    scanned = PlanDriver(off).run([("r0", prompt_ids[0], NEW_TOKENS, None)])["r0"]
     assert scanned["out"] == unrolled["out"]
     np.testing.assert_allclose(scanned["logprobs"], unrolled["logprobs"], atol=1e-5)
 

@@ -224,7 +224,8 @@ class ProgramSet:
                                 for x, s in zip(leaves, self.param_shardings, strict=True)]
         self.layer_leaves = [i for i, n in enumerate(names) if n.startswith("layers.")]
         self.unrolled_tokens: frozenset[int] = frozenset()
-        if platform in UNROLL_PLATFORMS and getattr(type(self.model(leaves).layers), "unrollable", False):
+        if (engine_cfg.unroll_layers == "auto" and platform in UNROLL_PLATFORMS
+                and getattr(type(self.model(leaves).layers), "unrollable", False)):
             self.unrolled_tokens = frozenset({UNROLL_MAX_TOKENS})
         self.shard = ActivationSharding.create(mesh, self.rules)
         self.dp_axes = self.shard.slot_axes
