@@ -230,7 +230,8 @@ class ProgramSet:
         self.shard = ActivationSharding.create(mesh, self.rules)
         self.dp_axes = self.shard.slot_axes
         self.groups = self.shard.slot_groups
-        vocab_axes = logical_to_mesh_axes(("act_vocab",), self.rules, mesh_shape, "logits")[0] or ()
+        # the logits keep the LM head's vocabulary sharding into sampling (no all-gather of [rows, vocab])
+        vocab_axes = logical_to_mesh_axes(("vocab",), self.rules, mesh_shape, "LM head")[0] or ()
         self.vocab_chunks = chunks_for_shards(math.prod(mesh_shape[a] for a in vocab_axes))
         if self.max_slots % self.groups:
             raise ValueError(f"engine.max_slots {self.max_slots} is not divisible by the {self.groups} dp groups")

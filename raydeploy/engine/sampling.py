@@ -107,7 +107,8 @@ def _candidate_mask(x: jax.Array, k: jax.Array, top_p_b: jax.Array, vals: jax.Ar
 TOP_K_CHUNKS = 16
 """Chunks of a sharded vocabulary for `lax.top_k`: each chunk's candidates first, then the best of those, so a
 vocabulary sharded over tensor parallelism (any shard count dividing it) exchanges only chunks x candidates per
-row, never the logits themselves. An unsharded vocabulary takes one `lax.top_k` (5x faster on XLA CPU)."""
+row, never the logits themselves (the logits keep the LM head's vocabulary sharding). An unsharded vocabulary
+takes one `lax.top_k` (5x faster on XLA CPU)."""
 
 
 def chunks_for_shards(vocab_shards: int) -> int:
