@@ -161,6 +161,45 @@ def test_supervisor_restarts_with_backoff_then_fails_with_root_cause(monkeypatch
     assert len(st["history"]) == 3
 
 
+class _Host:
+    """A host handle whose heartbeat answers, raises, or never answers."""
+
+    def __init__(self, beat: BaseException | dict | None) -> None:
+        self.heartbeat = self
+        self.beat = beat
+
+    def remote(self):
+        async def answer():
+            if self.beat is None:
+                await asyncio.sleep(3600)
+            if isinstance(self.beat, BaseException):
+                raise self.beat
+            return self.beat
+
+        return answer()
+
+
+def test_a_peers_collective_error_is_blamed_on_the_host_that_died(monkeypatch):
+    """Rank 0's step loop fails first ('connection reset by peer') when rank 1 is killed: the cause names the
+    dead host first, then the one that does not answer, then rank 0's own error."""
+    import ray.exceptions
+
+    import raydeploy.gang.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "BLAME_WAIT_S", 0.2)
+    sup = GangSupervisor(load_config(None, []), None)
+    sup.hosts = [_Host({}), _Host(ray.exceptions.ActorDiedError()), _Host({}), _Host(None)]
+    reset = RuntimeError("Gloo AllGather failed: Read error: Connection reset by peer")
+    cause = asyncio.run(sup._blame(0, reset))
+    assert cause.startswith("host 1 died: ActorDiedError"), cause
+    assert "host 3 does not answer within 0.2s" in cause and "host 2" not in cause, cause
+    assert cause.endswith("host 0 failed: RuntimeError: Gloo AllGather failed: Read error: Connection reset by peer")
+    # a host that died itself is the cause without asking the others
+    sup.hosts[1] = _Host(None)
+    assert asyncio.run(sup._blame(2, ray.exceptions.ActorDiedError())) == (
+        "host 2 failed: ActorDiedError: The actor died unexpectedly before finishing this task.")
+
+
 def test_gather_phase_names_failed_and_missing_hosts():
     async def ok() -> int:
         return 1

@@ -32,6 +32,7 @@ from raydeploy.gang.bringup import GangError, _root, bring_up
 
 SUPERVISOR_NAME = "raydeploy-supervisor"
 EXIT_WAIT_S = 30.0
+BLAME_WAIT_S = 5.0  # how long a failed host's peers get to answer before they are named as the cause
 """Upper bound on waiting for the old host processes to exit before a restart."""
 NAMESPACE = "raydeploy"
 STATES = ("starting", "loading", "compiling", "ready", "restarting", "failed", "stopped")
@@ -243,7 +244,7 @@ class GangSupervisor:
                     rank = waiters[fut]
                     err = fut.exception()
                     if err is not None:
-                        return f"host {rank} failed: {_root(err)}"
+                        return await self._blame(rank, err)
                     return f"host {rank} left its step loop unexpectedly"
                 beats = await asyncio.gather(*[self._bounded(h.heartbeat.remote(), max(10.0, c.heartbeat_timeout_s))
                                                for h in self.hosts], return_exceptions=True)
@@ -258,6 +259,27 @@ class GangSupervisor:
         finally:
             for fut in waiters:
                 fut.cancel()
+
+    async def _blame(self, rank: int, err: BaseException) -> str:
+        """The cause of a host's failed step loop, naming first the peers that no longer answer.
+
+        A host that dies takes its peers' collectives down with it, and a peer's error ("connection reset by
+        peer") can reach the supervisor before Ray reports the death: ask the others, bounded, whether they
+        are still there.
+        """
+        import ray
+
+        own = f"host {rank} failed: {_root(err)}"
+        if isinstance(err, ray.exceptions.RayActorError):
+            return own
+        others = [r for r in range(len(self.hosts)) if r != rank]
+        beats = await asyncio.gather(*[self._bounded(self.hosts[r].heartbeat.remote(), BLAME_WAIT_S)
+                                       for r in others], return_exceptions=True)
+        gone = [f"host {r} died: {_root(b)}" if isinstance(b, ray.exceptions.RayActorError)
+                else f"host {r} does not answer within {BLAME_WAIT_S:g}s"
+                if isinstance(b, TimeoutError) else f"host {r} does not answer: {_root(b)}"
+                for r, b in zip(others, beats, strict=True) if isinstance(b, BaseException)]
+        return "; ".join([*gone, own])
 
     async def _teardown(self, cause: str, graceful: bool = False) -> list[dict[str, Any]]:
         """Stop and kill every host, wait until each old process has exited on its node, remove the
