@@ -71,6 +71,8 @@ class Engine:
         self._param_leaves = jax.tree.leaves(state)
         # the one-token CPU programs' weights: per-layer arrays over the stacked ones' memory (or none)
         self._layer_views = ps.layer_views(self._param_leaves)
+        if self._layer_views is None:
+            ps.scan_everywhere()
         self.pool = allocate_pool(family, cfg, ps.layout, ps.total_pages, ps.page_size, ps.max_slots, ps.dtype, mesh,
                                   ps.rules)
         vocab = cfg.vocab_size

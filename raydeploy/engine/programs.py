@@ -329,15 +329,18 @@ class ProgramSet:
     def layer_views(self, leaves: Sequence[jax.Array]) -> list[list[jax.Array]] | None:
         """Per layer, its slice of every stacked layer parameter as an array over the same memory (the
         unrolled programs' weights; no copy), or None when there is nothing to unroll or a slice would be a copy
-        (then the engine stops unrolling: a second copy of the weights costs more than unrolling saves)."""
+        (then call `scan_everywhere`: a second copy of the weights costs more than unrolling saves)."""
         if not self.unrolled_tokens:
             return None
         stacked = [leaves[i] for i in self.layer_leaves]
         views = [[layer_view(x, layer) for x in stacked] for layer in range(stacked[0].shape[0])]
         if not all(_aliases(v, x, layer) for layer, row in enumerate(views) for v, x in zip(row, stacked, strict=True)):
-            self.unrolled_tokens = frozenset()
             return None
         return views
+
+    def scan_everywhere(self) -> None:
+        """Run every step program over the stacked layers (no program is unrolled from now on)."""
+        self.unrolled_tokens = frozenset()
 
     def lower(self, shape: ProgramShape) -> Any:
         """The program lowered for this mesh (compile it with `.compile()`). Traced under the mesh, so a Pallas
@@ -418,24 +421,18 @@ class ProgramSet:
         return attend
 
     def _step_unrolled_fn(self, params, pool, presence, last_tokens, inp: StepInputs):
-        """`_step_fn` with the layers unrolled: params are (leaves, per-layer slices of the stacked layer
-        leaves); the stacked ones go unread."""
+        """`_step_fn` with the layers unrolled: params are (leaves, per layer its slices of the stacked layer
+        leaves, in `layer_leaves` order); the stacked ones go unread."""
         leaves, per_layer = params
-        layers = []
-        for row in per_layer:
-            one = list(leaves)
-            for i, x in zip(self.layer_leaves, row, strict=True):
-                one[i] = x
-            layers.append(self.model(one).layers)
-        return self._step_fn(leaves, pool, presence, last_tokens, inp, layers)
+        return self._step_fn(leaves, pool, presence, last_tokens, inp, per_layer)
 
-    def _step_fn(self, leaves, pool, presence, last_tokens, inp: StepInputs, layers=None):
+    def _step_fn(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer=None):
         """One ragged step. Returns the pool, the repetition-penalty sets, the slots' last tokens and the packed
-        results [2, G*R] (token bits, logprob) of every row. `layers`: one unstacked layer module per layer, run
-        unrolled (`unroll_layers`) instead of scanning the stacked ones."""
+        results [2, G*R] (token bits, logprob) of every row. `per_layer`: each layer's own arrays, run unrolled
+        (`unroll_layers`) instead of scanning the stacked ones."""
         model = self.model(leaves)
-        if layers is not None:
-            unroll_layers(model.layers, layers)
+        if per_layer is not None:
+            unroll_layers(model.layers, per_layer)
         g = self.groups
         t = inp.tokens.shape[0] // g
         r = inp.kv_lens.shape[0] // g
