@@ -32,8 +32,9 @@ from raydeploy.gang.bringup import GangError, _root, bring_up
 
 SUPERVISOR_NAME = "raydeploy-supervisor"
 EXIT_WAIT_S = 30.0
-BLAME_WAIT_S = 5.0  # how long a failed host's peers get to answer before they are named as the cause
 """Upper bound on waiting for the old host processes to exit before a restart."""
+BLAME_WAIT_S = 5.0
+"""How long a failed host's peers get to answer a heartbeat before they are named as the cause."""
 NAMESPACE = "raydeploy"
 STATES = ("starting", "loading", "compiling", "ready", "restarting", "failed", "stopped")
 
@@ -275,10 +276,7 @@ class GangSupervisor:
         others = [r for r in range(len(self.hosts)) if r != rank]
         beats = await asyncio.gather(*[self._bounded(self.hosts[r].heartbeat.remote(), BLAME_WAIT_S)
                                        for r in others], return_exceptions=True)
-        gone = [f"host {r} died: {_root(b)}" if isinstance(b, ray.exceptions.RayActorError)
-                else f"host {r} does not answer within {BLAME_WAIT_S:g}s"
-                if isinstance(b, TimeoutError) else f"host {r} does not answer: {_root(b)}"
-                for r, b in zip(others, beats, strict=True) if isinstance(b, BaseException)]
+        gone = [_absence(r, b) for r, b in zip(others, beats, strict=True) if isinstance(b, BaseException)]
         return "; ".join([*gone, own])
 
     async def _teardown(self, cause: str, graceful: bool = False) -> list[dict[str, Any]]:
@@ -334,6 +332,17 @@ class GangSupervisor:
                                "gbps": round(ld.get("gbps", 0.0), 3), "cpu_seconds": ld.get("cpu_seconds")}
             rows.append(row)
         return rows
+
+
+def _absence(rank: int, err: BaseException) -> str:
+    """Why host `rank` did not answer a heartbeat: it died, or it stayed silent."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayActorError):
+        return f"host {rank} died: {_root(err)}"
+    if isinstance(err, TimeoutError):
+        return f"host {rank} does not answer within {BLAME_WAIT_S:g}s"
+    return f"host {rank} does not answer: {_root(err)}"
 
 
 async def _await(ref: Any) -> Any:

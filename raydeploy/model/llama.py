@@ -281,8 +281,7 @@ def unroll_layers(stack: nnx.Module, per_layer: Sequence[Sequence[jax.Array]]) -
     per-layer arrays); from about four tokens the scanned step is as fast or faster, and an unrolled program
     compiles several times longer, so the engine unrolls only its one-token CPU programs."""
     graphdef, state = nnx.split(stack)
-    stacked = jax.tree.leaves(state)
-    treedef = jax.tree.structure(state)
+    stacked, treedef = jax.tree.flatten(state)
     layers = []
     for i, leaves in enumerate(per_layer):
         shapes = [tuple(x.shape) for x in leaves]
