@@ -248,6 +248,18 @@ def test_registry_specs_match_module_state():
         assert fam.param_count(cfg) == sum(int(np.prod(s)) for s in got.values())
 
 
+def test_family_tensors_are_inserted_after_their_anchor_in_every_layer():
+    """Families build on Llama's list: each added tensor sits right after its anchor, in every layer, and only there."""
+    from raydeploy.model.spec import TensorSpec, with_layer_tensors
+
+    base = {n: TensorSpec(n, (2,), ("norm",)) for n in
+            ["embed.embedding", "layers.0.a", "layers.0.b", "layers.1.a", "layers.1.b", "final_norm.scale"]}
+    got = with_layer_tensors(base, {"a": [("x", (3,), ("norm",)), ("y", (4,), ("norm",))], "c": [("z", (1,), ("n",))]})
+    assert list(got) == ["embed.embedding", "layers.0.a", "layers.0.x", "layers.0.y", "layers.0.b",
+                         "layers.1.a", "layers.1.x", "layers.1.y", "layers.1.b", "final_norm.scale"]
+    assert got["layers.1.y"] == TensorSpec("layers.1.y", (4,), ("norm",))
+
+
 def test_missing_tensor_is_named(family_case, tmp_path):
     """A source checkpoint that lacks one of the family's tensors: the converter names it."""
     from safetensors.numpy import load_file, save_file

@@ -34,6 +34,7 @@ from raydeploy.checkpoint.layout import COPY, KV_BIAS, KV_OI, LINEAR_OI, O_OI, Q
 from raydeploy.model.llama import (
     DTYPES,
     KERNEL_LAYOUTS,
+    MLP,
     ActivationSharding,
     Dense,
     Embed,
@@ -46,7 +47,7 @@ from raydeploy.model.llama import (
     scan_layers,
 )
 from raydeploy.model.registry import GGUF_NORM_PLUS_ONE, Family
-from raydeploy.model.spec import TensorSpec
+from raydeploy.model.spec import TensorSpec, param_specs, with_layer_tensors
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -140,38 +141,15 @@ class Gemma3Config:
 
 
 def gemma3_param_specs(cfg: Gemma3Config) -> dict[str, TensorSpec]:
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    specs: list[TensorSpec] = [TensorSpec("embed.embedding", (v, d), ("vocab", "embed"))]
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}"
-        specs += [
-            TensorSpec(f"{p}.attn_norm.scale", (d,), ("norm",)),
-            TensorSpec(f"{p}.attn.q_proj.kernel", (d, nh, hd), ("embed", "q_heads", "head_dim")),
-            TensorSpec(f"{p}.attn.k_proj.kernel", (d, nkv, hd), ("embed", "kv_heads", "head_dim")),
-            TensorSpec(f"{p}.attn.v_proj.kernel", (d, nkv, hd), ("embed", "kv_heads", "head_dim")),
-        ]
-        if cfg.attention_bias:
-            specs += [
-                TensorSpec(f"{p}.attn.q_proj.bias", (nh, hd), ("q_heads", "head_dim")),
-                TensorSpec(f"{p}.attn.k_proj.bias", (nkv, hd), ("kv_heads", "head_dim")),
-                TensorSpec(f"{p}.attn.v_proj.bias", (nkv, hd), ("kv_heads", "head_dim")),
-            ]
-        specs += [
-            TensorSpec(f"{p}.attn.q_norm.scale", (hd,), ("norm",)),
-            TensorSpec(f"{p}.attn.k_norm.scale", (hd,), ("norm",)),
-            TensorSpec(f"{p}.attn.o_proj.kernel", (nh, hd, d), ("q_heads", "head_dim", "embed")),
-            TensorSpec(f"{p}.post_attn_norm.scale", (d,), ("norm",)),
-            TensorSpec(f"{p}.mlp_norm.scale", (d,), ("norm",)),
-            TensorSpec(f"{p}.mlp.gate_proj.kernel", (d, f), ("embed", "mlp")),
-            TensorSpec(f"{p}.mlp.up_proj.kernel", (d, f), ("embed", "mlp")),
-            TensorSpec(f"{p}.mlp.down_proj.kernel", (f, d), ("mlp", "embed")),
-            TensorSpec(f"{p}.post_mlp_norm.scale", (d,), ("norm",)),
-        ]
-    specs.append(TensorSpec("final_norm.scale", (d,), ("norm",)))
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.kernel", (d, v), ("embed", "vocab")))
-    return {s.name: s for s in specs}
+    """Llama's parameters plus, in each layer, a per-head q and k norm after the q/k/v projections and a norm
+    after the attention and after the MLP (Gemma 3 normalizes each block's output as well as its input)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    norms = [(f"attn.{n}_norm.scale", (hd,), ("norm",)) for n in "qk"]
+    return with_layer_tensors(param_specs(cfg), {
+        "attn.v_proj.bias" if cfg.attention_bias else "attn.v_proj.kernel": norms,
+        "attn.o_proj.kernel": [("post_attn_norm.scale", (d,), ("norm",))],
+        "mlp.down_proj.kernel": [("post_mlp_norm.scale", (d,), ("norm",))],
+    })
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -203,13 +181,8 @@ class Gemma3Attention(nnx.Module):
         return q, k, self.v_proj(x)
 
 
-class Gemma3MLP(nnx.Module):
-    def __init__(self, cfg: Gemma3Config, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
-                 lead: tuple[int, ...] = ()) -> None:
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Dense(d, f, param_dtype, rngs, out_first, lead)
-        self.up_proj = Dense(d, f, param_dtype, rngs, out_first, lead)
-        self.down_proj = Dense(f, d, param_dtype, rngs, out_first, lead)
+class Gemma3MLP(MLP):
+    """Llama's MLP with a tanh-approximated GELU."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))

@@ -29,6 +29,7 @@ import numpy as np
 
 from raydeploy.model.spec import (
     KERNEL_LAYOUTS,
+    DecoderShape,
     LlamaConfig,
     TensorSpec,
     stacked_param_specs,
@@ -235,7 +236,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+    def __init__(self, cfg: DecoderShape, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
                  lead: tuple[int, ...] = ()) -> None:
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Dense(d, f, param_dtype, rngs, out_first, lead)

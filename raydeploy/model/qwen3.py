@@ -17,7 +17,7 @@ import numpy as np
 from raydeploy.checkpoint.layout import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
 from raydeploy.model.llama import MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope
 from raydeploy.model.registry import Family
-from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
+from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs, with_layer_tensors
 
 _L = r"(?P<layer>\d+)"
 
@@ -33,14 +33,8 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
 
 def qwen3_param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
     """Llama's parameters plus a per-head q and k norm in each layer (after `attn.v_proj`)."""
-    out: dict[str, TensorSpec] = {}
-    for name, spec in param_specs(cfg).items():
-        out[name] = spec
-        if name.endswith(".attn.v_proj.kernel"):
-            p = name[: -len(".v_proj.kernel")]
-            out[f"{p}.q_norm.scale"] = TensorSpec(f"{p}.q_norm.scale", (cfg.head_dim,), ("norm",))
-            out[f"{p}.k_norm.scale"] = TensorSpec(f"{p}.k_norm.scale", (cfg.head_dim,), ("norm",))
-    return out
+    norms = [(f"attn.{n}_norm.scale", (cfg.head_dim,), ("norm",)) for n in "qk"]
+    return with_layer_tensors(param_specs(cfg), {"attn.v_proj.kernel": norms})
 
 
 class Qwen3Attention(Attention):

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -85,6 +86,30 @@ def _rope_scaling(rope_params: dict[str, Any]) -> dict[str, Any] | None:
     return None if kind in (None, "default") else dict(rope_params)
 
 
+class DecoderShape(Protocol):
+    """The sizes Llama's parameter list is made of; every family's config has them (`LlamaConfig`,
+    `Gemma3Config`), so families that add tensors to Llama's build on `param_specs` and Llama's modules."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def attention_bias(self) -> bool: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One parameter: its name, shape and the logical name of each dimension."""
@@ -98,7 +123,7 @@ class TensorSpec:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-def param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
+def param_specs(cfg: DecoderShape) -> dict[str, TensorSpec]:
     """Every parameter of the model, in a stable order, keyed by its checkpoint / NNX-state name."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -129,6 +154,22 @@ def param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
         specs.append(TensorSpec("lm_head.kernel", (d, v), ("embed", "vocab")))
     return {s.name: s for s in specs}
 
+
+def with_layer_tensors(specs: dict[str, TensorSpec],
+                       after: Mapping[str, Sequence[tuple[str, tuple[int, ...], tuple[str, ...]]]]
+                       ) -> dict[str, TensorSpec]:
+    """`specs` with more tensors in every layer: each `(suffix, shape, axes)` of `after[key]` is inserted, as
+    `layers.{i}.{suffix}`, right after layer i's tensor named `layers.{i}.{key}` (a family's norms beside Llama's
+    projections; the order stays that of the family's checkpoints)."""
+    out: dict[str, TensorSpec] = {}
+    for name, spec in specs.items():
+        out[name] = spec
+        parts = name.split(".", 2)  # "layers", i, the tensor's name within the layer
+        if len(parts) == 3 and parts[0] == "layers" and parts[2] in after:
+            for suffix, shape, axes in after[parts[2]]:
+                extra = f"layers.{parts[1]}.{suffix}"
+                out[extra] = TensorSpec(extra, shape, axes)
+    return out
 
 # Leading "input" dims of each projection kernel (they are contracted with the activations); the rest are
 # output dims. Kernels not listed here have one input dim.
