@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raydeploy.model.spec import LAYER_AXIS, TensorSpec, split_layer_name
+from raydeploy.model.spec import LAYER_AXIS, TensorSpec, split_layer_name, stack_layer_specs
 
 # model_type -> "python.module:ATTRIBUTE" holding that family's `Family`.
 _ENTRIES: dict[str, str] = {
@@ -86,15 +86,7 @@ class Family:
     def stacked_param_specs(self, cfg: Any) -> dict[str, TensorSpec]:
         """Per-layer tensors stacked over the layers (`layers.{i}.x` -> `layers.x` [L, ...]), as the module's
         state holds them."""
-        out: dict[str, TensorSpec] = {}
-        for name, spec in self.param_specs(cfg).items():
-            split = split_layer_name(name)
-            if split is None:
-                out[name] = spec
-            elif split[0] == 0:
-                stacked = f"layers.{split[1]}"
-                out[stacked] = TensorSpec(stacked, (cfg.num_layers, *spec.shape), (LAYER_AXIS, *spec.logical_axes))
-        return out
+        return stack_layer_specs(self.param_specs(cfg), cfg.num_layers)
 
     def param_count(self, cfg: Any) -> int:
         return sum(s.numel for s in self.param_specs(cfg).values())

@@ -164,10 +164,10 @@ def with_layer_tensors(specs: dict[str, TensorSpec],
     out: dict[str, TensorSpec] = {}
     for name, spec in specs.items():
         out[name] = spec
-        parts = name.split(".", 2)  # "layers", i, the tensor's name within the layer
-        if len(parts) == 3 and parts[0] == "layers" and parts[2] in after:
-            for suffix, shape, axes in after[parts[2]]:
-                extra = f"layers.{parts[1]}.{suffix}"
+        split = split_layer_name(name)
+        if split is not None and split[1] in after:
+            for suffix, shape, axes in after[split[1]]:
+                extra = f"layers.{split[0]}.{suffix}"
                 out[extra] = TensorSpec(extra, shape, axes)
     return out
 
@@ -219,14 +219,19 @@ def stacked_param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
     `layers.{i}.attn.q_proj.kernel` [D, N, H] for i < L becomes `layers.attn.q_proj.kernel` [L, D, N, H] with
     logical axes (layers, embed, q_heads, head_dim), so the forward pass is one `lax.scan` over the layers and
     a program's size (and its compile time) does not grow with depth. Checkpoints keep per-layer names."""
+    return stack_layer_specs(param_specs(cfg), cfg.num_layers)
+
+
+def stack_layer_specs(specs: dict[str, TensorSpec], num_layers: int) -> dict[str, TensorSpec]:
+    """Any family's per-layer list stacked: `layers.{i}.x` -> `layers.x` [num_layers, ...] (layer 0's shape)."""
     out: dict[str, TensorSpec] = {}
-    for name, spec in param_specs(cfg).items():
+    for name, spec in specs.items():
         split = split_layer_name(name)
         if split is None:
             out[name] = spec
         elif split[0] == 0:
             stacked = f"layers.{split[1]}"
-            out[stacked] = TensorSpec(stacked, (cfg.num_layers, *spec.shape), (LAYER_AXIS, *spec.logical_axes))
+            out[stacked] = TensorSpec(stacked, (num_layers, *spec.shape), (LAYER_AXIS, *spec.logical_axes))
     return out
 
 
