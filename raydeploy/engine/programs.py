@@ -110,7 +110,6 @@ def pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
     return jnp.stack([jax.lax.bitcast_convert_type(tokens, jnp.float32), logprobs])
 
 
-
 AttentionFn = Callable[..., jax.Array]
 
 MIN_PAGE_BUCKET_TOKENS = 256
