@@ -78,7 +78,7 @@ class Engine:
         vocab = cfg.vocab_size
         self.presence = jax.jit(lambda: jnp.zeros((ps.max_slots, vocab), bool),
                                 out_shardings=ps.presence_sharding)()
-        self.last_tokens = jax.jit(lambda: jnp.zeros((ps.max_slots,), jnp.int32), out_shardings=ps.replicated)()
+        self.last_tokens = jax.jit(lambda: jnp.zeros((ps.max_slots,), jnp.int32), out_shardings=ps.sharded_1d)()
         self.tables = PageTables(ps.max_slots, ps.groups, ps.max_pages_per_seq, ps.pages_per_group,
                                  ps.layout.ring_pages)
         self._active = np.zeros(ps.max_slots, bool)  # slot-form plans: slots holding a request

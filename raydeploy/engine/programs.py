@@ -268,7 +268,8 @@ class ProgramSet:
         dp = _axes_entry(self.dp_axes)
         self.sharded_1d = NamedSharding(mesh, PartitionSpec(dp))
         self.sharded_2d = NamedSharding(mesh, PartitionSpec(dp, None))
-        outs = (self.pool_sharding, self.presence_sharding, self.replicated, self.replicated)
+        # the slots' last tokens live on their group's devices, like the slots' pages and repetition-penalty sets
+        outs = (self.pool_sharding, self.presence_sharding, self.sharded_1d, self.replicated)
         self.step = jax.jit(self._step_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
         self.step_unrolled = jax.jit(self._step_unrolled_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
         self.presence_row = jax.jit(lambda presence, slot, row: presence.at[slot].set(row), donate_argnums=(0,),
@@ -303,7 +304,7 @@ class ProgramSet:
                      for shape, sh in zip(self.pool_shapes, self.pool_sharding, strict=True))
         presence = jax.ShapeDtypeStruct((self.max_slots, self.cfg.vocab_size), jnp.bool_,
                                         sharding=self.presence_sharding)
-        last = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.replicated)
+        last = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.sharded_1d)
         return self.abstract_params, pool, presence, last
 
     def unrolled(self, shape: ProgramShape) -> bool:
@@ -361,6 +362,21 @@ class ProgramSet:
             return fn
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=frozenset(self.mesh.axis_names), check_vma=False)
+
+    def _per_group(self, fn: Callable[..., Any], sharded: int, replicated: int = 0) -> Callable[..., Any]:
+        """fn once per dp group, on the group's own rows, slots and token places: shard_map over the slot (dp)
+        axes only, every other mesh axis left to the partitioner. The first `sharded` arguments and every
+        output are split along their first dim over those axes, the `replicated` ones after them are scalars.
+
+        Written over the whole batch instead, the partitioner cannot know that a group's rows only index its
+        own slots: it all-gathered the rows' logits ([rows, vocab]: 3 MB a pass at 16 rows of a 49k
+        vocabulary), the repetition-penalty sets and every scatter's indices across the dp groups, seven
+        collectives a pass, which between hosts cross the network."""
+        if self.groups == 1:
+            return fn
+        dp = PartitionSpec(_axes_entry(self.dp_axes))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(dp,) * sharded + (PartitionSpec(),) * replicated,
+                             out_specs=dp, axis_names=frozenset(self.dp_axes), check_vma=False)
 
     def _attend(self, inp: StepInputs) -> Callable[..., Any]:
         """The per-layer attention of the ragged forward. The pool is carried through the layer scan: each layer
@@ -435,18 +451,45 @@ class ProgramSet:
         g = self.groups
         t = inp.tokens.shape[0] // g
         r = inp.kv_lens.shape[0] // g
-        ms = self.max_slots
-        tokens = jnp.where(inp.from_last >= 0, last_tokens[jnp.maximum(inp.from_last, 0)], inp.tokens)
+        tokens = self._per_group(_last_token_inputs, 3)(last_tokens, inp.from_last, inp.tokens)
         h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp), self.shard, cache=pool)
         hg = h.reshape(g, t, h.shape[-1])
         last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices
         logits = model.logits(last, self.shard)
-        presence = presence & ~inp.reset[:, None]
-        presence = presence.at[inp.token_slot, tokens].set(True, mode="drop")
-        seen = presence[jnp.minimum(inp.row_slot, ms - 1)]
-        tok, lp = sample(logits, seen, inp.temperature, inp.top_p, inp.top_k, inp.repetition_penalty, inp.seed,
-                         inp.sample_position, inp.any_sampled, self.vocab_chunks, inp.any_filtered)
-        presence = presence.at[inp.row_slot, tok].set(True, mode="drop")
-        last_tokens = last_tokens.at[inp.row_slot].set(tok, mode="drop")
+        tail = partial(_sample_rows, max_slots=self.max_slots, vocab_chunks=self.vocab_chunks)
+        presence, last_tokens, tok, lp = self._per_group(tail, 13, replicated=2)(
+            logits, presence, last_tokens, inp.reset, tokens, inp.token_slot, inp.row_slot, inp.temperature,
+            inp.top_p, inp.top_k, inp.repetition_penalty, inp.seed, inp.sample_position, inp.any_sampled,
+            inp.any_filtered)
         return pool, presence, last_tokens, pack(tok, lp)
+
+
+def _group_slot(slot: jax.Array, max_slots: int, slots_per_group: int) -> jax.Array:
+    """A slot id as an index into its group's own slots; padding (`max_slots`) stays out of range."""
+    return jnp.where(slot < max_slots, slot % slots_per_group, slots_per_group)
+
+
+def _last_token_inputs(last_tokens: jax.Array, from_last: jax.Array, tokens: jax.Array) -> jax.Array:
+    """A group's token places: a decode row's input is its slot's last sampled token (`from_last` >= 0, the
+    slot), a prompt place its own token."""
+    src = jnp.where(from_last >= 0, from_last % last_tokens.shape[0], 0)
+    return jnp.where(from_last >= 0, last_tokens[src], tokens)
+
+
+def _sample_rows(logits, presence, last_tokens, reset, tokens, token_slot, row_slot, temperature, top_p, top_k,
+                 repetition_penalty, seed, sample_position, any_sampled, any_filtered, *, max_slots: int,
+                 vocab_chunks: int):
+    """A group's sampling: its slots' repetition-penalty sets take this step's tokens, its rows sample, and each
+    sampled token joins its slot's set and becomes the slot's last token."""
+    spg = presence.shape[0]
+    tslot = _group_slot(token_slot, max_slots, spg)
+    rslot = _group_slot(row_slot, max_slots, spg)
+    presence = presence & ~reset[:, None]
+    presence = presence.at[tslot, tokens].set(True, mode="drop")
+    seen = presence[jnp.minimum(rslot, spg - 1)]
+    tok, lp = sample(logits, seen, temperature, top_p, top_k, repetition_penalty, seed, sample_position,
+                     any_sampled, vocab_chunks, any_filtered)
+    presence = presence.at[rslot, tok].set(True, mode="drop")
+    last_tokens = last_tokens.at[rslot].set(tok, mode="drop")
+    return presence, last_tokens, tok, lp
