@@ -211,6 +211,11 @@ class EngineConfig(_Section):
     """auto: on CPU the one-token step program runs the layers unrolled, over per-layer views of the stacked
     weights (XLA CPU copies a scanned layer's weights before each matmul: one-row decode ~18% faster, ~8 s more
     compile at a cold start); TPU and GPU always scan. off: every program scans."""
+    cpu_matmul: Literal["auto", "xla"] = "auto"
+    """auto: on CPU, float32 projections of 2-16 rows per device run in a native kernel (built on first use with
+    the machine's C++ compiler; XLA's dot where none is found or the CPU lacks AVX2/FMA) when every weight is
+    replicated over the mesh (dp only): XLA CPU's dot takes 1.6-2.2x its time for so few rows on one thread. TPU
+    and GPU: no effect. xla: always XLA's dot."""
     window_pages: Literal["ring", "all"] = "ring"
     """KV pages of a model's sliding-window layers (Gemma 3's local layers, Mistral's window): ring = each slot
     keeps a ring of pages covering the window plus one step's chunk, in a pool of their own, and the other

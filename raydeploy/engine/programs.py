@@ -25,6 +25,7 @@ reading a weight. Neither can drift from the other: there is no second descripti
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from raydeploy.engine.kv_cache import (
     step_tokens,
 )
 from raydeploy.engine.sampling import chunks_for_shards, sample
+from raydeploy.model import native
 from raydeploy.model.llama import DTYPES, ActivationSharding, unroll_layers
 from raydeploy.model.registry import Family
 from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
@@ -228,6 +230,7 @@ class ProgramSet:
             self.unrolled_tokens = frozenset({UNROLL_MAX_TOKENS})
         self.shard = ActivationSharding.create(mesh, self.rules)
         self.dp_axes = self.shard.slot_axes
+        self.native_matmul = self._native_matmul(engine_cfg.cpu_matmul, model_cfg)
         self.groups = self.shard.slot_groups
         # the logits keep the LM head's vocabulary sharding into sampling (no all-gather of [rows, vocab])
         vocab_axes = logical_to_mesh_axes(("vocab",), self.rules, mesh_shape, "LM head")[0] or ()
@@ -274,6 +277,21 @@ class ProgramSet:
         self.step_unrolled = jax.jit(self._step_unrolled_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
         self.presence_row = jax.jit(lambda presence, slot, row: presence.at[slot].set(row), donate_argnums=(0,),
                                     out_shardings=self.presence_sharding)
+
+    def _native_matmul(self, choice: str, model_cfg: ModelConfig) -> str | None:
+        """Why the step programs keep XLA's dot for the projections, or None when they use the native CPU kernel
+        (`raydeploy.model.native`): auto, on CPU, float32 in_out weights replicated over a dp-only mesh."""
+        others = {a: n for a, n in dict(self.mesh.shape).items() if a not in self.dp_axes and n > 1}
+        if choice != "auto":
+            return f"engine.cpu_matmul is {choice}"
+        if self.platform != "cpu":
+            return f"the platform is {self.platform}"
+        if (model_cfg.dtype, model_cfg.param_dtype, self.kernel_layout) != ("float32", "float32", "in_out"):
+            return (f"dtype {model_cfg.dtype}, param_dtype {model_cfg.param_dtype}, kernel layout "
+                    f"{self.kernel_layout} (the kernel multiplies float32 in_out weights)")
+        if others:
+            return f"the mesh splits weights over {others} (the kernel needs them replicated)"
+        return native.unavailable()
 
     # -- the list of programs
     def shapes(self) -> list[ProgramShape]:
@@ -445,6 +463,10 @@ class ProgramSet:
         """One ragged step. Returns the pool, the repetition-penalty sets, the slots' last tokens and the packed
         results [2, G*R] (token bits, logprob) of every row. `per_layer`: each layer's own arrays, run unrolled
         (`unroll_layers`) instead of scanning the stacked ones."""
+        with (native.rows_over(self.mesh, self.dp_axes) if self.native_matmul is None else contextlib.nullcontext()):
+            return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer)
+
+    def _step_body(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer=None):
         model = self.model(leaves)
         if per_layer is not None:
             unroll_layers(model.layers, per_layer)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from raydeploy.model import native
 from raydeploy.model.spec import (
     KERNEL_LAYOUTS,
     DecoderShape,
@@ -147,7 +148,14 @@ def _matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array:
     """x [..., K] times a 2-D weight, in x's dtype: w is [K, N] (in_out) or, with out_first, [N, K] (out_in).
 
     Lower-precision weights (bfloat16 params, float32 activations) multiply natively with float32
-    accumulation: casting the weight up instead would rewrite it every step on XLA CPU."""
+    accumulation: casting the weight up instead would rewrite it every step on XLA CPU.
+
+    Inside an engine step that asked for it (`native.rows_over`), few float32 rows go to the native CPU kernel,
+    and w may be a `native.LayerSlice` (one layer of the stacked weight, passed whole)."""
+    if not out_first and (y := native.matmul(x, w)) is not None:
+        return y
+    if isinstance(w, native.LayerSlice):
+        w = w.materialize()
     xw = x if w.dtype == x.dtype else x.astype(w.dtype)
     dims = (((x.ndim - 1,), (1 if out_first else 0,)), ((), ()))
     return jax.lax.dot_general(xw, w, dims, preferred_element_type=x.dtype)
@@ -299,6 +307,9 @@ def scan_layers(stack: nnx.Module, body: Any, carry: Any, xs: Any = None) -> tup
     layers = stack.__dict__.get(UNROLLED_LAYERS)
     if layers is None:
         graphdef, state = nnx.split(stack)
+        whole = _whole_kernels(stack, state) if native.active() else None
+        if whole is not None:
+            return _scan_whole_kernels(graphdef, state, whole, body, carry, xs)
 
         def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
             layer_state, x = per_layer
@@ -310,6 +321,41 @@ def scan_layers(stack: nnx.Module, body: Any, carry: Any, xs: Any = None) -> tup
         carry, y = body(layer, carry, None if xs is None else jax.tree.map(lambda a, i=i: a[i], xs))
         ys.append(y)
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+
+def _whole_kernels(stack: nnx.Module, state: nnx.State) -> list[bool] | None:
+    """Per state leaf of a stacked layer module, whether it is the kernel of an in_out projection (`Dense`,
+    `HeadsProj`, `OutProj`), which the native matmul reads whole with a layer index; None when there is none or
+    the module's scan is not this one (`unrollable`)."""
+    if not getattr(type(stack), "unrollable", False):
+        return None
+    mask = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        owner: Any = stack
+        for name in names[:-1]:
+            owner = getattr(owner, str(name), None)
+        mask.append(names[-1:] == ["kernel"] and isinstance(owner, (Dense, HeadsProj, OutProj))
+                    and not owner.out_first)
+    return mask if any(mask) else None
+
+
+def _scan_whole_kernels(graphdef: Any, state: nnx.State, whole: Sequence[bool], body: Any, carry: Any,
+                        xs: Any) -> tuple[Any, Any]:
+    """`lax.scan` over the layers where the projection kernels stay stacked (loop invariants, each layer's
+    module holding a `native.LayerSlice` of them) and only the other leaves are sliced per layer."""
+    leaves, treedef = jax.tree.flatten(state)
+    kernels = [x for x, w in zip(leaves, whole, strict=True) if w]
+    sliced = [x for x, w in zip(leaves, whole, strict=True) if not w]
+    n = leaves[0].shape[0]
+
+    def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
+        rest, x, i = per_layer
+        rest_it, kern_it = iter(rest), iter(kernels)
+        layer_leaves = [native.LayerSlice(next(kern_it), i) if w else next(rest_it) for w in whole]
+        return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, layer_leaves)), c, x)
+
+    return jax.lax.scan(step, carry, (sliced, xs, jnp.arange(n, dtype=jnp.int32)))
 
 
 class Embed(nnx.Module):

@@ -1,0 +1,213 @@
+"""Native CPU kernels the model calls through `jax.ffi`: one today, a float32 matmul for few rows
+(`small_matmul.cc`).
+
+XLA CPU multiplies a handful of rows by a weight through a general matrix product made for many rows: on one
+thread (each host of the simulated gang) its 2- to 16-row dots take 1.6-2.2x the time of a loop that streams
+every weight row once (`benchmarks/small_matmul.py`). The engine's step programs on CPU call the kernel for
+float32 projections of 2 to `MAX_ROWS` rows per device when the weights are replicated over the mesh (a dp-only
+mesh, the CPU default): `rows_over` marks the traced step, `matmul` is what the model's matmul asks first.
+
+Built on first use with the machine's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`) against jax's own
+FFI headers, into `$RAYDEPLOY_NATIVE_CACHE` (default `~/.cache/raydeploy/native`) under a key of the source,
+the jax version and the flags, and registered with XLA once per process. Where it cannot be built (no compiler,
+a CPU without AVX2 and FMA, not x86-64), `unavailable()` says why and the model keeps XLA's dot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+SOURCE = Path(__file__).with_name("small_matmul.cc")
+TARGET = "raydeploy_small_matmul"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+BUILD_TIMEOUT_S = 300.0
+MIN_ROWS = 2
+"""One row stays with XLA, whose matrix-vector product streams the weights as fast."""
+MAX_ROWS = 16
+"""Rows per device up to which the kernel runs (measured on the demo model's shapes, `small_matmul.py`)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYDEPLOY_NATIVE_CACHE") or "~/.cache/raydeploy/native").expanduser()
+
+
+def _cpu_problem() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the CPU is {platform.machine()}, the kernel is written for x86-64 (AVX2, FMA)"
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError as e:
+        return f"cannot read /proc/cpuinfo for the CPU's flags: {e}"
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """The kernel's shared library, compiled unless a build of this source, jax version and flags exists.
+    Raises RuntimeError saying what failed (no compiler, a compile error with its output, a timeout)."""
+    if (problem := _cpu_problem()) is not None:
+        raise RuntimeError(problem)
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jax.__version__.encode(), cxx.encode(),
+                                     " ".join(FLAGS).encode()])).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"small_matmul-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # several host processes may build at once: each into its own file, then one atomic rename wins
+    fd, tmp = tempfile.mkstemp(prefix=".small_matmul-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{' '.join(cmd)} did not finish in {BUILD_TIMEOUT_S:.0f} s") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def _register() -> str | None:
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+    except (RuntimeError, OSError) as e:
+        return f"native small-row matmul unavailable: {e}"
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RaydeploySmallMatmul), platform="cpu")
+    return None
+
+
+def unavailable() -> str | None:
+    """None once the kernel is built and registered in this process, else why it cannot be."""
+    return _register()
+
+
+# -- one layer of a stacked weight, passed whole ------------------------------------------------------------
+
+
+class LayerSlice:
+    """Layer `layer` of a stacked weight `stack` [L, ...], not sliced out: the kernel takes the stack and the
+    index, so a layer scan passes the weights through untouched (XLA CPU copies a layer's slice of a stacked
+    weight into a new buffer before any library call reads it). Reads as the layer's own array would
+    (`shape`, `dtype`, `[...]`, `reshape`); `materialize()` is that array, for whatever the kernel does not run."""
+
+    def __init__(self, stack: jax.Array, layer: jax.Array, shape: Sequence[int] | None = None) -> None:
+        self.stack, self.layer = stack, layer
+        self.shape = tuple(stack.shape[1:] if shape is None else shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.stack.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self if key is Ellipsis else self.materialize()[key]
+
+    def reshape(self, *shape: Any) -> LayerSlice:
+        dims = list(shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+        size = 1
+        for d in self.shape:
+            size *= d
+        if -1 in dims:
+            known = 1
+            for d in dims:
+                known *= d if d != -1 else 1
+            dims[dims.index(-1)] = size // known
+        return LayerSlice(self.stack, self.layer, dims)
+
+    def materialize(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False).reshape(self.shape)
+
+
+# -- where the engine's programs use it ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rows:
+    mesh: jax.sharding.Mesh
+    row_axes: tuple[str, ...]
+    groups: int
+
+
+_ROWS: contextvars.ContextVar[_Rows | None] = contextvars.ContextVar("raydeploy_native_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str]) -> Iterator[None]:
+    """While tracing a program inside this block, `matmul` runs the kernel: activations' first dim split over
+    `row_axes`, every weight replicated (the caller checks the mesh: each other axis of size 1)."""
+    groups = 1
+    for a in row_axes:
+        groups *= int(mesh.shape[a])
+    token = _ROWS.set(_Rows(mesh, tuple(row_axes), groups))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def _call(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], stack.shape[2]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x, stack, layer)
+
+
+def matmul(x: jax.Array, w: Any) -> jax.Array | None:
+    """x [M, K] @ w [K, N] (an array or a `LayerSlice`) through the kernel, or None when this trace is not
+    inside `rows_over` or the kernel does not apply (dtype, shape, rows per device outside
+    [MIN_ROWS, MAX_ROWS]): the caller then multiplies in XLA."""
+    rows = _ROWS.get()
+    if (rows is None or x.ndim != 2 or len(w.shape) != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32
+            or w.shape[1] % 8 or x.shape[0] % rows.groups
+            or not MIN_ROWS <= x.shape[0] // rows.groups <= MAX_ROWS):
+        return None
+    k, n = w.shape
+    if isinstance(w, LayerSlice):
+        stack, layer = w.stack.reshape(w.stack.shape[0], k, n), jnp.asarray(w.layer, jnp.int32)
+    else:
+        stack, layer = w.reshape(1, k, n), jnp.zeros((), jnp.int32)
+    if rows.mesh.size == 1:
+        return _call(x, stack, layer)
+    spec = PartitionSpec(rows.row_axes if len(rows.row_axes) > 1 else rows.row_axes[0])
+    fn = jax.shard_map(_call, mesh=rows.mesh, in_specs=(spec, PartitionSpec(), PartitionSpec()), out_specs=spec,
+                       axis_names=frozenset(rows.mesh.axis_names), check_vma=False)
+    return fn(x, stack, layer)
+
+
+def active() -> bool:
+    """Whether the program being traced runs inside `rows_over`."""
+    return _ROWS.get() is not None
