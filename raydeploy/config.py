@@ -212,7 +212,7 @@ class EngineConfig(_Section):
     weights (XLA CPU copies a scanned layer's weights before each matmul: one-row decode ~18% faster, ~8 s more
     compile at a cold start); TPU and GPU always scan. off: every program scans."""
     cpu_matmul: Literal["auto", "xla"] = "auto"
-    """auto: on CPU, float32 projections of 2-16 rows per device run in a native kernel (built on first use with
+    """auto: on CPU, float32 projections of 2-32 rows per device run in a native kernel (built on first use with
     the machine's C++ compiler; XLA's dot where none is found or the CPU lacks AVX2/FMA) when every weight is
     replicated over the mesh (dp only): XLA CPU's dot takes 1.6-2.2x its time for so few rows on one thread. TPU
     and GPU: no effect. xla: always XLA's dot."""

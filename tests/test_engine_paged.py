@@ -280,6 +280,43 @@ def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, 
     np.testing.assert_allclose(scanned["logprobs"], unrolled["logprobs"], atol=1e-5)
 
 
+def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_weights(engine, demo_checkpoint,
+                                                                                    prompt_ids):
+    """On CPU with replicated float32 weights, a step program of 2-16 rows per device multiplies its seven
+    projections per layer in the native kernel (`raydeploy.model.native`), reading each stacked weight whole
+    with the layer index: no per-layer copy of a weight is made. Greedy tokens and logprobs equal those of an
+    engine with `engine.cpu_matmul: xla` (XLA's dot everywhere)."""
+    import re
+
+    ps = engine.programs_set
+    assert ps.native_matmul is None
+    pages = ps.page_buckets[0]
+    tokens = min(t for t in ps.token_buckets if t > 1)
+    hlo = engine.step_hlo(tokens, pages)
+    calls = re.findall(r'custom_call_target="raydeploy_small_matmul"', hlo)
+    assert len(calls) == 7, f"{len(calls)} native matmuls in the {tokens}-token step, want the 7 projections"
+    d, f = engine.cfg.hidden_size, engine.cfg.intermediate_size
+    weight = re.compile(rf"f32\[(1,)?({d},{f}|{f},{d})\]")
+    copies = [line.strip()[:160] for line in hlo.splitlines() if "dynamic-slice" in line and weight.search(line)]
+    assert not copies, f"per-layer weight slices in the step: {copies[:2]}"
+    assert "raydeploy_small_matmul" not in engine.step_hlo(1, pages)  # one row: XLA's matrix-vector product
+
+    xla = _build_engine(demo_checkpoint, {"dp": 1}, cpu_matmul="xla")
+    assert xla.programs_set.native_matmul == "engine.cpu_matmul is xla"
+    assert "raydeploy_small_matmul" not in xla.step_hlo(tokens, pages)
+    prompts = [(f"r{i}", ids, 24, None) for i, ids in enumerate(prompt_ids[:2])]
+    ours, theirs = PlanDriver(engine).run(prompts), PlanDriver(xla).run(prompts)
+    for name in ("r0", "r1"):
+        assert ours[name]["out"] == theirs[name]["out"]
+        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"], atol=1e-4)
+
+
+def test_the_native_kernel_stays_off_where_weights_are_split_or_not_float32(demo_checkpoint):
+    """It multiplies replicated weights only: a mesh that splits them keeps XLA's dot, and the engine says why."""
+    tp = _build_engine(demo_checkpoint, {"dp": 1, "tp": 2})
+    assert tp.programs_set.native_matmul == "the mesh splits weights over {'tp': 2} (the kernel needs them replicated)"
+
+
 def test_dp2_prefills_on_the_owning_group_and_matches_transformers(engine, demo_checkpoint, prompt_ids, reference):
     """dp=2: each group prefills and samples its own slots; greedy tokens match transformers, and a sampled
     request with a repetition penalty (its slot's set of seen tokens lives on its group) draws the tokens it

@@ -1,16 +1,20 @@
-// y[M, N] = x[M, K] @ w[layer][K, N] in float32 for few rows M (CPU decode and small prompt steps), as an XLA FFI
-// handler. Built and registered by raydeploy/model/native/__init__.py; see there for when the engine uses it.
+// y[M, N] = x[M, K] @ w[layer][K, N] in float32 for few rows M (CPU decode passes and small prompt steps), as an
+// XLA FFI handler. Built and registered by raydeploy/model/native/__init__.py; see there for when the engine
+// uses it.
 //
-// Why: XLA CPU multiplies 2-16 rows by a weight through a general matrix product that packs the rows into
-// register tiles made for many rows; on one thread it takes 1.6-2.2x the time this loop does, which streams
-// every weight row once and keeps the rows' partial sums in L1. The weight is the whole stacked layer tensor
-// [L, K, N] and the layer an operand: a layer scan then passes the stacked weights through untouched, where a
-// slice of them would be copied before every matmul.
+// Why: XLA CPU multiplies 2-32 rows by a weight through a general matrix product whose register tiles are made
+// for many rows; on one thread its dots take 1.3-2.2x the time of these loops (benchmarks/small_matmul.py).
+// Up to 16 rows, each weight row is streamed once from memory while the rows' partial sums stay in L1
+// (`Block`); beyond, 4 x 16 tiles of y stay in registers over k-blocks of the weight (`ManyRows`). The weight
+// is the whole stacked layer tensor [L, K, N] and the layer an operand: a layer scan then passes the stacked
+// weights through untouched, where a slice of them would be copied before every matmul.
 #include <immintrin.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -66,15 +70,89 @@ void Block(const float* x, const float* w, float* y, int64_t M, int64_t K, int64
   for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, acc + m * kCols, sizeof(float) * nb);
 }
 
-void Matmul(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int64_t mb = M - m0 < kRows ? M - m0 : kRows;
-    for (int64_t n0 = 0; n0 < N; n0 += kCols)
-      Block(x + m0 * K, w, y + m0 * N, mb, K, N, n0, N - n0 < kCols ? N - n0 : kCols);
+// Many rows (a prompt chunk): y's columns [n0, n0 + nb) for all M rows, computed over k-blocks of the weight
+// that stay in cache while every 4-row block of x passes over them; each 4 x 16 tile of y in registers.
+constexpr int64_t kTileK = 128;
+
+template <int NV>
+inline void Tile4(const float* x, int64_t mr, const float* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t kb,
+                  bool first) {
+  __m256 a[4][NV];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < NV; ++j)
+      a[i][j] = (first || i >= mr) ? _mm256_setzero_ps() : _mm256_loadu_ps(y + i * N + 8 * j);
+  const float* xr[4];
+  for (int i = 0; i < 4; ++i) xr[i] = x + (i < mr ? i : 0) * K + k0;
+  const float* wk = w + k0 * N;
+  for (int64_t k = 0; k < kb; ++k, wk += N) {
+    __m256 wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = _mm256_loadu_ps(wk + 8 * j);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 b = _mm256_broadcast_ss(xr[i] + k);
+      for (int j = 0; j < NV; ++j) a[i][j] = _mm256_fmadd_ps(b, wv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(y + i * N + 8 * j, a[i][j]);
+}
+
+void ManyRows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t nb) {
+  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+    const int64_t kb = K - k0 < kTileK ? K - k0 : kTileK;
+    for (int64_t c = 0; c < nb; c += 16) {
+      const float* wc = w + n0 + c;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t mr = M - m < 4 ? M - m : 4;
+        if (nb - c >= 16)
+          Tile4<2>(x + m * K, mr, wc, y + m * N + n0 + c, K, N, k0, kb, k0 == 0);
+        else
+          Tile4<1>(x + m * K, mr, wc, y + m * N + n0 + c, K, N, k0, kb, k0 == 0);
+      }
+    }
   }
 }
 
-ffi::Error SmallMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+// Column blocks [b0, b1) of y for every row.
+void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
+  if (M > kRows) {
+    for (int64_t b = b0; b < b1; ++b) ManyRows(x, w, y, M, K, N, b * kCols, N - b * kCols < kCols ? N - b * kCols : kCols);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int64_t mb = M - m0 < kRows ? M - m0 : kRows;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kCols;
+      Block(x + m0 * K, w, y + m0 * N, mb, K, N, n0, N - n0 < kCols ? N - n0 : kCols);
+    }
+  }
+}
+
+// The column blocks split over the CPU client's threads (one part runs here, the others as tasks on XLA's
+// intra-op pool); one thread: all here.
+void Matmul(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = (N + kCols - 1) / kCols;
+  int64_t parts = pool.num_threads();
+  if (parts > blocks) parts = blocks;
+  if (parts <= 1) {
+    Columns(x, w, y, M, K, N, 0, blocks);
+    return;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t left = parts - 1;
+  for (int64_t p = 1; p < parts; ++p) {
+    pool.Schedule([&, p] {
+      Columns(x, w, y, M, K, N, blocks * p / parts, blocks * (p + 1) / parts);
+      std::lock_guard<std::mutex> lock(mu);
+      if (--left == 0) cv.notify_one();
+    });
+  }
+  Columns(x, w, y, M, K, N, 0, blocks / parts);
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return left == 0; });
+}
+
+ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
                            ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -85,7 +163,7 @@ ffi::Error SmallMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi
   if (N % 8 != 0) return ffi::Error::InvalidArgument("raydeploy small_matmul: N must be a multiple of 8");
   const int32_t l = *layer.typed_data();
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("raydeploy small_matmul: layer index out of range");
-  Matmul(x.typed_data(), w.typed_data() + static_cast<int64_t>(l) * K * N, y->typed_data(), xd[0], K, N);
+  Matmul(pool, x.typed_data(), w.typed_data() + static_cast<int64_t>(l) * K * N, y->typed_data(), xd[0], K, N);
   return ffi::Error::Success();
 }
 
@@ -93,6 +171,7 @@ ffi::Error SmallMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmul, SmallMatmulImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -1,0 +1,82 @@
+"""The native CPU matmul for few rows (`raydeploy.model.native`): built with the machine's compiler, run through
+`jax.ffi` inside jitted programs, against numpy in float64 over shapes that exercise every remainder (rows past
+one block of 16, K not a multiple of 8, N not a multiple of the 512-column block), on a stacked weight with a
+layer index; an index out of range and a failed build are errors that say what failed."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from raydeploy.model import native
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    problem = native._cpu_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    assert native.unavailable() is None  # a compiler is part of the supported setup: its absence is a failure
+    return jax.jit(native._call)
+
+
+@pytest.mark.parametrize("m,k,n", [(2, 576, 1536), (3, 7, 8), (5, 100, 520), (8, 576, 49152 // 16),
+                                   (16, 1536, 576), (17, 64, 24), (33, 9, 1032)])
+def test_kernel_equals_numpy(kernel, m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    stack = rng.standard_normal((3, k, n), dtype=np.float32)
+    for layer in (0, 2):
+        y = np.asarray(kernel(jnp.asarray(x), jnp.asarray(stack), jnp.int32(layer)))
+        want = x.astype(np.float64) @ stack[layer].astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_a_layer_index_out_of_range_is_refused(kernel):
+    x, stack = jnp.ones((2, 8)), jnp.ones((3, 8, 8))
+    with pytest.raises(Exception, match="small_matmul: layer index out of range"):
+        np.asarray(kernel(x, stack, jnp.int32(3)))
+
+
+def test_matmul_applies_only_inside_rows_over_and_for_few_float32_rows(kernel):
+    mesh = jax.make_mesh((1,), ("dp",))
+    x, w = jnp.ones((4, 16)), jnp.ones((16, 8))
+    assert native.matmul(x, w) is None  # outside an engine step: XLA's dot
+    with native.rows_over(mesh, ("dp",)):
+        assert native.active()
+        np.testing.assert_allclose(np.asarray(native.matmul(x, w)), np.full((4, 8), 16.0))
+        assert native.matmul(jnp.ones((1, 16)), w) is None  # one row: XLA's matrix-vector product
+        assert native.matmul(jnp.ones((native.MAX_ROWS + 1, 16)), w) is None
+        assert native.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None
+        assert native.matmul(x, jnp.ones((16, 12))) is None  # N not a multiple of 8
+        stack = jnp.arange(3 * 16 * 8, dtype=jnp.float32).reshape(3, 16, 8)
+        sl = native.LayerSlice(stack, jnp.int32(1))
+        np.testing.assert_allclose(np.asarray(native.matmul(x, sl)), np.asarray(x @ stack[1]), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(sl.reshape(4, -1).materialize()), np.asarray(stack[1]).reshape(4, 32))
+    assert not native.active()
+
+
+def test_a_build_without_a_compiler_says_so(tmp_path, monkeypatch):
+    if native._cpu_problem() is not None:
+        pytest.skip(native._cpu_problem())
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found \(\$CXX, c\+\+, g\+\+ or clang\+\+\)"):
+        native.build(tmp_path / "out")
+
+
+def test_a_failed_build_shows_the_compiler_output(tmp_path, monkeypatch):
+    if native._cpu_problem() is not None:
+        pytest.skip(native._cpu_problem())
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text("#!/bin/sh\necho 'small_matmul.cc:1: error: boom' >&2\nexit 3\n")
+    cxx.chmod(cxx.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(cxx))
+    with pytest.raises(RuntimeError, match=r"failed \(exit 3\): small_matmul.cc:1: error: boom"):
+        native.build(tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == []  # no half-written library left behind
