@@ -282,8 +282,8 @@ def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, 
 
 def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_weights(engine, demo_checkpoint,
                                                                                     prompt_ids):
-    """On CPU with replicated float32 weights, a step program of 2-16 rows per device multiplies its seven
-    projections per layer in the native kernel (`raydeploy.model.native`), reading each stacked weight whole
+    """On CPU with replicated float32 weights, a step program of 2-32 rows per device multiplies its seven
+    projections per layer and the tied LM head in the native kernel (`raydeploy.model.native`), reading each stacked weight whole
     with the layer index: no per-layer copy of a weight is made. Greedy tokens and logprobs equal those of an
     engine with `engine.cpu_matmul: xla` (XLA's dot everywhere)."""
     import re
@@ -295,6 +295,7 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
     hlo = engine.step_hlo(tokens, pages)
     calls = re.findall(r'custom_call_target="raydeploy_small_matmul"', hlo)
     assert len(calls) == 7, f"{len(calls)} native matmuls in the {tokens}-token step, want the 7 projections"
+    assert hlo.count('custom_call_target="raydeploy_small_matmul_out_first"') == 1  # the tied LM head
     d, f = engine.cfg.hidden_size, engine.cfg.intermediate_size
     weight = re.compile(rf"f32\[(1,)?({d},{f}|{f},{d})\]")
     copies = [line.strip()[:160] for line in hlo.splitlines() if "dynamic-slice" in line and weight.search(line)]

@@ -37,6 +37,18 @@ def test_kernel_equals_numpy(kernel, m, k, n):
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m,k,n", [(2, 576, 49152 // 8), (3, 13, 9), (8, 576, 1030), (17, 64, 256), (32, 100, 7)])
+def test_output_first_kernel_equals_numpy(kernel, m, k, n):
+    """w [N, K], as a tied embedding table used as the LM head: rows and columns past the 2 x 4 blocks, K past
+    the 8-wide vectors."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    stack = rng.standard_normal((2, n, k), dtype=np.float32)
+    y = np.asarray(jax.jit(native._call_out_first)(jnp.asarray(x), jnp.asarray(stack), jnp.int32(1)))
+    want = x.astype(np.float64) @ stack[1].astype(np.float64).T
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
 def test_a_layer_index_out_of_range_is_refused(kernel):
     x, stack = jnp.ones((2, 8)), jnp.ones((3, 8, 8))
     with pytest.raises(Exception, match="small_matmul: layer index out of range"):
@@ -54,6 +66,8 @@ def test_matmul_applies_only_inside_rows_over_and_for_few_float32_rows(kernel):
         assert native.matmul(jnp.ones((native.MAX_ROWS + 1, 16)), w) is None
         assert native.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None
         assert native.matmul(x, jnp.ones((16, 12))) is None  # N not a multiple of 8
+        np.testing.assert_allclose(np.asarray(native.matmul(x, jnp.ones((12, 16)), out_first=True)),
+                                   np.full((4, 12), 16.0))
         stack = jnp.arange(3 * 16 * 8, dtype=jnp.float32).reshape(3, 16, 8)
         sl = native.LayerSlice(stack, jnp.int32(1))
         np.testing.assert_allclose(np.asarray(native.matmul(x, sl)), np.asarray(x @ stack[1]), rtol=1e-6)

@@ -152,7 +152,7 @@ def _matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array:
 
     Inside an engine step that asked for it (`native.rows_over`), few float32 rows go to the native CPU kernel,
     and w may be a `native.LayerSlice` (one layer of the stacked weight, passed whole)."""
-    if not out_first and (y := native.matmul(x, w)) is not None:
+    if (y := native.matmul(x, w, out_first)) is not None:
         return y
     if isinstance(w, native.LayerSlice):
         w = w.materialize()
@@ -420,7 +420,7 @@ class Llama(nnx.Module):
             out = self.lm_head(h)
         else:
             emb = self.embed.embedding[...]
-            out = jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb, preferred_element_type=h.dtype)
+            out = _matmul(h, emb, out_first=True)  # [..., D] x [V, D]
         if out.ndim == 2 and shard is not None:
             # Compute the logits where the vocabulary shards of the weight live, then lay them out as the
             # activations ask: otherwise XLA gathers the whole [V, D] weight to every device each step.

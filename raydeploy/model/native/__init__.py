@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 
 SOURCE = Path(__file__).with_name("small_matmul.cc")
 TARGET = "raydeploy_small_matmul"
+TARGET_OUT_FIRST = "raydeploy_small_matmul_out_first"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
 MIN_ROWS = 2
@@ -106,6 +107,7 @@ def _register() -> str | None:
     except (RuntimeError, OSError) as e:
         return f"native small-row matmul unavailable: {e}"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RaydeploySmallMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_OUT_FIRST, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirst), platform="cpu")
     return None
 
 
@@ -186,24 +188,29 @@ def _call(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(TARGET, out)(x, stack, layer)
 
 
-def matmul(x: jax.Array, w: Any) -> jax.Array | None:
-    """x [M, K] @ w [K, N] (an array or a `LayerSlice`) through the kernel, or None when this trace is not
-    inside `rows_over` or the kernel does not apply (dtype, shape, rows per device outside
-    [MIN_ROWS, MAX_ROWS]): the caller then multiplies in XLA."""
+def _call_out_first(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], stack.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_OUT_FIRST, out)(x, stack, layer)
+
+
+def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
+    """x [M, K] @ w through the kernel, w [K, N] or with out_first [N, K] (a tied embedding table as the LM
+    head), an array or a `LayerSlice`; None when this trace is not inside `rows_over` or the kernel does not
+    apply (dtype, shape, rows per device outside [MIN_ROWS, MAX_ROWS]): the caller then multiplies in XLA."""
     rows = _ROWS.get()
     if (rows is None or x.ndim != 2 or len(w.shape) != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32
-            or w.shape[1] % 8 or x.shape[0] % rows.groups
+            or (not out_first and w.shape[1] % 8) or x.shape[0] % rows.groups
             or not MIN_ROWS <= x.shape[0] // rows.groups <= MAX_ROWS):
         return None
-    k, n = w.shape
     if isinstance(w, LayerSlice):
-        stack, layer = w.stack.reshape(w.stack.shape[0], k, n), jnp.asarray(w.layer, jnp.int32)
+        stack, layer = w.stack.reshape(w.stack.shape[0], *w.shape), jnp.asarray(w.layer, jnp.int32)
     else:
-        stack, layer = w.reshape(1, k, n), jnp.zeros((), jnp.int32)
+        stack, layer = w.reshape(1, *w.shape), jnp.zeros((), jnp.int32)
+    call = _call_out_first if out_first else _call
     if rows.mesh.size == 1:
-        return _call(x, stack, layer)
+        return call(x, stack, layer)
     spec = PartitionSpec(rows.row_axes if len(rows.row_axes) > 1 else rows.row_axes[0])
-    fn = jax.shard_map(_call, mesh=rows.mesh, in_specs=(spec, PartitionSpec(), PartitionSpec()), out_specs=spec,
+    fn = jax.shard_map(call, mesh=rows.mesh, in_specs=(spec, PartitionSpec(), PartitionSpec()), out_specs=spec,
                        axis_names=frozenset(rows.mesh.axis_names), check_vma=False)
     return fn(x, stack, layer)
 

@@ -127,14 +127,14 @@ void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int
   }
 }
 
-// The column blocks split over the CPU client's threads (one part runs here, the others as tasks on XLA's
-// intra-op pool); one thread: all here.
-void Matmul(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t blocks = (N + kCols - 1) / kCols;
+// Work split over the CPU client's threads: part(u0, u1) for `units` units, one part here and the others as
+// tasks on XLA's intra-op pool; with one thread, all here.
+template <typename F>
+void Split(ffi::ThreadPool& pool, int64_t units, F part) {
   int64_t parts = pool.num_threads();
-  if (parts > blocks) parts = blocks;
+  if (parts > units) parts = units;
   if (parts <= 1) {
-    Columns(x, w, y, M, K, N, 0, blocks);
+    part(0, units);
     return;
   }
   std::mutex mu;
@@ -142,14 +142,80 @@ void Matmul(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int
   int64_t left = parts - 1;
   for (int64_t p = 1; p < parts; ++p) {
     pool.Schedule([&, p] {
-      Columns(x, w, y, M, K, N, blocks * p / parts, blocks * (p + 1) / parts);
+      part(units * p / parts, units * (p + 1) / parts);
       std::lock_guard<std::mutex> lock(mu);
       if (--left == 0) cv.notify_one();
     });
   }
-  Columns(x, w, y, M, K, N, 0, blocks / parts);
+  part(0, units / parts);
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return left == 0; });
+}
+
+void Matmul(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+  Split(pool, (N + kCols - 1) / kCols, [&](int64_t b0, int64_t b1) { Columns(x, w, y, M, K, N, b0, b1); });
+}
+
+// Output-first weights (w [N, K], as a tied embedding table used as the LM head): y[m, n] = x[m] . w[n], four
+// weight rows at a time streamed once, two rows of x against them, eight dot products reduced at the end.
+inline __m256 Sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+void OutFirstRows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t kv = K / 8 * 8;
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int64_t nr = n1 - n < 4 ? n1 - n : 4;
+    const float* wr[4];
+    for (int j = 0; j < 4; ++j) wr[j] = w + (n + (j < nr ? j : 0)) * K;
+    for (int64_t m = 0; m < M; m += 2) {
+      const float* x0 = x + m * K;
+      const float* x1 = x + (m + 1 < M ? m + 1 : m) * K;
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < kv; k += 8) {
+        const __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 wv = _mm256_loadu_ps(wr[j] + k);
+          a[j] = _mm256_fmadd_ps(xa, wv, a[j]);
+          a[4 + j] = _mm256_fmadd_ps(xb, wv, a[4 + j]);
+        }
+      }
+      alignas(32) float out[8];  // x0 . w[n..n+3], then x1 . w[n..n+3]
+      _mm256_store_ps(out, Sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+      for (int64_t k = kv; k < K; ++k)
+        for (int j = 0; j < 4; ++j) {
+          out[j] += x0[k] * wr[j][k];
+          out[4 + j] += x1[k] * wr[j][k];
+        }
+      for (int j = 0; j < nr; ++j) {
+        y[m * N + n + j] = out[j];
+        if (m + 1 < M) y[(m + 1) * N + n + j] = out[4 + j];
+      }
+    }
+  }
+}
+
+ffi::Error OutFirstImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] != wd[2] || wd[1] != yd[1] || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("raydeploy small_matmul_out_first: expected x [M, K], w [L, N, K], y [M, N]");
+  const int64_t L = wd[0], N = wd[1], K = wd[2], M = xd[0];
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("raydeploy small_matmul: layer index out of range");
+  const float* wl = w.typed_data() + static_cast<int64_t>(l) * K * N;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const int64_t groups = (N + 255) / 256;  // 256 weight rows per unit of work
+  Split(pool, groups, [&](int64_t g0, int64_t g1) {
+    OutFirstRows(xp, wl, yp, M, K, N, g0 * 256, g1 * 256 < N ? g1 * 256 : N);
+  });
+  return ffi::Error::Success();
 }
 
 ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
@@ -170,6 +236,14 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmul, SmallMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirst, OutFirstImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
