@@ -289,7 +289,7 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
     import re
 
     ps = engine.programs_set
-    assert ps.native_matmul is None
+    assert ps.native_matmul is None and engine.matmul == "native"
     pages = ps.page_buckets[0]
     tokens = min(t for t in ps.token_buckets if t > 1)
     hlo = engine.step_hlo(tokens, pages)
@@ -315,7 +315,7 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
 def test_the_native_kernel_stays_off_where_weights_are_split_or_not_float32(demo_checkpoint):
     """It multiplies replicated weights only: a mesh that splits them keeps XLA's dot, and the engine says why."""
     tp = _build_engine(demo_checkpoint, {"dp": 1, "tp": 2})
-    assert tp.programs_set.native_matmul == "the mesh splits weights over {'tp': 2} (the kernel needs them replicated)"
+    assert tp.matmul == "xla (the mesh splits weights over {'tp': 2} (the kernel needs them replicated))"
 
 
 def test_dp2_prefills_on_the_owning_group_and_matches_transformers(engine, demo_checkpoint, prompt_ids, reference):

@@ -94,3 +94,33 @@ def test_a_failed_build_shows_the_compiler_output(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"failed \(exit 3\): small_matmul.cc:1: error: boom"):
         native.build(tmp_path / "out")
     assert os.listdir(tmp_path / "out") == []  # no half-written library left behind
+
+
+CONCURRENT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from raydeploy.model import native
+assert native.unavailable() is None
+rng = np.random.default_rng(0)
+xs = [jnp.asarray(rng.standard_normal((8, 64), dtype=np.float32)) for _ in range(24)]
+ws = [jnp.asarray(rng.standard_normal((1, 64, 2048), dtype=np.float32)) for _ in range(24)]
+heads = [jnp.asarray(rng.standard_normal((1, 1024, 64), dtype=np.float32)) for _ in range(24)]
+f = jax.jit(lambda xs, ws, hs: [(native._call(x, w, jnp.int32(0)), native._call_out_first(x, h, jnp.int32(0)))
+                                for x, w, h in zip(xs, ws, hs)])
+for _ in range(5):
+    out = f(xs, ws, heads)
+for (y, z), x, w, h in zip(out, xs, ws, heads):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w[0]), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(z), np.asarray(x) @ np.asarray(h[0]).T, rtol=1e-4, atol=1e-3)
+print("ok")
+"""
+
+
+def test_many_concurrent_calls_on_two_threads_finish(kernel):
+    """With two CPU client threads XLA runs independent kernel calls at once on its pool, and each call splits its
+    columns over that same pool: a call must never wait for a piece no thread has started (that deadlocked)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_NPROC": "2"}
+    done = subprocess.run([sys.executable, "-c", CONCURRENT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

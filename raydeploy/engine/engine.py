@@ -129,6 +129,13 @@ class Engine:
         return self.programs_set.max_step_tokens
 
     @property
+    def matmul(self) -> str:
+        """What multiplies the step programs' few rows by the weights: "native" (the CPU kernel,
+        `raydeploy.model.native`) or "xla (why not native)"; hosts report it in their status."""
+        reason = self.programs_set.native_matmul
+        return "native" if reason is None else f"xla ({reason})"
+
+    @property
     def mixed_step_tokens(self) -> int | None:
         """Token bucket of a step that carries decode rows beside a prompt (a quarter chunk), or None."""
         q = self.max_step_tokens // 4

@@ -280,6 +280,8 @@ class HostActor:
                                "phase_s": {k: round(v, 3) for k, v in self.phase_times_s.items()},
                                "init": self.init_info, "load": self.load_stats,
                                "preflight": self.preflight_info}
+        if isinstance(getattr(self.engine, "matmul", None), str):
+            out["matmul"] = self.engine.matmul
         if self.programs is not None:
             out["programs_loaded"] = self.programs.get("loaded", 0)
             out["programs_compiled"] = self.programs.get("compiled", 0)
