@@ -250,6 +250,11 @@ def test_input_limits_and_security(live):
     (gang,) = body["gang"]["gangs"]
     assert len(gang["host_status"]) == 2 and body["requests_served"] >= 1 and body["ready_gangs"] == 1
     assert all(h.get("rss_bytes") for h in gang["host_status"])
+    from raydeploy.model import native
+
+    # dp only, float32: both hosts multiply few rows in the native CPU kernel (built on first use)
+    want = "native" if native._cpu_problem() is None else f"xla ({native.unavailable()})"
+    assert [h["matmul"] for h in gang["host_status"]] == [want, want], gang["host_status"]
 
 
 def test_timeout_and_disconnect_free_the_slot(live):
