@@ -280,8 +280,9 @@ class HostActor:
                                "phase_s": {k: round(v, 3) for k, v in self.phase_times_s.items()},
                                "init": self.init_info, "load": self.load_stats,
                                "preflight": self.preflight_info}
-        if isinstance(getattr(self.engine, "matmul", None), str):
-            out["matmul"] = self.engine.matmul
+        matmul = getattr(self.engine, "matmul", None)  # the real engine: "native" or "xla (why)"
+        if isinstance(matmul, str):
+            out["matmul"] = matmul
         if self.programs is not None:
             out["programs_loaded"] = self.programs.get("loaded", 0)
             out["programs_compiled"] = self.programs.get("compiled", 0)
