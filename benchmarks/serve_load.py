@@ -210,7 +210,9 @@ class _Stream:
 
 def _clock(before: dict, after: dict) -> dict:
     step_ms, steps = _window_step_ms(before, after)
-    return {"step_ms": round(step_ms, 2), "steps": steps}
+    return {"step_ms": round(step_ms, 2), "steps": steps,
+            "tokens": after["tokens_generated"] - before["tokens_generated"],
+            "decode_pass_ms": after.get("decode_pass_ms"), "chunk_step_ms": after.get("chunk_step_ms")}
 
 
 def _client(url: str):
@@ -635,7 +637,7 @@ def main() -> int:
     p.add_argument("--long-tokens", type=int, default=1500, help="tokens of the prompt that arrives mid-stream")
     p.add_argument("--stream-tokens", type=int, default=240,
                    help="max_tokens of the 7 streams running while the long prompt arrives")
-    p.add_argument("--before-s", type=float, default=4.0, help="seconds of TPOT measured before the long prompt")
+    p.add_argument("--before-s", type=float, default=8.0, help="seconds of TPOT measured before the long prompt")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--out", default=None, help="writes OUT.json and OUT.png (default docs/serve_load; with "
                                                "--replicas docs/serve_replicas, JSON only)")
