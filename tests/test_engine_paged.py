@@ -284,8 +284,9 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
                                                                                     prompt_ids):
     """On CPU with replicated float32 weights, a step program of 2-32 rows per device multiplies its seven
     projections per layer and the tied LM head in the native kernel (`raydeploy.model.native`), reading each stacked weight whole
-    with the layer index: no per-layer copy of a weight is made. Greedy tokens and logprobs equal those of an
-    engine with `engine.cpu_matmul: xla` (XLA's dot everywhere)."""
+    with the layer index: no per-layer copy of a weight is made; its decode rows attend in the native attention
+    kernel (every program). Greedy tokens and logprobs equal those of an engine with `engine.cpu_matmul: xla`
+    (XLA everywhere)."""
     import re
 
     ps = engine.programs_set
@@ -300,11 +301,16 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
     weight = re.compile(rf"f32\[(1,)?({d},{f}|{f},{d})\]")
     copies = [line.strip()[:160] for line in hlo.splitlines() if "dynamic-slice" in line and weight.search(line)]
     assert not copies, f"per-layer weight slices in the step: {copies[:2]}"
-    assert "raydeploy_small_matmul" not in engine.step_hlo(1, pages)  # one row: XLA's matrix-vector product
+    one_row = engine.step_hlo(1, pages)
+    assert "raydeploy_small_matmul" not in one_row  # one row: XLA's matrix-vector product
+    # the decode rows' attention reads the pool in the native kernel, once per layer, in both programs
+    assert hlo.count('custom_call_target="raydeploy_decode_attention"') == 1  # the scanned layer body
+    assert one_row.count('custom_call_target="raydeploy_decode_attention"') == engine.cfg.num_layers  # unrolled
 
     xla = _build_engine(demo_checkpoint, {"dp": 1}, cpu_matmul="xla")
     assert xla.programs_set.native_matmul == "engine.cpu_matmul is xla"
     assert "raydeploy_small_matmul" not in xla.step_hlo(tokens, pages)
+    assert "raydeploy_decode_attention" not in xla.step_hlo(tokens, pages)
     prompts = [(f"r{i}", ids, 24, None) for i, ids in enumerate(prompt_ids[:2])]
     ours, theirs = PlanDriver(engine).run(prompts), PlanDriver(xla).run(prompts)
     for name in ("r0", "r1"):

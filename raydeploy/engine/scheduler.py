@@ -220,8 +220,8 @@ class Scheduler:
             out["prefill_tokens"] = self.prefill_tokens
             out["prefix_hit_tokens"] = self.prefix_hit_tokens
             # the step times the chunk hold-back (max_decode_slowdown) works from
-            for k, v in (("decode_pass_ms", self.decode_pass_s), ("chunk_step_ms", self.chunk_step_s)):
-                out[k] = None if v is None else round(1e3 * v, 2)
+            for name, secs in (("decode_pass_ms", self.decode_pass_s), ("chunk_step_ms", self.chunk_step_s)):
+                out[name] = None if secs is None else round(1e3 * secs, 2)
         return out
 
     # -- counters

@@ -7,7 +7,9 @@ at position kv_lens[s] - q_len[s] + i, attending to the positions <= its own (an
 kv_pages holds K and V interleaved on the head axis: [P, page_size, 2*Hkv, D] with K head h at 2h, V at 2h+1.
 
 How it is computed, in two parts whose work follows the live tokens rather than the static shapes:
-- sequences with one token (decode rows): all sequence rows at once, in a loop over blocks of pages that
+- sequences with one token (decode rows): in a program that runs the native CPU kernels
+  (`raydeploy.model.native.decode_attention`: float32, CPU, `engine.cpu_matmul: auto`), a C++ kernel that reads
+  each row's keys and values where they lie in the pool; otherwise all sequence rows at once, in a loop over blocks of pages that
   stops at the longest such row (a wide page table costs nothing past it), with an online softmax; within a
   block K and V are gathered apart, head-major ([rows, kv_heads, tokens, head_dim], the transpose inside the
   gather), and the scores and outputs are two batched matmuls over (row, kv head) (measured on 2 AVX2 cores,
@@ -28,6 +30,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from raydeploy.model import native
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as the TPU kernel's: a fully masked row stays finite
 CHUNK_BLOCK_Q = 64        # query rows of a multi-token sequence per step of the chunk loop
@@ -97,8 +101,12 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
 
     pages = KV_BLOCK_TOKENS // kv_pages.shape[1] if kv_block_pages is None else kv_block_pages
     pages = max(1, min(pages, page_indices.shape[1]))
-    out_single = _single_tokens(q, kv_pages, lens, page_indices, starts, single, pages, sm_scale, sliding_window,
-                                soft_cap)                                        # [S, Hq, D] float32
+    out_single = native.decode_attention(jnp.take(q, jnp.clip(starts, 0, t - 1), axis=0), kv_pages,
+                                         jnp.where(single, lens, 0), page_indices, sm_scale=sm_scale,
+                                         sliding_window=sliding_window, soft_cap=soft_cap)
+    if out_single is None:  # outside a program that runs the native CPU kernels
+        out_single = _single_tokens(q, kv_pages, lens, page_indices, starts, single, pages, sm_scale,
+                                    sliding_window, soft_cap)                    # [S, Hq, D] float32
     tid = jnp.arange(t, dtype=jnp.int32)
     seq_t = jnp.minimum(jnp.sum((starts + q_lens)[None, :] <= tid[:, None], axis=1, dtype=jnp.int32), s - 1)
     out = jnp.take(out_single, seq_t, axis=0)

@@ -1,5 +1,7 @@
-"""Native CPU kernels the model calls through `jax.ffi`: one today, a float32 matmul for few rows
-(`small_matmul.cc`).
+"""Native CPU kernels the engine's programs call through `jax.ffi`: a float32 matmul for few rows
+(`small_matmul.cc`) and the paged attention of decode rows (`decode_attention.cc`, `decode_attention`, which the
+XLA attention backend asks first: it reads each row's keys where they lie in the pool instead of gathering
+copies of them), both in one library.
 
 XLA CPU multiplies a handful of rows by a weight through a general matrix product made for many rows: on one
 thread (each host of the simulated gang) its 2- to 32-row dots take 1.3-2.2x the time of loops that stream
@@ -32,11 +34,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
-SOURCE = Path(__file__).with_name("small_matmul.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "small_matmul.cc", HERE / "decode_attention.cc")
+HEADERS = (HERE / "split.h",)
 TARGET = "raydeploy_small_matmul"
 TARGET_OUT_FIRST = "raydeploy_small_matmul_out_first"
+TARGET_ATTENTION = "raydeploy_decode_attention"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
 MIN_ROWS = 2
@@ -76,17 +82,17 @@ def build(out_dir: Path | None = None) -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jax.__version__.encode(), cxx.encode(),
-                                     " ".join(FLAGS).encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in (*SOURCES, *HEADERS)), jax.__version__.encode(),
+                                     cxx.encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
-    lib = out_dir / f"small_matmul-{key}.so"
+    lib = out_dir / f"kernels-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     # several host processes may build at once: each into its own file, then one atomic rename wins
-    fd, tmp = tempfile.mkstemp(prefix=".small_matmul-", suffix=".so", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
@@ -105,9 +111,10 @@ def _register() -> str | None:
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
     except (RuntimeError, OSError) as e:
-        return f"native small-row matmul unavailable: {e}"
+        return f"native CPU kernels unavailable: {e}"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RaydeploySmallMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_OUT_FIRST, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirst), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.RaydeployDecodeAttention), platform="cpu")
     return None
 
 
@@ -218,3 +225,21 @@ def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
 def active() -> bool:
     """Whether the program being traced runs inside `rows_over`."""
     return _ROWS.get() is not None
+
+
+def decode_attention(q_rows: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array, *,
+                     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                     force: bool = False) -> jax.Array | None:
+    """Each row's one query token against its keys in the page pool -> [S, Hq, D] float32, through the kernel
+    (`decode_attention.cc`): q_rows [S, Hq, D], kv_pages [P, page_size, 2*Hkv, D] (K head h at 2h, V at 2h+1),
+    lens i32[S] (the row attends to positions [0, lens), or the last `sliding_window` of them; 0 = zeros),
+    page_indices i32[S, pages]. Called per shard (the attention backends run inside the engine's shard_map).
+    None unless this trace is inside `rows_over` (or `force`) and q and the pool are float32: the caller then
+    computes it in XLA."""
+    if (not (force or active()) or q_rows.dtype != jnp.float32 or kv_pages.dtype != jnp.float32
+            or unavailable() is not None):
+        return None
+    out = jax.ShapeDtypeStruct(q_rows.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGET_ATTENTION, out)(
+        q_rows, kv_pages, lens.astype(jnp.int32), page_indices.astype(jnp.int32), sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int64(sliding_window or 0))

@@ -12,16 +12,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <mutex>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "split.h"
 
 namespace {
 
@@ -128,48 +121,6 @@ void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int
       Block(x + m0 * K, w, y + m0 * N, mb, K, N, n0, N - n0 < kCols ? N - n0 : kCols);
     }
   }
-}
-
-// Work split over the CPU client's threads: part(u0, u1) over `units` units in `parts` pieces, claimed one at a
-// time by this thread and by tasks on XLA's intra-op pool. The caller runs every piece no task has claimed and
-// waits only for pieces running on other threads: XLA runs independent custom calls on the pool's threads at
-// once, so a caller that waited for its own tasks to start could wait on a pool whose threads all wait too.
-struct SplitState {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t parts = 0;
-  std::function<void(int64_t)> piece;
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-inline void RunPieces(const std::shared_ptr<SplitState>& st) {
-  for (;;) {
-    const int64_t p = st->next.fetch_add(1);
-    if (p >= st->parts) return;
-    st->piece(p);
-    if (st->done.fetch_add(1) + 1 == st->parts) {
-      std::lock_guard<std::mutex> lock(st->mu);
-      st->cv.notify_all();
-    }
-  }
-}
-
-template <typename F>
-void Split(ffi::ThreadPool& pool, int64_t units, F part) {
-  int64_t parts = pool.num_threads();
-  if (parts > units) parts = units;
-  if (parts <= 1) {
-    part(0, units);
-    return;
-  }
-  auto st = std::make_shared<SplitState>();
-  st->parts = parts;
-  st->piece = [&part, units, parts](int64_t p) { part(units * p / parts, units * (p + 1) / parts); };
-  for (int64_t p = 1; p < parts; ++p) pool.Schedule([st] { RunPieces(st); });  // a late task finds nothing left
-  RunPieces(st);
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == st->parts; });
 }
 
 void Matmul(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {

@@ -1,0 +1,87 @@
+"""The native CPU attention of decode rows (`raydeploy.model.native.decode_attention`): one query token per row
+against the keys of its pages, read straight from the pool, equal to the XLA backend's decode path over shapes
+that exercise every remainder (grouped query heads, a head dim past the 8-wide vectors, rows of 0, 1 and a page
+plus one keys, page tables in any order, a sliding window, a soft cap); used by the XLA backend only inside a
+program that runs the native kernels; a row longer than its page table is an error that says so."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from raydeploy.engine.attention import xla
+from raydeploy.model import native
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    problem = native._cpu_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    assert native.unavailable() is None  # a compiler is part of the supported setup: its absence is a failure
+
+
+def _case(seed: int, lens: list[int], hq: int, hkv: int, d: int, page_size: int, pages_per_seq: int):
+    rng = np.random.default_rng(seed)
+    s = len(lens)
+    num_pages = s * pages_per_seq + 3
+    pool = rng.standard_normal((num_pages, page_size, 2 * hkv, d), dtype=np.float32)
+    table = rng.permutation(num_pages)[: s * pages_per_seq].reshape(s, pages_per_seq).astype(np.int32)
+    q = rng.standard_normal((s, hq, d), dtype=np.float32)
+    return jnp.asarray(q), jnp.asarray(pool), jnp.asarray(lens, jnp.int32), jnp.asarray(table)
+
+
+def _xla_decode(q, pool, lens, table, **kw):
+    """The XLA backend's decode path: every row one token (cu_q_lens 0, 1, ..., S)."""
+    s = q.shape[0]
+    live = lens > 0
+    cu = jnp.arange(s + 1, dtype=jnp.int32)
+    n = jnp.asarray([s], jnp.int32)
+    out = xla.ragged_paged_attention(q, pool, jnp.where(live, lens, 1), table, cu, n, **kw)
+    return jnp.where(live[:, None, None], out, 0.0)
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d,page_size,pps,window,cap", [
+    ([1, 5, 16, 17, 40], 6, 2, 64, 16, 3, None, None),      # G = 3, a page plus one key
+    ([0, 3, 33, 64], 9, 3, 64, 16, 4, None, None),          # a row without keys: zeros (the demo model's heads)
+    ([7, 29, 2], 4, 4, 20, 4, 8, None, None),               # no grouping, a head dim past the 8-wide vectors
+    ([50, 9, 1], 8, 2, 32, 8, 7, 7, None),                  # sliding window
+    ([12, 31], 4, 1, 16, 4, 8, None, 30.0),                 # soft cap, one kv head for all
+])
+def test_kernel_equals_the_xla_decode_path(kernel, lens, hq, hkv, d, page_size, pps, window, cap):
+    q, pool, lens_a, table = _case(sum(lens) + hq + d, lens, hq, hkv, d, page_size, pps)
+    kw = dict(sm_scale=1.0 / np.sqrt(d), sliding_window=window, soft_cap=cap)
+    got = jax.jit(lambda *a: native.decode_attention(*a, force=True, **kw))(q, pool, lens_a, table)
+    want = _xla_decode(q, pool, lens_a, table, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got)[np.asarray(lens_a) == 0].any()
+
+
+def test_the_xla_backend_uses_it_only_inside_a_native_program(kernel):
+    q, pool, lens, table = _case(3, [4, 20, 9], 6, 2, 64, 16, 2)
+    cu, n = jnp.arange(4, dtype=jnp.int32), jnp.asarray([3], jnp.int32)
+
+    def attend():  # a new function each time: jit's trace cache does not see the context
+        return jax.jit(lambda *a: xla.ragged_paged_attention(*a, sm_scale=0.125))
+
+    plain = attend().lower(q, pool, lens, table, cu, n)
+    assert native.TARGET_ATTENTION not in plain.as_text()
+    mesh = jax.make_mesh((1,), ("dp",))
+    with native.rows_over(mesh, ("dp",)):
+        lowered = attend().lower(q, pool, lens, table, cu, n)
+    assert native.TARGET_ATTENTION in lowered.as_text()
+    np.testing.assert_allclose(np.asarray(lowered.compile()(q, pool, lens, table, cu, n)),
+                               np.asarray(plain.compile()(q, pool, lens, table, cu, n)), rtol=2e-5, atol=2e-5)
+    # bfloat16 caches stay with XLA
+    with native.rows_over(mesh, ("dp",)):
+        bf = attend().lower(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), lens, table, cu, n)
+    assert native.TARGET_ATTENTION not in bf.as_text()
+
+
+def test_a_row_longer_than_its_page_table_is_refused(kernel):
+    q, pool, _, table = _case(5, [4, 4], 2, 1, 8, 4, 2)
+    with pytest.raises(Exception, match="decode_attention: a row's length exceeds its page table"):
+        np.asarray(jax.jit(lambda *a: native.decode_attention(*a, sm_scale=1.0, force=True))(
+            q, pool, jnp.asarray([4, 9], jnp.int32), table))
