@@ -559,6 +559,35 @@ def test_passes_between_chunks_do_not_move_the_pace_the_limit_refers_to():
     assert sched.decode_pass_s > 1.0  # once no prompt prefills, the slower passes count again
 
 
+def test_a_prompt_that_fits_a_step_is_not_held_when_others_split_it():
+    # b and c (6 tokens each) arrive together beside a decoding stream: the step's 7 free tokens take b whole and
+    # c's first token; c's other 5 go in the next step although chunk steps are dear (a long prompt would wait)
+    clock = Clock()
+    eng = TimedEngine(clock, 1.0, 4.0, max_slots=3, groups=1, step_tokens=8, max_seq_len=64, pages_per_group=64)
+    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
+                    max_decode_slowdown=2.0)
+    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=clock, slot_order=eng.slot_order,
+                      decode_steps=4, paging=paging)
+    runner = LocalRunner(eng, sched)
+    a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=40))
+    for _ in range(3):
+        runner.step_once()
+    runner.submit(req("x", prompt=prompt_of(20, 4), max_tokens=1))  # a chunk step is timed: 4 passes' worth
+    while sched.chunk_step_s is None or sched._prefilling:
+        runner.step_once()
+    b = runner.submit(req("b", prompt=prompt_of(6, 2), max_tokens=2))
+    c = runner.submit(req("c", prompt=prompt_of(6, 3), max_tokens=2))
+    runner.step_once()
+    assert sorted(len(q.tokens) for q in eng.plans[-1].seqs) == [0, 1, 6]  # a decodes, b whole, c's first token
+    assert sched._wait_passes() > 0  # a long prompt would be held now
+    runner.step_once()
+    assert sorted(len(q.tokens) for q in eng.plans[-1].seqs) == [0, 0, 5]  # c's rest, at once
+    runner.run_until_idle()
+    for name, stream, prompt, n in (("a", a, prompt_of(3, 1), 40), ("b", b, prompt_of(6, 2), 2),
+                                    ("c", c, prompt_of(6, 3), 2)):
+        assert stream.result(5).token_ids == alone(prompt, n), name
+
+
 def test_held_prompts_do_not_hold_back_new_prompts_or_a_prompt_alone():
     clock = Clock()
     eng = TimedEngine(clock, 1.0, 10.0, max_slots=3, groups=1, step_tokens=8)

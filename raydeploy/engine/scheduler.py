@@ -407,8 +407,10 @@ class Scheduler:
                 run = self._slots[slot]
                 if run is not None and run.started and run.computed >= run.prompt_len:
                     decoding.append((slot, run))
-            if decoding and p.mixed_step_tokens is not None:  # a step costs its largest group's tokens
-                budget = [min(p.max_step_tokens, p.mixed_step_tokens)] * p.groups
+            one_step = p.max_step_tokens if p.mixed_step_tokens is None else min(p.max_step_tokens,
+                                                                                 p.mixed_step_tokens)
+            if decoding:  # a step costs its largest group's tokens
+                budget = [one_step] * p.groups
             for slot, _ in decoding:
                 budget[slot // per_group] -= 1
             wait = self._wait_passes() if decoding else 0
@@ -416,7 +418,9 @@ class Scheduler:
             for slot in list(self._prefilling):
                 run = self._slots[slot]
                 assert run is not None
-                if wait and run.started:
+                # only a prompt longer than a step beside the streams waits: one that fits a step but was split
+                # because other prompts shared its step goes on at once
+                if wait and run.started and run.prompt_len > one_step:
                     held = True
                     continue
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
