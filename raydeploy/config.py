@@ -223,7 +223,7 @@ class EngineConfig(_Section):
     layers' pool holds only the other layers (Gemma 3: 5 of every 6 layers stop growing with the context);
     prefix caching is then off for that model (a reused prefix would lack its window in the rings). all = every
     layer keeps every page of the sequence (prefix caching works). Models without windows: no effect."""
-    max_decode_slowdown: float = 1.5
+    max_decode_slowdown: float = 1.75
     """While a prompt prefills beside running streams, how much slower their mean time per token may get: after
     each chunk step the prompt's next chunk waits for as many decode-only passes as keep the streams within this
     factor of a decode pass (from the measured step times; at most 64 passes). A chunk step costs a few decode

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 Sink = Callable[[TokenEvent], None]
 
 MAX_HOLD_PASSES = 64
+DECODE_PASS_WINDOW = 16
+"""Decode-only plans whose median pass time is the scheduler's decode pace."""
 """Most decode passes one decision holds prompt chunks back beside running streams (`Paging.max_decode_slowdown`)."""
 
 
@@ -161,9 +163,12 @@ class Scheduler:
         self._episode_passes = 0
         self._planned_at: dict[int, tuple[float, str, int]] = {}  # step_id -> (clock, kind, passes)
         # kind: "chunk" (prompt chunks beside decode rows), "held" (decode rows between them), "decode" (neither)
+        self._recent_passes: deque[float] = deque(maxlen=DECODE_PASS_WINDOW)
         self.decode_pass_s: float | None = None
-        """Paged form: recent seconds per decode pass of a decode-only plan of `decode_steps` passes while no
-        prompt prefills beside the streams (moving average): the pace `max_decode_slowdown` is a factor of. Passes
+        """Paged form: seconds per decode pass of a decode-only plan of `decode_steps` passes while no prompt
+        prefills beside the streams, the median of the last `DECODE_PASS_WINDOW`: the pace `max_decode_slowdown`
+        is a factor of (a median, as the plans just before a long prompt's first chunk run slower while its
+        request is read and tokenized beside them; a moving average took that in). Passes
         between a prompt's chunks do not count: they run slower than undisturbed ones (measured: 5-10% on CPU,
         caches the chunk step evicted), and counting them let the streams drift past the limit."""
         self.chunk_step_s: float | None = None
@@ -551,8 +556,8 @@ class Scheduler:
         if kind in ("decode", "held"):
             if passes == self.decode_steps or self.decode_pass_s is None:
                 # the usual pass: a plan of decode_steps passes (a shorter one pays its per-plan costs over fewer)
-                x = dt / passes
-                self.decode_pass_s = x if self.decode_pass_s is None else 0.7 * self.decode_pass_s + 0.3 * x
+                self._recent_passes.append(dt / passes)
+                self.decode_pass_s = float(np.median(self._recent_passes))
         else:
             self._chunk_growth_s = 0.0 if self.chunk_step_s is None else max(0.0, dt - self.chunk_step_s)
             self.chunk_step_s = dt
