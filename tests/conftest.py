@@ -41,3 +41,15 @@ def demo_gguf() -> Path:
     from raydeploy.checkpoint.demo import demo_gguf_path
 
     return demo_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def native_library() -> None:
+    """The native CPU kernels built and registered in this process (raydeploy.model.native), or a skip on a CPU
+    they are not written for. A missing compiler fails: it is part of the supported setup."""
+    from raydeploy.model import native
+
+    problem = native._cpu_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    assert native.unavailable() is None

@@ -468,15 +468,20 @@ class TimedEngine(PagedTokenEngine):
         return out
 
 
-def _held_run(limit: float, chunk_s: float, decode_steps: int = 4, growth_s: float = 0.0):
-    clock = Clock()
-    eng = TimedEngine(clock, 1.0, chunk_s, growth_s, max_slots=3, groups=1, step_tokens=8, max_seq_len=128,
-                      pages_per_group=64)
+def _limited(eng: TimedEngine, clock: Clock, limit: float, decode_steps: int = 4) -> tuple[Scheduler, LocalRunner]:
+    """A paged scheduler with `max_decode_slowdown` = limit over a timed engine, and its runner."""
     paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
                     max_decode_slowdown=limit)
     sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=clock, slot_order=eng.slot_order,
                       decode_steps=decode_steps, paging=paging)
-    runner = LocalRunner(eng, sched)
+    return sched, LocalRunner(eng, sched)
+
+
+def _held_run(limit: float, chunk_s: float, decode_steps: int = 4, growth_s: float = 0.0):
+    clock = Clock()
+    eng = TimedEngine(clock, 1.0, chunk_s, growth_s, max_slots=3, groups=1, step_tokens=8, max_seq_len=128,
+                      pages_per_group=64)
+    sched, runner = _limited(eng, clock, limit, decode_steps)
     a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=100))
     for _ in range(4):  # a decodes alone: the decode pass time is measured
         runner.step_once()
@@ -537,11 +542,7 @@ def test_passes_between_chunks_do_not_move_the_pace_the_limit_refers_to():
             return super().step(plan)
 
     eng = Slower(clock, 1.0, 12.0, max_slots=3, groups=1, step_tokens=8, max_seq_len=512, pages_per_group=300)
-    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
-                    max_decode_slowdown=2.0)
-    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=clock, slot_order=eng.slot_order,
-                      decode_steps=4, paging=paging)
-    runner = LocalRunner(eng, sched)
+    sched, runner = _limited(eng, clock, 2.0)
     a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=400))
     for _ in range(4):
         runner.step_once()
@@ -564,11 +565,7 @@ def test_a_prompt_that_fits_a_step_is_not_held_when_others_split_it():
     # c's first token; c's other 5 go in the next step although chunk steps are dear (a long prompt would wait)
     clock = Clock()
     eng = TimedEngine(clock, 1.0, 4.0, max_slots=3, groups=1, step_tokens=8, max_seq_len=64, pages_per_group=64)
-    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
-                    max_decode_slowdown=2.0)
-    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=clock, slot_order=eng.slot_order,
-                      decode_steps=4, paging=paging)
-    runner = LocalRunner(eng, sched)
+    sched, runner = _limited(eng, clock, 2.0)
     a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=40))
     for _ in range(3):
         runner.step_once()
@@ -591,11 +588,7 @@ def test_a_prompt_that_fits_a_step_is_not_held_when_others_split_it():
 def test_held_prompts_do_not_hold_back_new_prompts_or_a_prompt_alone():
     clock = Clock()
     eng = TimedEngine(clock, 1.0, 10.0, max_slots=3, groups=1, step_tokens=8)
-    paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
-                    max_decode_slowdown=2.0)
-    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=clock, slot_order=eng.slot_order,
-                      decode_steps=4, paging=paging)
-    runner = LocalRunner(eng, sched)
+    sched, runner = _limited(eng, clock, 2.0)
     a = runner.submit(req("a", prompt=prompt_of(30, 1), max_tokens=30))
     for _ in range(4):  # alone, a's prompt goes in whole chunks, one step after another
         runner.step_once()

@@ -15,14 +15,6 @@ from raydeploy.engine.attention import xla
 from raydeploy.model import native
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    problem = native._cpu_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    assert native.unavailable() is None  # a compiler is part of the supported setup: its absence is a failure
-
-
 def _case(seed: int, lens: list[int], hq: int, hkv: int, d: int, page_size: int, pages_per_seq: int):
     rng = np.random.default_rng(seed)
     s = len(lens)
@@ -50,7 +42,7 @@ def _xla_decode(q, pool, lens, table, **kw):
     ([50, 9, 1], 8, 2, 32, 8, 7, 7, None),                  # sliding window
     ([12, 31], 4, 1, 16, 4, 8, None, 30.0),                 # soft cap, one kv head for all
 ])
-def test_kernel_equals_the_xla_decode_path(kernel, lens, hq, hkv, d, page_size, pps, window, cap):
+def test_kernel_equals_the_xla_decode_path(native_library, lens, hq, hkv, d, page_size, pps, window, cap):
     q, pool, lens_a, table = _case(sum(lens) + hq + d, lens, hq, hkv, d, page_size, pps)
     kw = dict(sm_scale=1.0 / np.sqrt(d), sliding_window=window, soft_cap=cap)
     got = jax.jit(lambda *a: native.decode_attention(*a, force=True, **kw))(q, pool, lens_a, table)
@@ -59,7 +51,7 @@ def test_kernel_equals_the_xla_decode_path(kernel, lens, hq, hkv, d, page_size, 
     assert not np.asarray(got)[np.asarray(lens_a) == 0].any()
 
 
-def test_the_xla_backend_uses_it_only_inside_a_native_program(kernel):
+def test_the_xla_backend_uses_it_only_inside_a_native_program(native_library):
     q, pool, lens, table = _case(3, [4, 20, 9], 6, 2, 64, 16, 2)
     cu, n = jnp.arange(4, dtype=jnp.int32), jnp.asarray([3], jnp.int32)
 
@@ -80,7 +72,7 @@ def test_the_xla_backend_uses_it_only_inside_a_native_program(kernel):
     assert native.TARGET_ATTENTION not in bf.as_text()
 
 
-def test_a_row_longer_than_its_page_table_is_refused(kernel):
+def test_a_row_longer_than_its_page_table_is_refused(native_library):
     q, pool, _, table = _case(5, [4, 4], 2, 1, 8, 4, 2)
     with pytest.raises(Exception, match="decode_attention: a row's length exceeds its page table"):
         np.asarray(jax.jit(lambda *a: native.decode_attention(*a, sm_scale=1.0, force=True))(

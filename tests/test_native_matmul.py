@@ -17,11 +17,7 @@ from raydeploy.model import native
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    problem = native._cpu_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    assert native.unavailable() is None  # a compiler is part of the supported setup: its absence is a failure
+def kernel(native_library):
     return jax.jit(native._call)
 
 
