@@ -25,6 +25,13 @@ def _case(seed: int, lens: list[int], hq: int, hkv: int, d: int, page_size: int,
     return jnp.asarray(q), jnp.asarray(pool), jnp.asarray(lens, jnp.int32), jnp.asarray(table)
 
 
+def _native(fn, *args):
+    """fn traced as the engine's CPU programs trace it (inside `rows_over`, where the kernels apply), and run."""
+    with native.rows_over(jax.make_mesh((1,), ("dp",)), ("dp",)):
+        lowered = jax.jit(fn).lower(*args)
+    return lowered.compile()(*args)
+
+
 def _xla_decode(q, pool, lens, table, **kw):
     """The XLA backend's decode path: every row one token (cu_q_lens 0, 1, ..., S)."""
     s = q.shape[0]
@@ -45,7 +52,7 @@ def _xla_decode(q, pool, lens, table, **kw):
 def test_kernel_equals_the_xla_decode_path(native_library, lens, hq, hkv, d, page_size, pps, window, cap):
     q, pool, lens_a, table = _case(sum(lens) + hq + d, lens, hq, hkv, d, page_size, pps)
     kw = dict(sm_scale=1.0 / np.sqrt(d), sliding_window=window, soft_cap=cap)
-    got = jax.jit(lambda *a: native.decode_attention(*a, force=True, **kw))(q, pool, lens_a, table)
+    got = _native(lambda *a: native.decode_attention(*a, **kw), q, pool, lens_a, table)
     want = _xla_decode(q, pool, lens_a, table, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     assert not np.asarray(got)[np.asarray(lens_a) == 0].any()
@@ -75,5 +82,5 @@ def test_the_xla_backend_uses_it_only_inside_a_native_program(native_library):
 def test_a_row_longer_than_its_page_table_is_refused(native_library):
     q, pool, _, table = _case(5, [4, 4], 2, 1, 8, 4, 2)
     with pytest.raises(Exception, match="decode_attention: a row's length exceeds its page table"):
-        np.asarray(jax.jit(lambda *a: native.decode_attention(*a, sm_scale=1.0, force=True))(
-            q, pool, jnp.asarray([4, 9], jnp.int32), table))
+        np.asarray(_native(lambda *a: native.decode_attention(*a, sm_scale=1.0), q, pool,
+                           jnp.asarray([4, 9], jnp.int32), table))

@@ -50,9 +50,9 @@ if TYPE_CHECKING:
 Sink = Callable[[TokenEvent], None]
 
 MAX_HOLD_PASSES = 64
+"""Most decode passes one decision holds prompt chunks back beside running streams (`Paging.max_decode_slowdown`)."""
 DECODE_PASS_WINDOW = 16
 """Decode-only plans whose median pass time is the scheduler's decode pace."""
-"""Most decode passes one decision holds prompt chunks back beside running streams (`Paging.max_decode_slowdown`)."""
 
 
 class QueueFullError(RuntimeError):

@@ -228,15 +228,15 @@ def active() -> bool:
 
 
 def decode_attention(q_rows: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array, *,
-                     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                     force: bool = False) -> jax.Array | None:
+                     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+                     ) -> jax.Array | None:
     """Each row's one query token against its keys in the page pool -> [S, Hq, D] float32, through the kernel
     (`decode_attention.cc`): q_rows [S, Hq, D], kv_pages [P, page_size, 2*Hkv, D] (K head h at 2h, V at 2h+1),
     lens i32[S] (the row attends to positions [0, lens), or the last `sliding_window` of them; 0 = zeros),
     page_indices i32[S, pages]. Called per shard (the attention backends run inside the engine's shard_map).
-    None unless this trace is inside `rows_over` (or `force`) and q and the pool are float32: the caller then
-    computes it in XLA."""
-    if (not (force or active()) or q_rows.dtype != jnp.float32 or kv_pages.dtype != jnp.float32
+    None unless this trace is inside `rows_over` and q and the pool are float32: the caller then computes it in
+    XLA."""
+    if (not active() or q_rows.dtype != jnp.float32 or kv_pages.dtype != jnp.float32
             or unavailable() is not None):
         return None
     out = jax.ShapeDtypeStruct(q_rows.shape, jnp.float32)
