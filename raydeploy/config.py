@@ -230,9 +230,10 @@ class EngineConfig(_Section):
     passes on CPU and about one on TPU/GPU, where nothing waits. Lower: steadier streams, a longer wait for the
     long prompt's first token; 0 = never wait (a chunk in every step). Prompts that fit one step never wait."""
     burst_wait: float = 0.25
-    """A request that finds the engine idle waits this fraction of a decode pass (measured) before its first
-    step, so requests that arrive with it (a burst sent at once reaches rank 0 over some milliseconds) share that
-    step instead of waiting a whole step behind it. 0 = start at once; at most 1."""
+    """A request that finds the engine idle waits until this fraction of a decode pass (measured) has gone by with
+    no other arrival (each arrival starts the wait again; at most one decode pass after the first request), so
+    requests that arrive with it (a burst sent at once reaches rank 0 over tens of milliseconds) share that step
+    instead of waiting a whole step behind it. 0 = start at once; at most 1."""
 
 
 @dataclass(frozen=True)

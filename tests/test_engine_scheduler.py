@@ -620,6 +620,35 @@ def test_many_arriving_prompts_prefill_together_on_the_group_that_owns_their_slo
         assert outs[r.request_id].token_ids == alone(r.prompt_token_ids, 3)
 
 
+def test_a_burst_spreads_over_the_groups_when_the_cached_prefix_is_worth_less_than_the_imbalance():
+    # one request warms group 0's cache with a one-page system prefix; then 4 prompts arrive together. Each costs
+    # 6 tokens on group 0 and 10 on group 1: piling all four onto group 0 (24 tokens, group 1 idle) makes a longer
+    # step than three there and one on group 1 (18 and 10; two on each would be 12 and 20)
+    eng = PagedTokenEngine(max_slots=8, groups=2, step_tokens=32)
+    sched = paged(eng)
+    runner = LocalRunner(eng, sched)
+    system = prompt_of(4, 7)
+    collect(runner, req("warm", prompt=system + (5, 6), max_tokens=1))
+    n_plans = len(eng.plans)
+    burst = [req(f"b{i}", prompt=system + prompt_of(6, i), max_tokens=2) for i in range(4)]
+    outs = collect(runner, *burst)
+    first = eng.plans[n_plans]
+    per_group = [sum(len(q.tokens) for q in first.seqs if q.slot // 4 == g) for g in (0, 1)]
+    assert len(first.seqs) == 4 and per_group == [18, 10], per_group
+    assert {q.start for q in first.seqs if q.slot // 4 == 0} == {4}  # group 0's prompts reuse the cached page
+    for r in burst:
+        assert outs[r.request_id].token_ids == alone(r.prompt_token_ids, 2)
+    # a long cached prefix still draws prompts to its group: computing it elsewhere costs more than sharing a step
+    long_system = prompt_of(20, 8)
+    n_plans = len(eng.plans)
+    collect(runner, req("warm2", prompt=long_system + (5,), max_tokens=1))
+    warmed = eng.plans[n_plans].seqs[0].slot // 4
+    n_plans = len(eng.plans)
+    outs = collect(runner, *[req(f"c{i}", prompt=long_system + (30 + i,), max_tokens=1) for i in range(3)])
+    assert [q.slot // 4 for q in eng.plans[n_plans].seqs] == [warmed] * 3
+    assert all(q.start == 20 for q in eng.plans[n_plans].seqs)
+
+
 def test_prefix_cache_reuses_full_pages_and_starts_after_them():
     eng = PagedTokenEngine(max_slots=2, groups=1)
     sched = paged(eng)
@@ -952,6 +981,31 @@ def test_a_burst_reaching_an_idle_engine_over_some_milliseconds_starts_in_one_st
         assert out.token_ids == alone(r.prompt_token_ids, 3)
 
 
+def test_a_burst_that_keeps_arriving_keeps_the_idle_engine_waiting_up_to_a_pass():
+    """Arrivals 1.2 s apart, with a burst wait of 2 s (a quarter of an 8 s pass): each arrival starts the wait
+    again, so all four share the first step although the last comes 3.6 s after the first (a wait fixed from
+    the first arrival would have started the step with two)."""
+    import time
+
+    eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
+    sched = _burst_scheduler(eng, 0.25)
+    sched.decode_pass_s = 8.0
+    runner = LocalRunner(eng, sched, idle_wait_s=0.05).start()
+    try:
+        time.sleep(0.2)
+        reqs = [req(f"r{i}", prompt=prompt_of(5 + i, i), max_tokens=3) for i in range(4)]
+        streams = []
+        for r in reqs:
+            streams.append(runner.submit(r))
+            time.sleep(1.2 if r is not reqs[-1] else 0.0)
+        outs = [s.result(20) for s in streams]
+    finally:
+        runner.stop()
+    assert sorted(q.slot for q in eng.plans[0].seqs) == [0, 1, 2, 3], [q.slot for q in eng.plans[0].seqs]
+    for r, out in zip(reqs, outs, strict=True):
+        assert out.token_ids == alone(r.prompt_token_ids, 3)
+
+
 class _RecordingCondition:
     """The scheduler's condition variable with every wait's timeout recorded (and not slept)."""
 
@@ -986,8 +1040,8 @@ def test_burst_wait_is_a_fraction_of_a_measured_pass_and_only_when_idle(burst_wa
 
 
 @pytest.mark.parametrize(("slots", "chunk", "platform", "want"), [
-    (8, 256, "cpu", [1, 4, 8, 16, 32, 64, 128, 256]),  # every power of two above twice the slots
-    (4, 256, "cpu", [1, 4, 16, 32, 64, 128, 256]),     # from 16 at least
+    (8, 256, "cpu", [1, 4, 8, 16, 32, 64, 96, 128, 192, 256]),  # powers of two above twice the slots, and 3/2 of
+    (4, 256, "cpu", [1, 4, 16, 32, 64, 96, 128, 192, 256]),     # them from 64; from 16 at least
     (8, 256, "tpu", [1, 4, 8, 64, 256]),               # the chunk and a quarter chunk
     (8, 256, "gpu", [1, 4, 8, 64, 256]),
     (2, 32, "cpu", [1, 2, 8, 16, 32]),                 # a quarter chunk off the ladder is kept

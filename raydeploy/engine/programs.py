@@ -79,13 +79,17 @@ def default_decode_rows(slots_per_group: int, min_rows: int = 1) -> list[int]:
 
 
 FINE_PROMPT_BUCKETS = ("cpu",)
-"""Platforms whose prompt steps get a bucket at every power of two between the group's slots and the chunk.
+"""Platforms whose prompt steps get a bucket at every power of two between the group's slots and the chunk (and
+from `MIN_THREE_HALVES_BUCKET` at 3/2 of each too).
 On CPU a step's cost grows with its tokens (the demo model: a 64-token step costs ~3 decode passes, a 256-token
 one ~8), so padding 140 tokens to 256 nearly doubles the step. On TPU and GPU a step of a few hundred tokens
 costs about one weight read whatever its tokens, and fewer programs compile faster: there the prompt steps are
 the chunk and a quarter chunk."""
 MIN_FINE_PROMPT_BUCKET = 16
 """The smallest of those buckets: a step of fewer tokens costs about a decode pass on CPU too."""
+MIN_THREE_HALVES_BUCKET = 64
+"""From here the CPU ladder also has 3/2 of each power of two (96, 192, ...): a step's cost is nearly its tokens'
+there, and 8 short prompts arriving together (~92 new tokens per group of the embedded default) would pay for 128."""
 
 
 def default_token_buckets(decode_rows: Sequence[int], slots_per_group: int, max_step_tokens: int,
@@ -93,7 +97,7 @@ def default_token_buckets(decode_rows: Sequence[int], slots_per_group: int, max_
     """Token places per dp group of the step programs: the decode row buckets, the chunk (`max_step_tokens`),
     the quarter chunk (the engine's `mixed_step_tokens`, the step beside running streams) and, on a platform
     in `FINE_PROMPT_BUCKETS`, every power of two from twice the group's slots (at least
-    `MIN_FINE_PROMPT_BUCKET`) up to the chunk."""
+    `MIN_FINE_PROMPT_BUCKET`) up to the chunk, with 3/2 of each from `MIN_THREE_HALVES_BUCKET`."""
     out = set(decode_rows) | {max_step_tokens}
     quarter = max_step_tokens // 4
     if quarter > slots_per_group:
@@ -102,6 +106,8 @@ def default_token_buckets(decode_rows: Sequence[int], slots_per_group: int, max_
         t = max(MIN_FINE_PROMPT_BUCKET, 1 << (2 * slots_per_group - 1).bit_length())
         while t < max_step_tokens:
             out.add(t)
+            if t >= MIN_THREE_HALVES_BUCKET and t + t // 2 < max_step_tokens:
+                out.add(t + t // 2)
             t *= 2
     return sorted(out)
 

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 Sink = Callable[[TokenEvent], None]
 
+BURST_MAX_PASSES = 1.0
+"""Longest burst wait, in decode passes after the first request: a request that misses the first step waits
+a whole step (several passes on CPU), so gathering a burst for up to a pass costs less than splitting it."""
 MAX_HOLD_PASSES = 64
 """Most decode passes one decision holds prompt chunks back beside running streams (`Paging.max_decode_slowdown`)."""
 DECODE_PASS_WINDOW = 16
@@ -339,18 +342,22 @@ class Scheduler:
         return bool(self.slots_in_use or self._release)
 
     def _gather_burst(self) -> None:
-        """Under the lock, with requests queued at an idle engine: wait until `burst_wait` decode passes after the
-        first of them arrived (bounded by that; nothing to wait for before a pass was measured), or until the
-        queue holds a request for every slot, so a burst that reaches rank 0 over some milliseconds starts in
-        one step."""
+        """Under the lock, with requests queued at an idle engine: wait until `burst_wait` decode passes have gone by
+        with no new arrival (from the first, then from each later one), at most `BURST_MAX_PASSES` decode passes
+        after the first (nothing to wait for before a pass was measured), or until the queue holds a request for
+        every slot. A burst sent at once reaches rank 0 over tens of milliseconds (HTTP, the proxy, the replica):
+        every request of it that misses the first step waits a whole step behind it."""
         frac = 0.0 if self.paging is None else self.paging.burst_wait
         if not frac or not self.decode_pass_s:
             return
-        wait = frac * self.decode_pass_s
-        since_first = self.clock() - self._queue[0].submitted_s
-        deadline = time.monotonic() + min(wait, wait - since_first)  # waited in real time, whatever the clock
-        while len(self._queue) < self.max_slots and (left := deadline - time.monotonic()) > 0:
+        gap, cap = frac * self.decode_pass_s, BURST_MAX_PASSES * self.decode_pass_s
+        now = time.monotonic()  # waited in real time, whatever the clock
+        first = now - max(0.0, self.clock() - self._queue[0].submitted_s)
+        deadline, seen = first + gap, len(self._queue)
+        while len(self._queue) < self.max_slots and (left := min(deadline, first + cap) - time.monotonic()) > 0:
             self._work.wait(left)
+            if len(self._queue) > seen:
+                deadline, seen = time.monotonic() + gap, len(self._queue)
 
     # -- the step loop
     def next_plan(self) -> StepPlan | None:
@@ -480,14 +487,18 @@ class Scheduler:
 
     def _place(self, q: _Queued, p: Paging, budget: list[int]) -> tuple[int, SequencePages] | None:
         """A slot and pages for a queued request, or None if no dp group has both now. Among the groups with a
-        free slot and room for its pages: the one with the most cached prefix pages, then one with token
-        budget left in this step, then the fewest running requests."""
+        free slot and room for its pages: the one where this step ends soonest with the prompt in it (a step
+        costs its largest group's tokens: the most token budget left after the tokens the prompt computes
+        there, its cached prefix pages excluded), then the fewest running requests. A cached prefix draws a
+        prompt to its group only while that group's step stays shorter than computing the prefix elsewhere:
+        a burst does not pile into the one group that served the last request while the others idle."""
         req = q.req
         per_group = self.max_slots // p.groups
         if q.keys is None:
             q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size) if p.prefix_caching else []
         cap = self._reserve_for(len(req.prompt_token_ids), req.max_tokens)
-        best: tuple[tuple[int, bool, int, int], int, int] | None = None
+        n = len(req.prompt_token_ids)
+        best: tuple[tuple[int, int, int], int, int] | None = None
         for slot in self.slot_order:
             g = slot // per_group
             if self._slots[slot] is not None or (best is not None and best[1] == g):
@@ -496,7 +507,7 @@ class Scheduler:
             if not fits:
                 continue
             running = sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group])
-            rank = (hit, budget[g] > 0, -running, -self.slot_order.index(slot))
+            rank = (budget[g] - (n - hit * p.page_size), -running, -self.slot_order.index(slot))
             if best is None or rank > best[0]:
                 best = (rank, g, slot)
         if best is None:
