@@ -957,53 +957,42 @@ def _burst_scheduler(eng: PagedTokenEngine, burst_wait: float) -> Scheduler:
                      paging=paging)
 
 
-def test_a_burst_reaching_an_idle_engine_over_some_milliseconds_starts_in_one_step():
-    """The loop thread is idle when the first request arrives; the other three come 50 ms later. With a burst
-    wait they share the first step (the wait ends early once every slot has a request); each request's tokens
-    are still its own."""
+def _burst_shares_the_first_step(gaps_s: list[float]) -> None:
+    """An idle engine (burst wait a quarter of an 8 s pass: 2 s) gets 4 requests, `gaps_s[i]` seconds after
+    request i; all four must share the first step, each with its own tokens."""
     import time
 
     eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
     sched = _burst_scheduler(eng, 0.25)
-    sched.decode_pass_s = 8.0  # as measured from earlier decode plans: a 2 s window
+    sched.decode_pass_s = 8.0  # as measured from earlier decode plans
     runner = LocalRunner(eng, sched, idle_wait_s=0.05).start()
     try:
         time.sleep(0.2)  # the loop waits for work
         reqs = [req(f"r{i}", prompt=prompt_of(5 + i, i), max_tokens=3) for i in range(4)]
-        streams = [runner.submit(reqs[0])]
-        time.sleep(0.05)
-        streams += [runner.submit(r) for r in reqs[1:]]
-        outs = [s.result(10) for s in streams]
-    finally:
-        runner.stop()
-    assert sorted(q.slot for q in eng.plans[0].seqs) == [0, 1, 2, 3], [q.slot for q in eng.plans[0].seqs]
-    for r, out in zip(reqs, outs, strict=True):
-        assert out.token_ids == alone(r.prompt_token_ids, 3)
-
-
-def test_a_burst_that_keeps_arriving_keeps_the_idle_engine_waiting_up_to_a_pass():
-    """Arrivals 1.2 s apart, with a burst wait of 2 s (a quarter of an 8 s pass): each arrival starts the wait
-    again, so all four share the first step although the last comes 3.6 s after the first (a wait fixed from
-    the first arrival would have started the step with two)."""
-    import time
-
-    eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
-    sched = _burst_scheduler(eng, 0.25)
-    sched.decode_pass_s = 8.0
-    runner = LocalRunner(eng, sched, idle_wait_s=0.05).start()
-    try:
-        time.sleep(0.2)
-        reqs = [req(f"r{i}", prompt=prompt_of(5 + i, i), max_tokens=3) for i in range(4)]
         streams = []
-        for r in reqs:
+        for r, gap in zip(reqs, [*gaps_s, 0.0], strict=True):
             streams.append(runner.submit(r))
-            time.sleep(1.2 if r is not reqs[-1] else 0.0)
+            time.sleep(gap)
         outs = [s.result(20) for s in streams]
     finally:
         runner.stop()
     assert sorted(q.slot for q in eng.plans[0].seqs) == [0, 1, 2, 3], [q.slot for q in eng.plans[0].seqs]
     for r, out in zip(reqs, outs, strict=True):
         assert out.token_ids == alone(r.prompt_token_ids, 3)
+
+
+def test_a_burst_reaching_an_idle_engine_over_some_milliseconds_starts_in_one_step():
+    """The loop thread is idle when the first request arrives; the other three come 50 ms later. With a burst
+    wait they share the first step (the wait ends early once every slot has a request); each request's tokens
+    are still its own."""
+    _burst_shares_the_first_step([0.05, 0.0, 0.0])
+
+
+def test_a_burst_that_keeps_arriving_keeps_the_idle_engine_waiting_up_to_a_pass():
+    """Arrivals 1.2 s apart, with a burst wait of 2 s (a quarter of an 8 s pass): each arrival starts the wait
+    again, so all four share the first step although the last comes 3.6 s after the first (a wait fixed from
+    the first arrival would have started the step with two)."""
+    _burst_shares_the_first_step([1.2, 1.2, 1.2])
 
 
 class _RecordingCondition:
