@@ -315,6 +315,11 @@ def measure_prefix(serving, tok, model: str, n_prompts: int, system_tokens: int,
             "counters": _prefix_figures(serving.url)}
 
 
+AFTER_MARGIN_S = 5.0
+"""Longest wait, after the long prompt's first token, for each running stream to show one more token (the
+check that it ran through the prefill) before the streams are cancelled."""
+
+
 def measure_long_arrival(serving, tok, model: str, streams: int, stream_tokens: int, long_tokens: int,
                          before_s: float, rounds: int, temperature: float) -> dict:
     """`streams` streams decode; over `before_s` their time per output token is measured, then a prompt of
@@ -349,7 +354,18 @@ def measure_long_arrival(serving, tok, model: str, streams: int, stream_tokens: 
             await asyncio.sleep(0.005)
         d1 = long.arrivals[0]
         s2 = await asyncio.to_thread(_engine_stats, serving)
-        await asyncio.gather(long.task, *[s.task for s in running])
+        await long.task
+        # the streams are asked for more tokens than any prefill here takes; once each has shown a token after
+        # the long prompt's first one (or the margin is over), they are cancelled rather than decoded to the end
+        deadline = time.perf_counter() + AFTER_MARGIN_S
+        while time.perf_counter() < deadline and not all(s.arrivals[-1] > d1 or s.task.done() for s in running):
+            await asyncio.sleep(0.02)
+        for s in running:
+            s.task.cancel()
+        ended = await asyncio.gather(*[s.task for s in running], return_exceptions=True)
+        failed = [e for e in ended if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
+        if failed:
+            raise RuntimeError(f"long-prompt test: a running stream failed: {failed[0]!r}")
         await client.close()
         n_before = sum(s.tokens_in(b0, b1) for s in running)
         n_during = sum(s.tokens_in(b1, d1) for s in running)
@@ -631,16 +647,17 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--engine", choices=["real", "toy"], default="real")
     p.add_argument("--set", dest="overrides", action="append",
-                   default=["engine.max_slots=16", "serving.max_queue=64", "engine.max_new_tokens=640"],
+                   default=["engine.max_slots=16", "serving.max_queue=64", "engine.max_new_tokens=1536"],
                    help="config override KEY=VALUE (added to engine.max_slots=16, serving.max_queue=64, "
-                        "engine.max_new_tokens=640 for the streams beside the long prompt; the rest is the "
+                        "engine.max_new_tokens=1536 for the streams beside the long prompt; the rest is the "
                         "embedded default: max_seq_len 2048, chunked prefill, prefix cache)")
     p.add_argument("--prefix-prompts", type=int, default=3,
                    help="distinct ~400-token system prompts, each sent twice (uncached, then cached)")
     p.add_argument("--long-tokens", type=int, default=1500, help="tokens of the prompt that arrives mid-stream")
-    p.add_argument("--stream-tokens", type=int, default=640,
+    p.add_argument("--stream-tokens", type=int, default=1536,
                    help="max_tokens of the 7 streams running while the long prompt arrives (enough to outlast its "
-                        "prefill: a window in which they had ended would count time without their tokens)")
+                        "prefill: a window in which they had ended would count time without their tokens); they "
+                        "are cancelled once they have shown a token after the long prompt's first")
     p.add_argument("--before-s", type=float, default=8.0, help="seconds of TPOT measured before the long prompt")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--out", default=None, help="writes OUT.json and OUT.png (default docs/serve_load; with "
