@@ -163,7 +163,9 @@ class PlanDriver:
 
 
 def _build_engine(checkpoint, mesh_shape, max_seq_len=256, max_slots=4, prefill_chunk=64, decode_steps=4,
-                  **engine_kw):
+                  param_dtype="float32", params_as=None, **engine_kw):
+    """A paged engine over the demo checkpoint; `params_as` (a dtype) casts the loaded weights after loading
+    (e.g. bfloat16-rounded weights held as float32)."""
     import jax
 
     from raydeploy.checkpoint.reader import CheckpointReader
@@ -176,10 +178,14 @@ def _build_engine(checkpoint, mesh_shape, max_seq_len=256, max_slots=4, prefill_
     mesh = build_mesh(mesh_shape, jax.devices()[:n])
     rules = merge_rules({"q_heads": None, "kv_heads": None, "cache_kv_heads": None} if "tp" in mesh_shape else {})
     reader = CheckpointReader(checkpoint)
-    params, _ = reader.load(reader.param_specs(), mesh, rules, "float32", 4, progress=False)
+    params, _ = reader.load(reader.param_specs(), mesh, rules, param_dtype, 4, progress=False)
+    if params_as is not None:
+        params = jax.tree.map(lambda a: a.astype(params_as), params)
     engine_cfg = EngineConfig(max_slots=max_slots, prefill_buckets=[max_seq_len], max_new_tokens=64,
                               prefill_chunk=prefill_chunk, decode_steps=decode_steps, **engine_kw)
-    return PagedEngine(*from_hf_config(reader.hf_config), params, mesh, rules, ModelConfig(max_seq_len=max_seq_len), engine_cfg)
+    model_cfg = ModelConfig(max_seq_len=max_seq_len,
+                            param_dtype=param_dtype if params_as is None else np.dtype(params_as).name)
+    return PagedEngine(*from_hf_config(reader.hf_config), params, mesh, rules, model_cfg, engine_cfg)
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +319,43 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
     assert "raydeploy_decode_attention" not in xla.step_hlo(tokens, pages)
     prompts = [(f"r{i}", ids, 24, None) for i, ids in enumerate(prompt_ids[:2])]
     ours, theirs = PlanDriver(engine).run(prompts), PlanDriver(xla).run(prompts)
+    for name in ("r0", "r1"):
+        assert ours[name]["out"] == theirs[name]["out"]
+        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"], atol=1e-4)
+
+
+def test_bfloat16_weights_on_an_avx512_cpu_multiply_in_the_native_kernel(demo_checkpoint, prompt_ids, native_library):
+    """bfloat16 weights with float32 activations: where the kernel is built for AVX-512 the engine keeps them
+    in_out and every step program, one row included, multiplies them in the kernel's bfloat16 handlers; greedy
+    tokens equal and logprobs are within 1e-4 of an engine holding the same bfloat16-rounded weights as float32
+    (the kernel widens each weight exactly and keeps x in float32; XLA's mixed dot would round x to bfloat16). Without AVX-512 the engine says why it keeps
+    XLA's dot and holds them out_in."""
+    import jax.numpy as jnp
+
+    from raydeploy.engine.programs import ProgramShape
+    from raydeploy.model import native
+
+    # prompt chunks of 16 tokens: every step of these requests has few enough rows for the kernel (a longer chunk
+    # goes to XLA's mixed dot, which rounds x to bfloat16)
+    bf16 = _build_engine(demo_checkpoint, {"dp": 1}, prefill_chunk=16, param_dtype="bfloat16")
+    ps = bf16.programs_set
+    if native.isa() != "avx512":
+        assert ps.kernel_layout == "out_in"
+        assert bf16.matmul == ("xla (dtype float32, param_dtype bfloat16 (the kernel multiplies float32 "
+                               "activations by float32 weights on this CPU))")
+        return
+    assert ps.native_matmul is None and bf16.matmul == "native" and ps.kernel_layout == "in_out"
+    pages = ps.page_buckets[0]
+    for tokens in (1, min(t for t in ps.token_buckets if t > 1)):
+        hlo = bf16.step_hlo(tokens, pages)
+        layers = bf16.cfg.num_layers if ps.unrolled(ProgramShape("step", tokens, pages)) else 1
+        assert hlo.count('custom_call_target="raydeploy_small_matmul_bf16"') == 7 * layers, tokens
+        assert hlo.count('custom_call_target="raydeploy_small_matmul_out_first_bf16"') == 1, tokens
+    rounded = _build_engine(demo_checkpoint, {"dp": 1}, prefill_chunk=16, param_dtype="bfloat16",
+                            params_as=jnp.float32)
+    assert rounded.matmul == "native"
+    prompts = [(f"r{i}", ids, 24, None) for i, ids in enumerate(prompt_ids[:2])]
+    ours, theirs = PlanDriver(bf16).run(prompts), PlanDriver(rounded).run(prompts)
     for name in ("r0", "r1"):
         assert ours[name]["out"] == theirs[name]["out"]
         np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"], atol=1e-4)

@@ -242,6 +242,9 @@ def test_auto_layout_is_out_in_only_for_bfloat16_on_cpu():
     assert resolve_kernel_layout("auto", "float32", "cpu") == "in_out"
     assert resolve_kernel_layout("auto", "bfloat16", "tpu") == "in_out"
     assert resolve_kernel_layout("in_out", "bfloat16", "cpu") == "in_out"
+    # where the native CPU kernel multiplies bfloat16 weights (AVX-512 build), it reads them in_out
+    assert resolve_kernel_layout("auto", "bfloat16", "cpu", ("float32", "bfloat16")) == "in_out"
+    assert resolve_kernel_layout("auto", "bfloat16", "cpu", ("float32",)) == "out_in"
 
 
 @pytest.mark.parametrize("mesh_shape", [{"dp": 1}, {"dp": 2, "tp": 2}])

@@ -45,6 +45,65 @@ def test_output_first_kernel_equals_numpy(kernel, m, k, n):
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.fixture(scope="module")
+def bf16_kernel(native_library):
+    if "bfloat16" not in native.weight_dtypes():
+        pytest.skip(f"bfloat16 weights need the AVX-512 build; this CPU's is {native.isa()}")
+    return jax.jit(native._call), jax.jit(native._call_out_first)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (2, 7, 8), (8, 576, 192), (9, 100, 520), (17, 64, 24),
+                                   (33, 9, 1032)])
+def test_bfloat16_weights_multiply_float32_rows_exactly(bf16_kernel, m, k, n):
+    """bfloat16 weights widened in the kernel: the result is float32 x times the weights' exact values (no
+    rounding of x to bfloat16, as XLA's mixed dot does), from one row up; both layouts, remainders of every block."""
+    call, out_first = bf16_kernel
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    stack = jnp.asarray(rng.standard_normal((2, k, n), dtype=np.float32)).astype(jnp.bfloat16)
+    exact = np.asarray(stack.astype(jnp.float32)).astype(np.float64)
+    y = np.asarray(call(jnp.asarray(x), stack, jnp.int32(1)))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ exact[1], rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    table = jnp.asarray(rng.standard_normal((2, n, k), dtype=np.float32)).astype(jnp.bfloat16)
+    exact = np.asarray(table.astype(jnp.float32)).astype(np.float64)
+    y = np.asarray(out_first(jnp.asarray(x), table, jnp.int32(0)))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ exact[0].T, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+AVX2_BUILD = r"""
+import jax, jax.numpy as jnp, numpy as np
+from raydeploy.model import native
+assert native.isa() == "avx2" and "-mavx512f" not in native.flags() and native.weight_dtypes() == ("float32",)
+assert native.unavailable() is None
+rng = np.random.default_rng(1)
+for m, k, n in [(2, 576, 1536), (3, 7, 8), (8, 576, 192), (17, 64, 24), (33, 9, 1032)]:
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((2, k, n), dtype=np.float32)
+    y = np.asarray(jax.jit(native._call)(jnp.asarray(x), jnp.asarray(w), jnp.int32(1)))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w[1], rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    y = np.asarray(jax.jit(native._call_out_first)(jnp.asarray(x), jnp.asarray(w.transpose(0, 2, 1)), jnp.int32(1)))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w[1], rtol=1e-4, atol=1e-4 * np.sqrt(k))
+print("ok")
+"""
+
+
+def test_the_avx2_build_runs_beside_the_avx512_one(native_library, tmp_path):
+    """On an AVX-512 CPU the kernels build with AVX-512 (register-blocked strips, bfloat16 weights); the AVX2 build
+    the machines without it run (`RAYDEPLOY_NATIVE_ISA=avx2`) is a library of its own, checked here against numpy in
+    a process of its own (a process registers one library)."""
+    import subprocess
+    import sys
+
+    if native.isa() != "avx512":
+        pytest.skip("this CPU runs the AVX2 build: every other test here checks it")
+    assert "-mavx512f" in native.flags() and native.weight_dtypes() == ("float32", "bfloat16")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RAYDEPLOY_NATIVE_ISA": "avx2",
+           "RAYDEPLOY_NATIVE_CACHE": str(native.cache_dir())}
+    done = subprocess.run([sys.executable, "-c", AVX2_BUILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    assert len(list(native.cache_dir().glob("kernels-*.so"))) >= 2  # each build under its own key
+
+
 def test_a_layer_index_out_of_range_is_refused(kernel):
     x, stack = jnp.ones((2, 8)), jnp.ones((3, 8, 8))
     with pytest.raises(Exception, match="small_matmul: layer index out of range"):
@@ -60,7 +119,12 @@ def test_matmul_applies_only_inside_rows_over_and_for_few_float32_rows(kernel):
         np.testing.assert_allclose(np.asarray(native.matmul(x, w)), np.full((4, 8), 16.0))
         assert native.matmul(jnp.ones((1, 16)), w) is None  # one row: XLA's matrix-vector product
         assert native.matmul(jnp.ones((native.MAX_ROWS + 1, 16)), w) is None
-        assert native.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None
+        assert native.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None  # bfloat16 rows: XLA
+        one_row_bf16 = native.matmul(jnp.ones((1, 16)), w.astype(jnp.bfloat16))  # bfloat16 weights: from one row
+        if "bfloat16" in native.weight_dtypes():
+            np.testing.assert_allclose(np.asarray(one_row_bf16), np.full((1, 8), 16.0))
+        else:
+            assert one_row_bf16 is None
         assert native.matmul(x, jnp.ones((16, 12))) is None  # N not a multiple of 8
         np.testing.assert_allclose(np.asarray(native.matmul(x, jnp.ones((12, 16)), out_first=True)),
                                    np.full((4, 12), 16.0))

@@ -56,13 +56,17 @@ from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
 from raydeploy.model.spec import pages_per_seq, resolve_num_pages
 
 
-def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str) -> str:
-    """`EngineConfig.kernel_layout` with auto resolved: out_in for bfloat16 weights on CPU (measured on the
-    demo model, 8 decode rows: the bfloat16 projections take ~10 GB/s in_out, the [V, D]-shaped tied LM head
-    ~16 GB/s), in_out elsewhere (float32 on CPU is faster in_out; TPU/GPU compilers choose their own layouts)."""
+def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str, native_weights: tuple[str, ...] = ()
+                          ) -> str:
+    """`EngineConfig.kernel_layout` with auto resolved: out_in for bfloat16 weights on CPU when XLA multiplies them
+    (measured on the demo model, 8 decode rows: XLA's bfloat16 projections take ~10 GB/s in_out, the [V, D]-shaped
+    tied LM head ~16 GB/s), in_out elsewhere: float32 on CPU is faster in_out, the native CPU kernel reads in_out
+    weights (`native_weights`: the dtypes it multiplies, empty where it does not run), TPU/GPU compilers choose
+    their own layouts."""
     if kernel_layout != "auto":
         return kernel_layout
-    return "out_in" if param_dtype == "bfloat16" and platform == "cpu" else "in_out"
+    xla_bf16 = param_dtype == "bfloat16" and platform == "cpu" and param_dtype not in native_weights
+    return "out_in" if xla_bf16 else "in_out"
 
 
 def default_decode_rows(slots_per_group: int, min_rows: int = 1) -> list[int]:
@@ -216,9 +220,15 @@ class ProgramSet:
         self.param_dtype = DTYPES[model_cfg.param_dtype]
         platform = mesh.devices.flat[0].platform
         self.platform = platform
-        layout = resolve_kernel_layout(engine_cfg.kernel_layout, model_cfg.param_dtype, platform)
+        self.shard = ActivationSharding.create(mesh, self.rules)
+        self.dp_axes = self.shard.slot_axes
+        self.native_matmul = self._native_matmul(engine_cfg.cpu_matmul, model_cfg)
+        layout = resolve_kernel_layout(engine_cfg.kernel_layout, model_cfg.param_dtype, platform,
+                                       native.weight_dtypes() if self.native_matmul is None else ())
         # auto picks what the family's module can hold (an explicit choice it cannot is the module's error)
         self.kernel_layout = family.resolve_kernel_layout(layout) if engine_cfg.kernel_layout == "auto" else layout
+        if self.native_matmul is None and self.kernel_layout != "in_out":
+            self.native_matmul = f"kernel layout {self.kernel_layout} (the kernel reads in_out weights)"
         self.graphdef, abstract_state = family.abstract_model(cfg, model_cfg.dtype, model_cfg.param_dtype,
                                                               self.kernel_layout)
         leaves, self.param_treedef = jax.tree.flatten(abstract_state)
@@ -234,9 +244,6 @@ class ProgramSet:
         if (engine_cfg.unroll_layers == "auto" and platform in UNROLL_PLATFORMS
                 and getattr(type(self.model(leaves).layers), "unrollable", False)):
             self.unrolled_tokens = frozenset({UNROLL_MAX_TOKENS})
-        self.shard = ActivationSharding.create(mesh, self.rules)
-        self.dp_axes = self.shard.slot_axes
-        self.native_matmul = self._native_matmul(engine_cfg.cpu_matmul, model_cfg)
         self.groups = self.shard.slot_groups
         # the logits keep the LM head's vocabulary sharding into sampling (no all-gather of [rows, vocab])
         vocab_axes = logical_to_mesh_axes(("vocab",), self.rules, mesh_shape, "LM head")[0] or ()
@@ -286,15 +293,17 @@ class ProgramSet:
 
     def _native_matmul(self, choice: str, model_cfg: ModelConfig) -> str | None:
         """Why the step programs keep XLA's dot for the projections, or None when they use the native CPU kernel
-        (`raydeploy.model.native`): auto, on CPU, float32 in_out weights replicated over a dp-only mesh."""
+        (`raydeploy.model.native`): auto, on CPU, float32 activations, float32 weights (or bfloat16 where the kernel
+        is built for AVX-512) replicated over a dp-only mesh; the caller then also needs the in_out layout."""
         others = {a: n for a, n in dict(self.mesh.shape).items() if a not in self.dp_axes and n > 1}
         if choice != "auto":
             return f"engine.cpu_matmul is {choice}"
         if self.platform != "cpu":
             return f"the platform is {self.platform}"
-        if (model_cfg.dtype, model_cfg.param_dtype, self.kernel_layout) != ("float32", "float32", "in_out"):
-            return (f"dtype {model_cfg.dtype}, param_dtype {model_cfg.param_dtype}, kernel layout "
-                    f"{self.kernel_layout} (the kernel multiplies float32 in_out weights)")
+        weights = native.weight_dtypes()
+        if model_cfg.dtype != "float32" or model_cfg.param_dtype not in weights:
+            return (f"dtype {model_cfg.dtype}, param_dtype {model_cfg.param_dtype} (the kernel multiplies float32 "
+                    f"activations by {' or '.join(weights)} weights on this CPU)")
         if others:
             return f"the mesh splits weights over {others} (the kernel needs them replicated)"
         return native.unavailable()

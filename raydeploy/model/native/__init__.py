@@ -43,10 +43,13 @@ HEADERS = (HERE / "split.h",)
 TARGET = "raydeploy_small_matmul"
 TARGET_OUT_FIRST = "raydeploy_small_matmul_out_first"
 TARGET_ATTENTION = "raydeploy_decode_attention"
+TARGET_BF16 = "raydeploy_small_matmul_bf16"
+TARGET_OUT_FIRST_BF16 = "raydeploy_small_matmul_out_first_bf16"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
 MIN_ROWS = 2
-"""One row stays with XLA, whose matrix-vector product streams the weights as fast."""
+"""One row of float32 weights stays with XLA, whose matrix-vector product streams them as fast; bfloat16 weights
+go to the kernel from one row (XLA CPU's bfloat16 matrix-vector product is several times slower than float32)."""
 MAX_ROWS = 32
 """Rows per device up to which the kernel runs: from 64 rows XLA's dot is as fast (demo model's shapes, one thread)."""
 
@@ -55,16 +58,39 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RAYDEPLOY_NATIVE_CACHE") or "~/.cache/raydeploy/native").expanduser()
 
 
+def _cpu_flags() -> list[str]:
+    """The CPU's feature flags (/proc/cpuinfo); raises OSError where they cannot be read."""
+    return next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("flags")), [])
+
+
 def _cpu_problem() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU is {platform.machine()}, the kernel is written for x86-64 (AVX2, FMA)"
     try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
+        have = _cpu_flags()
     except OSError as e:
         return f"cannot read /proc/cpuinfo for the CPU's flags: {e}"
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma") if f not in have]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+@functools.cache
+def isa() -> str:
+    """The vector extension the kernels are built for on this CPU: "avx512" where it has AVX-512F (the matmul's
+    register-blocked strips, `small_matmul.cc`), else "avx2"; `RAYDEPLOY_NATIVE_ISA=avx2` keeps the AVX2 build
+    on an AVX-512 CPU."""
+    if os.environ.get("RAYDEPLOY_NATIVE_ISA", "").lower() == "avx2":
+        return "avx2"
+    try:
+        return "avx512" if "avx512f" in _cpu_flags() else "avx2"
+    except OSError:
+        return "avx2"
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of this CPU's build."""
+    return FLAGS + (("-mavx512f",) if isa() == "avx512" else ())
 
 
 def _compiler() -> str | None:
@@ -83,7 +109,7 @@ def build(out_dir: Path | None = None) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
     key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in (*SOURCES, *HEADERS)), jax.__version__.encode(),
-                                     cxx.encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
+                                     cxx.encode(), " ".join(flags()).encode()])).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"kernels-{key}.so"
     if lib.exists():
@@ -92,7 +118,7 @@ def build(out_dir: Path | None = None) -> Path:
     # several host processes may build at once: each into its own file, then one atomic rename wins
     fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+    cmd = [cxx, *flags(), f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
@@ -115,12 +141,21 @@ def _register() -> str | None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RaydeploySmallMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_OUT_FIRST, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirst), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.RaydeployDecodeAttention), platform="cpu")
+    if isa() == "avx512":
+        jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulBf16), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_OUT_FIRST_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstBf16),
+                                    platform="cpu")
     return None
 
 
 def unavailable() -> str | None:
     """None once the kernel is built and registered in this process, else why it cannot be."""
     return _register()
+
+
+def weight_dtypes() -> tuple[str, ...]:
+    """The weight dtypes the matmul kernel multiplies float32 rows by: float32, and bfloat16 in the AVX-512 build."""
+    return ("float32", "bfloat16") if isa() == "avx512" else ("float32",)
 
 
 # -- one layer of a stacked weight, passed whole ------------------------------------------------------------
@@ -192,22 +227,25 @@ def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str]) -> Iterator[None
 
 def _call(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], stack.shape[2]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, stack, layer)
+    return jax.ffi.ffi_call(TARGET_BF16 if stack.dtype == jnp.bfloat16 else TARGET, out)(x, stack, layer)
 
 
 def _call_out_first(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], stack.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_OUT_FIRST, out)(x, stack, layer)
+    target = TARGET_OUT_FIRST_BF16 if stack.dtype == jnp.bfloat16 else TARGET_OUT_FIRST
+    return jax.ffi.ffi_call(target, out)(x, stack, layer)
 
 
 def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
     """x [M, K] @ w through the kernel, w [K, N] or with out_first [N, K] (a tied embedding table as the LM
-    head), an array or a `LayerSlice`; None when this trace is not inside `rows_over` or the kernel does not
-    apply (dtype, shape, rows per device outside [MIN_ROWS, MAX_ROWS]): the caller then multiplies in XLA."""
+    head), an array or a `LayerSlice`, float32 or (AVX-512 build) bfloat16; None when this trace is not inside
+    `rows_over` or the kernel does not apply (dtype, shape, rows per device outside [MIN_ROWS, MAX_ROWS]; one row
+    of bfloat16 weights applies): the caller then multiplies in XLA."""
     rows = _ROWS.get()
-    if (rows is None or x.ndim != 2 or len(w.shape) != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32
+    if (rows is None or x.ndim != 2 or len(w.shape) != 2 or x.dtype != jnp.float32
+            or jnp.dtype(w.dtype).name not in weight_dtypes()
             or (not out_first and w.shape[1] % 8) or x.shape[0] % rows.groups
-            or not MIN_ROWS <= x.shape[0] // rows.groups <= MAX_ROWS):
+            or not (1 if w.dtype == jnp.bfloat16 else MIN_ROWS) <= x.shape[0] // rows.groups <= MAX_ROWS):
         return None
     if isinstance(w, LayerSlice):
         stack, layer = w.stack.reshape(w.stack.shape[0], *w.shape), jnp.asarray(w.layer, jnp.int32)
