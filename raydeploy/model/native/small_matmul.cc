@@ -231,48 +231,59 @@ inline __m256 Sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256
 }
 
 #if defined(__AVX512F__)
-// AVX-512: four weight rows against four rows of x, sixteen dot products in registers, K in vectors of 16 (the last
-// masked); a group of weight rows stays in L1 while every 4-row group of x passes over it.
+// AVX-512: dot products of rows of x with weight rows in registers, K in vectors of 16 (the last masked); a group
+// of weight rows stays in L1 while every group of rows of x passes over it.
 inline __m256 Half(__m512 a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
-template <typename W>
-void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// MR rows of x against NR weight rows at a time (MR * NR = 8 or 16 dot products in registers).
+template <int MR, int NR, typename W>
+void OutFirstBlocks(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  static_assert(MR * NR == 8 || MR * NR == 16, "the dot products reduce eight at a time");
   const int64_t kfull = K / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (K - kfull)) - 1);
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int64_t nr = n1 - n < 4 ? n1 - n : 4;
-    const W* wr[4];
-    for (int j = 0; j < 4; ++j) wr[j] = w + (n + (j < nr ? j : 0)) * K;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t mr = M - m < 4 ? M - m : 4;
-      const float* xr[4];
-      for (int i = 0; i < 4; ++i) xr[i] = x + (m + (i < mr ? i : 0)) * K;
-      __m512 a[4][4];
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nr = n1 - n < NR ? n1 - n : NR;
+    const W* wr[NR];
+    for (int j = 0; j < NR; ++j) wr[j] = w + (n + (j < nr ? j : 0)) * K;
+    for (int64_t m = 0; m < M; m += MR) {
+      const int64_t mr = M - m < MR ? M - m : MR;
+      const float* xr[MR];
+      for (int i = 0; i < MR; ++i) xr[i] = x + (m + (i < mr ? i : 0)) * K;
+      __m512 a[MR * NR];
+      for (int i = 0; i < MR * NR; ++i) a[i] = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
-        __m512 wv[4], xv[4];
+        __m512 wv[NR], xv[MR];
         if (k < kfull) {
-          for (int j = 0; j < 4; ++j) wv[j] = Load16(wr[j] + k);
-          for (int i = 0; i < 4; ++i) xv[i] = _mm512_loadu_ps(xr[i] + k);
+          for (int j = 0; j < NR; ++j) wv[j] = Load16(wr[j] + k);
+          for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_ps(xr[i] + k);
         } else {
-          for (int j = 0; j < 4; ++j) wv[j] = Load16(wr[j] + k, tail);
-          for (int i = 0; i < 4; ++i) xv[i] = _mm512_maskz_loadu_ps(tail, xr[i] + k);
+          for (int j = 0; j < NR; ++j) wv[j] = Load16(wr[j] + k, tail);
+          for (int i = 0; i < MR; ++i) xv[i] = _mm512_maskz_loadu_ps(tail, xr[i] + k);
         }
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(xv[i], wv[j], a[i][j]);
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) a[i * NR + j] = _mm512_fmadd_ps(xv[i], wv[j], a[i * NR + j]);
       }
-      alignas(32) float out[16];  // x rows 0, 1 against w rows 0..3, then x rows 2, 3
-      _mm256_store_ps(out, Sum8(Half(a[0][0]), Half(a[0][1]), Half(a[0][2]), Half(a[0][3]), Half(a[1][0]),
-                                Half(a[1][1]), Half(a[1][2]), Half(a[1][3])));
-      _mm256_store_ps(out + 8, Sum8(Half(a[2][0]), Half(a[2][1]), Half(a[2][2]), Half(a[2][3]), Half(a[3][0]),
-                                    Half(a[3][1]), Half(a[3][2]), Half(a[3][3])));
+      alignas(32) float out[MR * NR];  // out[i * NR + j]: x row i . weight row j
+      for (int g = 0; g < MR * NR; g += 8)
+        _mm256_store_ps(out + g, Sum8(Half(a[g]), Half(a[g + 1]), Half(a[g + 2]), Half(a[g + 3]), Half(a[g + 4]),
+                                      Half(a[g + 5]), Half(a[g + 6]), Half(a[g + 7])));
       for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < nr; ++j) y[(m + i) * N + n + j] = out[4 * i + j];
+        for (int j = 0; j < nr; ++j) y[(m + i) * N + n + j] = out[i * NR + j];
     }
   }
+}
+
+// One row: eight weight rows at a time; two: four; more: four rows of x against four weight rows.
+template <typename W>
+void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  if (M == 1)
+    OutFirstBlocks<1, 8>(x, w, y, M, K, N, n0, n1);
+  else if (M == 2)
+    OutFirstBlocks<2, 4>(x, w, y, M, K, N, n0, n1);
+  else
+    OutFirstBlocks<4, 4>(x, w, y, M, K, N, n0, n1);
 }
 #else
 template <typename W>
