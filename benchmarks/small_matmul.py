@@ -12,7 +12,13 @@ the one that decides its decode passes.
   run on CPU for 2-32 rows per device), the same threads;
 - blas: numpy's `@` (OpenBLAS), `OPENBLAS_NUM_THREADS` threads, the peer outside XLA.
 
-    .venv/bin/python benchmarks/small_matmul.py [--rows 1,2,4,8,16,32,64] [--out benchmarks/results/small_matmul.json]
+With `--weights bfloat16` the weights are bfloat16 and the rows float32, as the engine holds them with
+`model.param_dtype: bfloat16`: xla multiplies as the model's XLA path does (rows cast to bfloat16, float32
+accumulation), native runs the kernel's bfloat16 handler (AVX-512 build only), blas multiplies the same weights
+widened to float32 (twice the bytes). The report gives each case's weight GB/s too.
+
+    .venv/bin/python benchmarks/small_matmul.py [--rows 1,2,4,8,16,32,64] [--weights float32|bfloat16]
+        [--out benchmarks/results/small_matmul.json]
 """
 
 from __future__ import annotations
@@ -32,11 +38,15 @@ from machine import cpu_flags  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "small_matmul.json"
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)] * 30 + [(576, 49152)]
 
-def _inputs(rows: int):
+def _inputs(rows: int, weights: str = "float32"):
     import numpy as np
 
     rng = np.random.default_rng(0)
     ws = [rng.standard_normal(s, dtype=np.float32) for s in SHAPES]
+    if weights == "bfloat16":  # the bfloat16 values, held as float32 here
+        import ml_dtypes
+
+        ws = [w.astype(ml_dtypes.bfloat16).astype(np.float32) for w in ws]
     xs = [rng.standard_normal((rows, s[0]), dtype=np.float32) for s in SHAPES]
     return xs, ws
 
@@ -51,20 +61,21 @@ def _best(fn, repeats: int = 5) -> float:
     return best
 
 
-def child(backend: str, rows: int) -> float:
+def child(backend: str, rows: int, weights: str = "float32") -> float:
     """Seconds for the 211 matmuls at `rows` rows, in this process (threads set by the parent's environment)."""
     import numpy as np
 
-    xs, ws = _inputs(rows)
+    xs, ws = _inputs(rows, weights)
     if backend == "blas":
         return _best(lambda: [x @ w for x, w in zip(xs, ws, strict=True)])
     if backend == "xla":
         import jax
         import jax.numpy as jnp
 
-        dws = [jnp.asarray(w) for w in ws]
+        dws = [jnp.asarray(w, weights) for w in ws]
         dxs = [jnp.asarray(x) for x in xs]
-        f = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)])
+        f = jax.jit(lambda xs, ws: [jax.lax.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+                                    for x, w in zip(xs, ws, strict=True)])
         return _best(lambda: jax.block_until_ready(f(dxs, dws)))
     import jax
     import jax.numpy as jnp
@@ -73,7 +84,9 @@ def child(backend: str, rows: int) -> float:
 
     if (problem := native.unavailable()) is not None:
         raise SystemExit(problem)
-    dws = [jnp.asarray(w).reshape(1, *w.shape) for w in ws]
+    if weights not in native.weight_dtypes():
+        raise SystemExit(f"the kernel's {native.isa()} build multiplies {native.weight_dtypes()} weights")
+    dws = [jnp.asarray(w, weights).reshape(1, *w.shape) for w in ws]
     dxs = [jnp.asarray(x) for x in xs]
     f = jax.jit(lambda xs, ws: [native._call(x, w, jnp.int32(0)) for x, w in zip(xs, ws, strict=True)])
     for y, x, w in zip(f(dxs, dws)[:8], xs[:8], ws[:8], strict=True):
@@ -84,30 +97,39 @@ def child(backend: str, rows: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         backend, rows = args.child
-        print(json.dumps(child(backend, int(rows))))
+        print(json.dumps(child(backend, int(rows), args.weights)))
         return
     flops_per_row = sum(2 * k * n for k, n in SHAPES)
+    weight_bytes = sum(k * n for k, n in SHAPES) * (2 if args.weights == "bfloat16" else 4)
     cases = []
     for rows in (int(r) for r in args.rows.split(",")):
         for threads in (1, 2):
             for backend in ("xla", "native", "blas"):
                 env = {**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_NPROC": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
                        "OMP_NUM_THREADS": str(threads)}
-                out = subprocess.run([sys.executable, __file__, "--child", backend, str(rows)],
-                                     env=env, capture_output=True, text=True, check=True)
+                out = subprocess.run([sys.executable, __file__, "--child", backend, str(rows), "--weights",
+                                      args.weights], env=env, capture_output=True, text=True)
+                if out.returncode != 0:
+                    print(f"{backend}: {(out.stdout + out.stderr).strip().splitlines()[-1]}", flush=True)
+                    continue
                 s = json.loads(out.stdout.strip().splitlines()[-1])
                 case = {"rows": rows, "threads": threads, "backend": backend, "ms": round(s * 1e3, 1),
-                        "gflops": round(flops_per_row * rows / s / 1e9, 1)}
+                        "gflops": round(flops_per_row * rows / s / 1e9, 1),
+                        "weight_gb_per_s": round(weight_bytes / s / 1e9, 1)}
                 print(json.dumps(case), flush=True)
                 cases.append(case)
     import jax
 
-    result = {"cpu_flags": cpu_flags(), "cores": os.cpu_count(), "jax": jax.__version__,
+    from raydeploy.model import native
+
+    result = {"cpu_flags": cpu_flags(), "cores": os.cpu_count(), "jax": jax.__version__, "weights": args.weights,
+              "native_build": native.isa(),
               "load_average_1m": os.getloadavg()[0], "matmuls": len(SHAPES), "cases": cases}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
