@@ -135,7 +135,7 @@ inline __m512 Load16(const uint16_t* p, __mmask16 m) {
   return Load16(t);
 }
 
-template <int MR, int C, typename W>
+template <int MR, int C, typename W, bool Ahead>
 inline void Strip512(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n, int64_t k0,
                      int64_t kb, __mmask16 last) {
   __m512 a[MR][C];
@@ -144,9 +144,8 @@ inline void Strip512(const float* x, const W* w, float* y, int64_t K, int64_t N,
     a[i][C - 1] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(last, y + i * N + n + 16 * (C - 1));
   }
   const W* wk = w + k0 * N + n;
-  const bool ahead = k0 + kDepth < K;
   for (int64_t k = k0; k < k0 + kb; ++k, wk += N) {
-    if (ahead)  // the same columns of the next block's rows
+    if (Ahead)  // the same columns of the next block's rows (one row group only: more rows are compute-bound)
       for (int j = 0; j < C; j += 64 / (16 * static_cast<int>(sizeof(W))))
         _mm_prefetch(reinterpret_cast<const char*>(wk + kDepth * N + 16 * j), _MM_HINT_T0);
     __m512 wv[C];
@@ -163,18 +162,18 @@ inline void Strip512(const float* x, const W* w, float* y, int64_t K, int64_t N,
   }
 }
 
-template <int C, typename W>
+template <int C, typename W, bool Ahead>
 inline void Group512(const float* x, const W* w, float* y, int64_t mr, int64_t K, int64_t N, int64_t n,
                      int64_t k0, int64_t kb, __mmask16 last) {
   switch (mr) {
-    case 1: Strip512<1, C, W>(x, w, y, K, N, n, k0, kb, last); break;
-    case 2: Strip512<2, C, W>(x, w, y, K, N, n, k0, kb, last); break;
-    case 3: Strip512<3, C, W>(x, w, y, K, N, n, k0, kb, last); break;
-    case 4: Strip512<4, C, W>(x, w, y, K, N, n, k0, kb, last); break;
-    case 5: Strip512<5, C, W>(x, w, y, K, N, n, k0, kb, last); break;
-    case 6: Strip512<6, C, W>(x, w, y, K, N, n, k0, kb, last); break;
-    case 7: Strip512<7, C, W>(x, w, y, K, N, n, k0, kb, last); break;
-    default: Strip512<8, C, W>(x, w, y, K, N, n, k0, kb, last); break;
+    case 1: Strip512<1, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
+    case 2: Strip512<2, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
+    case 3: Strip512<3, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
+    case 4: Strip512<4, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
+    case 5: Strip512<5, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
+    case 6: Strip512<6, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
+    case 7: Strip512<7, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
+    default: Strip512<8, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
   }
 }
 
@@ -190,12 +189,22 @@ void Columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t
       const __mmask16 last = static_cast<__mmask16>(tail == 16 ? 0xFFFF : (1u << tail) - 1);
       for (int64_t m = 0; m < M; m += kGroup) {
         const int64_t mr = M - m < kGroup ? M - m : kGroup;
-        if (vecs == 3)
-          Group512<3, W>(x + m * K, w, y + m * N, mr, K, N, n, k0, kb, last);
-        else if (vecs == 2)
-          Group512<2, W>(x + m * K, w, y + m * N, mr, K, N, n, k0, kb, last);
-        else
-          Group512<1, W>(x + m * K, w, y + m * N, mr, K, N, n, k0, kb, last);
+        const float* xm = x + m * K;
+        float* ym = y + m * N;
+        if (M <= kGroup && k0 + kDepth < K) {  // one row group streams the weight: prefetch the next block
+          if (vecs == 3)
+            Group512<3, W, true>(xm, w, ym, mr, K, N, n, k0, kb, last);
+          else if (vecs == 2)
+            Group512<2, W, true>(xm, w, ym, mr, K, N, n, k0, kb, last);
+          else
+            Group512<1, W, true>(xm, w, ym, mr, K, N, n, k0, kb, last);
+        } else if (vecs == 3) {
+          Group512<3, W, false>(xm, w, ym, mr, K, N, n, k0, kb, last);
+        } else if (vecs == 2) {
+          Group512<2, W, false>(xm, w, ym, mr, K, N, n, k0, kb, last);
+        } else {
+          Group512<1, W, false>(xm, w, ym, mr, K, N, n, k0, kb, last);
+        }
       }
     }
   }
