@@ -290,9 +290,9 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
                                                                                     prompt_ids):
     """On CPU with replicated float32 weights, a step program of 2-32 rows per device multiplies its seven
     projections per layer and the tied LM head in the native kernel (`raydeploy.model.native`), reading each stacked weight whole
-    with the layer index: no per-layer copy of a weight is made; its decode rows attend in the native attention
-    kernel (every program). Greedy tokens and logprobs equal those of an engine with `engine.cpu_matmul: xla`
-    (XLA everywhere)."""
+    with the layer index: q, k and v in one call, gate and up in one, o and down alone; no per-layer copy of a
+    weight is made; its decode rows attend in the native attention kernel (every program). Greedy tokens and
+    logprobs equal those of an engine with `engine.cpu_matmul: xla` (XLA everywhere)."""
     import re
 
     ps = engine.programs_set
@@ -301,7 +301,9 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
     tokens = min(t for t in ps.token_buckets if t > 1)
     hlo = engine.step_hlo(tokens, pages)
     calls = re.findall(r'custom_call_target="raydeploy_small_matmul"', hlo)
-    assert len(calls) == 7, f"{len(calls)} native matmuls in the {tokens}-token step, want the 7 projections"
+    assert len(calls) == 2, f"{len(calls)} single native matmuls in the {tokens}-token step, want o and down"
+    joined = re.findall(r'custom_call_target="raydeploy_small_matmul_multi"', hlo)
+    assert len(joined) == 2, f"{len(joined)} joined native matmuls in the {tokens}-token step, want qkv and gate/up"
     assert hlo.count('custom_call_target="raydeploy_small_matmul_out_first"') == 1  # the tied LM head
     d, f = engine.cfg.hidden_size, engine.cfg.intermediate_size
     weight = re.compile(rf"f32\[(1,)?({d},{f}|{f},{d})\]")
@@ -349,7 +351,8 @@ def test_bfloat16_weights_on_an_avx512_cpu_multiply_in_the_native_kernel(demo_ch
     for tokens in (1, min(t for t in ps.token_buckets if t > 1)):
         hlo = bf16.step_hlo(tokens, pages)
         layers = bf16.cfg.num_layers if ps.unrolled(ProgramShape("step", tokens, pages)) else 1
-        assert hlo.count('custom_call_target="raydeploy_small_matmul_bf16"') == 7 * layers, tokens
+        assert hlo.count('custom_call_target="raydeploy_small_matmul_bf16"') == 2 * layers, tokens  # o, down
+        assert hlo.count('custom_call_target="raydeploy_small_matmul_multi_bf16"') == 2 * layers, tokens
         assert hlo.count('custom_call_target="raydeploy_small_matmul_out_first_bf16"') == 1, tokens
     rounded = _build_engine(demo_checkpoint, {"dp": 1}, prefill_chunk=16, param_dtype="bfloat16",
                             params_as=jnp.float32)

@@ -104,6 +104,32 @@ def test_the_avx2_build_runs_beside_the_avx512_one(native_library, tmp_path):
     assert len(list(native.cache_dir().glob("kernels-*.so"))) >= 2  # each build under its own key
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_joined_matmuls_equal_separate_ones(native_library, dtype):
+    """`matmuls`: several weights by the same rows in one call (a layer's q, k, v), each result as its own matmul
+    gives it, from stacked weights with a layer index and from plain arrays; weights of mixed dtypes or layers,
+    and rows outside the kernel's range, are left to the caller."""
+    if dtype not in native.weight_dtypes():
+        pytest.skip(f"{dtype} weights need the AVX-512 build; this CPU's is {native.isa()}")
+    mesh = jax.make_mesh((1,), ("dp",))
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((5, 40), dtype=np.float32))
+    stacks = [jnp.asarray(rng.standard_normal((3, 40, n), dtype=np.float32)).astype(dtype) for n in (48, 16, 24)]
+    with native.rows_over(mesh, ("dp",)):
+        layer = jnp.int32(2)  # one layer index for every weight, as in a layer's scan body
+        joined = jax.jit(lambda x, *sts: native.matmuls(x, [native.LayerSlice(st, layer) for st in sts]))(x, *stacks)
+        plain = native.matmuls(x, [st[1] for st in stacks])
+        assert native.matmuls(x, [stacks[0][0], stacks[1][0].astype(jnp.float32 if dtype == "bfloat16" else
+                                                                      jnp.bfloat16)]) is None
+        assert native.matmuls(x, [native.LayerSlice(stacks[0], jnp.int32(0)),
+                                  native.LayerSlice(stacks[1], jnp.int32(0))]) is None  # two layer indices
+        assert native.matmuls(jnp.ones((native.MAX_ROWS + 1, 40)), [st[0] for st in stacks]) is None
+    wide = [np.asarray(st.astype(jnp.float32)).astype(np.float64) for st in stacks]
+    for got, layer_got, w in zip(joined, plain, wide, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x, np.float64) @ w[2], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(layer_got), np.asarray(x, np.float64) @ w[1], rtol=1e-5, atol=1e-4)
+
+
 def test_a_layer_index_out_of_range_is_refused(kernel):
     x, stack = jnp.ones((2, 8)), jnp.ones((3, 8, 8))
     with pytest.raises(Exception, match="small_matmul: layer index out of range"):

@@ -43,6 +43,7 @@ from raydeploy.model.llama import (
     RMSNorm,
     _constrain,
     apply_rope,
+    project,
     rope_inv_freq,
     scan_layers,
 )
@@ -174,18 +175,20 @@ class Gemma3Attention(nnx.Module):
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, q_scale: float
             ) -> tuple[jax.Array, ...]:
-        q = apply_rope(self.q_norm(self.q_proj(x)), positions, inv_freq)  # type: ignore[arg-type]
-        k = apply_rope(self.k_norm(self.k_proj(x)), positions, inv_freq)  # type: ignore[arg-type]
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = apply_rope(self.q_norm(q), positions, inv_freq)  # type: ignore[arg-type]
+        k = apply_rope(self.k_norm(k), positions, inv_freq)  # type: ignore[arg-type]
         if q_scale != 1.0:
             q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
-        return q, k, self.v_proj(x)
+        return q, k, v
 
 
 class Gemma3MLP(MLP):
     """Llama's MLP with a tanh-approximated GELU."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+        gate, up = project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(jax.nn.gelu(gate, approximate=True) * up)
 
 
 class Gemma3Layer(nnx.Module):

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from raydeploy.checkpoint.layout import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
-from raydeploy.model.llama import MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope
+from raydeploy.model.llama import MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope, project
 from raydeploy.model.registry import Family
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs, with_layer_tensors
 
@@ -45,9 +45,8 @@ class Qwen3Attention(Attention):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, param_dtype, lead=lead)
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, ...]:
-        q = apply_rope(self.q_norm(self.q_proj(x)), positions, inv_freq)
-        k = apply_rope(self.k_norm(self.k_proj(x)), positions, inv_freq)
-        return q, k, self.v_proj(x)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+        return apply_rope(self.q_norm(q), positions, inv_freq), apply_rope(self.k_norm(k), positions, inv_freq), v
 
 
 class Qwen3DecoderLayer(DecoderLayer):

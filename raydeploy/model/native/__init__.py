@@ -44,7 +44,9 @@ HEADERS = (HERE / "split.h",)
 TARGET = "raydeploy_small_matmul"
 TARGET_OUT_FIRST = "raydeploy_small_matmul_out_first"
 TARGET_ATTENTION = "raydeploy_decode_attention"
+TARGET_MULTI = "raydeploy_small_matmul_multi"
 TARGET_BF16 = "raydeploy_small_matmul_bf16"
+TARGET_MULTI_BF16 = "raydeploy_small_matmul_multi_bf16"
 TARGET_OUT_FIRST_BF16 = "raydeploy_small_matmul_out_first_bf16"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
@@ -142,7 +144,10 @@ def _register() -> str | None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RaydeploySmallMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_OUT_FIRST, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirst), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.RaydeployDecodeAttention), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_MULTI, jax.ffi.pycapsule(lib.RaydeploySmallMatmulMulti), platform="cpu")
     if isa() == "avx512":
+        jax.ffi.register_ffi_target(TARGET_MULTI_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulMultiBf16),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulBf16), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_OUT_FIRST_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstBf16),
                                     platform="cpu")
@@ -237,28 +242,63 @@ def _call_out_first(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Arr
     return jax.ffi.ffi_call(target, out)(x, stack, layer)
 
 
+def _call_multi(x: jax.Array, layer: jax.Array, *stacks: jax.Array) -> list[jax.Array]:
+    outs = [jax.ShapeDtypeStruct((x.shape[0], st.shape[2]), jnp.float32) for st in stacks]
+    target = TARGET_MULTI_BF16 if stacks[0].dtype == jnp.bfloat16 else TARGET_MULTI
+    return list(jax.ffi.ffi_call(target, outs)(x, layer, *stacks))
+
+
+def _applies(x: jax.Array, w: Any, out_first: bool, rows: _Rows | None) -> bool:
+    return not (rows is None or x.ndim != 2 or len(w.shape) != 2 or x.dtype != jnp.float32
+                or jnp.dtype(w.dtype).name not in weight_dtypes()
+                or (not out_first and w.shape[1] % 8) or x.shape[0] % rows.groups
+                or not (1 if w.dtype == jnp.bfloat16 else MIN_ROWS) <= x.shape[0] // rows.groups <= MAX_ROWS)
+
+
+def _stacked(w: Any) -> tuple[jax.Array, jax.Array]:
+    """A weight as the kernel takes it: the stack [L, ...] and the layer index."""
+    if isinstance(w, LayerSlice):
+        return w.stack.reshape(w.stack.shape[0], *w.shape), jnp.asarray(w.layer, jnp.int32)
+    return w.reshape(1, *w.shape), jnp.zeros((), jnp.int32)
+
+
+def _per_group(rows: _Rows, fn: Any, x: jax.Array, *operands: jax.Array, outs: int | None = None) -> Any:
+    """fn(x, *operands) on each dp group's rows of x (operands replicated), or directly on a one-device mesh."""
+    if rows.mesh.size == 1:
+        return fn(x, *operands)
+    spec = PartitionSpec(rows.row_axes if len(rows.row_axes) > 1 else rows.row_axes[0])
+    return jax.shard_map(fn, mesh=rows.mesh, in_specs=(spec, *(PartitionSpec() for _ in operands)),
+                         out_specs=spec if outs is None else [spec] * outs,
+                         axis_names=frozenset(rows.mesh.axis_names), check_vma=False)(x, *operands)
+
+
 def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
     """x [M, K] @ w through the kernel, w [K, N] or with out_first [N, K] (a tied embedding table as the LM
     head), an array or a `LayerSlice`, float32 or (AVX-512 build) bfloat16; None when this trace is not inside
     `rows_over` or the kernel does not apply (dtype, shape, rows per device outside [MIN_ROWS, MAX_ROWS]; one row
     of bfloat16 weights applies): the caller then multiplies in XLA."""
     rows = _ROWS.get()
-    if (rows is None or x.ndim != 2 or len(w.shape) != 2 or x.dtype != jnp.float32
-            or jnp.dtype(w.dtype).name not in weight_dtypes()
-            or (not out_first and w.shape[1] % 8) or x.shape[0] % rows.groups
-            or not (1 if w.dtype == jnp.bfloat16 else MIN_ROWS) <= x.shape[0] // rows.groups <= MAX_ROWS):
+    if rows is None or not _applies(x, w, out_first, rows):
         return None
-    if isinstance(w, LayerSlice):
-        stack, layer = w.stack.reshape(w.stack.shape[0], *w.shape), jnp.asarray(w.layer, jnp.int32)
-    else:
-        stack, layer = w.reshape(1, *w.shape), jnp.zeros((), jnp.int32)
-    call = _call_out_first if out_first else _call
-    if rows.mesh.size == 1:
-        return call(x, stack, layer)
-    spec = PartitionSpec(rows.row_axes if len(rows.row_axes) > 1 else rows.row_axes[0])
-    fn = jax.shard_map(call, mesh=rows.mesh, in_specs=(spec, PartitionSpec(), PartitionSpec()), out_specs=spec,
-                       axis_names=frozenset(rows.mesh.axis_names), check_vma=False)
-    return fn(x, stack, layer)
+    stack, layer = _stacked(w)
+    return _per_group(rows, _call_out_first if out_first else _call, x, stack, layer)
+
+
+def matmuls(x: jax.Array, ws: Sequence[Any]) -> list[jax.Array] | None:
+    """[x @ w for w in ws] in one kernel call (in_out weights [K, N_i] of one dtype, arrays or `LayerSlice`s of one
+    layer): a layer's q, k, v or gate and up projections, whose separate calls would each split over the threads
+    and start a weight stream of their own. None where `matmul` would be None for any of them."""
+    rows = _ROWS.get()
+    if (rows is None or not ws or len(ws) > 8 or len({jnp.dtype(w.dtype) for w in ws}) != 1
+            or not all(_applies(x, w, False, rows) for w in ws)):
+        return None
+    layers = [w.layer for w in ws if isinstance(w, LayerSlice)]
+    if layers and (len(layers) != len(ws) or any(lay is not layers[0] for lay in layers)):
+        return None  # one layer index for every weight
+    stacks = [_stacked(w) for w in ws]
+    layer = stacks[0][1]
+    fn = lambda x, layer, *sts: _call_multi(x, layer, *sts)  # noqa: E731
+    return list(_per_group(rows, fn, x, layer, *(st for st, _ in stacks), outs=len(ws)))
 
 
 def active() -> bool:

@@ -370,7 +370,63 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   return ffi::Error::Success();
 }
 
-// Every handler: the CPU client's thread pool, x, the stacked weight, the layer index; y.
+// Several weights by the same rows (a layer's q, k, v or gate, up projections) in one call: y_i = x @ w_i[layer],
+// all columns of all weights split over the threads at once. A decode pass is a chain of such calls, each
+// waiting for the last; fewer, larger calls pay the split and the start of a weight stream fewer times
+// (211 chained 8-row matmuls of the demo's shapes: 42.7 ms; as 121 calls with q/k/v and gate/up joined: 36.8).
+constexpr size_t kMaxWeights = 8;
+
+template <ffi::DataType WT>
+ffi::Error MultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                     ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  using W = ffi::NativeType<WT>;
+  const size_t n = ws.size();
+  if (n == 0 || n > kMaxWeights || ys.size() != n)
+    return ffi::Error::InvalidArgument("raydeploy small_matmul_multi: expected 1 to 8 weights and one result each");
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("raydeploy small_matmul_multi: expected x [M, K]");
+  const int64_t M = xd[0], K = xd[1];
+  const int32_t l = *layer.typed_data();
+  const W* wp[kMaxWeights];
+  float* yp[kMaxWeights];
+  int64_t cols[kMaxWeights + 1] = {0};  // cols[i]: the first unit of 8 columns of weight i
+  for (size_t i = 0; i < n; ++i) {
+    auto w = ws.get<ffi::Buffer<WT>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("raydeploy small_matmul_multi: a weight or result of the wrong type");
+    const auto wd = w->dimensions();
+    const auto yd = (*y)->dimensions();
+    if (wd.size() != 3 || yd.size() != 2 || wd[1] != K || yd[0] != M || yd[1] != wd[2])
+      return ffi::Error::InvalidArgument("raydeploy small_matmul_multi: expected w_i [L, K, N_i], y_i [M, N_i]");
+    if (wd[2] % 8 != 0) return ffi::Error::InvalidArgument("raydeploy small_matmul: N must be a multiple of 8");
+    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("raydeploy small_matmul: layer index out of range");
+    wp[i] = w->typed_data() + static_cast<int64_t>(l) * K * wd[2];
+    yp[i] = (*y)->typed_data();
+    cols[i + 1] = cols[i] + wd[2] / 8;
+  }
+  const float* xp = x.typed_data();
+  Split(pool, cols[n], [&](int64_t u0, int64_t u1) {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t a = u0 > cols[i] ? u0 : cols[i], b = u1 < cols[i + 1] ? u1 : cols[i + 1];
+      const int64_t N = 8 * (cols[i + 1] - cols[i]);
+      if (a < b) Columns(xp, wp[i], yp[i], M, K, N, 8 * (a - cols[i]), 8 * (b - cols[i]));
+    }
+  });
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType WT>
+auto MultiBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .RemainingArgs()
+      .RemainingRets();
+}
+
+// Every other handler: the CPU client's thread pool, x, the stacked weight, the layer index; y.
 template <ffi::DataType WT>
 auto Binding() {
   return ffi::Ffi::Bind()
@@ -387,9 +443,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmul, SmallMatmulImpl<ffi::F32>, B
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirst, OutFirstImpl<ffi::F32>, Binding<ffi::F32>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulMulti, MultiImpl<ffi::F32>, MultiBinding<ffi::F32>());
+
 #if defined(__AVX512F__)
 // bfloat16 weights (float32 rows of x and y): the AVX-512 build only.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulBf16, SmallMatmulImpl<ffi::BF16>, Binding<ffi::BF16>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirstBf16, OutFirstImpl<ffi::BF16>, Binding<ffi::BF16>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulMultiBf16, MultiImpl<ffi::BF16>, MultiBinding<ffi::BF16>());
 #endif
