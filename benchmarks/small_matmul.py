@@ -12,18 +12,24 @@ the one that decides its decode passes.
   run on CPU for 2-32 rows per device), the same threads;
 - blas: numpy's `@` (OpenBLAS), `OPENBLAS_NUM_THREADS` threads, the peer outside XLA.
 
+`--backends native,chain,joined` adds how the engine's step programs meet the kernel: chain, the same 211 calls
+with each one's rows depending on the last one's result (a decode pass is such a chain; without the
+dependency XLA may run independent calls side by side); joined, that chain with each layer's q/k/v and
+gate/up as one call (`native.matmuls`, what the engine does: 121 calls).
+
 With `--weights bfloat16` the weights are bfloat16 and the rows float32, as the engine holds them with
 `model.param_dtype: bfloat16`: xla multiplies as the model's XLA path does (rows cast to bfloat16, float32
 accumulation), native runs the kernel's bfloat16 handler (AVX-512 build only), blas multiplies the same weights
 widened to float32 (twice the bytes). The report gives each case's weight GB/s too.
 
     .venv/bin/python benchmarks/small_matmul.py [--rows 1,2,4,8,16,32,64] [--weights float32|bfloat16]
-        [--out benchmarks/results/small_matmul.json]
+        [--backends xla,native,blas] [--out benchmarks/results/small_matmul.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -61,6 +67,40 @@ def _best(fn, repeats: int = 5) -> float:
     return best
 
 
+@functools.cache
+def _chain_fn(joined: bool):
+    import jax
+    import jax.numpy as jnp
+
+    from raydeploy.model import native
+
+    def layer_groups(n: int) -> list[list[int]]:  # per layer: [q, k, v], [o], [gate, up], [down]; then the head
+        groups = []
+        for layer in range(0, n - 1, 7):
+            groups += [[layer, layer + 1, layer + 2], [layer + 3], [layer + 4, layer + 5], [layer + 6]]
+        return groups + [[n - 1]]
+
+    def run(xs, ws):
+        mesh = jax.make_mesh((1,), ("dp",))
+        out, carry = [], jnp.zeros((), jnp.float32)
+        with native.rows_over(mesh, ("dp",)):
+            groups = layer_groups(len(ws)) if joined else [[i] for i in range(len(ws))]
+            for g in groups:
+                x = xs[g[0]] + carry  # each call waits for the one before it
+                ys = native.matmuls(x, [ws[i][0] for i in g]) if len(g) > 1 else None
+                if ys is None:  # one weight, or rows the joined call does not take
+                    ys = [native._call(x, ws[i], jnp.int32(0)) for i in g]
+                carry = 0.0 * ys[0][0, 0]
+                out += ys
+        return out
+
+    return jax.jit(run)
+
+
+def _chained(xs, ws, joined: bool):
+    return _chain_fn(joined)(xs, ws)
+
+
 def child(backend: str, rows: int, weights: str = "float32") -> float:
     """Seconds for the 211 matmuls at `rows` rows, in this process (threads set by the parent's environment)."""
     import numpy as np
@@ -88,6 +128,8 @@ def child(backend: str, rows: int, weights: str = "float32") -> float:
         raise SystemExit(f"the kernel's {native.isa()} build multiplies {native.weight_dtypes()} weights")
     dws = [jnp.asarray(w, weights).reshape(1, *w.shape) for w in ws]
     dxs = [jnp.asarray(x) for x in xs]
+    if backend in ("chain", "joined"):
+        return _best(lambda: jax.block_until_ready(_chained(dxs, dws, backend == "joined")))
     f = jax.jit(lambda xs, ws: [native._call(x, w, jnp.int32(0)) for x, w in zip(xs, ws, strict=True)])
     for y, x, w in zip(f(dxs, dws)[:8], xs[:8], ws[:8], strict=True):
         np.testing.assert_allclose(np.asarray(y), x @ w, rtol=1e-3, atol=1e-3)
@@ -98,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--backends", default="xla,native,blas", help="of xla, native, blas, chain, joined")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -110,7 +153,7 @@ def main() -> None:
     cases = []
     for rows in (int(r) for r in args.rows.split(",")):
         for threads in (1, 2):
-            for backend in ("xla", "native", "blas"):
+            for backend in args.backends.split(","):
                 env = {**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_NPROC": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
                        "OMP_NUM_THREADS": str(threads)}
                 out = subprocess.run([sys.executable, __file__, "--child", backend, str(rows), "--weights",
