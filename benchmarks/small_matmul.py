@@ -97,10 +97,6 @@ def _chain_fn(joined: bool):
     return jax.jit(run)
 
 
-def _chained(xs, ws, joined: bool):
-    return _chain_fn(joined)(xs, ws)
-
-
 def child(backend: str, rows: int, weights: str = "float32") -> float:
     """Seconds for the 211 matmuls at `rows` rows, in this process (threads set by the parent's environment)."""
     import numpy as np
@@ -129,7 +125,8 @@ def child(backend: str, rows: int, weights: str = "float32") -> float:
     dws = [jnp.asarray(w, weights).reshape(1, *w.shape) for w in ws]
     dxs = [jnp.asarray(x) for x in xs]
     if backend in ("chain", "joined"):
-        return _best(lambda: jax.block_until_ready(_chained(dxs, dws, backend == "joined")))
+        chained = _chain_fn(backend == "joined")
+        return _best(lambda: jax.block_until_ready(chained(dxs, dws)))
     f = jax.jit(lambda xs, ws: [native._call(x, w, jnp.int32(0)) for x, w in zip(xs, ws, strict=True)])
     for y, x, w in zip(f(dxs, dws)[:8], xs[:8], ws[:8], strict=True):
         np.testing.assert_allclose(np.asarray(y), x @ w, rtol=1e-3, atol=1e-3)

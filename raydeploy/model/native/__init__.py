@@ -297,8 +297,7 @@ def matmuls(x: jax.Array, ws: Sequence[Any]) -> list[jax.Array] | None:
         return None  # one layer index for every weight
     stacks = [_stacked(w) for w in ws]
     layer = stacks[0][1]
-    fn = lambda x, layer, *sts: _call_multi(x, layer, *sts)  # noqa: E731
-    return list(_per_group(rows, fn, x, layer, *(st for st, _ in stacks), outs=len(ws)))
+    return list(_per_group(rows, _call_multi, x, layer, *(st for st, _ in stacks), outs=len(ws)))
 
 
 def active() -> bool:

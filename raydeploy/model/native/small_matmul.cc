@@ -7,7 +7,9 @@
 // Up to 16 rows, each weight row is streamed once from memory while the rows' partial sums stay in L1
 // (`Block`); beyond, 4 x 16 tiles of y stay in registers over k-blocks of the weight (`ManyRows`). The weight
 // is the whole stacked layer tensor [L, K, N] and the layer an operand: a layer scan then passes the stacked
-// weights through untouched, where a slice of them would be copied before every matmul.
+// weights through untouched, where a slice of them would be copied before every matmul. Where the CPU has AVX-512
+// the library is built with it (`raydeploy.model.native.isa`): register-blocked strips instead of `Block`, and the
+// handlers for bfloat16 weights.
 #include <immintrin.h>
 
 #include <cstddef>
@@ -18,6 +20,8 @@
 
 namespace {
 
+#if !defined(__AVX512F__)
+// AVX2 (the build for CPUs without AVX-512).
 constexpr int64_t kCols = 512;  // output columns per block: the rows' partial sums [kRows, kCols] fit in L1
 constexpr int64_t kRows = 16;
 
@@ -108,7 +112,19 @@ void ManyRows(const float* x, const float* w, float* y, int64_t M, int64_t K, in
   }
 }
 
-#if defined(__AVX512F__)
+// Columns [c0, c1) of y (multiples of 8) for every row, in blocks of at most kCols columns (float32 weights).
+template <typename W>
+void Columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t c0, int64_t c1) {
+  for (int64_t n0 = c0; n0 < c1; n0 += kCols) {
+    const int64_t nb = c1 - n0 < kCols ? c1 - n0 : kCols;
+    if (M > kRows) {
+      ManyRows(x, w, y, M, K, N, n0, nb);
+      continue;
+    }
+    Block(x, w, y, M, K, N, n0, nb);
+  }
+}
+#else
 // AVX-512 (built so where the CPU has it): register-blocked. The weight is read in blocks of kDepth rows; within a
 // block, strips of 48 columns (3 vectors of 16) pass every group of up to 8 rows over the strip, the group's
 // 8 x 48 outputs in 24 registers (added to y after the first block). A block's rows are read left to right, a few
@@ -177,6 +193,18 @@ inline void Group512(const float* x, const W* w, float* y, int64_t mr, int64_t K
   }
 }
 
+// A strip of 1 to 3 vectors.
+template <typename W, bool Ahead>
+inline void Strips(int vecs, const float* x, const W* w, float* y, int64_t mr, int64_t K, int64_t N, int64_t n,
+                   int64_t k0, int64_t kb, __mmask16 last) {
+  if (vecs == 3)
+    Group512<3, W, Ahead>(x, w, y, mr, K, N, n, k0, kb, last);
+  else if (vecs == 2)
+    Group512<2, W, Ahead>(x, w, y, mr, K, N, n, k0, kb, last);
+  else
+    Group512<1, W, Ahead>(x, w, y, mr, K, N, n, k0, kb, last);
+}
+
 // Columns [c0, c1) of y (multiples of 8) for every row.
 template <typename W>
 void Columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t c0, int64_t c1) {
@@ -191,35 +219,12 @@ void Columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t
         const int64_t mr = M - m < kGroup ? M - m : kGroup;
         const float* xm = x + m * K;
         float* ym = y + m * N;
-        if (M <= kGroup && k0 + kDepth < K) {  // one row group streams the weight: prefetch the next block
-          if (vecs == 3)
-            Group512<3, W, true>(xm, w, ym, mr, K, N, n, k0, kb, last);
-          else if (vecs == 2)
-            Group512<2, W, true>(xm, w, ym, mr, K, N, n, k0, kb, last);
-          else
-            Group512<1, W, true>(xm, w, ym, mr, K, N, n, k0, kb, last);
-        } else if (vecs == 3) {
-          Group512<3, W, false>(xm, w, ym, mr, K, N, n, k0, kb, last);
-        } else if (vecs == 2) {
-          Group512<2, W, false>(xm, w, ym, mr, K, N, n, k0, kb, last);
-        } else {
-          Group512<1, W, false>(xm, w, ym, mr, K, N, n, k0, kb, last);
-        }
+        if (M <= kGroup && k0 + kDepth < K)  // one row group streams the weight: prefetch the next block
+          Strips<W, true>(vecs, xm, w, ym, mr, K, N, n, k0, kb, last);
+        else
+          Strips<W, false>(vecs, xm, w, ym, mr, K, N, n, k0, kb, last);
       }
     }
-  }
-}
-#else
-// Columns [c0, c1) of y (multiples of 8) for every row, in blocks of at most kCols columns (float32 weights).
-template <typename W>
-void Columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t c0, int64_t c1) {
-  for (int64_t n0 = c0; n0 < c1; n0 += kCols) {
-    const int64_t nb = c1 - n0 < kCols ? c1 - n0 : kCols;
-    if (M > kRows) {
-      ManyRows(x, w, y, M, K, N, n0, nb);
-      continue;
-    }
-    Block(x, w, y, M, K, N, n0, nb);
   }
 }
 #endif
