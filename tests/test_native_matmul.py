@@ -136,6 +136,15 @@ def test_a_layer_index_out_of_range_is_refused(kernel):
         np.asarray(kernel(x, stack, jnp.int32(3)))
 
 
+def test_the_joined_call_refuses_a_layer_out_of_range_and_too_many_weights(kernel):
+    """The joined handler checks what the single one does, and its own limit of 8 weights, naming them."""
+    x, stack = jnp.ones((2, 8)), jnp.ones((3, 8, 8))
+    with pytest.raises(Exception, match="small_matmul: layer index out of range"):
+        np.asarray(jax.jit(native._call_multi)(x, jnp.int32(3), stack, stack)[0])
+    with pytest.raises(Exception, match="small_matmul_multi: expected 1 to 8 weights and one result each"):
+        np.asarray(jax.jit(native._call_multi)(x, jnp.int32(0), *[stack] * 9)[0])
+
+
 def test_matmul_applies_only_inside_rows_over_and_for_few_float32_rows(kernel):
     mesh = jax.make_mesh((1,), ("dp",))
     x, w = jnp.ones((4, 16)), jnp.ones((16, 8))
