@@ -288,12 +288,15 @@ def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, 
 
 def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_weights(engine, demo_checkpoint,
                                                                                     prompt_ids):
-    """On CPU with replicated float32 weights, a step program of 2-32 rows per device multiplies its seven
+    """On CPU with replicated float32 weights, a step program of 2-32 rows per device (1-32 in the AVX-512 build)
+    multiplies its seven
     projections per layer and the tied LM head in the native kernel (`raydeploy.model.native`), reading each stacked weight whole
     with the layer index: q, k and v in one call, gate and up in one, o and down alone; no per-layer copy of a
     weight is made; its decode rows attend in the native attention kernel (every program). Greedy tokens and
     logprobs equal those of an engine with `engine.cpu_matmul: xla` (XLA everywhere)."""
     import re
+
+    from raydeploy.model import native
 
     ps = engine.programs_set
     assert ps.native_matmul is None and engine.matmul == "native"
@@ -310,7 +313,13 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
     copies = [line.strip()[:160] for line in hlo.splitlines() if "dynamic-slice" in line and weight.search(line)]
     assert not copies, f"per-layer weight slices in the step: {copies[:2]}"
     one_row = engine.step_hlo(1, pages)
-    assert "raydeploy_small_matmul" not in one_row  # one row: XLA's matrix-vector product
+    if native.isa() == "avx2":
+        assert "raydeploy_small_matmul" not in one_row  # one float32 row: XLA's matrix-vector product
+    else:  # the AVX-512 build takes one row too, in the unrolled program
+        layers = engine.cfg.num_layers
+        assert one_row.count('custom_call_target="raydeploy_small_matmul"') == 2 * layers
+        assert one_row.count('custom_call_target="raydeploy_small_matmul_multi"') == 2 * layers
+        assert one_row.count('custom_call_target="raydeploy_small_matmul_out_first"') == 1
     # the decode rows' attention reads the pool in the native kernel, once per layer, in both programs
     assert hlo.count('custom_call_target="raydeploy_decode_attention"') == 1  # the scanned layer body
     assert one_row.count('custom_call_target="raydeploy_decode_attention"') == engine.cfg.num_layers  # unrolled

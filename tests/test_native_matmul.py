@@ -152,7 +152,11 @@ def test_matmul_applies_only_inside_rows_over_and_for_few_float32_rows(kernel):
     with native.rows_over(mesh, ("dp",)):
         assert native.active()
         np.testing.assert_allclose(np.asarray(native.matmul(x, w)), np.full((4, 8), 16.0))
-        assert native.matmul(jnp.ones((1, 16)), w) is None  # one row: XLA's matrix-vector product
+        one_row = native.matmul(jnp.ones((1, 16)), w)
+        if native.isa() == "avx2":
+            assert one_row is None  # one float32 row: XLA's matrix-vector product
+        else:
+            np.testing.assert_allclose(np.asarray(one_row), np.full((1, 8), 16.0))
         assert native.matmul(jnp.ones((native.MAX_ROWS + 1, 16)), w) is None
         assert native.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None  # bfloat16 rows: XLA
         one_row_bf16 = native.matmul(jnp.ones((1, 16)), w.astype(jnp.bfloat16))  # bfloat16 weights: from one row

@@ -7,7 +7,7 @@ unit (`isa`: AVX-512 where the CPU has AVX-512F, else AVX2).
 XLA CPU multiplies a handful of rows by a weight through a general matrix product made for many rows: on one
 thread (each host of the simulated gang) its 2- to 32-row dots take 1.3-2.2x the time of loops that stream
 every weight row once (`benchmarks/small_matmul.py`). The engine's step programs on CPU call the kernel for
-float32 projections of 2 to `MAX_ROWS` rows per device when the weights are replicated over the mesh (a dp-only
+projections of `min_rows` to `MAX_ROWS` rows per device when the weights are replicated over the mesh (a dp-only
 mesh, the CPU default): `rows_over` marks the traced step, `matmul` is what the model's matmul asks first.
 
 Built on first use with the machine's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`) against jax's own
@@ -50,9 +50,17 @@ TARGET_MULTI_BF16 = "raydeploy_small_matmul_multi_bf16"
 TARGET_OUT_FIRST_BF16 = "raydeploy_small_matmul_out_first_bf16"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
-MIN_ROWS = 2
-"""One row of float32 weights stays with XLA, whose matrix-vector product streams them as fast; bfloat16 weights
-go to the kernel from one row (XLA CPU's bfloat16 matrix-vector product is several times slower than float32)."""
+
+
+def min_rows(weight_dtype: Any) -> int:
+    """The fewest rows per device the kernel takes for weights of `weight_dtype`. One row of float32 weights stays
+    with XLA in the AVX2 build, whose matrix-vector product streams them as fast (19.5 ms for the demo's 211
+    matmuls against 21.1 chained in the kernel, 2 threads); the AVX-512 build takes it (the demo engine's batch-1
+    decode 38.7 -> 49.8 tok/s, the same 2-thread Xeon). bfloat16 weights go to the kernel from one row (XLA CPU's
+    bfloat16 matrix-vector product is several times slower than float32)."""
+    return 1 if jnp.dtype(weight_dtype) == jnp.bfloat16 or isa() == "avx512" else 2
+
+
 MAX_ROWS = 32
 """Rows per device up to which the kernel runs: from 64 rows XLA's dot is as fast (demo model's shapes, one thread)."""
 
@@ -252,7 +260,7 @@ def _applies(x: jax.Array, w: Any, out_first: bool, rows: _Rows | None) -> bool:
     return not (rows is None or x.ndim != 2 or len(w.shape) != 2 or x.dtype != jnp.float32
                 or jnp.dtype(w.dtype).name not in weight_dtypes()
                 or (not out_first and w.shape[1] % 8) or x.shape[0] % rows.groups
-                or not (1 if w.dtype == jnp.bfloat16 else MIN_ROWS) <= x.shape[0] // rows.groups <= MAX_ROWS)
+                or not min_rows(w.dtype) <= x.shape[0] // rows.groups <= MAX_ROWS)
 
 
 def _stacked(w: Any) -> tuple[jax.Array, jax.Array]:
@@ -275,8 +283,8 @@ def _per_group(rows: _Rows, fn: Any, x: jax.Array, *operands: jax.Array, outs: i
 def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
     """x [M, K] @ w through the kernel, w [K, N] or with out_first [N, K] (a tied embedding table as the LM
     head), an array or a `LayerSlice`, float32 or (AVX-512 build) bfloat16; None when this trace is not inside
-    `rows_over` or the kernel does not apply (dtype, shape, rows per device outside [MIN_ROWS, MAX_ROWS]; one row
-    of bfloat16 weights applies): the caller then multiplies in XLA."""
+    `rows_over` or the kernel does not apply (dtype, shape, rows per device outside [`min_rows`,
+    MAX_ROWS]): the caller then multiplies in XLA."""
     rows = _ROWS.get()
     if rows is None or not _applies(x, w, out_first, rows):
         return None
