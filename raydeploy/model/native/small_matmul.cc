@@ -309,6 +309,8 @@ void OutFirstBlocks(const float* x, const W* w, float* y, int64_t M, int64_t K, 
       for (int i = 0; i < MR * NR; ++i) a[i] = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
         __m512 wv[NR], xv[MR];
+        if (m == 0 && M > MR && n + 2 * NR <= n1)  // rows of x pass over these weight rows again: fetch the next ones
+          for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NR * K + k), _MM_HINT_T0);
         if (k < kfull) {
           for (int j = 0; j < NR; ++j) wv[j] = Load16(wr[j] + k);
           for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_ps(xr[i] + k);
