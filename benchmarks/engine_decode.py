@@ -22,7 +22,8 @@ row; the quality checks stay greedy.
 
 Our engine runs the serving configuration: max_slots 8 (a decode covers the occupied slots' bucket, so at
 batch 1 one row), 4 decode steps per plan, float32 activations, float32 weights unless --dtype says
-otherwise. Torch uses 2 threads (the machine's cores), float32.
+otherwise. Torch uses 2 threads (the machine's cores), float32; the `hf-bf16` backend runs transformers in
+bfloat16 (weights and activations), the peer of `--dtype bfloat16`.
 """
 
 from __future__ import annotations
@@ -180,13 +181,13 @@ def bench_ours(new_tokens: int, dtype: str, sampling: dict) -> dict:
             "greedy_tokens": None if sampling else outs1[0].token_ids}
 
 
-def bench_hf(new_tokens: int, sampling: dict) -> dict:
+def bench_hf(new_tokens: int, sampling: dict, dtype: str = "float32") -> dict:
     import torch
     from hf_reference import load_hf
 
     torch.set_num_threads(2)
     t0 = time.perf_counter()
-    model, tok = load_hf("float32")
+    model, tok = load_hf(dtype)
     load_s = time.perf_counter() - t0
     prompts = _tokenized(tok, 8)
 
@@ -217,7 +218,7 @@ def bench_hf(new_tokens: int, sampling: dict) -> dict:
     ttft8, _ = gen(8, 1)
     t8, _ = gen(8, new_tokens)
     how = f", sampling {sampling}" if sampling else ""
-    return {"backend": f"transformers PyTorch (float32, 2 threads{how})", "ttft_s": ttft1,
+    return {"backend": f"transformers PyTorch ({dtype}, 2 threads{how})", "ttft_s": ttft1,
             "decode_tok_s_b1": (new_tokens - 1) / (t1 - ttft1), "decode_tok_s_b8": 8 * (new_tokens - 1) / (t8 - ttft8),
             "ttft_b8_s": ttft8, "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "perplexity": ppl,
             "greedy_tokens": tokens, "greedy_trusted_steps": trusted_steps(gaps)}
@@ -260,8 +261,8 @@ def _child(backend: str, new_tokens: int, dtype: str, sampling: str | None) -> N
     _env()
     if backend == "ours":
         res = bench_ours(new_tokens, dtype, _parse_sampling(sampling))
-    elif backend == "hf":
-        res = bench_hf(new_tokens, _parse_sampling(sampling))
+    elif backend in ("hf", "hf-bf16"):
+        res = bench_hf(new_tokens, _parse_sampling(sampling), "bfloat16" if backend == "hf-bf16" else "float32")
     else:
         res = bench_llamacpp(new_tokens)
     print("RESULT " + json.dumps(res))
@@ -315,7 +316,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32",
                     help="weight dtype(s) of our engine, comma-separated: float32, bfloat16 (activations float32)")
-    ap.add_argument("--backends", default="ours,hf,llamacpp")
+    ap.add_argument("--backends", default="ours,hf,llamacpp",
+                    help="of ours, hf, hf-bf16 (transformers with bfloat16 weights and activations), llamacpp")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every backend this many times, interleaved, and report the medians (noisy machines)")
     ap.add_argument("--timeout-s", type=float, default=1800)
@@ -371,6 +373,10 @@ def main() -> int:
             report[f"greedy_matches_trusted_steps{sfx}"] = (
                 report[f"greedy_match_prefix{sfx}"] >= hf["greedy_trusted_steps"])
         report[f"perplexity_ratio_vs_hf{sfx}"] = ours["perplexity"] / hf["perplexity"]
+    if "ours-bfloat16" in results and "hf-bf16" in results:  # both sides' weights in bfloat16
+        ours, hf = results["ours-bfloat16"], results["hf-bf16"]
+        report["speedup_vs_hf_bf16_b1-bfloat16"] = ours["decode_tok_s_b1"] / hf["decode_tok_s_b1"]
+        report["speedup_vs_hf_bf16_b8-bfloat16"] = ours["decode_tok_s_b8"] / hf["decode_tok_s_b8"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'backend':58s} {'TTFT s':>7s} {'b1 tok/s':>9s} {'b8 tok/s':>9s} {'RSS MB':>7s}")
