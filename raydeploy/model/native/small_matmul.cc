@@ -138,6 +138,10 @@ void Columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t
 constexpr int kStrip = 3;      // vectors of 16 columns per strip
 constexpr int kGroup = 8;      // rows per register block
 constexpr int64_t kDepth = 8;  // weight rows per block
+// With more than one row group every block's output tiles are loaded and stored once per group: deeper blocks do
+// so less often while a block (32 x 48 weights) stays in L1 for the groups. 211 matmuls of 32 rows, 2 threads:
+// 77.4 ms at depth 8, 53.7 at 32 (XLA's dot 63.9); 16: 62.2, 128: 68.6.
+constexpr int64_t kDeepDepth = 32;  // weight rows per block for more than one row group
 
 // Sixteen weights as float32: float32 as they are, bfloat16 (stored as uint16_t) widened by a shift, so a
 // bfloat16 weight streams half the bytes and multiplies float32 rows of x exactly.
@@ -214,8 +218,9 @@ inline void Strips(int vecs, const float* x, const W* w, float* y, int64_t mr, i
 template <typename W>
 void Columns(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t Kr, int64_t N, int64_t c0,
              int64_t c1) {
-  for (int64_t k0 = 0; k0 < Kr; k0 += kDepth) {
-    const int64_t kb = Kr - k0 < kDepth ? Kr - k0 : kDepth;
+  const int64_t depth = M <= kGroup ? kDepth : kDeepDepth;
+  for (int64_t k0 = 0; k0 < Kr; k0 += depth) {
+    const int64_t kb = Kr - k0 < depth ? Kr - k0 : depth;
     for (int64_t n = c0; n < c1; n += 16 * kStrip) {
       const int64_t width = c1 - n < 16 * kStrip ? c1 - n : 16 * kStrip;
       const int vecs = static_cast<int>((width + 15) / 16);
