@@ -67,6 +67,20 @@ def test_greedy_rows_take_argmax_and_logprob_is_raw_log_softmax():
     np.testing.assert_allclose(lp, np.asarray(ref)[np.arange(4), tok], rtol=1e-5, atol=1e-6)
 
 
+def test_greedy_ties_take_the_first_index_in_both_programs():
+    """Greedy is two plain reductions (max, then the first index at it), with or without sampling rows beside:
+    a tie resolves to the lowest token id, as numpy's argmax."""
+    lg = _logits(3)
+    lg[0, 3] = lg[0, 12] = lg[0].max() + 1.0  # a tie for the top
+    lg[1, :] = 0.5  # every token tied
+    lg[2, 5] = lg[2, 4] = lg[2].max() + 2.0
+    for params in ([SamplingParams()] * 3, [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0)]):
+        tok, _ = _sample(lg, params, [0, 0, 0])
+        assert tok[0] == 3 and tok[1] == 0
+        if params[2].temperature == 0:
+            assert tok[2] == 4
+
+
 def test_greedy_with_repetition_penalty_avoids_a_seen_token():
     lg = np.zeros((1, V), np.float32)
     lg[0, 3], lg[0, 7] = 2.0, 1.5
