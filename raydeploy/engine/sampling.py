@@ -164,7 +164,8 @@ def _first_argmax(x_bv: jax.Array) -> jax.Array:
     """`jnp.argmax` over the last axis (the first index of the largest value) as two plain reductions: XLA CPU
     fuses the Gumbel noise's logarithms into an argmax's paired (value, index) reduction and runs them
     unvectorised there (7 ms of a 10 ms sample of 8 rows over 49152 tokens, against 0.3 ms this way). Greedy rows
-    too: a plain `jnp.argmax` of 8 rows over 49152 logits was a paired reduction of 1.5 ms a pass on one thread."""
+    too: a plain `jnp.argmax` of 8 rows over 49152 logits is a paired reduction (1.5 ms a pass in a per-op profile
+    of one thread; end to end the one-thread 8-row decode gained ~1%, 146.8 -> 148.0 tok/s)."""
     v = x_bv.shape[-1]
     top = jnp.max(x_bv, axis=-1, keepdims=True)
     first = jnp.min(jnp.where(x_bv >= top, jnp.arange(v, dtype=jnp.int32)[None, :], v), axis=-1)
