@@ -41,13 +41,13 @@ inline void RunPieces(const std::shared_ptr<SplitState>& st) {
   }
 }
 
+// The caller, done with its own pieces, spins this many pauses (tens of microseconds) before it sleeps: the
+// other threads' pieces end about when its own do, and a futex wake-up in a guest VM costs tens of microseconds.
 constexpr int kSpins = 1 << 16;
-constexpr int64_t kPiecesPerThread = 1;
 
 template <typename F>
 void Split(ffi::ThreadPool& pool, int64_t units, F part) {
-  const int64_t threads = pool.num_threads();
-  int64_t parts = threads * kPiecesPerThread;
+  int64_t parts = pool.num_threads();
   if (parts > units) parts = units;
   if (parts <= 1) {
     part(0, units);
@@ -56,7 +56,7 @@ void Split(ffi::ThreadPool& pool, int64_t units, F part) {
   auto st = std::make_shared<SplitState>();
   st->parts = parts;
   st->piece = [&part, units, parts](int64_t p) { part(units * p / parts, units * (p + 1) / parts); };
-  for (int64_t t = 1; t < threads && t < parts; ++t) pool.Schedule([st] { RunPieces(st); });  // a late task finds nothing left
+  for (int64_t p = 1; p < parts; ++p) pool.Schedule([st] { RunPieces(st); });  // a late task finds nothing left
   RunPieces(st);
   for (int spin = 0; spin < kSpins && st->done.load(std::memory_order_acquire) != st->parts; ++spin) _mm_pause();
   if (st->done.load(std::memory_order_acquire) == st->parts) return;
