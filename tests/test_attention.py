@@ -228,10 +228,29 @@ def test_pallas_gpu_lowers_for_cuda_without_a_gpu(pages_per_seq):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-def test_pallas_gpu_split_sizes_divide():
-    for pps in (1, 3, 8, 12, 64, 100):
-        ks, per = pallas_gpu.split_sizes(pps)
-        assert pps % ks == 0 and (pps // ks) % per == 0
+def test_pallas_gpu_split_sizes_divide_and_give_blocks_of_16_tokens():
+    for page_size in (4, 8, 16, 32):
+        for pps in (1, 3, 4, 8, 12, 64, 100):
+            sizes = pallas_gpu.split_sizes(pps, page_size)
+            if pps * page_size < pallas_gpu.MIN_BLOCK_K:
+                assert sizes is None
+                continue
+            assert sizes is not None, (pps, page_size)
+            ks, per = sizes
+            assert pps % ks == 0 and (pps // ks) % per == 0 and per * page_size >= pallas_gpu.MIN_BLOCK_K
+    assert pallas_gpu.split_sizes(64, 16) == (16, 4)
+    assert pallas_gpu.split_sizes(8, 8) == (4, 2)   # not 8 splits of one 8-token page
+
+
+def test_pallas_gpu_table_too_small_for_a_block_takes_xla_path():
+    """A 4-page table of 2-token pages (8 tokens) holds no 16-token block: decode steps take the XLA path."""
+    args = make_step(q_lens=[1, 1], kv_lens=[7, 3], rows=3, tokens=3, page_size=2, pages_per_seq=4, num_pages=16,
+                     seed=5)
+    ref = xla.ragged_paged_attention(*args, sm_scale=SCALE)
+    out = pallas_gpu.ragged_paged_attention(*args, sm_scale=SCALE, interpret=True)
+    assert_matches(out, ref, args)
+    with pytest.raises(ValueError, match="4-page table of 2-token pages holds no compute block of 16 tokens"):
+        pallas_gpu.decode_attention(*args, sm_scale=SCALE, interpret=True)
 
 
 # -- backend choice and bad input ------------------------------------------------------------------------------

@@ -38,16 +38,16 @@ MAX_SEQ_LEN = 64
 LOGIT_ATOL = 1e-3
 
 
-def _convert(kind: str, tmp: Any) -> dict[str, Any]:
-    """transformers' tiny `kind` model converted into our checkpoint, with its 32 greedy tokens, their
-    log-softmax values and the prompt's last-position logits."""
+def _convert(kind: str, tmp: Any, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """transformers' tiny `kind` model (or one built from `config`) converted into our checkpoint, with its 32
+    greedy tokens, their log-softmax values and the prompt's last-position logits."""
     from raydeploy.checkpoint.convert import convert
 
-    if kind in TINY:
+    if config is None and kind in TINY:
         model, src = _hf_model(kind, tmp)
     else:
         torch.manual_seed(0)
-        cfg = transformers.AutoConfig.for_model(**CASES[kind])
+        cfg = transformers.AutoConfig.for_model(**(config or CASES[kind]))
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
         src = tmp / f"hf-{kind}"
         model.save_pretrained(src)
@@ -68,7 +68,8 @@ def converted(request, tmp_path_factory) -> dict[str, Any]:
     return _convert(request.param, tmp_path_factory.mktemp(f"engine-{request.param}"))
 
 
-def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring") -> Any:
+def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring", page_size: int = 8,
+            attention: str = "auto") -> Any:
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
     from raydeploy.engine.engine import Engine
@@ -81,8 +82,8 @@ def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring") -
     reader = CheckpointReader(ckpt)
     family, cfg = from_hf_config(reader.hf_config)
     params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
-    engine_cfg = EngineConfig(max_slots=2, page_size=8, prefill_chunk=16, decode_steps=4,
-                              compilation_cache_dir=None, warmup=False, window_pages=window_pages)
+    engine_cfg = EngineConfig(max_slots=2, page_size=page_size, prefill_chunk=16, decode_steps=4,
+                              compilation_cache_dir=None, warmup=False, window_pages=window_pages, attention=attention)
     return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg)
 
 

@@ -5,7 +5,8 @@ per sequence attending to all of its `lengths` cached tokens, with soft cap but 
 step whose live sequences all carry one token (every decode step) runs it: a sequence's single token sits at
 position kv_len - 1, so "all cached tokens" is exactly its causal window. A step with a prefill chunk in it
 (any live sequence with more than one token) runs `xla.ragged_paged_attention` instead; the choice is a
-`lax.cond` on the step's data, so one compiled program serves both. A sliding window always takes the XLA path.
+`lax.cond` on the step's data, so one compiled program serves both. A sliding window always takes the XLA path,
+and so does a page table too small for one compute block of 16 tokens (Triton's dot needs 16 on each side).
 
 Layout. The kernel wants K and V apart and head-major, [Hkv, pages, page_size, D], and reads pages through
 its own block tables; the pool is [P, page_size, 2*Hkv, D] with K and V interleaved. The wrapper gathers the
@@ -29,16 +30,24 @@ MAX_K_SPLITS = 16             # partitions of a sequence's pages computed in par
 MAX_PAGES_PER_COMPUTE_BLOCK = 8
 
 
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(k for k in range(1, min(n, cap) + 1) if n % k == 0)
+MIN_BLOCK_K = 16              # cached tokens per compute block: Triton's dot needs every dimension >= 16
 
 
-def split_sizes(pages_per_seq: int) -> tuple[int, int]:
-    """(k_splits, pages_per_compute_block): the kernel needs k_splits | pages_per_seq and
-    pages_per_compute_block | pages_per_seq / k_splits."""
-    k_splits = _largest_divisor_at_most(pages_per_seq, MAX_K_SPLITS)
-    per_partition = pages_per_seq // k_splits
-    return k_splits, _largest_divisor_at_most(per_partition, MAX_PAGES_PER_COMPUTE_BLOCK)
+def split_sizes(pages_per_seq: int, page_size: int) -> tuple[int, int] | None:
+    """(k_splits, pages_per_compute_block) for a page table `pages_per_seq` wide, or None when no compute block
+    of at least MIN_BLOCK_K tokens fits (the step then takes the XLA path). The kernel needs k_splits |
+    pages_per_seq and pages_per_compute_block | pages_per_seq / k_splits; the most splits that leave such a
+    block win (they run in parallel), then the largest block up to MAX_PAGES_PER_COMPUTE_BLOCK pages."""
+    min_pages = -(-MIN_BLOCK_K // page_size)
+    for k_splits in range(min(pages_per_seq, MAX_K_SPLITS), 0, -1):
+        if pages_per_seq % k_splits:
+            continue
+        per_partition = pages_per_seq // k_splits
+        blocks = [b for b in range(min_pages, min(per_partition, max(MAX_PAGES_PER_COMPUTE_BLOCK, min_pages)) + 1)
+                  if per_partition % b == 0]
+        if blocks:
+            return k_splits, blocks[-1]
+    return None
 
 
 def decode_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
@@ -64,7 +73,11 @@ def decode_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page
     k_pages = kv[:, :, :, 0].transpose(2, 0, 1, 3)                            # [Hkv, S*pps, page_size, D]
     v_pages = kv[:, :, :, 1].transpose(2, 0, 1, 3)
     tables = jnp.arange(s * pps, dtype=jnp.int32).reshape(s, pps)
-    k_splits, per_block = split_sizes(pps)
+    sizes = split_sizes(pps, page_size)
+    if sizes is None:
+        raise ValueError(f"pallas GPU decode attention: a {pps}-page table of {page_size}-token pages holds no "
+                         f"compute block of {MIN_BLOCK_K} tokens; use the XLA path")
+    k_splits, per_block = sizes
     q_s = (jnp.take(q, tok, axis=0).astype(jnp.float32) * sm_scale).astype(q.dtype)
     o = gpu_paged.paged_attention(q_s, k_pages, v_pages, tables, lens, block_h=BLOCK_H,
                                   pages_per_compute_block=per_block, k_splits=k_splits, interpret=interpret,
@@ -86,7 +99,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     def mixed(*a: Any) -> jax.Array:
         return xla.ragged_paged_attention(*a, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
-    if sliding_window is not None:
+    if sliding_window is not None or split_sizes(page_indices.shape[1], kv_pages.shape[1]) is None:
         return mixed(*args)
 
     def decode(*a: Any) -> jax.Array:

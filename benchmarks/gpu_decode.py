@@ -1,0 +1,224 @@
+"""Decode speed on one NVIDIA GPU: our engine against transformers `generate`, the same model, the same run.
+
+No weights can be downloaded, so the model is a Llama of a real shape (default: Llama-3.2-1B's, 1.24B
+parameters, 128k vocabulary, tied embeddings) with seeded random weights, made by transformers itself
+(`AutoModelForCausalLM.from_config`, bfloat16). It is saved with `save_pretrained`, converted by our
+safetensors converter and loaded by the checkpoint reader, as a user's model would be. Both sides run in
+bfloat16 (weights and activations) on the GPU.
+
+Per backend and batch size (rows of random prompts, 32 to 64 tokens each, `--new-tokens` each, eos ignored):
+time to the last row's first token (TTFT) and decode tokens/s after it. Backends:
+- `hf`: transformers `generate` (eager PyTorch, its dynamic KV cache, greedy), the peer;
+- `pallas`: our engine with `engine.attention: pallas` (jax's Pallas GPU paged attention for decode steps);
+- `xla`: our engine with `engine.attention: xla`.
+Quality beside speed: the greedy tokens of row 0 at batch 1 from each of ours against transformers', as the
+length of their common prefix (bfloat16 on both sides, so a near-tie may flip late; exact parity in float32
+is tests/test_gpu.py's job).
+
+    JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --out gpu_decode.json
+    JAX_PLATFORMS=cpu python benchmarks/gpu_decode.py --shape tiny --batches 1,4 --new-tokens 16   # a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU in this process
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {
+    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False),
+    "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                 tie_word_embeddings=False),
+}
+MAX_SEQ_LEN = 512
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab, int(rng.integers(32, 65))).tolist() for _ in range(n)]
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_model(shape: str, dst: Path):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(**SHAPES[shape])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.save_pretrained(dst)
+    return model
+
+
+def bench_hf(model, prompts: list[list[int]], batches: list[int], new_tokens: int) -> dict:
+    import torch
+
+    device = next(model.parameters()).device
+
+    def gen(batch: int, n: int) -> tuple[float, list[int]]:
+        ids = prompts[:batch]
+        width = max(len(i) for i in ids)
+        input_ids = torch.tensor([[0] * (width - len(i)) + i for i in ids], device=device)
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+        _sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
+        _sync()
+        return time.perf_counter() - t, out[0, width:].tolist()
+
+    out: dict = {"backend": "transformers generate (eager PyTorch, bfloat16, dynamic cache)", "batches": {}}
+    for b in batches:
+        gen(b, 4)  # warm up
+        ttft, _ = gen(b, 1)
+        total, tokens = gen(b, new_tokens)
+        out["batches"][str(b)] = {"ttft_s": ttft, "decode_tok_s": b * (new_tokens - 1) / (total - ttft)}
+        if b == 1:
+            out["greedy_tokens"] = tokens
+    return out
+
+
+def bench_ours(ckpt: Path, attention: str, prompts: list[list[int]], batches: list[int], new_tokens: int) -> dict:
+    import jax
+
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.engine.engine import Engine
+    from raydeploy.engine.local import LocalRunner
+    from raydeploy.engine.request import GenerationRequest
+    from raydeploy.engine.scheduler import Paging, Scheduler
+    from raydeploy.model.registry import from_hf_config
+    from raydeploy.model.sharding import build_mesh, merge_rules
+
+    slots = max(batches)
+    mesh = build_mesh({"dp": 1}, jax.devices()[:1])
+    rules = merge_rules({})
+    reader = CheckpointReader(ckpt)
+    family, cfg = from_hf_config(reader.hf_config)
+    t0 = time.perf_counter()
+    params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "bfloat16", 8, progress=False)
+    model_cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", max_seq_len=MAX_SEQ_LEN)
+    engine_cfg = EngineConfig(max_slots=slots, prefill_buckets=[64, MAX_SEQ_LEN], max_new_tokens=new_tokens,
+                              attention=attention, compilation_cache_dir=None)
+    engine = Engine(family, cfg, params, mesh, rules, model_cfg, engine_cfg)
+    load_s = time.perf_counter() - t0
+    compile_s = engine.warmup()
+
+    def run(batch: int) -> tuple[list, float, float]:
+        paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
+                        engine_cfg.prefix_caching, engine.mixed_step_tokens)
+        sched = Scheduler(slots, MAX_SEQ_LEN, (), 2 * slots, [64, MAX_SEQ_LEN], slot_order=engine.slot_order,
+                          decode_steps=engine.decode_steps, paging=paging)
+        runner = LocalRunner(engine, sched)
+        reqs = [GenerationRequest(f"b{batch}-{i}", tuple(prompts[i]), new_tokens, ignore_eos=True)
+                for i in range(batch)]
+        t = time.perf_counter()
+        outs = runner.generate(reqs)
+        total = time.perf_counter() - t
+        ttft = max(o.first_token_s for o in outs)
+        return outs, ttft, sum(len(o.token_ids) - 1 for o in outs) / (total - ttft)
+
+    out: dict = {"backend": f"raydeploy engine (JAX {jax.__version__}, attention {attention}, bfloat16, "
+                            f"max_slots {slots}, decode_steps {engine.decode_steps})",
+                 "load_s": load_s, "compile_s": sum(compile_s.values()), "programs": len(compile_s), "batches": {}}
+    for b in batches:
+        run(b)  # untimed: first calls after warmup
+        outs, ttft, tps = run(b)
+        out["batches"][str(b)] = {"ttft_s": ttft, "decode_tok_s": tps}
+        if b == 1:
+            out["greedy_tokens"] = list(outs[0].token_ids)
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--backends", default="hf,pallas,xla", help="comma-separated: hf, pallas, xla")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_decode.json")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    backends = args.backends.split(",")
+    unknown = set(backends) - {"hf", "pallas", "xla"}
+    if unknown:
+        ap.error(f"--backends: unknown {sorted(unknown)}; valid: hf, pallas, xla")
+
+    import jax
+    import torch
+
+    from raydeploy.checkpoint.convert import convert
+
+    result: dict = {"shape": args.shape, "config": SHAPES[args.shape], "new_tokens": args.new_tokens,
+                    "jax": jax.__version__, "torch": torch.__version__, "device": str(jax.devices()[0].device_kind),
+                    "results": []}
+    print(f"jax {jax.__version__} on {jax.devices()}, torch {torch.__version__}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        model = make_model(args.shape, Path(tmp) / "hf")
+        prompts = _prompts(max(batches), SHAPES[args.shape]["vocab_size"])
+        print(f"model made and saved in {time.perf_counter() - t:.1f} s", flush=True)
+        if "hf" in backends:
+            result["results"].append(bench_hf(model, prompts, batches, args.new_tokens))
+            print(json.dumps(result["results"][-1]["batches"]), flush=True)
+        del model
+        torch.cuda.empty_cache()
+        t = time.perf_counter()
+        convert(Path(tmp) / "hf", Path(tmp) / "ckpt", progress=False)
+        result["convert_s"] = time.perf_counter() - t
+        for attention in [b for b in backends if b != "hf"]:
+            result["results"].append(bench_ours(Path(tmp) / "ckpt", attention, prompts, batches, args.new_tokens))
+            print(json.dumps({k: v for k, v in result["results"][-1].items() if k != "greedy_tokens"}), flush=True)
+    ref = next((r for r in result["results"] if r["backend"].startswith("transformers")), None)
+    for r in result["results"]:
+        if ref is not None and r is not ref:
+            r["greedy_common_prefix_with_hf"] = _common_prefix(r["greedy_tokens"], ref["greedy_tokens"])
+            r["ratio_vs_hf"] = {b: r["batches"][b]["decode_tok_s"] / ref["batches"][b]["decode_tok_s"]
+                                for b in r["batches"]}
+    print("\n" + "backend".ljust(60) + "".join(f"b{b} tok/s".rjust(14) for b in batches) + "  vs hf")
+    for r in result["results"]:
+        cells = "".join(f"{r['batches'][str(b)]['decode_tok_s']:14.1f}" for b in batches)
+        ratios = " ".join(f"{x:.2f}x" for x in r.get("ratio_vs_hf", {}).values())
+        print(r["backend"][:60].ljust(60) + cells + "  " + ratios)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

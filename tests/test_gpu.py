@@ -1,0 +1,88 @@
+"""The GPU paths on a real NVIDIA GPU; skipped where JAX sees none (CI, CPU machines).
+
+CPU tests cover the same code in Pallas interpret mode (tests/test_attention.py) and lower it for CUDA from
+shapes alone; here the Triton kernel is really compiled and run:
+- jax's Pallas GPU paged attention (`pallas_gpu.decode_attention`, compiled) equals the XLA path on decode steps
+  (float32 and bfloat16, grouped heads with and without padding to the kernel's 16-head blocks, NaN in unwritten
+  cache memory), and a mixed step through the backend's `lax.cond` takes the XLA path;
+- every family through the real paged `Engine` on one GPU, attention `pallas` (and `xla` for Llama), gives
+  transformers' 32 greedy tokens, their logprobs within 1e-3 and the last-position logits within 1e-3, as
+  tests/test_engine_families.py checks on CPU. Float32 matmuls run at full precision here (JAX on a GPU would
+  otherwise use TF32).
+
+    JAX_PLATFORMS=cuda python -m pytest tests/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("JAX_PLATFORMS", "cpu") not in ("cuda", "gpu", ""):
+    pytest.skip("no GPU: JAX_PLATFORMS is " + os.environ.get("JAX_PLATFORMS", "cpu") + " (set JAX_PLATFORMS=cuda)",
+                allow_module_level=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+if jax.devices()[0].platform != "gpu":
+    pytest.skip(f"no GPU: JAX's devices are {jax.devices()}", allow_module_level=True)
+
+from raydeploy.engine.attention import pallas_gpu, xla  # noqa: E402
+from tests.test_attention import SCALE, assert_matches, make_step  # noqa: E402
+from tests.test_engine_families import CASES, _check, _convert, _engine  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+             tie_word_embeddings=False, initializer_range=0.2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def full_precision_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (12, 4), (32, 2)])
+@pytest.mark.parametrize("page_size,pages_per_seq", [(16, 4), (8, 8)])
+def test_compiled_gpu_kernel_matches_xla(dtype, atol, q_heads, kv_heads, page_size, pages_per_seq):
+    args = make_step(q_lens=[1, 1, 1, 1, 1], kv_lens=[7, 33, 16, 1, 60], rows=6, tokens=6, q_heads=q_heads,
+                     kv_heads=kv_heads, head_dim=64, page_size=page_size, pages_per_seq=pages_per_seq,
+                     num_pages=64, dtype=dtype, seed=3)
+    ref = jax.jit(lambda *a: xla.ragged_paged_attention(*a, sm_scale=SCALE, soft_cap=20.0))(*args)
+    kernel = jax.jit(lambda *a: pallas_gpu.decode_attention(*a, sm_scale=SCALE, soft_cap=20.0))
+    assert "triton" in kernel.lower(*args).as_text()
+    assert_matches(kernel(*args), ref, args, atol=atol)
+    backend = jax.jit(lambda *a: pallas_gpu.ragged_paged_attention(*a, sm_scale=SCALE, soft_cap=20.0))
+    assert_matches(backend(*args), ref, args, atol=atol)
+
+
+def test_mixed_step_on_gpu_takes_the_xla_path():
+    args = make_step(q_lens=[1, 5, 3, 1], kv_lens=[7, 30, 3, 1], rows=6, tokens=13, page_size=16, pages_per_seq=4,
+                     num_pages=32, head_dim=64, seed=6)
+    ref = xla.dense_reference(*args[:5], int(args[5][0]), sm_scale=SCALE)
+    out = jax.jit(lambda *a: pallas_gpu.ragged_paged_attention(*a, sm_scale=SCALE))(*args)
+    assert_matches(out, ref, args, atol=1e-4)
+
+
+@pytest.fixture(scope="module", params=sorted({**CASES, "llama": LLAMA}))
+def converted_gpu(request, tmp_path_factory):
+    kind = request.param
+    return _convert(kind, tmp_path_factory.mktemp(f"gpu-{kind}"), LLAMA if kind == "llama" else None)
+
+
+def test_engine_on_gpu_with_pallas_attention_matches_transformers(converted_gpu):
+    engine = _engine(converted_gpu["ckpt"], {"tp": 1}, page_size=16, attention="pallas")
+    assert engine.mesh.devices.flat[0].platform == "gpu"
+    _check(engine, converted_gpu)
+
+
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_llama_engine_on_gpu_with_xla_attention_matches_transformers(page_size, tmp_path_factory):
+    case = _convert("llama", tmp_path_factory.mktemp("gpu-llama-xla"), LLAMA)
+    _check(_engine(case["ckpt"], {"tp": 1}, page_size=page_size, attention="xla"), case)
+    _check(_engine(case["ckpt"], {"tp": 1}, page_size=page_size, attention="pallas"), case)
