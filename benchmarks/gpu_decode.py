@@ -16,6 +16,7 @@ length of their common prefix (bfloat16 on both sides, so a near-tie may flip la
 is tests/test_gpu.py's job).
 
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --out gpu_decode.json
+    JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends hf,pallas --prefill-chunks 256,2048
     JAX_PLATFORMS=cpu python benchmarks/gpu_decode.py --shape tiny --batches 1,4 --new-tokens 16   # a dry run
 """
 
@@ -105,7 +106,8 @@ def bench_hf(model, prompts: list[list[int]], batches: list[int], new_tokens: in
     return out
 
 
-def bench_ours(ckpt: Path, attention: str, prompts: list[list[int]], batches: list[int], new_tokens: int) -> dict:
+def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]], batches: list[int],
+               new_tokens: int) -> dict:
     import jax
 
     from raydeploy.checkpoint.reader import CheckpointReader
@@ -126,14 +128,15 @@ def bench_ours(ckpt: Path, attention: str, prompts: list[list[int]], batches: li
     params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "bfloat16", 8, progress=False)
     model_cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", max_seq_len=MAX_SEQ_LEN)
     engine_cfg = EngineConfig(max_slots=slots, prefill_buckets=[64, MAX_SEQ_LEN], max_new_tokens=new_tokens,
-                              attention=attention, compilation_cache_dir=None)
+                              attention=attention, compilation_cache_dir=None, prefill_chunk=chunk)
     engine = Engine(family, cfg, params, mesh, rules, model_cfg, engine_cfg)
     load_s = time.perf_counter() - t0
     compile_s = engine.warmup()
 
     def run(batch: int) -> tuple[list, float, float]:
         paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
-                        engine_cfg.prefix_caching, engine.mixed_step_tokens)
+                        engine_cfg.prefix_caching, engine.mixed_step_tokens, engine_cfg.max_decode_slowdown,
+                        engine_cfg.burst_wait)
         sched = Scheduler(slots, MAX_SEQ_LEN, (), 2 * slots, [64, MAX_SEQ_LEN], slot_order=engine.slot_order,
                           decode_steps=engine.decode_steps, paging=paging)
         runner = LocalRunner(engine, sched)
@@ -146,7 +149,7 @@ def bench_ours(ckpt: Path, attention: str, prompts: list[list[int]], batches: li
         return outs, ttft, sum(len(o.token_ids) - 1 for o in outs) / (total - ttft)
 
     out: dict = {"backend": f"raydeploy engine (JAX {jax.__version__}, attention {attention}, bfloat16, "
-                            f"max_slots {slots}, decode_steps {engine.decode_steps})",
+                            f"max_slots {slots}, decode_steps {engine.decode_steps}, prefill_chunk {chunk})",
                  "load_s": load_s, "compile_s": sum(compile_s.values()), "programs": len(compile_s), "batches": {}}
     for b in batches:
         run(b)  # untimed: first calls after warmup
@@ -171,6 +174,8 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prefill-chunks", default="256", help="comma-separated engine.prefill_chunk values; each of "
+                                                             "our backends runs once per value")
     ap.add_argument("--backends", default="hf,pallas,xla", help="comma-separated: hf, pallas, xla")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_decode.json")
     args = ap.parse_args()
@@ -203,7 +208,9 @@ def main() -> int:
         convert(Path(tmp) / "hf", Path(tmp) / "ckpt", progress=False)
         result["convert_s"] = time.perf_counter() - t
         for attention in [b for b in backends if b != "hf"]:
-            result["results"].append(bench_ours(Path(tmp) / "ckpt", attention, prompts, batches, args.new_tokens))
+            for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
+                result["results"].append(bench_ours(Path(tmp) / "ckpt", attention, chunk, prompts, batches,
+                                                    args.new_tokens))
             print(json.dumps({k: v for k, v in result["results"][-1].items() if k != "greedy_tokens"}), flush=True)
     ref = next((r for r in result["results"] if r["backend"].startswith("transformers")), None)
     for r in result["results"]:
@@ -211,11 +218,12 @@ def main() -> int:
             r["greedy_common_prefix_with_hf"] = _common_prefix(r["greedy_tokens"], ref["greedy_tokens"])
             r["ratio_vs_hf"] = {b: r["batches"][b]["decode_tok_s"] / ref["batches"][b]["decode_tok_s"]
                                 for b in r["batches"]}
-    print("\n" + "backend".ljust(60) + "".join(f"b{b} tok/s".rjust(14) for b in batches) + "  vs hf")
+    print("\n" + "backend".ljust(60) + "".join(f"b{b} tok/s".rjust(14) for b in batches)
+          + f"  b{batches[-1]} TTFT s  vs hf")
     for r in result["results"]:
         cells = "".join(f"{r['batches'][str(b)]['decode_tok_s']:14.1f}" for b in batches)
         ratios = " ".join(f"{x:.2f}x" for x in r.get("ratio_vs_hf", {}).values())
-        print(r["backend"][:60].ljust(60) + cells + "  " + ratios)
+        print(r["backend"][-60:].ljust(60) + cells + f"{r['batches'][str(batches[-1])]['ttft_s']:11.3f}  " + ratios)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

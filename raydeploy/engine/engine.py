@@ -34,7 +34,7 @@ import numpy as np
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
 from raydeploy.engine.kv_cache import PageTables, StepInputs, allocate_pool, build_inputs
-from raydeploy.engine.programs import ProgramSet, ProgramShape
+from raydeploy.engine.programs import MIXED_STEP_CAP_PLATFORMS, ProgramSet, ProgramShape
 from raydeploy.engine.step import SeqStep, StepPlan, StepResult
 from raydeploy.model.registry import Family
 
@@ -137,9 +137,11 @@ class Engine:
 
     @property
     def mixed_step_tokens(self) -> int | None:
-        """Token bucket of a step that carries decode rows beside a prompt (a quarter chunk), or None."""
+        """Token budget of a step that carries decode rows beside a prompt (a quarter chunk) on a platform in
+        `MIXED_STEP_CAP_PLATFORMS`, or None (the whole chunk)."""
         q = self.max_step_tokens // 4
-        return q if q in self.programs_set.token_buckets else None
+        ps = self.programs_set
+        return q if ps.platform in MIXED_STEP_CAP_PLATFORMS and q in ps.token_buckets else None
 
     @property
     def slot_order(self) -> list[int]:

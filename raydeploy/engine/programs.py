@@ -89,6 +89,14 @@ On CPU a step's cost grows with its tokens (the demo model: a 64-token step cost
 one ~8), so padding 140 tokens to 256 nearly doubles the step. On TPU and GPU a step of a few hundred tokens
 costs about one weight read whatever its tokens, and fewer programs compile faster: there the prompt steps are
 the chunk and a quarter chunk."""
+MIXED_STEP_CAP_PLATFORMS = ("cpu",)
+"""Platforms where a step beside running streams carries at most the quarter chunk (`Engine.mixed_step_tokens`):
+on CPU a step costs what its tokens compute, so a whole chunk beside the streams slows them several times over.
+On TPU and GPU a chunk step costs about one weight read, as a decode pass does; there prompts that arrive while
+streams decode go in whole chunks (the quarter bucket stays, for short prompts), and `engine.max_decode_slowdown`
+still holds a long prompt's chunks back by measured step times. Measured on one H100 (a Llama-3.2-1B shape,
+bfloat16, 64 prompts of 32-64 tokens at once, `benchmarks/gpu_decode.py`): capped at the quarter, the last first
+token came after 1.73 s, 47 steps of 64 tokens."""
 MIN_FINE_PROMPT_BUCKET = 16
 """The smallest of those buckets: a step of fewer tokens costs about a decode pass on CPU too."""
 MIN_THREE_HALVES_BUCKET = 64
