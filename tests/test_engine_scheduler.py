@@ -1040,3 +1040,21 @@ def test_token_buckets_are_finer_for_prompts_on_cpu(slots, chunk, platform, want
     from raydeploy.engine.programs import default_decode_rows, default_token_buckets
 
     assert default_token_buckets(default_decode_rows(slots), slots, chunk, platform) == want
+
+
+@pytest.mark.parametrize(("platform", "buckets", "want"), [
+    ("cpu", [1, 4, 8, 16, 32, 64, 96, 128, 192, 256], 64),  # a quarter chunk beside running streams
+    ("tpu", [1, 4, 8, 64, 256], None),                      # the whole chunk: a chunk step costs ~a weight read
+    ("gpu", [1, 4, 8, 64, 256], None),
+    ("cpu", [1, 2, 32], None),                              # no quarter bucket: the whole chunk
+])
+def test_quarter_chunk_beside_running_streams_only_on_cpu(platform, buckets, want):
+    """`Engine.mixed_step_tokens` over a stand-in program set (the real CPU engine's 32 is checked with the demo
+    model above; tests/test_gpu.py checks None on a real GPU)."""
+    from types import SimpleNamespace
+
+    from raydeploy.engine.engine import Engine
+
+    engine = SimpleNamespace(max_step_tokens=max(buckets),
+                             programs_set=SimpleNamespace(platform=platform, token_buckets=buckets))
+    assert Engine.mixed_step_tokens.fget(engine) == want  # type: ignore[attr-defined]
