@@ -165,15 +165,6 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
     return out
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
@@ -193,6 +184,7 @@ def main() -> int:
     import jax
     import torch
 
+    from benchmarks.engine_decode import _matching_prefix
     from raydeploy.checkpoint.convert import convert
 
     result: dict = {"shape": args.shape, "config": SHAPES[args.shape], "new_tokens": args.new_tokens,
@@ -220,7 +212,7 @@ def main() -> int:
     ref = next((r for r in result["results"] if r["backend"].startswith("transformers")), None)
     for r in result["results"]:
         if ref is not None and r is not ref:
-            r["greedy_common_prefix_with_hf"] = _common_prefix(r["greedy_tokens"], ref["greedy_tokens"])
+            r["greedy_common_prefix_with_hf"] = _matching_prefix(r["greedy_tokens"], ref["greedy_tokens"])
             r["ratio_vs_hf"] = {b: r["batches"][b]["run_tok_s"] / ref["batches"][b]["run_tok_s"]
                                 for b in r["batches"]}
     print("\n" + "backend".ljust(60) + "".join(f"b{b} tok/s".rjust(14) for b in batches)
