@@ -123,7 +123,11 @@ def test_joined_matmuls_equal_separate_ones(native_library, dtype):
                                                                       jnp.bfloat16)]) is None
         assert native.matmuls(x, [native.LayerSlice(stacks[0], jnp.int32(0)),
                                   native.LayerSlice(stacks[1], jnp.int32(0))]) is None  # two layer indices
-        assert native.matmuls(jnp.ones((native.MAX_ROWS + 1, 40)), [st[0] for st in stacks]) is None
+        assert native.matmuls(jnp.ones((native.max_rows(dtype) + 1, 40)), [st[0] for st in stacks]) is None
+        many = jnp.ones((native.max_rows(dtype), 40))  # as many rows as the kernel takes for this dtype
+        np.testing.assert_allclose(np.asarray(native.matmuls(many, [st[0] for st in stacks])[0]),
+                                   np.ones((native.max_rows(dtype), 40)) @ np.asarray(stacks[0][0].astype(jnp.float32)),
+                                   rtol=1e-5, atol=1e-4)
     wide = [np.asarray(st.astype(jnp.float32)).astype(np.float64) for st in stacks]
     for got, layer_got, w in zip(joined, plain, wide, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(x, np.float64) @ w[2], rtol=1e-5, atol=1e-4)
@@ -157,7 +161,8 @@ def test_matmul_applies_only_inside_rows_over_and_for_few_float32_rows(kernel):
             assert one_row is None  # one float32 row: XLA's matrix-vector product
         else:
             np.testing.assert_allclose(np.asarray(one_row), np.full((1, 8), 16.0))
-        assert native.matmul(jnp.ones((native.MAX_ROWS + 1, 16)), w) is None
+        assert native.matmul(jnp.ones((native.max_rows(jnp.float32) + 1, 16)), w) is None
+        assert native.max_rows(jnp.float32) == 32 and native.max_rows(jnp.bfloat16) == 128
         assert native.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None  # bfloat16 rows: XLA
         one_row_bf16 = native.matmul(jnp.ones((1, 16)), w.astype(jnp.bfloat16))  # bfloat16 weights: from one row
         if "bfloat16" in native.weight_dtypes():

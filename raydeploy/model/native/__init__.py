@@ -7,7 +7,7 @@ unit (`isa`: AVX-512 where the CPU has AVX-512F, else AVX2).
 XLA CPU multiplies a handful of rows by a weight through a general matrix product made for many rows: on one
 thread (each host of the simulated gang) its 2- to 32-row dots take 1.3-2.2x the time of loops that stream
 every weight row once (`benchmarks/small_matmul.py`). The engine's step programs on CPU call the kernel for
-projections of `min_rows` to `MAX_ROWS` rows per device when the weights are replicated over the mesh (a dp-only
+projections of `min_rows` to `max_rows` rows per device when the weights are replicated over the mesh (a dp-only
 mesh, the CPU default): `rows_over` marks the traced step, `matmul` is what the model's matmul asks first.
 
 Built on first use with the machine's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`) against jax's own
@@ -61,8 +61,12 @@ def min_rows(weight_dtype: Any) -> int:
     return 1 if jnp.dtype(weight_dtype) == jnp.bfloat16 or isa() == "avx512" else 2
 
 
-MAX_ROWS = 32
-"""Rows per device up to which the kernel runs: from 64 rows XLA's dot is as fast (demo model's shapes, one thread)."""
+def max_rows(weight_dtype: Any) -> int:
+    """The most rows per device the kernel takes for weights of `weight_dtype`. float32: 32, from 64 rows XLA's
+    dot is as fast (the demo's 211 matmuls, 2 threads: 100.6 ms in the kernel against 97.4 at 64 rows). bfloat16
+    (the AVX-512 build): 128, where XLA's bfloat16 dot is slower than the kernel up to 128 rows (64 / 128 rows,
+    2 threads: 113.2 / 230.2 ms against 136.9 / 248.9) and faster from 256 (507.2 against 461.5)."""
+    return 128 if jnp.dtype(weight_dtype) == jnp.bfloat16 else 32
 
 
 def cache_dir() -> Path:
@@ -260,7 +264,7 @@ def _applies(x: jax.Array, w: Any, out_first: bool, rows: _Rows | None) -> bool:
     return not (rows is None or x.ndim != 2 or len(w.shape) != 2 or x.dtype != jnp.float32
                 or jnp.dtype(w.dtype).name not in weight_dtypes()
                 or (not out_first and w.shape[1] % 8) or x.shape[0] % rows.groups
-                or not min_rows(w.dtype) <= x.shape[0] // rows.groups <= MAX_ROWS)
+                or not min_rows(w.dtype) <= x.shape[0] // rows.groups <= max_rows(w.dtype))
 
 
 def _stacked(w: Any) -> tuple[jax.Array, jax.Array]:
@@ -284,7 +288,7 @@ def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
     """x [M, K] @ w through the kernel, w [K, N] or with out_first [N, K] (a tied embedding table as the LM
     head), an array or a `LayerSlice`, float32 or (AVX-512 build) bfloat16; None when this trace is not inside
     `rows_over` or the kernel does not apply (dtype, shape, rows per device outside [`min_rows`,
-    MAX_ROWS]): the caller then multiplies in XLA."""
+    `max_rows`]): the caller then multiplies in XLA."""
     rows = _ROWS.get()
     if rows is None or not _applies(x, w, out_first, rows):
         return None
