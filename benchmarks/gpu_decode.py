@@ -14,7 +14,9 @@ that decode while the last row still waits, but not that time). Backends:
 - `hf`: transformers `generate` (eager PyTorch, its dynamic KV cache, greedy), the peer;
 - `pallas`: our engine with `engine.attention: pallas` (jax's Pallas GPU paged attention for decode steps);
 - `xla`: our engine with `engine.attention: xla`.
-Quality beside speed: the greedy tokens of row 0 at batch 1 from each of ours against transformers', as the
+`pass_ms`: the wall time of one decode pass inside a plan (plans of 4 and 36 passes after the same prefill, the
+difference over 32), so a per-token time well above it is the scheduler's and the plans' round trips, and one
+near it is the step program itself. Quality beside speed: the greedy tokens of row 0 at batch 1 from each of ours against transformers', as the
 length of their common prefix (bfloat16 on both sides, so a near-tie may flip late; exact parity in float32
 is tests/test_gpu.py's job).
 
@@ -113,6 +115,7 @@ def bench_hf(model, prompts: list[list[int]], batches: list[int], new_tokens: in
 def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]], batches: list[int],
                new_tokens: int) -> dict:
     import jax
+    import numpy as np
 
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
@@ -153,9 +156,25 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
         tokens = sum(len(o.token_ids) for o in outs)
         return outs, ttft, (tokens - len(outs)) / (total - ttft), tokens / total
 
+    def pass_ms(batch: int) -> float:
+        """Wall time per decode pass of `batch` rows inside one plan (slot-form plans of 4 and 36 passes after the
+        same prefill; the difference over 32 passes): the passes' device time and per-pass dispatch, without
+        the scheduler and the plans' readback between them."""
+        from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
+
+        walls = []
+        for n, steps in enumerate((4, 36, 4, 36)):
+            items = tuple(PrefillItem(i, np.asarray(prompts[i], np.int32), SamplingParams()) for i in range(batch))
+            t = time.perf_counter()
+            engine.step(StepPlan(1000 + n, prefills=items, decode=True, decode_steps=steps))
+            walls.append(time.perf_counter() - t)
+            engine.step(StepPlan(2000 + n, release=tuple(range(batch))))
+        return 1e3 * (walls[3] - walls[2]) / 32  # the second pair: the first compiles nothing new, but warms
+
     out: dict = {"backend": f"raydeploy engine (JAX {jax.__version__}, attention {attention}, bfloat16, "
                             f"max_slots {slots}, decode_steps {engine.decode_steps}, prefill_chunk {chunk})",
                  "load_s": load_s, "compile_s": sum(compile_s.values()), "programs": len(compile_s), "batches": {}}
+    out["pass_ms"] = {str(b): pass_ms(b) for b in batches if b <= 8}
     for b in batches:
         run(b)  # untimed: first calls after warmup
         outs, ttft, tps, run_tps = run(b)
