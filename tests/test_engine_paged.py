@@ -382,8 +382,9 @@ def test_the_native_kernel_stays_off_where_weights_are_split_or_not_float32(demo
 def test_dp2_prefills_on_the_owning_group_and_matches_transformers(engine, demo_checkpoint, prompt_ids, reference):
     """dp=2: each group prefills and samples its own slots; greedy tokens match transformers, and a sampled
     request with a repetition penalty (its slot's set of seen tokens lives on its group) draws the tokens it
-    draws on one device. The step programs move nothing between the groups but the rows' packed results: no
-    logits, no repetition-penalty sets, no scatter indices."""
+    draws on one device. The step programs move nothing between the groups (no logits, no repetition-penalty
+    sets, no scatter indices, not even the rows' results): one gather per plan brings the passes' packed results
+    together."""
     from raydeploy.compile import collectives
     from raydeploy.engine.step import SamplingParams
 
@@ -392,9 +393,11 @@ def test_dp2_prefills_on_the_owning_group_and_matches_transformers(engine, demo_
     assert dp.pool[0].sharding.spec[1] == "dp"
     for tokens in (1, 2, 16):
         found, _ = collectives(dp.step_hlo(tokens, dp.programs_set.page_buckets[0]))
+        assert found == {}, f"step of {tokens} tokens: collectives {found}"
         rows = dp.groups * dp.programs_set.rows_for(tokens)
+        found, _ = collectives(dp._gather_exe(dp.decode_steps, rows).as_text())
         summary = {kind: (c.count, sorted(c.shapes)) for kind, c in found.items()}
-        assert summary == {"all-gather": (1, [f"f32[2,{rows}]"])}, f"step of {tokens} tokens: collectives {summary}"
+        assert summary == {"all-gather": (1, [f"f32[{dp.decode_steps},2,{rows}]"])}, f"gather of {rows}: {summary}"
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.3, seed=99)
     results = PlanDriver(dp).run([(f"r{i}", ids, NEW_TOKENS, None) for i, ids in enumerate(prompt_ids)]
                                  + [("s", prompt_ids[2], NEW_TOKENS, sampled)], stagger=[0, 2, 5, 6])

@@ -85,6 +85,7 @@ class Engine:
         self._lengths = np.zeros(ps.max_slots, np.int64)  # slot-form plans: tokens in each slot's cache
         self._shardings = ps.input_shardings()
         self._executables: dict[ProgramShape, Any] = {}
+        self._gathers: dict[tuple[int, int], Any] = {}
         self.compile_s: dict[str, float] = {}
         self.programs: dict[str, dict[str, Any]] = {}
 
@@ -171,6 +172,9 @@ class Engine:
         else:
             for shape in shapes:
                 self.executable(shape)
+        ps = self.programs_set
+        for rows in sorted({ps.groups * ps.rows_for(t) for t in ps.token_buckets}):
+            self._gather_exe(self.decode_steps, rows)
         return dict(self.compile_s)
 
     @contextmanager
@@ -277,12 +281,30 @@ class Engine:
                 params, self.pool, self.presence, self.last_tokens, self._device_inputs(host.arrays))
             outs.append(out)
             rows = host.rows
-        packed = np.stack([np.asarray(o) for o in outs])  # [steps, 2, G*R]
+        packed = self._gather(outs)  # [steps, 2, G*R]
         idx = np.asarray(rows)
         toks = packed[:, 0, :].view(np.int32)[:, idx]
         lps = packed[:, 1, :][:, idx]
         sampled = np.asarray([q.sample for q in seqs])
         return np.where(sampled, toks, 0).astype(np.int32), np.where(sampled, lps, 0.0).astype(np.float32)
+
+    def _gather_exe(self, width: int, rows: int) -> Any:
+        """The program that stacks `width` passes' packed results [2, rows] (each sharded over the groups) and
+        replicates them: one gather per plan. Tiny, so not counted among the step programs."""
+        exe = self._gathers.get((width, rows))
+        if exe is None:
+            ps = self.programs_set
+            arg = jax.ShapeDtypeStruct((2, rows), jnp.float32, sharding=ps.sharded_rows)
+            exe = ps.gather_results.lower(*[arg] * width).compile()
+            self._gathers[(width, rows)] = exe
+        return exe
+
+    def _gather(self, outs: list[jax.Array]) -> np.ndarray:
+        """The passes' packed results [steps, 2, G*R] on the host. A plan of fewer passes than `decode_steps` pads
+        the list with its last entry (so one program per row count serves them), cut off here."""
+        width = max(len(outs), self.decode_steps)
+        exe = self._gather_exe(width, outs[0].shape[1])
+        return np.asarray(exe(*outs, *[outs[-1]] * (width - len(outs))))[: len(outs)]
 
     # -- the slot form of a plan
     def _step_slots(self, plan: StepPlan) -> StepResult:

@@ -292,10 +292,16 @@ class ProgramSet:
         dp = _axes_entry(self.dp_axes)
         self.sharded_1d = NamedSharding(mesh, PartitionSpec(dp))
         self.sharded_2d = NamedSharding(mesh, PartitionSpec(dp, None))
-        # the slots' last tokens live on their group's devices, like the slots' pages and repetition-penalty sets
-        outs = (self.pool_sharding, self.presence_sharding, self.sharded_1d, self.replicated)
+        # the slots' last tokens live on their group's devices, like the slots' pages and repetition-penalty sets;
+        # so do a pass's packed results [2, G*R] (rows over dp): the passes of a plan need nothing from another
+        # group, and `gather_results` brings the plan's results together once, not in every pass
+        self.sharded_rows = NamedSharding(mesh, PartitionSpec(None, dp))
+        outs = (self.pool_sharding, self.presence_sharding, self.sharded_1d, self.sharded_rows)
         self.step = jax.jit(self._step_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
         self.step_unrolled = jax.jit(self._step_unrolled_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
+        self.gather_results = jax.jit(lambda *packed: jnp.stack(packed), out_shardings=self.replicated)
+        """The packed results of a plan's passes [steps, 2, G*R], replicated: the one collective between the
+        groups per plan (a dp-only mesh's passes have none)."""
         self.presence_row = jax.jit(lambda presence, slot, row: presence.at[slot].set(row), donate_argnums=(0,),
                                     out_shardings=self.presence_sharding)
 
