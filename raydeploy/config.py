@@ -216,8 +216,8 @@ class EngineConfig(_Section):
     on first use with the machine's C++ compiler for the CPU's vector unit, AVX2 or AVX-512; XLA's dot where none
     is found or the CPU lacks AVX2/FMA) when every weight is replicated over the mesh (dp only): XLA CPU's dot
     takes 1.1-2.2x its time for so few rows; with AVX-512 the kernel also multiplies bfloat16 weights (param_dtype
-    bfloat16, dtype float32) from 1 to 128 rows per device. The decode rows' attention then runs in the native attention kernel
-    too (2.5x faster than XLA's gathers). TPU and GPU: no effect. xla: always XLA."""
+    bfloat16, dtype float32) from 1 to 128 rows per device. The decode rows' attention then runs in the native
+    attention kernel too (2.5x faster than XLA's gathers). TPU and GPU: no effect. xla: always XLA."""
     window_pages: Literal["ring", "all"] = "ring"
     """KV pages of a model's sliding-window layers (Gemma 3's local layers, Mistral's window): ring = each slot
     keeps a ring of pages covering the window plus one step's chunk, in a pool of their own, and the other
