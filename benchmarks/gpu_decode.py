@@ -22,7 +22,13 @@ is tests/test_gpu.py's job).
 
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --out gpu_decode.json
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends hf,pallas --prefill-chunks 256,2048
+    JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends pallas --batches 1,8 --profile /tmp/prof
+    python benchmarks/gpu_decode.py --summarize /tmp/prof/pallas-256/plugins/profile/*/perfetto_trace.json.gz
     JAX_PLATFORMS=cpu python benchmarks/gpu_decode.py --shape tiny --batches 1,4 --new-tokens 16   # a dry run
+
+`--profile` traces one batch-1 plan (a prefill and 36 decode passes) and records, per pass, the device's busy
+time, its device-to-host copies (each a point where the host waits for the device) and the ops with the most
+device time (`profile_b1`); `--summarize` prints the same for a trace made earlier.
 """
 
 from __future__ import annotations
@@ -82,6 +88,36 @@ def make_model(shape: str, dst: Path):
     return model
 
 
+def summarize_trace(path: Path, passes: int, top: int = 12) -> dict:
+    """Device time per op in a profiler's Perfetto trace (`jax.profiler.trace(..., create_perfetto_trace=True)`)
+    of a plan of `passes` decode passes (its prefill pass counted in with them): per pass, the device's busy time, its kernels and copies, and how many copies go
+    to the host (each one a point where the host waits for the device); the `top` ops by device time."""
+    import gzip
+    from collections import defaultdict
+
+    events = json.load(gzip.open(path))["traceEvents"]
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and "/device:" in e["args"]["name"]}
+    ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") != "X" or e["pid"] not in devices:
+            continue
+        a = e.get("args", {})
+        name = e["name"] if not e["name"].startswith("Memcpy") else f"{e['name']} ({a.get('hlo_op', '?')})"
+        ops[name][0] += 1
+        ops[name][1] += e["dur"]
+    if not ops:
+        return {"device_events": 0}
+    busy = sum(v[1] for v in ops.values())
+    per_pass = {"busy_ms": busy / passes / 1e3,
+                "to_host_copies": sum(v[0] for k, v in ops.items() if k.startswith("MemcpyD2H")) / passes,
+                "device_copy_ms": sum(v[1] for k, v in ops.items() if k.startswith("MemcpyD2D")) / passes / 1e3}
+    ranked = sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"passes": passes, "per_pass": per_pass,
+            "top_ops": [{"op": k, "calls_per_pass": v[0] / passes, "ms_per_pass": v[1] / passes / 1e3}
+                        for k, v in ranked]}
+
+
 def bench_hf(model, prompts: list[list[int]], batches: list[int], new_tokens: int) -> dict:
     import torch
 
@@ -113,7 +149,7 @@ def bench_hf(model, prompts: list[list[int]], batches: list[int], new_tokens: in
 
 
 def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]], batches: list[int],
-               new_tokens: int) -> dict:
+               new_tokens: int, profile: Path | None = None) -> dict:
     import jax
     import numpy as np
 
@@ -175,6 +211,15 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
                             f"max_slots {slots}, decode_steps {engine.decode_steps}, prefill_chunk {chunk})",
                  "load_s": load_s, "compile_s": sum(compile_s.values()), "programs": len(compile_s), "batches": {}}
     out["pass_ms"] = {str(b): pass_ms(b) for b in batches if b <= 8}
+    if profile is not None:  # one batch-1 plan of 36 passes under the profiler: per-kernel device times
+        from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
+
+        item = PrefillItem(0, np.asarray(prompts[0], np.int32), SamplingParams())
+        where = profile / f"{attention}-{chunk}"
+        with jax.profiler.trace(str(where), create_perfetto_trace=True):
+            engine.step(StepPlan(3000, prefills=(item,), decode=True, decode_steps=36))
+        engine.step(StepPlan(3001, release=(0,)))
+        out["profile_b1"] = summarize_trace(next(where.rglob("perfetto_trace.json.gz")), 36)
     for b in batches:
         run(b)  # untimed: first calls after warmup
         outs, ttft, tps, run_tps = run(b)
@@ -193,7 +238,15 @@ def main() -> int:
                                                              "our backends runs once per value")
     ap.add_argument("--backends", default="hf,pallas,xla", help="comma-separated: hf, pallas, xla")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_decode.json")
+    ap.add_argument("--profile", type=Path, default=None, help="a folder: trace one batch-1 plan (a prefill and "
+                    "36 decode passes) per engine backend there (jax.profiler, with a Perfetto trace), and record "
+                    "the device time per op in the results (`profile_b1`)")
+    ap.add_argument("--summarize", type=Path, default=None, help="only summarise this Perfetto trace of one "
+                    "batch-1 plan (as --profile writes) and print it")
     args = ap.parse_args()
+    if args.summarize is not None:
+        print(json.dumps(summarize_trace(args.summarize, 36), indent=1))
+        return 0
     batches = [int(b) for b in args.batches.split(",")]
     backends = args.backends.split(",")
     unknown = set(backends) - {"hf", "pallas", "xla"}
@@ -226,7 +279,7 @@ def main() -> int:
         for attention in [b for b in backends if b != "hf"]:
             for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
                 result["results"].append(bench_ours(Path(tmp) / "ckpt", attention, chunk, prompts, batches,
-                                                    args.new_tokens))
+                                                    args.new_tokens, args.profile))
             print(json.dumps({k: v for k, v in result["results"][-1].items() if k != "greedy_tokens"}), flush=True)
     ref = next((r for r in result["results"] if r["backend"].startswith("transformers")), None)
     for r in result["results"]:

@@ -24,6 +24,7 @@ import pytest
 from raydeploy.engine import attention
 from raydeploy.engine.attention import pallas_gpu, pallas_tpu, xla
 from tests.conftest import REPO
+from tests.jaxpr_walk import primitives
 
 SCALE = 0.125
 
@@ -209,6 +210,26 @@ def test_pallas_gpu_interpret_decode_kernel_matches_xla():
     assert_matches(out2, ref, args, atol=1e-4)
 
 
+def test_pallas_gpu_single_token_attention_matches_xla():
+    """The engine's single-token path on GPU (chosen once per step by the program, no cond of its own): the
+    kernel on a decode step; the XLA path where the kernel cannot serve the shapes (a sliding window, a table
+    too small for one 16-token compute block)."""
+    args = make_step(**DECODE, q_heads=8, seed=4)
+    ref = xla.ragged_paged_attention(*args, sm_scale=SCALE, soft_cap=4.0)
+    out = pallas_gpu.single_token_attention(*args, sm_scale=SCALE, soft_cap=4.0, interpret=True)
+    assert_matches(out, ref, args, atol=1e-4)
+    jaxpr = jax.make_jaxpr(lambda *a: pallas_gpu.single_token_attention(*a, sm_scale=SCALE, interpret=True))(*args)
+    names = primitives(jaxpr.jaxpr)
+    assert "pallas_call" in names and "cond" not in names
+    ref_w = xla.ragged_paged_attention(*args, sm_scale=SCALE, sliding_window=3)
+    out_w = pallas_gpu.single_token_attention(*args, sm_scale=SCALE, sliding_window=3, interpret=True)
+    assert_matches(out_w, ref_w, args)
+    small = make_step(q_lens=[1, 1], kv_lens=[7, 3], rows=3, tokens=3, page_size=2, pages_per_seq=4, num_pages=16,
+                      seed=5)
+    assert_matches(pallas_gpu.single_token_attention(*small, sm_scale=SCALE, interpret=True),
+                   xla.ragged_paged_attention(*small, sm_scale=SCALE), small)
+
+
 def test_pallas_gpu_mixed_step_takes_xla_path():
     args = make_step(**MIXED, seed=6)
     ref = xla.dense_reference(*args[:5], int(args[5][0]), sm_scale=SCALE)
@@ -262,6 +283,17 @@ def test_get_backend_choices():
     assert attention.get_backend("auto", "tpu") is pallas_tpu.ragged_paged_attention
     assert attention.get_backend("pallas", "gpu") is pallas_gpu.ragged_paged_attention
     assert attention.get_backend("auto", "cuda") is pallas_gpu.ragged_paged_attention
+
+
+def test_get_attention_choices():
+    """Only the GPU's pallas backend has a separate single-token path; every other choice is one function."""
+    gpu = attention.get_attention("auto", "cuda")
+    assert gpu.ragged is xla.ragged_paged_attention and gpu.single_token is pallas_gpu.single_token_attention
+    assert attention.get_attention("xla", "gpu") == attention.Attention(xla.ragged_paged_attention)
+    assert attention.get_attention("auto", "tpu") == attention.Attention(pallas_tpu.ragged_paged_attention)
+    assert attention.get_attention("auto", "cpu") == attention.Attention(xla.ragged_paged_attention)
+    with pytest.raises(ValueError, match="'pallas' needs a TPU or GPU platform"):
+        attention.get_attention("pallas", "cpu")
 
 
 def test_get_backend_bad_names():

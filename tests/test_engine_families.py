@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from tests.jaxpr_walk import primitives, walk  # noqa: E402
 from tests.test_families import MOE, PROMPT, STEPS, TINY, _hf_greedy, _hf_model  # noqa: E402
 
 # A Mistral config whose window (4 tokens) every layer applies: the Llama family's own sliding_window.
@@ -69,7 +70,9 @@ def converted(request, tmp_path_factory) -> dict[str, Any]:
 
 
 def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring", page_size: int = 8,
-            attention: str = "auto") -> Any:
+            attention: str = "auto", backends: Any = None) -> Any:
+    """An engine over the converted checkpoint; `backends`: attention functions to use instead of those that
+    `attention` names (`Attention` or one function)."""
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
     from raydeploy.engine.engine import Engine
@@ -84,7 +87,7 @@ def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring", p
     params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
     engine_cfg = EngineConfig(max_slots=2, page_size=page_size, prefill_chunk=16, decode_steps=4,
                               compilation_cache_dir=None, warmup=False, window_pages=window_pages, attention=attention)
-    return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg)
+    return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg, backends)
 
 
 def _engine_greedy(engine: Any) -> tuple[list[int], list[float]]:
@@ -296,3 +299,49 @@ def test_sliding_window_layers_keep_rings_through_the_scheduler(kind, tmp_path):
     assert cfg.engine.prefix_caching
     assert not Scheduler.for_engine(ring, cfg).paging.prefix_caching
     assert Scheduler.for_engine(full, cfg).paging.prefix_caching
+
+
+# -- the GPU's two attention paths, chosen once per step ------------------------------------------------------
+
+
+def _step_jaxpr(engine: Any) -> Any:
+    """The smallest step program whose layers run in a loop, as on a GPU (CPU unrolls its one-token programs)."""
+    ps = engine.programs_set
+    fn, args = ps.abstract_args(next(s for s in ps.shapes() if s.kind == "step" and not ps.unrolled(s)))
+    with jax.set_mesh(engine.mesh):
+        return jax.make_jaxpr(fn)(*args).jaxpr
+
+
+def test_single_token_attention_is_chosen_once_per_step(tmp_path_factory):
+    """The GPU's attention (`get_attention("pallas", "gpu")`: the XLA path for any step, jax's Pallas GPU decode
+    kernel for steps whose live sequences all carry one token), here with the kernel in Pallas interpret mode on
+    CPU. The step program chooses between the two once per step, on the host's `StepInputs.single_token`, with
+    one cond around the layer scan: on a GPU a cond reads its predicate back to the host, and the backend's own
+    per-call cond inside the scan did so in every layer (an H100 profile: 16 host-device synchronisations a
+    pass). The engine still gives transformers' greedy tokens and logprobs: the prompt through the XLA path, the
+    31 decode passes through the kernel."""
+    from functools import partial
+
+    from raydeploy.engine.attention import Attention, get_attention, pallas_gpu, xla
+
+    gpu = get_attention("pallas", "gpu")
+    assert gpu.ragged is xla.ragged_paged_attention and gpu.single_token is pallas_gpu.single_token_attention
+    case = _convert("qwen3", tmp_path_factory.mktemp("engine-single-token"))
+    both = Attention(xla.ragged_paged_attention, partial(pallas_gpu.single_token_attention, interpret=True))
+    engine = _engine(case["ckpt"], {"tp": 1}, backends=both)
+    _check(engine, case)
+
+    jaxpr = _step_jaxpr(engine)
+    eqns = walk(jaxpr)
+    assert not [e for e, in_loop in eqns if e.primitive.name == "cond" and in_loop]
+    choices = [e for e, _ in eqns if e.primitive.name == "cond"
+               and any("pallas_call" in primitives(b.jaxpr) for b in e.params["branches"])]
+    assert len(choices) == 1
+    mixed, single = choices[0].params["branches"]  # lax.cond's branches: (false, true)
+    assert "pallas_call" not in primitives(mixed.jaxpr)
+    assert all("scan" in primitives(b.jaxpr) for b in (mixed, single))  # the layer loop is inside
+
+    # the backend's own per-call choice (one function for any step) puts a cond in every layer: what the walk
+    # above would have found before
+    per_call = _engine(case["ckpt"], {"tp": 1}, backends=partial(pallas_gpu.ragged_paged_attention, interpret=True))
+    assert [e for e, in_loop in walk(_step_jaxpr(per_call)) if e.primitive.name == "cond" and in_loop]

@@ -33,6 +33,7 @@ import numpy as np
 
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
+from raydeploy.engine.attention import Attention
 from raydeploy.engine.kv_cache import PageTables, StepInputs, allocate_pool, build_inputs
 from raydeploy.engine.programs import MIXED_STEP_CAP_PLATFORMS, ProgramSet, ProgramShape
 from raydeploy.engine.step import SeqStep, StepPlan, StepResult
@@ -55,7 +56,7 @@ class Engine:
 
     def __init__(self, family: Family, cfg: Any, params: Mapping[str, jax.Array], mesh: jax.sharding.Mesh,
                  rules: Mapping[str, Any], model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                 attention: AttentionFn | None = None) -> None:
+                 attention: AttentionFn | Attention | None = None) -> None:
         """`family` and its parsed `cfg` (`raydeploy.model.registry.from_hf_config`); `params` named as the
         family's `param_specs` (a checkpoint's per-layer tensors, already placed on `mesh`)."""
         if not compile_cache.configured():  # a gang host configured it for its platform before joining

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.config import EngineConfig, ModelConfig
+from raydeploy.engine.attention import Attention
 from raydeploy.engine.kv_cache import (
     FIELD_LAYOUT,
     PoolLayout,
@@ -203,10 +204,10 @@ def _axes_entry(axes: Sequence[str]) -> Any:
     return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
 
 
-def default_attention(name: str, platform: str) -> AttentionFn:
-    from raydeploy.engine.attention import get_backend
+def default_attention(name: str, platform: str) -> Attention:
+    from raydeploy.engine.attention import get_attention
 
-    return get_backend(name, platform)
+    return get_attention(name, platform)
 
 
 class ProgramSet:
@@ -216,7 +217,8 @@ class ProgramSet:
     the family's own sharding rules (the configured rules win), so every family runs the same programs."""
 
     def __init__(self, family: Family, cfg: Any, mesh: jax.sharding.Mesh, rules: dict[str, Any],
-                 model_cfg: ModelConfig, engine_cfg: EngineConfig, attention: AttentionFn | None = None) -> None:
+                 model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                 attention: AttentionFn | Attention | None = None) -> None:
         self.family = family
         self.cfg = cfg
         self.mesh = mesh
@@ -286,7 +288,9 @@ class ProgramSet:
 
         self.page_buckets = (default_page_buckets(self.max_pages_per_seq, self.page_size)
                              if work_follows_table(engine_cfg.attention, platform) else [self.max_pages_per_seq])
-        self.attention = attention or default_attention(engine_cfg.attention, platform)
+        if attention is None:
+            attention = default_attention(engine_cfg.attention, platform)
+        self.attention = attention if isinstance(attention, Attention) else Attention(attention)
         # a family with another score scale applies it to q (Gemma 3's query_pre_attn_scalar)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
         dp = _axes_entry(self.dp_axes)
@@ -425,7 +429,7 @@ class ProgramSet:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=(dp,) * sharded + (PartitionSpec(),) * replicated,
                              out_specs=dp, axis_names=frozenset(self.dp_axes), check_vma=False)
 
-    def _attend(self, inp: StepInputs) -> Callable[..., Any]:
+    def _attend(self, inp: StepInputs, attention: AttentionFn) -> Callable[..., Any]:
         """The per-layer attention of the ragged forward. The pool is carried through the layer scan: each layer
         writes this step's new K/V into its own pages of the pool (in place: the pool is donated and XLA updates
         a carried buffer without copying it), then the backend reads the pool whole, [layers * pages, ...],
@@ -449,7 +453,7 @@ class ProgramSet:
                 offset = jnp.concatenate([offset, offset])
                 kv = jnp.concatenate([kv, kv])
             flat = flat.at[dest, offset].set(kv, mode="drop")
-            out = self.attention(q, flat, kv_lens, page_indices + base, cu_q_lens, num_seqs,
+            out = attention(q, flat, kv_lens, page_indices + base, cu_q_lens, num_seqs,
                                  sm_scale=self.sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
             return out, flat.reshape(pool.shape)
 
@@ -503,7 +507,17 @@ class ProgramSet:
         t = inp.tokens.shape[0] // g
         r = inp.kv_lens.shape[0] // g
         tokens = self._per_group(_last_token_inputs, 3)(last_tokens, inp.from_last, inp.tokens)
-        h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp), self.shard, cache=pool)
+
+        def forward(attention: AttentionFn, pool: Any) -> tuple[jax.Array, Any]:
+            h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool)
+            return h, pool
+
+        single = self.attention.single_token
+        if single is None:
+            h, pool = forward(self.attention.ragged, pool)
+        else:  # one choice per step, outside the layer scan (`attention.Attention`)
+            h, pool = jax.lax.cond(inp.single_token, partial(forward, single), partial(forward, self.attention.ragged),
+                                   pool)
         hg = h.reshape(g, t, h.shape[-1])
         last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices

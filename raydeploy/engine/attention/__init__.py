@@ -16,12 +16,20 @@ writes this step's K/V into the pages before it calls the backend, and calls it 
   (`pallas_gpu.py`).
 - `auto`: `pallas` on TPU and GPU, `xla` on CPU.
 
+`get_attention(name, platform)` gives the engine both paths of a backend (`Attention`): `ragged` for any step,
+and, where a faster kernel serves only steps whose live sequences all carry one token (the GPU's), that kernel
+as `single_token`. The step program then picks one of the two once per step, on a flag the host sets
+(`StepInputs.single_token`), not once per layer on the step's data: on a GPU a `lax.cond` reads its predicate
+back to the host, so a choice in every layer synchronised the host with the device 16 times a pass (a Llama-1B
+shape, measured in a profile on an H100).
+
 `work_follows_table(name, platform)` says whether a backend's cost grows with the page table's width rather
 than with the live tokens: only then does the engine compile several page-count buckets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import jax
@@ -68,6 +76,28 @@ def get_backend(name: str, platform: str) -> AttentionBackend:
     from raydeploy.engine.attention import pallas_gpu
 
     return pallas_gpu.ragged_paged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """An engine's attention: `ragged` serves any step; `single_token`, where set, serves steps in which every
+    live sequence carries one token (every decode pass), faster, and the step program chooses between them once
+    per step."""
+
+    ragged: AttentionBackend
+    single_token: AttentionBackend | None = None
+
+
+def get_attention(name: str, platform: str) -> Attention:
+    """Both paths of backend `name` on `platform` (see `Attention`): on GPU, `pallas` is the XLA path for steps
+    with prompt tokens and jax's Pallas GPU decode kernel for single-token steps; elsewhere one function
+    (`get_backend`'s) serves every step."""
+    backend, plat = resolve(name, platform)
+    if backend == "pallas" and plat == "gpu":
+        from raydeploy.engine.attention import pallas_gpu, xla
+
+        return Attention(xla.ragged_paged_attention, pallas_gpu.single_token_attention)
+    return Attention(get_backend(name, platform))
 
 
 def work_follows_table(name: str, platform: str) -> bool:

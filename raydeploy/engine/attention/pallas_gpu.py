@@ -4,9 +4,12 @@ jax's GPU kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton) is 
 per sequence attending to all of its `lengths` cached tokens, with soft cap but without a sliding window. A
 step whose live sequences all carry one token (every decode step) runs it: a sequence's single token sits at
 position kv_len - 1, so "all cached tokens" is exactly its causal window. A step with a prefill chunk in it
-(any live sequence with more than one token) runs `xla.ragged_paged_attention` instead; the choice is a
-`lax.cond` on the step's data, so one compiled program serves both. A sliding window always takes the XLA path,
-and so does a page table too small for one compute block of 16 tokens (Triton's dot needs 16 on each side).
+(any live sequence with more than one token) runs `xla.ragged_paged_attention` instead. `ragged_paged_attention` chooses with a `lax.cond` on the step's
+data, so one function serves any step. The engine does not call it: on a GPU a `lax.cond` reads its predicate
+back to the host, and inside the layer scan that was a host-device synchronisation per layer. The engine takes
+`single_token_attention` and the XLA path apart (`attention.get_attention`) and chooses once per step. A
+sliding window always takes the XLA path, and so does a page table too small for one compute block of 16
+tokens (Triton's dot needs 16 on each side).
 
 Layout. The kernel wants K and V apart and head-major, [Hkv, pages, page_size, D], and reads pages through
 its own block tables; the pool is [P, page_size, 2*Hkv, D] with K and V interleaved. The wrapper gathers the
@@ -99,7 +102,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     def mixed(*a: Any) -> jax.Array:
         return xla.ragged_paged_attention(*a, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
-    if sliding_window is not None or split_sizes(page_indices.shape[1], kv_pages.shape[1]) is None:
+    if not kernel_applies(kv_pages, page_indices, sliding_window):
         return mixed(*args)
 
     def decode(*a: Any) -> jax.Array:
@@ -109,3 +112,25 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     live = jnp.arange(s, dtype=jnp.int32) < num_seqs[0]
     longest = jnp.max(jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0))
     return jax.lax.cond(longest <= 1, decode, mixed, *args)
+
+
+def single_token_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+                           cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           interpret: bool = False) -> jax.Array:
+    """The contract's attention for a step whose every live sequence carries one token, the caller's promise
+    (the engine's `StepInputs.single_token`): the kernel, with no choice on the step's data, or the XLA path
+    where the kernel does not apply (a sliding window, a table too small for one compute block)."""
+    xla.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    xla.check_options(sliding_window, soft_cap)
+    if not kernel_applies(kv_pages, page_indices, sliding_window):
+        return xla.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return decode_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                            soft_cap=soft_cap, interpret=interpret)
+
+
+def kernel_applies(kv_pages: jax.Array, page_indices: jax.Array, sliding_window: int | None) -> bool:
+    """Whether the kernel can serve these static shapes: no sliding window, and a table wide enough for one
+    compute block (`split_sizes`)."""
+    return sliding_window is None and split_sizes(page_indices.shape[1], kv_pages.shape[1]) is not None
