@@ -304,22 +304,28 @@ def test_sliding_window_layers_keep_rings_through_the_scheduler(kind, tmp_path):
 # -- the GPU's two attention paths, chosen once per step ------------------------------------------------------
 
 
-def _step_jaxpr(engine: Any) -> Any:
+def _step_jaxpr(engine: Any, single_token: bool) -> Any:
     """The smallest step program whose layers run in a loop, as on a GPU (CPU unrolls its one-token programs)."""
     ps = engine.programs_set
-    fn, args = ps.abstract_args(next(s for s in ps.shapes() if s.kind == "step" and not ps.unrolled(s)))
+    shape = next(s for s in ps.shapes() if s.kind == "step" and not ps.unrolled(s) and s.single_token == single_token)
+    fn, args = ps.abstract_args(shape)
     with jax.set_mesh(engine.mesh):
         return jax.make_jaxpr(fn)(*args).jaxpr
 
 
-def test_single_token_attention_is_chosen_once_per_step(tmp_path_factory):
+def _conds_in_loops(jaxpr: Any) -> list[Any]:
+    return [e for e, in_loop in walk(jaxpr) if e.primitive.name == "cond" and in_loop]
+
+
+def test_single_token_programs_take_the_kernel_without_a_choice_on_data(tmp_path_factory):
     """The GPU's attention (`get_attention("pallas", "gpu")`: the XLA path for any step, jax's Pallas GPU decode
     kernel for steps whose live sequences all carry one token), here with the kernel in Pallas interpret mode on
-    CPU. The step program chooses between the two once per step, on the host's `StepInputs.single_token`, with
-    one cond around the layer scan: on a GPU a cond reads its predicate back to the host, and the backend's own
-    per-call cond inside the scan did so in every layer (an H100 profile: 16 host-device synchronisations a
-    pass). The engine still gives transformers' greedy tokens and logprobs: the prompt through the XLA path, the
-    31 decode passes through the kernel."""
+    CPU. The decode-sized step programs get a single-token variant that calls the kernel, the engine picks it
+    on the host, and no program chooses on its data: on a GPU a cond reads its predicate back to the host, and
+    the backend's own per-call cond inside the layer scan did so in every layer (an H100 profile: 16 host-device
+    synchronisations a pass). The engine still gives transformers' greedy tokens and logprobs (the prompt
+    through the XLA path, the 31 decode passes through the kernel), and no compiled program copies the KV pool
+    (one cond around the whole layer scan, the first way tried, copied it two or three times a step)."""
     from functools import partial
 
     from raydeploy.engine.attention import Attention, get_attention, pallas_gpu, xla
@@ -329,19 +335,26 @@ def test_single_token_attention_is_chosen_once_per_step(tmp_path_factory):
     case = _convert("qwen3", tmp_path_factory.mktemp("engine-single-token"))
     both = Attention(xla.ragged_paged_attention, partial(pallas_gpu.single_token_attention, interpret=True))
     engine = _engine(case["ckpt"], {"tp": 1}, backends=both)
+    ps = engine.programs_set
+    singles = [s for s in ps.shapes() if s.single_token]
+    assert singles and all(s.tokens <= ps.slots_per_group and s.name.endswith("_single") for s in singles)
     _check(engine, case)
+    ran = {name for name in engine.programs}
+    assert any(name.endswith("_single") for name in ran) and any(not name.endswith("_single") for name in ran)
 
-    jaxpr = _step_jaxpr(engine)
-    eqns = walk(jaxpr)
-    assert not [e for e, in_loop in eqns if e.primitive.name == "cond" and in_loop]
-    choices = [e for e, _ in eqns if e.primitive.name == "cond"
-               and any("pallas_call" in primitives(b.jaxpr) for b in e.params["branches"])]
-    assert len(choices) == 1
-    mixed, single = choices[0].params["branches"]  # lax.cond's branches: (false, true)
-    assert "pallas_call" not in primitives(mixed.jaxpr)
-    assert all("scan" in primitives(b.jaxpr) for b in (mixed, single))  # the layer loop is inside
+    for single_token in (False, True):
+        jaxpr = _step_jaxpr(engine, single_token)
+        assert ("pallas_call" in primitives(jaxpr)) == single_token
+        assert "scan" in primitives(jaxpr) and not _conds_in_loops(jaxpr)
+    pool = "f32[" + ",".join(map(str, ps.pool_shapes[0])) + "]"
+    for shape in [s for s in ps.shapes() if s.kind == "step"]:
+        with jax.set_mesh(engine.mesh):
+            hlo = ps.lower(shape).compile().as_text()
+        copies = [ln.strip()[:120] for ln in hlo.splitlines() if " copy(" in ln and pool in ln.split("=", 1)[1][:60]]
+        assert not copies, (shape.name, copies)
 
-    # the backend's own per-call choice (one function for any step) puts a cond in every layer: what the walk
-    # above would have found before
+    # the backend's own per-call choice (one function for any step) puts a cond in every layer: what the check
+    # above would find
     per_call = _engine(case["ckpt"], {"tp": 1}, backends=partial(pallas_gpu.ragged_paged_attention, interpret=True))
-    assert [e for e, in_loop in walk(_step_jaxpr(per_call)) if e.primitive.name == "cond" and in_loop]
+    assert not [s for s in per_call.programs_set.shapes() if s.single_token]
+    assert _conds_in_loops(_step_jaxpr(per_call, False))

@@ -142,24 +142,6 @@ def test_step_inputs_say_whether_any_row_samples_or_filters():
         assert got == want, (params, got)
 
 
-def test_step_inputs_say_whether_every_sequence_carries_one_token():
-    """The attention's single-token path (the GPU's decode kernel) serves a step only when the host says every
-    live sequence carries one token: decode rows, or a prompt's last single token; never beside a longer chunk."""
-    from raydeploy.engine.kv_cache import PageTables, build_inputs
-    from raydeploy.engine.step import SeqStep
-
-    decode = np.zeros(0, np.int32)
-    cases = [([decode, decode], True), ([decode, np.asarray([5], np.int32)], True),
-             ([decode, np.arange(3, dtype=np.int32)], False), ([np.arange(2, dtype=np.int32)], False), ([], True)]
-    for tokens, want in cases:
-        tables = PageTables(2, 1, 4, 8)
-        for slot in range(2):
-            tables.sampling[slot] = SamplingParams()
-        seqs = [SeqStep(s, t, 4 if t.size == 0 else 0, True) for s, t in enumerate(tokens)]
-        host = build_inputs(seqs, tables, 8, 8, 2, 4)
-        assert bool(host.arrays["single_token"]) is want, [t.size for t in tokens]
-
-
 def _sorted_reference_mask(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     """Hugging Face's order with a full sort: top-k, then the smallest prefix of the renormalised top-k
     distribution whose mass reaches top_p (ties at either threshold kept)."""

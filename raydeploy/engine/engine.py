@@ -271,7 +271,7 @@ class Engine:
             longest = max(longest, q.start + q.num_tokens + steps - 1)
         tokens = ps.token_buckets[bisect.bisect_left(ps.token_buckets, int(per_group.max()))]
         pages = ps.page_buckets[bisect.bisect_left(ps.page_buckets, -(-longest // ps.page_size))]
-        shape = ProgramShape("step", tokens, pages)
+        shape = ps.program_for(tokens, pages, all(q.num_tokens == 1 for q in seqs))
         exe = self.executable(shape)
         params = (self._param_leaves, self._layer_views) if ps.unrolled(shape) else self._param_leaves
         outs, rows = [], []

@@ -181,8 +181,6 @@ class StepInputs:
     reset: jax.Array           # bool[max_slots] slots whose repetition-penalty set starts over this step
     any_sampled: jax.Array     # bool[] some row samples with temperature > 0
     any_filtered: jax.Array    # bool[] some sampling row has a top-k or a top-p
-    single_token: jax.Array    # bool[] every live sequence carries one token (a decode pass): the attention's
-    #                            single-token path serves the whole step (`attention.Attention`)
 
 
 # Leading-axis layout of each field: "tokens" = [G*T], "rows" = [G*R...], "groups" = [G], "replicated".
@@ -193,7 +191,6 @@ FIELD_LAYOUT = {
     "logit_index": "rows", "row_slot": "rows", "temperature": "rows", "top_p": "rows", "top_k": "rows",
     "repetition_penalty": "rows", "seed": "rows", "sample_position": "rows",
     "reset": "replicated", "any_sampled": "replicated", "any_filtered": "replicated",
-    "single_token": "replicated",
 }
 
 
@@ -213,7 +210,6 @@ def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: 
     out["reset"] = ((max_slots,), np.dtype(bool))
     out["any_sampled"] = ((), np.dtype(bool))
     out["any_filtered"] = ((), np.dtype(bool))
-    out["single_token"] = ((), np.dtype(bool))
     return out
 
 
@@ -249,14 +245,12 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     fill_r = np.zeros(g_n, np.int64)
     out_rows = []
     any_sampled = any_filtered = False
-    single_token = True
     for q in seqs:
         g = q.slot // spg
         r, t0 = int(fill_r[g]), int(fill_t[g])
         toks = np.asarray(q.tokens, np.int32).reshape(-1)
         decode = toks.size == 0
         n = 1 if decode else toks.size
-        single_token &= n == 1
         start = q.start + step
         pos = np.arange(start, start + n)
         sl = slice(g * t_n + t0, g * t_n + t0 + n)
@@ -301,5 +295,4 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     a["reset"][list(reset)] = True
     a["any_sampled"] = np.asarray(any_sampled)
     a["any_filtered"] = np.asarray(any_filtered)
-    a["single_token"] = np.asarray(single_token)
     return HostStep(a, out_rows)

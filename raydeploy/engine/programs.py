@@ -14,6 +14,11 @@ engine's programs:
   quarter of it, and on CPU every power of two between), P the page table's width:
   max_seq_len's pages, or page buckets (from 256 tokens up by 8x) for a backend whose work follows the
   table's width rather than the live tokens (`attention.work_follows_table`: the GPU one).
+- `step_{T}x{P}_single`: the same step for a pass in which every live sequence carries one token (every decode
+  pass), compiled only where the attention has a separate single-token path (`attention.Attention`: the GPU's
+  Pallas decode kernel; the `step` programs there take the XLA path). The engine picks it on the host, so no
+  program chooses on its data: on a GPU a `lax.cond` copies its predicate to the host and waits, and the
+  choice made once around the layer scan instead made XLA copy the carried pool (measured on CPU).
 - `presence_row`: sets one slot's repetition-penalty token set from the host (a request that starts on reused
   prefix pages).
 
@@ -188,10 +193,13 @@ class ProgramShape:
     kind: str  # step | presence
     tokens: int = 0
     pages: int = 0
+    single_token: bool = False  # every live sequence carries one token: the attention's single-token path
 
     @property
     def name(self) -> str:
-        return f"step_{self.tokens}x{self.pages}" if self.kind == "step" else "presence_row"
+        if self.kind != "step":
+            return "presence_row"
+        return f"step_{self.tokens}x{self.pages}" + ("_single" if self.single_token else "")
 
 
 def _interleave(k: jax.Array, v: jax.Array) -> jax.Array:
@@ -303,6 +311,10 @@ class ProgramSet:
         outs = (self.pool_sharding, self.presence_sharding, self.sharded_1d, self.sharded_rows)
         self.step = jax.jit(self._step_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
         self.step_unrolled = jax.jit(self._step_unrolled_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
+        single = partial(self._step_fn, single_token=True)
+        self.step_single = jax.jit(single, donate_argnums=(1, 2, 3), out_shardings=outs)
+        self.step_unrolled_single = jax.jit(partial(self._step_unrolled_fn, single_token=True),
+                                            donate_argnums=(1, 2, 3), out_shardings=outs)
         self.gather_results = jax.jit(lambda *packed: jnp.stack(packed), out_shardings=self.replicated)
         """The packed results of a plan's passes [steps, 2, G*R], replicated: the one collective between the
         groups per plan (a dp-only mesh's passes have none)."""
@@ -329,8 +341,25 @@ class ProgramSet:
     # -- the list of programs
     def shapes(self) -> list[ProgramShape]:
         """Every program bring-up compiles, in warmup order."""
-        return ([ProgramShape("step", t, p) for t in self.token_buckets for p in self.page_buckets]
+        single = self.single_token_buckets
+        # a pass of one token per group is always single-token: no general program for that bucket then
+        general = [t for t in self.token_buckets if not (t == 1 and t in single)]
+        return ([ProgramShape("step", t, p) for t in general for p in self.page_buckets]
+                + [ProgramShape("step", t, p, True) for t in single for p in self.page_buckets]
                 + [ProgramShape("presence")])
+
+    @property
+    def single_token_buckets(self) -> list[int]:
+        """Token buckets that get a single-token variant: those a decode pass can take (at most one token per
+        slot of a group), where the attention has a single-token path; else none."""
+        if self.attention.single_token is None:
+            return []
+        return [t for t in self.token_buckets if t <= self.slots_per_group]
+
+    def program_for(self, tokens: int, pages: int, single_token: bool) -> ProgramShape:
+        """The step program for a pass of `tokens` places and `pages` table width (both already bucketed);
+        `single_token`: every live sequence carries one token."""
+        return ProgramShape("step", tokens, pages, single_token and tokens in self.single_token_buckets)
 
     def rows_for(self, tokens: int) -> int:
         """Sequence rows per group of a program with `tokens` places: no more rows than tokens or slots."""
@@ -374,8 +403,9 @@ class ProgramSet:
             per_layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=_layer_sharding(x.sharding))
                          for x in (params[i] for i in self.layer_leaves)]
             n = params[self.layer_leaves[0]].shape[0]
-            return self.step_unrolled, ((params, [per_layer] * n), pool, presence, last, inputs)
-        return self.step, (params, pool, presence, last, inputs)
+            fn = self.step_unrolled_single if shape.single_token else self.step_unrolled
+            return fn, ((params, [per_layer] * n), pool, presence, last, inputs)
+        return (self.step_single if shape.single_token else self.step), (params, pool, presence, last, inputs)
 
     def layer_views(self, leaves: Sequence[jax.Array]) -> list[list[jax.Array]] | None:
         """Per layer, its slice of every stacked layer parameter as an array over the same memory (the
@@ -486,20 +516,24 @@ class ProgramSet:
 
         return attend
 
-    def _step_unrolled_fn(self, params, pool, presence, last_tokens, inp: StepInputs):
+    def _step_unrolled_fn(self, params, pool, presence, last_tokens, inp: StepInputs, single_token: bool = False):
         """`_step_fn` with the layers unrolled: params are (leaves, per layer its slices of the stacked layer
         leaves, in `layer_leaves` order); the stacked ones go unread."""
         leaves, per_layer = params
-        return self._step_fn(leaves, pool, presence, last_tokens, inp, per_layer)
+        return self._step_fn(leaves, pool, presence, last_tokens, inp, per_layer, single_token)
 
-    def _step_fn(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer=None):
+    def _step_fn(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer=None,
+                 single_token: bool = False):
         """One ragged step. Returns the pool, the repetition-penalty sets, the slots' last tokens and the packed
         results [2, G*R] (token bits, logprob) of every row. `per_layer`: each layer's own arrays, run unrolled
-        (`unroll_layers`) instead of scanning the stacked ones."""
+        (`unroll_layers`) instead of scanning the stacked ones. `single_token`: every live sequence carries one
+        token (the caller's promise), so the attention's single-token path serves the step."""
+        attention = self.attention.single_token if single_token else None
         with (native.rows_over(self.mesh, self.dp_axes) if self.native_matmul is None else contextlib.nullcontext()):
-            return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer)
+            return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer,
+                                   attention or self.attention.ragged)
 
-    def _step_body(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer=None):
+    def _step_body(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer, attention: AttentionFn):
         model = self.model(leaves)
         if per_layer is not None:
             unroll_layers(model.layers, per_layer)
@@ -507,17 +541,7 @@ class ProgramSet:
         t = inp.tokens.shape[0] // g
         r = inp.kv_lens.shape[0] // g
         tokens = self._per_group(_last_token_inputs, 3)(last_tokens, inp.from_last, inp.tokens)
-
-        def forward(attention: AttentionFn, pool: Any) -> tuple[jax.Array, Any]:
-            h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool)
-            return h, pool
-
-        single = self.attention.single_token
-        if single is None:
-            h, pool = forward(self.attention.ragged, pool)
-        else:  # one choice per step, outside the layer scan (`attention.Attention`)
-            h, pool = jax.lax.cond(inp.single_token, partial(forward, single), partial(forward, self.attention.ragged),
-                                   pool)
+        h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool)
         hg = h.reshape(g, t, h.shape[-1])
         last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices

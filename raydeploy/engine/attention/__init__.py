@@ -18,10 +18,10 @@ writes this step's K/V into the pages before it calls the backend, and calls it 
 
 `get_attention(name, platform)` gives the engine both paths of a backend (`Attention`): `ragged` for any step,
 and, where a faster kernel serves only steps whose live sequences all carry one token (the GPU's), that kernel
-as `single_token`. The step program then picks one of the two once per step, on a flag the host sets
-(`StepInputs.single_token`), not once per layer on the step's data: on a GPU a `lax.cond` reads its predicate
-back to the host, so a choice in every layer synchronised the host with the device 16 times a pass (a Llama-1B
-shape, measured in a profile on an H100).
+as `single_token`. The engine then compiles a single-token variant of its decode-sized step programs and
+picks it on the host, so no program chooses on its data: on a GPU a `lax.cond` copies its predicate to the
+host and waits for it, and the backend's own choice inside the layer scan did so in every layer (16 times a
+pass of a Llama-1B shape, in a profile on an H100).
 
 `work_follows_table(name, platform)` says whether a backend's cost grows with the page table's width rather
 than with the live tokens: only then does the engine compile several page-count buckets.
@@ -81,8 +81,7 @@ def get_backend(name: str, platform: str) -> AttentionBackend:
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """An engine's attention: `ragged` serves any step; `single_token`, where set, serves steps in which every
-    live sequence carries one token (every decode pass), faster, and the step program chooses between them once
-    per step."""
+    live sequence carries one token (every decode pass), faster, in programs of their own."""
 
     ragged: AttentionBackend
     single_token: AttentionBackend | None = None

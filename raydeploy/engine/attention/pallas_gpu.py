@@ -7,7 +7,8 @@ position kv_len - 1, so "all cached tokens" is exactly its causal window. A step
 (any live sequence with more than one token) runs `xla.ragged_paged_attention` instead. `ragged_paged_attention` chooses with a `lax.cond` on the step's
 data, so one function serves any step. The engine does not call it: on a GPU a `lax.cond` reads its predicate
 back to the host, and inside the layer scan that was a host-device synchronisation per layer. The engine takes
-`single_token_attention` and the XLA path apart (`attention.get_attention`) and chooses once per step. A
+`single_token_attention` and the XLA path apart (`attention.get_attention`) into programs of their own and picks
+one per pass on the host. A
 sliding window always takes the XLA path, and so does a page table too small for one compute block of 16
 tokens (Triton's dot needs 16 on each side).
 
@@ -119,7 +120,7 @@ def single_token_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            interpret: bool = False) -> jax.Array:
     """The contract's attention for a step whose every live sequence carries one token, the caller's promise
-    (the engine's `StepInputs.single_token`): the kernel, with no choice on the step's data, or the XLA path
+    (the engine runs it only in its single-token step programs): the kernel, with no choice on the step's data, or the XLA path
     where the kernel does not apply (a sliding window, a table too small for one compute block)."""
     xla.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     xla.check_options(sliding_window, soft_cap)
