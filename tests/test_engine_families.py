@@ -317,6 +317,31 @@ def _conds_in_loops(jaxpr: Any) -> list[Any]:
     return [e for e, in_loop in walk(jaxpr) if e.primitive.name == "cond" and in_loop]
 
 
+def _pool_copies(engine: Any) -> list[str]:
+    """Copies of a (non-empty) KV pool in the engine's compiled step programs."""
+    ps = engine.programs_set
+    pools = ["f32[" + ",".join(map(str, shape)) + "]" for shape in ps.pool_shapes if 0 not in shape]
+    found = []
+    for shape in [s for s in ps.shapes() if s.kind == "step"]:
+        with jax.set_mesh(engine.mesh):
+            hlo = ps.lower(shape).compile().as_text()
+        found += [f"{shape.name}: {ln.strip()[:120]}" for ln in hlo.splitlines()
+                  if " copy(" in ln and any(p in ln.split("=", 1)[1][:60] for p in pools)]
+    return found
+
+
+@pytest.mark.parametrize("kind,window_pages", [("gemma3_text", "ring"), ("gemma3_text", "all"), ("qwen3", "ring"),
+                                               ("mixtral", "ring")])
+def test_no_step_program_copies_the_kv_pool(kind, window_pages, tmp_path):
+    """The pool is donated and carried through the layer loop, and every write updates it in place: no step
+    program copies it (a copy is a pass over the whole cache, per step). Gemma 3 mixes local and global
+    layers in one scan: a `lax.cond` between two whole attention calls carried the pools through its
+    branches and XLA copied the main pool twice a step; the engine now writes outside any cond and chooses
+    only the read (`attend(..., local=)`)."""
+    case = _convert(kind, tmp_path)
+    assert not _pool_copies(_engine(case["ckpt"], {"tp": 1}, window_pages=window_pages))
+
+
 def test_single_token_programs_take_the_kernel_without_a_choice_on_data(tmp_path_factory):
     """The GPU's attention (`get_attention("pallas", "gpu")`: the XLA path for any step, jax's Pallas GPU decode
     kernel for steps whose live sequences all carry one token), here with the kernel in Pallas interpret mode on
@@ -346,12 +371,7 @@ def test_single_token_programs_take_the_kernel_without_a_choice_on_data(tmp_path
         jaxpr = _step_jaxpr(engine, single_token)
         assert ("pallas_call" in primitives(jaxpr)) == single_token
         assert "scan" in primitives(jaxpr) and not _conds_in_loops(jaxpr)
-    pool = "f32[" + ",".join(map(str, ps.pool_shapes[0])) + "]"
-    for shape in [s for s in ps.shapes() if s.kind == "step"]:
-        with jax.set_mesh(engine.mesh):
-            hlo = ps.lower(shape).compile().as_text()
-        copies = [ln.strip()[:120] for ln in hlo.splitlines() if " copy(" in ln and pool in ln.split("=", 1)[1][:60]]
-        assert not copies, (shape.name, copies)
+    assert not _pool_copies(engine)
 
     # the backend's own per-call choice (one function for any step) puts a cond in every layer: what the check
     # above would find

@@ -201,7 +201,13 @@ def _ragged_greedy(fam: Family, cfg: Any, graphdef: Any, state: Any, prompt: lis
             flat = c[layer].reshape(pages * page_size, *kv.shape[1:])
             flat = flat.at[positions].set(kv.astype(flat.dtype))
             c = c.at[layer].set(flat.reshape(c.shape[1:]))
-            out = attn(q, c[layer], kv_lens, page_indices, cu, jnp.asarray([1], jnp.int32), sm_scale=scale, **kw)
+            local = kw.pop("local", None)
+            args = (q, c[layer], kv_lens, page_indices, cu, jnp.asarray([1], jnp.int32))
+            if local is None:
+                return attn(*args, sm_scale=scale, **kw), c
+            window = kw.pop("sliding_window")  # a traced layer kind: the window applies where `local` holds
+            out = jax.lax.cond(local, lambda: attn(*args, sm_scale=scale, sliding_window=window, **kw),
+                               lambda: attn(*args, sm_scale=scale, **kw))
             return out, c
 
         h, _, _, pool = model.ragged(tokens, positions, attend, cache=pool)

@@ -464,12 +464,17 @@ class ProgramSet:
         writes this step's new K/V into its own pages of the pool (in place: the pool is donated and XLA updates
         a carried buffer without copying it), then the backend reads the pool whole, [layers * pages, ...],
         with the rows' page ids offset to this layer. No per-layer slice or view of the cache is made (slicing
-        a layer's pool out of the stacked one, or gathering a compact view, copies it on every backend)."""
+        a layer's pool out of the stacked one, or gathering a compact view, copies it on every backend).
+
+        A family whose layers differ in kind inside one scan (Gemma 3's local and global layers) passes `local=`,
+        a traced flag: the window applies only where it is true. The K/V write then goes to the layer's pool
+        unconditionally (in ring mode: into both pools, the write to the one the layer does not use dropped) and
+        a `lax.cond` picks only the read, whose operands it does not change. A cond around the write, which
+        carried the pools through its branches, made XLA copy the main pool twice a step."""
         dp, hd = _axes_entry(self.dp_axes), _axes_entry(self.head_axes)
         pool_spec = PartitionSpec(None, dp, None, hd, None)
 
-        def local(q, kv, pool, layer, write_page, offset, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                  sliding_window, soft_cap):
+        def write(kv, pool, layer, write_page, offset):
             layers, pages = pool.shape[:2]
             flat = pool.reshape(layers * pages, *pool.shape[2:])
             base = layer * pages
@@ -482,37 +487,79 @@ class ProgramSet:
                 dest = jnp.concatenate([dest, jnp.full((1,), layers * pages, dest.dtype)])
                 offset = jnp.concatenate([offset, offset])
                 kv = jnp.concatenate([kv, kv])
-            flat = flat.at[dest, offset].set(kv, mode="drop")
-            out = attention(q, flat, kv_lens, page_indices + base, cu_q_lens, num_seqs,
-                                 sm_scale=self.sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-            return out, flat.reshape(pool.shape)
+            return flat.at[dest, offset].set(kv, mode="drop").reshape(pool.shape)
 
-        in_specs = (PartitionSpec(dp, hd, None), PartitionSpec(dp, hd, None), pool_spec, PartitionSpec(),
-                    PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp, None),
-                    PartitionSpec(dp), PartitionSpec(dp))
-        out_specs = (PartitionSpec(dp, hd, None), pool_spec)
+        def read(q, pool, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *, sliding_window, soft_cap):
+            layers, pages = pool.shape[:2]
+            flat = pool.reshape(layers * pages, *pool.shape[2:])
+            return attention(q, flat, kv_lens, page_indices + layer * pages, cu_q_lens, num_seqs,
+                             sm_scale=self.sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
+        def local(q, kv, pool, layer, write_page, offset, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                  sliding_window, soft_cap):
+            pool = write(kv, pool, layer, write_page, offset)
+            out = read(q, pool, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window=sliding_window,
+                       soft_cap=soft_cap)
+            return out, pool
+
+        rows, tok, heads = PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp, hd, None)
+        table = PartitionSpec(dp, None)
+        in_specs = (heads, heads, pool_spec, PartitionSpec(), tok, tok, rows, table, rows, rows)
+        out_specs = (heads, pool_spec)
+        write_body = self._manual(write, (heads, pool_spec, PartitionSpec(), tok, tok), pool_spec)
+        read_specs = (heads, pool_spec, PartitionSpec(), rows, table, rows, rows)
         # one sharded body per (window, soft cap): both are static for the backend; a family passes them per
         # layer (Gemma 3's local layers, a Mistral window on every layer), the engine knows no family
-        bodies: dict[tuple[int | None, float | None], Callable[..., Any]] = {}
+        bodies: dict[tuple[str, int | None, float | None], Callable[..., Any]] = {}
         index = jnp.asarray(self.layout.index, jnp.int32)
         ring = self.layout.ring_pages > 0
 
-        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, pools: tuple[jax.Array, jax.Array],
-                   *, sliding_window: int | None = None, soft_cap: float | None = None
-                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            key = (int(sliding_window) if sliding_window else None, float(soft_cap) if soft_cap else None)
+        def body(kind: str, window: int | None, cap: float | None) -> Callable[..., Any]:
+            key = (kind, window, cap)
             if key not in bodies:
-                bodies[key] = self._manual(partial(local, sliding_window=key[0], soft_cap=key[1]), in_specs,
-                                           out_specs)
-            main, window = pools
+                fn, specs, outs = (local, in_specs, out_specs) if kind == "both" else (read, read_specs, heads)
+                bodies[key] = self._manual(partial(fn, sliding_window=window, soft_cap=cap), specs, outs)
+            return bodies[key]
+
+        def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, pools: tuple[jax.Array, jax.Array],
+                   *, sliding_window: int | None = None, soft_cap: float | None = None, local: Any = None
+                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            window = int(sliding_window) if sliding_window else None
+            cap = float(soft_cap) if soft_cap else None
+            main, ring_pool = pools
             kv = _interleave(k, v).astype(main.dtype)
-            if ring and key[0]:  # a sliding-window layer: its ring in the window pool (PoolLayout)
-                out, window = bodies[key](q, kv, window, index[layer], inp.ring_write_page, inp.write_offset,
-                                          inp.kv_lens, inp.ring_page_indices, inp.cu_q_lens, inp.num_seqs)
+            if local is not None and window is not None:
+                return attend_either(layer, q, kv, main, ring_pool, local, window, cap)
+            if ring and window:  # a sliding-window layer: its ring in the window pool (PoolLayout)
+                out, ring_pool = body("both", window, cap)(q, kv, ring_pool, index[layer], inp.ring_write_page,
+                                                           inp.write_offset, inp.kv_lens, inp.ring_page_indices,
+                                                           inp.cu_q_lens, inp.num_seqs)
             else:
-                out, main = bodies[key](q, kv, main, index[layer], inp.write_page, inp.write_offset, inp.kv_lens,
-                                        inp.page_indices, inp.cu_q_lens, inp.num_seqs)
-            return out.astype(q.dtype), (main, window)
+                out, main = body("both", window, cap)(q, kv, main, index[layer], inp.write_page, inp.write_offset,
+                                                      inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
+            return out.astype(q.dtype), (main, ring_pool)
+
+        def attend_either(layer, q, kv, main, ring_pool, local, window, cap):
+            """A layer whose kind is traced: write unconditionally, choose only the read."""
+            none = jnp.full_like(inp.write_page, -1)  # a write page out of range: dropped
+            if ring:
+                ring_pool = write_body(kv, ring_pool, index[layer], jnp.where(local, inp.ring_write_page, none),
+                                       inp.write_offset)
+                main = write_body(kv, main, index[layer], jnp.where(local, none, inp.write_page), inp.write_offset)
+            else:
+                main = write_body(kv, main, index[layer], inp.write_page, inp.write_offset)
+
+            def read_local(main, ring_pool):
+                pool, table = (ring_pool, inp.ring_page_indices) if ring else (main, inp.page_indices)
+                return body("read", window, cap)(q, pool, index[layer], inp.kv_lens, table, inp.cu_q_lens,
+                                                 inp.num_seqs)
+
+            def read_global(main, ring_pool):
+                return body("read", None, cap)(q, main, index[layer], inp.kv_lens, inp.page_indices, inp.cu_q_lens,
+                                               inp.num_seqs)
+
+            out = jax.lax.cond(local, read_local, read_global, main, ring_pool)
+            return out.astype(q.dtype), (main, ring_pool)
 
         return attend
 

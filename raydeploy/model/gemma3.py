@@ -14,9 +14,11 @@ What differs from Llama:
   passed to the attention as `soft_cap`) where the config sets them.
 
 The layers are stacked and scanned like Llama's; whether a layer is local is a per-layer flag scanned with
-them, and the attention call for a local layer passes `sliding_window=` (a `lax.cond` between the two calls,
-so each call keeps a static window). Forward paths and their contracts are Llama's (`ragged`, `prefill`,
-`logits`, `__call__`); `attend` also receives `sliding_window=` on local layers and `soft_cap=` when set.
+them. In the engine's path (`ragged`) every layer's attention call passes the static `sliding_window=` and
+the traced `local=` flag, and the caller applies the window where the flag holds: it writes the K/V outside
+any cond and chooses only the read (a `lax.cond` between two whole calls carried the KV pool through its
+branches, and XLA copied the pool twice a step). Forward paths and their contracts are Llama's (`ragged`,
+`prefill`, `logits`, `__call__`); `attend` also receives `soft_cap=` when set.
 """
 
 from __future__ import annotations
@@ -308,8 +310,10 @@ class Gemma3(nnx.Module):
     def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,
                shard: ActivationSharding | None = None, cache: Any = None
                ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-        """As `Llama.ragged`; `attend` is called with `sliding_window=` on local layers (a `lax.cond` picks the
-        call, so each has a static window) and with `soft_cap=` when the config sets attn_logit_softcapping."""
+        """As `Llama.ragged`; `attend` is called with `sliding_window=` and the traced `local=` flag when local and
+        global layers share the scan (the window applies where `local` holds; the caller keeps the window static
+        for its backend and chooses only the read), with `sliding_window=` alone when every layer is local, and
+        with `soft_cap=` when the config sets attn_logit_softcapping."""
         cfg = self.cfg
         x = _constrain(shard, self._embed(tokens_n), ("act_batch", "act_embed"))
         kw: dict[str, Any] = {}
@@ -323,18 +327,12 @@ class Gemma3(nnx.Module):
             i, local = xs
             q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, self._inv_freq(local), self.q_scale)
 
-            def local_attn(c: Any) -> tuple[jax.Array, Any]:
-                return attend(i, q, k, v, c, sliding_window=cfg.sliding_window, **kw)  # type: ignore[no-any-return]
-
-            def global_attn(c: Any) -> tuple[jax.Array, Any]:
-                return attend(i, q, k, v, c, **kw)  # type: ignore[no-any-return]
-
             if kinds == {True}:
-                out, c = local_attn(c)
+                out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, **kw)
             elif kinds == {False}:
-                out, c = global_attn(c)
-            else:
-                out, c = jax.lax.cond(local, local_attn, global_attn, c)
+                out, c = attend(i, q, k, v, c, **kw)
+            else:  # the window applies where `local` holds; the caller chooses (its write stays out of any cond)
+                out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, local=local, **kw)
             x = x + layer.post_attn_norm(layer.attn.o_proj(out))
             x = _constrain(shard, layer.feed_forward(x), ("act_batch", "act_embed"))
             return (x, c), (k, v)

@@ -481,7 +481,8 @@ class Llama(nnx.Module):
 
         `attend(layer, q [N, Hq, H], k [N, Hkv, H], v [N, Hkv, H], cache) -> (out [N, Hq, H], cache)` is called
         (with `sliding_window=` when the config sets one) once per layer inside the layer scan (`layer` is the
-        traced layer index): it owns the KV cache and the ragged layout; `cache` is carried through the scan
+        traced layer index): it owns the KV cache and the ragged layout. A family whose layers differ in kind
+        inside the scan also passes `local=`, a traced bool: the window applies only where it holds (Gemma 3); `cache` is carried through the scan
         (None: nothing carried). Returns the hidden states [N, D], every layer's new K and V stacked
         ([L, N, Hkv, H] each, for a caller that writes them after the scan) and the carried cache."""
         inv = np.asarray(self.inv_freq, np.float32)
