@@ -317,29 +317,64 @@ def _conds_in_loops(jaxpr: Any) -> list[Any]:
     return [e for e, in_loop in walk(jaxpr) if e.primitive.name == "cond" and in_loop]
 
 
-def _pool_copies(engine: Any) -> list[str]:
-    """Copies of a (non-empty) KV pool in the engine's compiled step programs."""
+def _pool_copies(engine: Any, programs: int | None = None) -> list[str]:
+    """Copies as large as a (non-empty) KV pool, of any shape, in the engine's compiled step programs (the
+    first `programs` of them, or all)."""
+    import re
+
     ps = engine.programs_set
-    pools = ["f32[" + ",".join(map(str, shape)) + "]" for shape in ps.pool_shapes if 0 not in shape]
+    smallest = min(int(np.prod(shape)) for shape in ps.pool_shapes if 0 not in shape)
     found = []
-    for shape in [s for s in ps.shapes() if s.kind == "step"]:
+    for shape in [s for s in ps.shapes() if s.kind == "step"][:programs]:
         with jax.set_mesh(engine.mesh):
             hlo = ps.lower(shape).compile().as_text()
-        found += [f"{shape.name}: {ln.strip()[:120]}" for ln in hlo.splitlines()
-                  if " copy(" in ln and any(p in ln.split("=", 1)[1][:60] for p in pools)]
+        for ln in hlo.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%\S+ = f32\[([\d,]*)\]\S* (copy|fusion)\(", ln)
+            if m and (m.group(2) == "copy" or "copy" in ln.split("calls=")[-1][:40]):
+                if int(np.prod([int(x) for x in m.group(1).split(",") if x])) >= smallest:
+                    found.append(f"{shape.name}: {ln.strip()[:120]}")
     return found
+
+
+# one kv head, long head dim: the XLA attention path's reshaped pool took another layout and was copied
+KV1 = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=256,
+           tie_word_embeddings=False, initializer_range=0.2)
 
 
 @pytest.mark.parametrize("kind,window_pages", [("gemma3_text", "ring"), ("gemma3_text", "all"), ("qwen3", "ring"),
                                                ("mixtral", "ring")])
 def test_no_step_program_copies_the_kv_pool(kind, window_pages, tmp_path):
     """The pool is donated and carried through the layer loop, and every write updates it in place: no step
-    program copies it (a copy is a pass over the whole cache, per step). Gemma 3 mixes local and global
-    layers in one scan: a `lax.cond` between two whole attention calls carried the pools through its
-    branches and XLA copied the main pool twice a step; the engine now writes outside any cond and chooses
-    only the read (`attend(..., local=)`)."""
+    program copies it, in any shape (a copy is a pass over the whole cache, per step or per layer). Two ways it
+    was copied: Gemma 3 mixes local and global layers in one scan, and a `lax.cond` between two whole
+    attention calls carried the pools through its branches (XLA copied the main pool twice a step; the engine
+    now writes outside any cond and chooses only the read, `attend(..., local=)`); and the XLA attention path's
+    reshaped pool (next test)."""
     case = _convert(kind, tmp_path)
     assert not _pool_copies(_engine(case["ckpt"], {"tp": 1}, window_pages=window_pages))
+
+
+def test_no_step_program_copies_a_long_context_pool_with_one_kv_head(tmp_path):
+    """The XLA attention path's copy showed with a long-context pool (8 slots of 8192 tokens) and one kv head:
+    its reshape of the pool to split K from V took another layout, copied into the query-block loop for every
+    block of every layer (an 805 MB pool: 8 prompts took 7.4 s to prefill instead of 0.6). The path now gathers
+    a block's pages and splits those; the step programs that run it hold no pool-sized copy."""
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.engine.engine import Engine
+    from raydeploy.model.registry import from_hf_config
+    from raydeploy.model.sharding import build_mesh, merge_rules
+
+    case = _convert("llama_kv1", tmp_path, KV1)
+    mesh = build_mesh({"tp": 1}, jax.devices()[:1])
+    rules = merge_rules(None)
+    reader = CheckpointReader(case["ckpt"])
+    family, cfg = from_hf_config(reader.hf_config)
+    params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
+    engine_cfg = EngineConfig(max_slots=8, page_size=16, prefill_chunk=64, compilation_cache_dir=None, warmup=False)
+    engine = Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=8192), engine_cfg)
+    assert not _pool_copies(engine, programs=3)
 
 
 def test_single_token_programs_take_the_kernel_without_a_choice_on_data(tmp_path_factory):
