@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/predict_throughput.py
 	$(PY) benchmarks/bringup.py
 	$(PY) benchmarks/tpu_decode_model.py
+	$(PY) benchmarks/window_decode.py
 
 # Build the images (needs a Docker daemon with BuildKit; the context is the repository root, of which the
 # images/Dockerfile.*.dockerignore files let through only the package sources). Push them yourself:
