@@ -311,8 +311,8 @@ class ProgramSet:
         outs = (self.pool_sharding, self.presence_sharding, self.sharded_1d, self.sharded_rows)
         self.step = jax.jit(self._step_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
         self.step_unrolled = jax.jit(self._step_unrolled_fn, donate_argnums=(1, 2, 3), out_shardings=outs)
-        single = partial(self._step_fn, single_token=True)
-        self.step_single = jax.jit(single, donate_argnums=(1, 2, 3), out_shardings=outs)
+        self.step_single = jax.jit(partial(self._step_fn, single_token=True), donate_argnums=(1, 2, 3),
+                                   out_shardings=outs)
         self.step_unrolled_single = jax.jit(partial(self._step_unrolled_fn, single_token=True),
                                             donate_argnums=(1, 2, 3), out_shardings=outs)
         self.gather_results = jax.jit(lambda *packed: jnp.stack(packed), out_shardings=self.replicated)
@@ -502,12 +502,11 @@ class ProgramSet:
                        soft_cap=soft_cap)
             return out, pool
 
-        rows, tok, heads = PartitionSpec(dp), PartitionSpec(dp), PartitionSpec(dp, hd, None)
-        table = PartitionSpec(dp, None)
-        in_specs = (heads, heads, pool_spec, PartitionSpec(), tok, tok, rows, table, rows, rows)
+        seq, heads, table = PartitionSpec(dp), PartitionSpec(dp, hd, None), PartitionSpec(dp, None)  # over dp
+        in_specs = (heads, heads, pool_spec, PartitionSpec(), seq, seq, seq, table, seq, seq)
         out_specs = (heads, pool_spec)
-        write_body = self._manual(write, (heads, pool_spec, PartitionSpec(), tok, tok), pool_spec)
-        read_specs = (heads, pool_spec, PartitionSpec(), rows, table, rows, rows)
+        write_body = self._manual(write, (heads, pool_spec, PartitionSpec(), seq, seq), pool_spec)
+        read_specs = (heads, pool_spec, PartitionSpec(), seq, table, seq, seq)
         # one sharded body per (window, soft cap): both are static for the backend; a family passes them per
         # layer (Gemma 3's local layers, a Mistral window on every layer), the engine knows no family
         bodies: dict[tuple[str, int | None, float | None], Callable[..., Any]] = {}
@@ -575,10 +574,11 @@ class ProgramSet:
         results [2, G*R] (token bits, logprob) of every row. `per_layer`: each layer's own arrays, run unrolled
         (`unroll_layers`) instead of scanning the stacked ones. `single_token`: every live sequence carries one
         token (the caller's promise), so the attention's single-token path serves the step."""
-        attention = self.attention.single_token if single_token else None
+        attention = self.attention.single_token if single_token else self.attention.ragged
+        if attention is None:
+            raise ValueError("a single-token step program needs an attention with a single-token path")
         with (native.rows_over(self.mesh, self.dp_axes) if self.native_matmul is None else contextlib.nullcontext()):
-            return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer,
-                                   attention or self.attention.ragged)
+            return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer, attention)
 
     def _step_body(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer, attention: AttentionFn):
         model = self.model(leaves)
