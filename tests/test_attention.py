@@ -286,10 +286,13 @@ def test_get_backend_choices():
 
 
 def test_get_attention_choices():
-    """Only the GPU's pallas backend has a separate single-token path; every other choice is one function."""
+    """Only the GPU's pallas backend has a separate single-token path; every other choice is one function. Every
+    GPU choice asks for static layer kinds (a choice on data there is a host round trip)."""
     gpu = attention.get_attention("auto", "cuda")
     assert gpu.ragged is xla.ragged_paged_attention and gpu.single_token is pallas_gpu.single_token_attention
-    assert attention.get_attention("xla", "gpu") == attention.Attention(xla.ragged_paged_attention)
+    assert gpu.static_layer_kinds
+    assert attention.get_attention("xla", "gpu") == attention.Attention(xla.ragged_paged_attention,
+                                                                        static_layer_kinds=True)
     assert attention.get_attention("auto", "tpu") == attention.Attention(pallas_tpu.ragged_paged_attention)
     assert attention.get_attention("auto", "cpu") == attention.Attention(xla.ragged_paged_attention)
     with pytest.raises(ValueError, match="'pallas' needs a TPU or GPU platform"):

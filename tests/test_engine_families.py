@@ -413,3 +413,95 @@ def test_single_token_programs_take_the_kernel_without_a_choice_on_data(tmp_path
     per_call = _engine(case["ckpt"], {"tp": 1}, backends=partial(pallas_gpu.ragged_paged_attention, interpret=True))
     assert not [s for s in per_call.programs_set.shapes() if s.single_token]
     assert _conds_in_loops(_step_jaxpr(per_call, False))
+
+
+# local and global layers in a pattern of two, with one layer past the last whole block
+GEMMA5 = {**TINY["gemma3_text"], "num_hidden_layers": 5,
+          "layer_types": ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]}
+
+
+@pytest.mark.parametrize("window_pages", ["ring", "all"])
+def test_static_layer_kinds_leave_no_choice_on_data(window_pages, tmp_path):
+    """On a GPU a `lax.cond` copies its predicate to the host and waits, and Gemma 3 chose each layer's read
+    (local or global) with one. With `Attention.static_layer_kinds` (every GPU backend asks for it) the family
+    scans its layers in blocks of its local/global pattern instead, so each layer's kind is a Python value. A
+    5-layer model (blocks of local, global; one local layer after the last block) through the GPU's attention
+    (the decode kernel in Pallas interpret mode) still gives transformers' greedy tokens and logprobs, no step
+    program holds a cond for a layer (in the layer loop or after it: only sampling's), and none copies the KV
+    pool; the same engine without the flag has the cond in its layer loop (what the check would find)."""
+    from functools import partial
+
+    from raydeploy.engine.attention import Attention, get_attention, pallas_gpu, xla
+
+    assert get_attention("pallas", "gpu").static_layer_kinds and get_attention("xla", "gpu").static_layer_kinds
+    assert not get_attention("auto", "cpu").static_layer_kinds and not get_attention("auto", "tpu").static_layer_kinds
+    case = _convert("gemma3_text", tmp_path, GEMMA5)
+    gpu = Attention(xla.ragged_paged_attention, partial(pallas_gpu.single_token_attention, interpret=True),
+                    static_layer_kinds=True)
+    engine = _engine(case["ckpt"], {"tp": 1}, window_pages=window_pages, backends=gpu)
+    _check(engine, case)
+    traced = _engine(case["ckpt"], {"tp": 1}, window_pages=window_pages,
+                     backends=Attention(xla.ragged_paged_attention))
+    traced_jaxpr = _step_jaxpr(traced, False)
+    assert _conds_in_loops(traced_jaxpr)
+    # outside the layers, sampling's own conds (whether any row samples, filters): the same in both
+    sampling_conds = [e for e, in_loop in walk(traced_jaxpr) if e.primitive.name == "cond" and not in_loop]
+    for single_token in (False, True):
+        jaxpr = _step_jaxpr(engine, single_token)
+        conds = [e for e, _ in walk(jaxpr) if e.primitive.name == "cond"]
+        assert "scan" in primitives(jaxpr) and not _conds_in_loops(jaxpr)
+        assert len(conds) == len(sampling_conds)  # none for the layer after the last block either
+        assert ("pallas_call" in primitives(jaxpr)) == single_token  # the global layers' decode kernel
+    assert not _pool_copies(engine, programs=2)
+
+
+def test_layer_blocks_follow_the_kinds_pattern():
+    """`scan_layers` with per-layer kinds: blocks of the kinds' period scanned, the rest unrolled; each layer gets
+    its own parameters, index and kind, in order, as a plain loop over the layers would."""
+    from raydeploy.model.llama import RMSNorm, kinds_period, scan_layers
+
+    assert kinds_period((True,) * 5 + (False,) + (True,) * 5 + (False,) + (True,) * 2) == 6
+    assert kinds_period((1, 2, 1, 2, 1)) == 2 and kinds_period((1, 1, 2)) == 3 and kinds_period((3, 3)) == 1
+    assert kinds_period((1, 2, 3)) == 3
+
+    n = 14
+    norms = RMSNorm(4, 1e-6, jnp.float32, lead=(n,))
+    norms.scale.value = jnp.arange(n * 4, dtype=jnp.float32).reshape(n, 4)
+    kinds = tuple(((i + 1) % 6 != 0) for i in range(n))
+
+    def body(layer: Any, carry: jax.Array, i: jax.Array, local: bool) -> tuple[jax.Array, jax.Array]:
+        assert isinstance(local, bool)  # static in the program
+        return carry * 0.5 + jnp.sum(layer.scale[...]) * (3 if local else 5) + i, layer.scale[...][0] + i
+
+    got_carry, got_ys = jax.jit(lambda: scan_layers(norms, body, jnp.float32(0), jnp.arange(n) * 100, kinds))()
+    want, ys = jnp.float32(0), []
+    for i in range(n):
+        scale = jnp.arange(i * 4, i * 4 + 4, dtype=jnp.float32)
+        want = want * 0.5 + jnp.sum(scale) * (3 if kinds[i] else 5) + i * 100
+        ys.append(scale[0] + i * 100)
+    np.testing.assert_allclose(got_carry, want, rtol=1e-6)
+    np.testing.assert_allclose(got_ys, np.asarray(ys))
+    with pytest.raises(ValueError, match="3 layer kinds for a stack of 14 layers"):
+        scan_layers(norms, body, jnp.float32(0), None, (True, False, True))
+
+
+def test_moe_layer_scan_takes_one_kind():
+    """An MoE stack (its own scan, experts read by layer index) passes a uniform kind to the body and names
+    mixed kinds, which it cannot scan."""
+    import flax.nnx as nnx
+
+    from raydeploy.model.moe import MoEDecoderLayer
+    from raydeploy.model.registry import from_hf_config
+
+    _, cfg = from_hf_config(TINY["qwen3_moe"])
+    stack = MoEDecoderLayer(cfg, jnp.float32, nnx.Rngs(0), lead=(cfg.num_layers,))
+    seen = []
+
+    def body(layer: Any, c: jax.Array, x: Any, kind: str) -> tuple[jax.Array, None]:
+        seen.append(kind)
+        return c + jnp.sum(layer.attn_norm.scale[...]), None
+
+    total, _ = stack.scan(body, jnp.float32(0), kinds=("global",) * cfg.num_layers)
+    assert seen == ["global"] and float(total) == cfg.num_layers * cfg.hidden_size  # one traced layer, scanned
+    with pytest.raises(ValueError, match=r"an MoE layer stack scans layers of one kind, got kinds \[False, True\]"):
+        stack.scan(body, jnp.float32(0), kinds=(True, False))

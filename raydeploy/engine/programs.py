@@ -588,7 +588,8 @@ class ProgramSet:
         t = inp.tokens.shape[0] // g
         r = inp.kv_lens.shape[0] // g
         tokens = self._per_group(_last_token_inputs, 3)(last_tokens, inp.from_last, inp.tokens)
-        h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool)
+        h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool,
+                                     static_kinds=self.attention.static_layer_kinds)
         hg = h.reshape(g, t, h.shape[-1])
         last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices

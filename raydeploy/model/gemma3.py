@@ -209,9 +209,9 @@ class Gemma3Layer(nnx.Module):
     def feed_forward(self, x: jax.Array) -> jax.Array:
         return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
 
-    def scan(self, body: Any, carry: Any, xs: Any = None) -> tuple[Any, Any]:
+    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Any = None) -> tuple[Any, Any]:
         """`lax.scan` of body(layer, carry, x) over the stacked layers (as `DecoderLayer.scan`)."""
-        return scan_layers(self, body, carry, xs)
+        return scan_layers(self, body, carry, xs, kinds)
 
 
 def _dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
@@ -261,7 +261,9 @@ class Gemma3(nnx.Module):
         local = [w and self.cfg.sliding_window is not None for w in self.cfg.local_layers]
         return jnp.arange(self.cfg.num_layers, dtype=jnp.int32), jnp.asarray(local)
 
-    def _inv_freq(self, local: jax.Array) -> jax.Array:
+    def _inv_freq(self, local: jax.Array | bool) -> jax.Array:
+        if isinstance(local, bool):
+            return jnp.asarray(self.inv_freq_local if local else self.inv_freq, jnp.float32)
         return jnp.where(local, jnp.asarray(self.inv_freq_local, jnp.float32), jnp.asarray(self.inv_freq, jnp.float32))
 
     def logits(self, h: jax.Array, shard: ActivationSharding | None = None) -> jax.Array:
@@ -308,36 +310,42 @@ class Gemma3(nnx.Module):
 
     # -- ragged: the engine's path (see Llama.ragged)
     def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,
-               shard: ActivationSharding | None = None, cache: Any = None
+               shard: ActivationSharding | None = None, cache: Any = None, static_kinds: bool = False
                ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-        """As `Llama.ragged`; `attend` is called with `sliding_window=` and the traced `local=` flag when local and
-        global layers share the scan (the window applies where `local` holds; the caller keeps the window static
-        for its backend and chooses only the read), with `sliding_window=` alone when every layer is local, and
-        with `soft_cap=` when the config sets attn_logit_softcapping."""
+        """As `Llama.ragged`; `attend` is called with `sliding_window=` on a local layer and with `soft_cap=` when
+        the config sets attn_logit_softcapping. When local and global layers share the scan, a layer's kind is a
+        traced flag and `attend` gets it as `local=` (the window applies where it holds; the caller keeps the
+        window static for its backend and chooses only the read), unless `static_kinds`: then the layers are
+        scanned in blocks of the local/global pattern (`scan_layers`' `kinds`), every layer's kind is static
+        and nothing chooses on data, for a program that holds one block of layers instead of one layer."""
         cfg = self.cfg
         x = _constrain(shard, self._embed(tokens_n), ("act_batch", "act_embed"))
         kw: dict[str, Any] = {}
         if cfg.attn_logit_softcapping:
             kw["soft_cap"] = float(cfg.attn_logit_softcapping)
-        kinds = {w and cfg.sliding_window is not None for w in cfg.local_layers}
+        local_layers = tuple(w and cfg.sliding_window is not None for w in cfg.local_layers)
+        mixed = len(set(local_layers)) > 1
 
-        def body(layer: Gemma3Layer, carry: tuple[jax.Array, Any], xs: tuple[jax.Array, jax.Array]
+        def body(layer: Gemma3Layer, carry: tuple[jax.Array, Any], xs: Any, static_local: bool | None = None
                  ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
             x, c = carry
-            i, local = xs
+            i, local = xs if static_local is None else (xs, static_local)
             q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, self._inv_freq(local), self.q_scale)
-
-            if kinds == {True}:
-                out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, **kw)
-            elif kinds == {False}:
-                out, c = attend(i, q, k, v, c, **kw)
-            else:  # the window applies where `local` holds; the caller chooses (its write stays out of any cond)
+            if mixed and static_local is None:  # the caller chooses the read (its write stays out of any cond)
                 out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, local=local, **kw)
+            elif local_layers[0] if static_local is None else static_local:
+                out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, **kw)
+            else:
+                out, c = attend(i, q, k, v, c, **kw)
             x = x + layer.post_attn_norm(layer.attn.o_proj(out))
             x = _constrain(shard, layer.feed_forward(x), ("act_batch", "act_embed"))
             return (x, c), (k, v)
 
-        (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), self._layer_xs())
+        ids, flags = self._layer_xs()
+        if mixed and static_kinds:
+            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), ids, kinds=local_layers)
+        else:
+            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), (ids, flags))
         return x, ks, vs, cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:

@@ -293,10 +293,11 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
         self.mlp = MLP(cfg, param_dtype, rngs, out_first, lead)
 
-    def scan(self, body: Any, carry: Any, xs: Any = None) -> tuple[Any, Any]:
+    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Sequence[Any] | None = None) -> tuple[Any, Any]:
         """`lax.scan` of body(layer, carry, x) -> (carry, y) over the stacked layers (and over xs, if given):
-        one traced layer, so a program's size and compile time do not grow with depth (`scan_layers`)."""
-        return scan_layers(self, body, carry, xs)
+        one traced layer, so a program's size and compile time do not grow with depth (`scan_layers`, which
+        also says what `kinds` does)."""
+        return scan_layers(self, body, carry, xs, kinds)
 
 
 UNROLLED_LAYERS = "_unrolled_layers"
@@ -325,26 +326,81 @@ def unroll_layers(stack: nnx.Module, per_layer: Sequence[Sequence[jax.Array]]) -
     object.__setattr__(stack, UNROLLED_LAYERS, layers)
 
 
-def scan_layers(stack: nnx.Module, body: Any, carry: Any, xs: Any = None) -> tuple[Any, Any]:
+def scan_layers(stack: nnx.Module, body: Any, carry: Any, xs: Any = None,
+                kinds: Sequence[Any] | None = None) -> tuple[Any, Any]:
     """body(layer, carry, x) -> (carry, y) over a stacked layer module: `lax.scan` over its per-layer slices,
-    or, after `unroll_layers`, a loop over the per-layer modules. ys come back stacked either way."""
+    or, after `unroll_layers`, a loop over the per-layer modules. ys come back stacked either way.
+
+    `kinds`: one static (hashable) value per layer, passed to the body as a fourth argument,
+    body(layer, carry, x, kind). The layers are then scanned in blocks of the kinds' period, the block's
+    layers unrolled in the body, and the layers past the last whole block unrolled after it (`_scan_blocks`),
+    so every layer's kind is a Python value in the program: nothing chooses on data."""
     layers = stack.__dict__.get(UNROLLED_LAYERS)
-    if layers is None:
-        graphdef, state = nnx.split(stack)
-        whole = _whole_kernels(stack, state) if native.active() else None
-        if whole is not None:
-            return _scan_whole_kernels(graphdef, state, whole, body, carry, xs)
+    if layers is not None:
+        ys = []
+        for i, layer in enumerate(layers):
+            x = None if xs is None else jax.tree.map(lambda a, i=i: a[i], xs)
+            carry, y = body(layer, carry, x) if kinds is None else body(layer, carry, x, kinds[i])
+            ys.append(y)
+        return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    graphdef, state = nnx.split(stack)
+    whole = _whole_kernels(stack, state) if native.active() else None
+    if kinds is not None:
+        return _scan_blocks(graphdef, state, whole, body, carry, xs, kinds)
+    if whole is not None:
+        return _scan_whole_kernels(graphdef, state, whole, body, carry, xs)
 
-        def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
-            layer_state, x = per_layer
-            return body(nnx.merge(graphdef, layer_state), c, x)
+    def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
+        layer_state, x = per_layer
+        return body(nnx.merge(graphdef, layer_state), c, x)
 
-        return jax.lax.scan(step, carry, (state, xs))
-    ys = []
-    for i, layer in enumerate(layers):
-        carry, y = body(layer, carry, None if xs is None else jax.tree.map(lambda a, i=i: a[i], xs))
-        ys.append(y)
-    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    return jax.lax.scan(step, carry, (state, xs))
+
+
+def kinds_period(kinds: Sequence[Any]) -> int:
+    """The smallest p with kinds[i] == kinds[i % p] for every layer i (len(kinds) when none is shorter)."""
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+
+
+def _scan_blocks(graphdef: Any, state: nnx.State, whole: Sequence[bool] | None, body: Any, carry: Any, xs: Any,
+                 kinds: Sequence[Any]) -> tuple[Any, Any]:
+    """`scan_layers` with a static kind per layer: `lax.scan` over blocks of `kinds_period(kinds)` layers, each
+    block's layers unrolled in the body with their own kind, then the remaining layers unrolled. Each layer
+    reads its slices of the stacked leaves by index (what `lax.scan` does with its xs; no leaf is sliced or
+    reshaped whole, which would copy the weights), kernels the native matmul reads whole as `LayerSlice`s."""
+    leaves, treedef = jax.tree.flatten(state)
+    n = leaves[0].shape[0]
+    if len(kinds) != n:
+        raise ValueError(f"{len(kinds)} layer kinds for a stack of {n} layers")
+    period = kinds_period(kinds)
+    blocks = n // period
+    mask = list(whole) if whole is not None else [False] * len(leaves)
+
+    def at(a: jax.Array, i: Any) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+
+    def layer(c: Any, i: Any, kind: Any) -> tuple[Any, Any]:
+        per = [native.LayerSlice(x, i) if w else at(x, i) for x, w in zip(leaves, mask, strict=True)]
+        x = None if xs is None else jax.tree.map(lambda a: at(a, i), xs)
+        return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, per)), c, x, kind)  # type: ignore[no-any-return]
+
+    def block(c: Any, b: jax.Array) -> tuple[Any, Any]:
+        ys = []
+        for j in range(period):
+            c, y = layer(c, b * period + j, kinds[j])
+            ys.append(y)
+        return c, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+    carry, ys = jax.lax.scan(block, carry, jnp.arange(blocks, dtype=jnp.int32))
+    ys = jax.tree.map(lambda a: a.reshape(blocks * period, *a.shape[2:]), ys)
+    tail = []
+    for i in range(blocks * period, n):
+        carry, y = layer(carry, jnp.int32(i), kinds[i])
+        tail.append(y)
+    if tail:
+        ys = jax.tree.map(lambda a, *t: jnp.concatenate([a, jnp.stack(t)]), ys, *tail)
+    return carry, ys
 
 
 def _whole_kernels(stack: nnx.Module, state: nnx.State) -> list[bool] | None:
@@ -475,16 +531,18 @@ class Llama(nnx.Module):
 
     # -- ragged: the tokens of many sequences in one flat batch, attention supplied by the caller
     def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,
-               shard: ActivationSharding | None = None, cache: Any = None
+               shard: ActivationSharding | None = None, cache: Any = None, static_kinds: bool = False
                ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
         """Forward over a flat batch of N tokens at explicit positions; the model knows no cache layout.
 
         `attend(layer, q [N, Hq, H], k [N, Hkv, H], v [N, Hkv, H], cache) -> (out [N, Hq, H], cache)` is called
         (with `sliding_window=` when the config sets one) once per layer inside the layer scan (`layer` is the
         traced layer index): it owns the KV cache and the ragged layout. A family whose layers differ in kind
-        inside the scan also passes `local=`, a traced bool: the window applies only where it holds (Gemma 3); `cache` is carried through the scan
-        (None: nothing carried). Returns the hidden states [N, D], every layer's new K and V stacked
-        ([L, N, Hkv, H] each, for a caller that writes them after the scan) and the carried cache."""
+        inside the scan also passes `local=`, a traced bool: the window applies only where it holds (Gemma 3),
+        unless the caller asks for `static_kinds` (every layer's kind a Python value: a program that chooses
+        nothing on data; Llama's layers are all of one kind, so it changes nothing here). `cache` is carried
+        through the scan (None: nothing carried). Returns the hidden states [N, D], every layer's new K and V
+        stacked ([L, N, Hkv, H] each, for a caller that writes them after the scan) and the carried cache."""
         inv = np.asarray(self.inv_freq, np.float32)
         x = _constrain(shard, self._embed(tokens_n), ("act_batch", "act_embed"))
         # Mistral-style configs: every layer attends within the window (static, passed to the backend)

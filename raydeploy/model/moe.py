@@ -275,13 +275,18 @@ class MoEDecoderLayer(DecoderLayer):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
         self.mlp = MoEBlock(cfg, param_dtype, rngs, lead)  # type: ignore[assignment]
 
-    def scan(self, body: Any, carry: Any, xs: Any = None) -> tuple[Any, Any]:
+    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Any = None) -> tuple[Any, Any]:
         """`DecoderLayer.scan`, except that the experts' weights are not sliced per layer: each traced layer
         holds all of them, [L, E, ...], and its MoE block the layer index (`SCAN_LAYER`), and the expert
         computation indexes [layer, expert] where it reads a matrix. A scan slices its per-layer inputs
         into new buffers, and the CPU grouped matmul is a loop that reads only the routed experts: given a
         layer's slice it would first copy every expert of the layer (measured: 94 instead of 9 ms a
-        decode step at 1 token, `benchmarks/moe_decode.py`)."""
+        decode step at 1 token, `benchmarks/moe_decode.py`). `kinds` (`scan_layers`): the layers of an MoE
+        stack are of one kind, passed to the body as its fourth argument."""
+        if kinds is not None:
+            if len(set(kinds)) > 1:
+                raise ValueError(f"an MoE layer stack scans layers of one kind, got kinds {sorted(set(kinds))}")
+            return self.scan(lambda layer, c, x: body(layer, c, x, kinds[0]), carry, xs)
         graphdef, experts, rest = nnx.split(self, nnx.PathContains("experts"), ...)  # type: ignore[misc]
         layers = jnp.arange(self.attn_norm.scale.shape[0], dtype=jnp.int32)
 

@@ -81,22 +81,26 @@ def get_backend(name: str, platform: str) -> AttentionBackend:
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """An engine's attention: `ragged` serves any step; `single_token`, where set, serves steps in which every
-    live sequence carries one token (every decode pass), faster, in programs of their own."""
+    live sequence carries one token (every decode pass), faster, in programs of their own.
+    `static_layer_kinds`: a choice on data costs a host round trip on this platform (a GPU copies a `lax.cond`'s
+    predicate to the host), so a family whose layers differ in kind (Gemma 3's local and global layers) makes
+    each layer's kind static, at a program that holds one block of its layer pattern instead of one layer."""
 
     ragged: AttentionBackend
     single_token: AttentionBackend | None = None
+    static_layer_kinds: bool = False
 
 
 def get_attention(name: str, platform: str) -> Attention:
     """Both paths of backend `name` on `platform` (see `Attention`): on GPU, `pallas` is the XLA path for steps
     with prompt tokens and jax's Pallas GPU decode kernel for single-token steps; elsewhere one function
-    (`get_backend`'s) serves every step."""
+    (`get_backend`'s) serves every step. On GPU every backend asks for static layer kinds."""
     backend, plat = resolve(name, platform)
     if backend == "pallas" and plat == "gpu":
         from raydeploy.engine.attention import pallas_gpu, xla
 
-        return Attention(xla.ragged_paged_attention, pallas_gpu.single_token_attention)
-    return Attention(get_backend(name, platform))
+        return Attention(xla.ragged_paged_attention, pallas_gpu.single_token_attention, static_layer_kinds=True)
+    return Attention(get_backend(name, platform), static_layer_kinds=plat == "gpu")
 
 
 def work_follows_table(name: str, platform: str) -> bool:
