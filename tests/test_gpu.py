@@ -7,8 +7,9 @@ shapes alone; here the Triton kernel is really compiled and run:
   cache memory), and a mixed step through the backend's `lax.cond` takes the XLA path;
 - every family through the real paged `Engine` on one GPU, attention `pallas` (and `xla` for Llama), gives
   transformers' 32 greedy tokens, their logprobs within 1e-3 and the last-position logits within 1e-3, as
-  tests/test_engine_families.py checks on CPU. Float32 matmuls run at full precision here (JAX on a GPU would
-  otherwise use TF32).
+  tests/test_engine_families.py checks on CPU, with no cond in any layer loop of its step programs (Gemma 3's
+  layers scanned in blocks of their local/global pattern). Float32 matmuls run at full precision here (JAX on
+  a GPU would otherwise use TF32).
 
     JAX_PLATFORMS=cuda python -m pytest tests/test_gpu.py
 """
@@ -31,7 +32,7 @@ if jax.devices()[0].platform != "gpu":
 
 from raydeploy.engine.attention import pallas_gpu, xla  # noqa: E402
 from tests.test_attention import SCALE, assert_matches, make_step  # noqa: E402
-from tests.test_engine_families import CASES, _check, _convert, _engine  # noqa: E402
+from tests.test_engine_families import CASES, _check, _conds_in_loops, _convert, _engine, _step_jaxpr  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -80,6 +81,9 @@ def test_engine_on_gpu_with_pallas_attention_matches_transformers(converted_gpu)
     assert engine.mesh.devices.flat[0].platform == "gpu"
     assert engine.mixed_step_tokens is None  # whole chunks beside running streams (the quarter cap is CPU's)
     _check(engine, converted_gpu)
+    # no layer chooses on data (a cond's predicate goes to the host): Gemma 3's kinds are static here
+    assert engine.programs_set.attention.static_layer_kinds
+    assert not _conds_in_loops(_step_jaxpr(engine, False)) and not _conds_in_loops(_step_jaxpr(engine, True))
 
 
 @pytest.mark.parametrize("page_size", [8, 16])
