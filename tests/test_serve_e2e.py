@@ -310,8 +310,8 @@ def test_chat_page_streams_an_answer_in_headless_chromium(live):
     assert pieces > 1, shown["stats"]
 
 
-FUZZ_EXAMPLES_PER_BODY_ROUTE = 15
-"""Per mode per POST route over the real gang: 4 x 2 x 15 = 120 bodies (the full run is test_fuzz_http.py)."""
+FUZZ_EXAMPLES_PER_BODY_ROUTE = 8
+"""Per mode per POST route over the real gang: 4 x 2 x 8 = 64 bodies (the full run is test_fuzz_http.py)."""
 CONFIG_DEPENDENT = {"large max_tokens", "n times prompts above the server's capacity"}
 
 
