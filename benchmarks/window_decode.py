@@ -19,6 +19,7 @@ block and layer (this model has one kv head): 8 prompts took ~7.4 s to prefill w
 
     .venv/bin/python benchmarks/window_decode.py                 # writes benchmarks/results/window_decode.json
     .venv/bin/python benchmarks/window_decode.py --window-pages ring --new-tokens 32
+    .venv/bin/python benchmarks/window_decode.py --layer-kinds traced,static   # also as a GPU scans the layers
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ def bench_hf(model, prompts: list[list[int]], new_tokens: int) -> dict:
             "decode_tok_s": BATCH * (new_tokens - 1) / (total - first), "run_tok_s": BATCH * new_tokens / total}
 
 
-def bench_ours(ckpt: Path, window_pages: str, max_seq_len: int, prompts: list[list[int]], new_tokens: int) -> dict:
+def bench_ours(ckpt: Path, window_pages: str, max_seq_len: int, prompts: list[list[int]], new_tokens: int,
+               static_kinds: bool = False) -> dict:
     import jax
     import numpy as np
 
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.engine.attention import Attention, xla
     from raydeploy.engine.engine import Engine
     from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
     from raydeploy.model.registry import from_hf_config
@@ -90,8 +93,12 @@ def bench_ours(ckpt: Path, window_pages: str, max_seq_len: int, prompts: list[li
     params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
     engine_cfg = EngineConfig(max_slots=BATCH, page_size=16, prefill_chunk=256, decode_steps=4,
                               compilation_cache_dir=None, window_pages=window_pages)
-    engine = Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=max_seq_len), engine_cfg)
+    # static: the layers scanned in blocks of their local/global pattern, as on a GPU (`Attention.static_layer_kinds`)
+    backends = Attention(xla.ragged_paged_attention, static_layer_kinds=True) if static_kinds else None
+    engine = Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=max_seq_len), engine_cfg, backends)
+    t0 = time.perf_counter()
     engine.warmup()
+    warmup_s = time.perf_counter() - t0
     pool_mb = sum(x.nbytes for x in jax.tree.leaves(engine.pool)) / 1e6
     items = tuple(PrefillItem(i, np.asarray(p, np.int32), SamplingParams()) for i, p in enumerate(prompts))
 
@@ -105,14 +112,18 @@ def bench_ours(ckpt: Path, window_pages: str, max_seq_len: int, prompts: list[li
     plan(0, new_tokens - 1)  # untimed: first calls
     first = plan(2, 1)
     total = plan(4, new_tokens - 1)
-    return {"backend": f"raydeploy engine (window_pages {window_pages}, max_seq_len {max_seq_len}, float32)",
-            "pool_mb": round(pool_mb, 1), "decode_tok_s": BATCH * (new_tokens - 1) / (total - first),
+    kinds = "static" if static_kinds else "traced"
+    return {"backend": f"raydeploy engine (window_pages {window_pages}, {kinds} layer kinds, max_seq_len "
+                       f"{max_seq_len}, float32)", "pool_mb": round(pool_mb, 1), "warmup_s": round(warmup_s, 1), "decode_tok_s": BATCH * (new_tokens - 1) / (total - first),
             "run_tok_s": BATCH * new_tokens / total, "pass_ms": 1e3 * (total - first) / (new_tokens - 2)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window-pages", default="ring,all", help="comma-separated engine.window_pages modes to run")
+    ap.add_argument("--layer-kinds", default="traced",
+                    help="comma-separated: traced (a per-layer flag and a cond choosing the read: CPU and TPU) and/or "
+                         "static (layers scanned in blocks of their pattern: GPU)")
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "window_decode.json")
@@ -138,9 +149,12 @@ def main() -> int:
         del model
         convert(Path(tmp) / "hf", Path(tmp) / "ckpt", progress=False)
         for mode in args.window_pages.split(","):
-            result["results"].append(bench_ours(Path(tmp) / "ckpt", mode, args.max_seq_len, prompts,
-                                                args.new_tokens))
-            print(json.dumps(result["results"][-1]), flush=True)
+            for kinds in args.layer_kinds.split(","):
+                if kinds not in ("traced", "static"):
+                    ap.error(f"--layer-kinds: unknown {kinds!r} (traced, static)")
+                result["results"].append(bench_ours(Path(tmp) / "ckpt", mode, args.max_seq_len, prompts,
+                                                    args.new_tokens, kinds == "static"))
+                print(json.dumps(result["results"][-1]), flush=True)
     ref = result["results"][0]
     for r in result["results"][1:]:
         r["ratio_vs_hf"] = r["decode_tok_s"] / ref["decode_tok_s"]
