@@ -37,6 +37,23 @@ def demo_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_hf():
+    """(transformers' float32 demo model, its tokenizer), loaded once a session (tests/hf_reference.py)."""
+    from hf_reference import load_hf
+
+    return load_hf()
+
+
+@pytest.fixture(scope="session")
+def demo_chat_reference(demo_hf):
+    """`hf_reference.chat_references` of the demo model: the engine parity tests' prompt ids and transformers'
+    greedy tokens, gaps and last logits for them, computed once a session."""
+    from hf_reference import chat_references
+
+    return chat_references(*demo_hf)
+
+
+@pytest.fixture(scope="session")
 def demo_gguf() -> Path:
     from raydeploy.checkpoint.demo import demo_gguf_path
 

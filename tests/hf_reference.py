@@ -94,6 +94,23 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[l
     return tokens, gaps
 
 
+CHAT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+                "Give me three tips for learning Python.")
+"""The engine parity tests' prompts (each as one user turn of the chat template)."""
+REFERENCE_TOKENS = 48
+"""Greedy tokens of the reference per chat prompt."""
+
+
+def chat_references(model: Any, tok: Any) -> tuple[list[list[int]], list[tuple[list[int], list[float], np.ndarray]]]:
+    """The chat-templated ids of `CHAT_PROMPTS` and, per prompt, the reference's (greedy tokens, top-1/top-2
+    gaps, last-position logits) over `REFERENCE_TOKENS` steps (tests/conftest.py computes it once a session)."""
+    ids = []
+    for p in CHAT_PROMPTS:
+        out = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        ids.append([int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)])
+    return ids, [(*hf_greedy(model, x, REFERENCE_TOKENS), hf_last_logits(model, x)) for x in ids]
+
+
 def hf_last_logits(model: Any, prompt_ids: list[int]) -> np.ndarray:
     import torch
 

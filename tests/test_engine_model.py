@@ -15,15 +15,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hf_reference import REFERENCE_TOKENS
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for learning Python.",
-]
-NEW_TOKENS = 48
+NEW_TOKENS = REFERENCE_TOKENS
 MIN_GAP = 0.05
 
 
@@ -53,30 +49,16 @@ def _build_engine(checkpoint, mesh_shape, rules_overrides, param_dtype="float32"
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from hf_reference import load_hf
-
-    return load_hf()
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(hf):
-    _, tok = hf
-    out = []
-    for p in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-        out.append([int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
-    assert all(len(i) <= 64 for i in out)
-    return out
+def prompt_ids(demo_chat_reference):
+    ids = demo_chat_reference[0]
+    assert all(len(i) <= 64 for i in ids)
+    return ids
 
 
 @pytest.fixture(scope="module")
-def reference(hf, prompt_ids):
+def reference(demo_chat_reference):
     """Per prompt: (greedy tokens, per-step top-1/top-2 gaps, last-position logits) from transformers."""
-    from hf_reference import hf_greedy, hf_last_logits
-
-    model, _ = hf
-    return [(*hf_greedy(model, ids, NEW_TOKENS), hf_last_logits(model, ids)) for ids in prompt_ids]
+    return demo_chat_reference[1]
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hf_reference import REFERENCE_TOKENS
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for learning Python.",
-]
-NEW_TOKENS = 48
+NEW_TOKENS = REFERENCE_TOKENS
 MIN_GAP = 0.05
 
 
@@ -189,29 +185,15 @@ def _build_engine(checkpoint, mesh_shape, max_seq_len=256, max_slots=4, prefill_
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from hf_reference import load_hf
-
-    return load_hf()
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(hf):
-    _, tok = hf
-    out = []
-    for p in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-        out.append([int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
-    return out
+def prompt_ids(demo_chat_reference):
+    ids = demo_chat_reference[0]
+    return ids
 
 
 @pytest.fixture(scope="module")
-def reference(hf, prompt_ids):
+def reference(demo_chat_reference):
     """Per prompt: (greedy tokens, per-step top-1/top-2 gaps, last-position logits) from transformers."""
-    from hf_reference import hf_greedy, hf_last_logits
-
-    model, _ = hf
-    return [(*hf_greedy(model, ids, NEW_TOKENS), hf_last_logits(model, ids)) for ids in prompt_ids]
+    return demo_chat_reference[1]
 
 
 @pytest.fixture(scope="module")
@@ -442,8 +424,8 @@ def test_prefix_reuse_gives_the_tokens_of_a_whole_prefill(engine, prompt_ids):
     assert got["b"]["out"] == whole
 
 
-def test_chunked_prefill_of_a_long_prompt_equals_one_chunk(demo_checkpoint, hf):
-    _, tok = hf
+def test_chunked_prefill_of_a_long_prompt_equals_one_chunk(demo_checkpoint, demo_hf):
+    _, tok = demo_hf
     text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(150))
     ids = [int(i) for i in tok(text)["input_ids"]][:1500]
     assert len(ids) == 1500
