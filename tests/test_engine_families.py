@@ -420,13 +420,14 @@ GEMMA5 = {**TINY["gemma3_text"], "num_hidden_layers": 5,
           "layer_types": ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]}
 
 
-@pytest.mark.parametrize("window_pages", ["ring", "all"])
-def test_static_layer_kinds_leave_no_choice_on_data(window_pages, tmp_path):
+@pytest.mark.parametrize("window_pages,mesh_shape", [("ring", {"tp": 1}), ("all", {"tp": 2})])
+def test_static_layer_kinds_leave_no_choice_on_data(window_pages, mesh_shape, tmp_path):
     """On a GPU a `lax.cond` copies its predicate to the host and waits, and Gemma 3 chose each layer's read
     (local or global) with one. With `Attention.static_layer_kinds` (every GPU backend asks for it) the family
     scans its layers in blocks of its local/global pattern instead, so each layer's kind is a Python value. A
-    5-layer model (blocks of local, global; one local layer after the last block) through the GPU's attention
-    (the decode kernel in Pallas interpret mode) still gives transformers' greedy tokens and logprobs, no step
+    5-layer model (blocks of local, global; one local layer after the last block; on one device, and with its
+    weights and heads split over tp=2) through the GPU's attention (the decode kernel in Pallas interpret mode)
+    still gives transformers' greedy tokens and logprobs, no step
     program holds a cond for a layer (in the layer loop or after it: only sampling's), and none copies the KV
     pool; the same engine without the flag has the cond in its layer loop (what the check would find)."""
     from functools import partial
@@ -438,9 +439,9 @@ def test_static_layer_kinds_leave_no_choice_on_data(window_pages, tmp_path):
     case = _convert("gemma3_text", tmp_path, GEMMA5)
     gpu = Attention(xla.ragged_paged_attention, partial(pallas_gpu.single_token_attention, interpret=True),
                     static_layer_kinds=True)
-    engine = _engine(case["ckpt"], {"tp": 1}, window_pages=window_pages, backends=gpu)
+    engine = _engine(case["ckpt"], mesh_shape, window_pages=window_pages, backends=gpu)
     _check(engine, case)
-    traced = _engine(case["ckpt"], {"tp": 1}, window_pages=window_pages,
+    traced = _engine(case["ckpt"], mesh_shape, window_pages=window_pages,
                      backends=Attention(xla.ragged_paged_attention))
     traced_jaxpr = _step_jaxpr(traced, False)
     assert _conds_in_loops(traced_jaxpr)
