@@ -46,11 +46,25 @@ def demo_hf():
 
 @pytest.fixture(scope="session")
 def demo_chat_reference(demo_hf):
-    """`hf_reference.chat_references` of the demo model: the engine parity tests' prompt ids and transformers'
-    greedy tokens, gaps and last logits for them, computed once a session."""
+    """`hf_reference.chat_references` of the demo model, computed once a session."""
     from hf_reference import chat_references
 
-    return chat_references(*demo_hf)
+    ids, refs = chat_references(*demo_hf)
+    assert all(len(i) <= 64 for i in ids)  # the engine tests' smallest prompt bucket
+    return ids, refs
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(demo_chat_reference):
+    """The engine parity tests' chat prompts (`hf_reference.CHAT_PROMPTS`) as the demo tokenizer's ids."""
+    return demo_chat_reference[0]
+
+
+@pytest.fixture(scope="session")
+def reference(demo_chat_reference):
+    """Per prompt of `prompt_ids`: transformers' (greedy tokens, per-step top-1/top-2 gaps, last-position
+    logits) over `hf_reference.REFERENCE_TOKENS` steps."""
+    return demo_chat_reference[1]
 
 
 @pytest.fixture(scope="session")

@@ -49,19 +49,6 @@ def _build_engine(checkpoint, mesh_shape, rules_overrides, param_dtype="float32"
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(demo_chat_reference):
-    ids = demo_chat_reference[0]
-    assert all(len(i) <= 64 for i in ids)
-    return ids
-
-
-@pytest.fixture(scope="module")
-def reference(demo_chat_reference):
-    """Per prompt: (greedy tokens, per-step top-1/top-2 gaps, last-position logits) from transformers."""
-    return demo_chat_reference[1]
-
-
-@pytest.fixture(scope="module")
 def engine(demo_checkpoint):
     return _build_engine(demo_checkpoint, {"dp": 1}, {})
 
