@@ -114,7 +114,8 @@ def bench_ours(ckpt: Path, window_pages: str, max_seq_len: int, prompts: list[li
     total = plan(4, new_tokens - 1)
     kinds = "static" if static_kinds else "traced"
     return {"backend": f"raydeploy engine (window_pages {window_pages}, {kinds} layer kinds, max_seq_len "
-                       f"{max_seq_len}, float32)", "pool_mb": round(pool_mb, 1), "warmup_s": round(warmup_s, 1), "decode_tok_s": BATCH * (new_tokens - 1) / (total - first),
+                       f"{max_seq_len}, float32)", "pool_mb": round(pool_mb, 1), "warmup_s": round(warmup_s, 1),
+            "decode_tok_s": BATCH * (new_tokens - 1) / (total - first),
             "run_tok_s": BATCH * new_tokens / total, "pass_ms": 1e3 * (total - first) / (new_tokens - 2)}
 
 
@@ -138,7 +139,8 @@ def main() -> int:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     prompts = _prompts()
-    result: dict = {"config": CONFIG, "batch": BATCH, "new_tokens": args.new_tokens, "cpu_flags": cpu_flags(), "jax": __import__("jax").__version__,
+    result: dict = {"config": CONFIG, "batch": BATCH, "new_tokens": args.new_tokens, "cpu_flags": cpu_flags(),
+                    "jax": __import__("jax").__version__,
                     "results": []}
     with tempfile.TemporaryDirectory() as tmp:
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**CONFIG),

@@ -256,10 +256,14 @@ class Gemma3(nnx.Module):
         x = jnp.take(emb, tokens, axis=0) * jnp.asarray(math.sqrt(self.cfg.hidden_size), emb.dtype)
         return x.astype(self.dtype)
 
+    @property
+    def _local(self) -> tuple[bool, ...]:
+        """Per layer: whether it is a local (sliding-window) layer."""
+        return tuple(w and self.cfg.sliding_window is not None for w in self.cfg.local_layers)
+
     def _layer_xs(self) -> tuple[jax.Array, jax.Array]:
         """Per layer: its index and whether it is a local (sliding-window) layer."""
-        local = [w and self.cfg.sliding_window is not None for w in self.cfg.local_layers]
-        return jnp.arange(self.cfg.num_layers, dtype=jnp.int32), jnp.asarray(local)
+        return jnp.arange(self.cfg.num_layers, dtype=jnp.int32), jnp.asarray(self._local)
 
     def _inv_freq(self, local: jax.Array | bool) -> jax.Array:
         if isinstance(local, bool):
@@ -323,7 +327,7 @@ class Gemma3(nnx.Module):
         kw: dict[str, Any] = {}
         if cfg.attn_logit_softcapping:
             kw["soft_cap"] = float(cfg.attn_logit_softcapping)
-        local_layers = tuple(w and cfg.sliding_window is not None for w in cfg.local_layers)
+        local_layers = self._local
         mixed = len(set(local_layers)) > 1
 
         def body(layer: Gemma3Layer, carry: tuple[jax.Array, Any], xs: Any, static_local: bool | None = None
@@ -333,10 +337,10 @@ class Gemma3(nnx.Module):
             q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, self._inv_freq(local), self.q_scale)
             if mixed and static_local is None:  # the caller chooses the read (its write stays out of any cond)
                 out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, local=local, **kw)
-            elif local_layers[0] if static_local is None else static_local:
-                out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, **kw)
-            else:
-                out, c = attend(i, q, k, v, c, **kw)
+            else:  # the layer's kind is static: every layer's (not mixed), or this one's (scanned in blocks)
+                is_local = local_layers[0] if static_local is None else static_local
+                window = {"sliding_window": cfg.sliding_window} if is_local else {}
+                out, c = attend(i, q, k, v, c, **window, **kw)
             x = x + layer.post_attn_norm(layer.attn.o_proj(out))
             x = _constrain(shard, layer.feed_forward(x), ("act_batch", "act_embed"))
             return (x, c), (k, v)

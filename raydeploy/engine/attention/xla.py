@@ -238,11 +238,11 @@ def _chunked_sequences(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_
 
 def _gather_block(kv_pages: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """K and V of the pages `ids` ([n, page_size, Hkv, D] each) from the pool as it lies ([P, page_size, 2*Hkv,
-    D], K and V interleaved on the head axis): one gather each, picking its heads. The pool is never reshaped: a reshaped pool ([P, page_size, Hkv, 2, D]) closed over by a loop made
-    XLA CPU give the reshape another layout and copy the whole pool into the loop, once per query block and
-    layer (an 805 MB pool: a 4-token step took seconds)."""
+    D], K and V interleaved on the head axis): one gather each, picking its heads. The pool is never reshaped:
+    a reshaped pool ([P, page_size, Hkv, 2, D]) closed over by a loop made XLA CPU give the reshape another
+    layout and copy the whole pool into the loop, once per query block and layer (an 805 MB pool: a 4-token
+    step took seconds)."""
     heads = 2 * jnp.arange(kv_pages.shape[2] // 2, dtype=jnp.int32)[None, :]
-    # one gather each for K and V, picking their heads inside it ([n, Hkv, page_size, D], then head-minor)
     k = kv_pages[ids[:, None], :, heads]
     v = kv_pages[ids[:, None], :, heads + 1]
     return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
