@@ -14,6 +14,8 @@ that decode while the last row still waits, but not that time). Backends:
 - `hf`: transformers `generate` (eager PyTorch, its dynamic KV cache, greedy), the peer;
 - `pallas`: our engine with `engine.attention: pallas` (jax's Pallas GPU paged attention for decode steps);
 - `xla`: our engine with `engine.attention: xla`.
+Each of ours runs once per `--gpu-matmul` value (`engine.gpu_matmul`: auto = the Pallas kernel that reads a
+layer's weight inside the stacked one for few rows, xla = XLA's gemm after its copy of the layer's weight).
 `pass_ms`: the wall time of one decode pass inside a plan (plans of 4 and 36 passes after the same prefill, the
 difference over 32), so a per-token time well above it is the scheduler's and the plans' round trips, and one
 near it is the step program itself. Quality beside speed: the greedy tokens of row 0 at batch 1 from each of ours against transformers', as the
@@ -23,6 +25,7 @@ is tests/test_gpu.py's job).
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --out gpu_decode.json
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends hf,pallas --prefill-chunks 256,2048
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends pallas --batches 1,8 --profile /tmp/prof
+    JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends hf,pallas --batches 1,8 --gpu-matmul auto,xla
     python benchmarks/gpu_decode.py --summarize /tmp/prof/pallas-256/plugins/profile/*/perfetto_trace.json.gz
     JAX_PLATFORMS=cpu python benchmarks/gpu_decode.py --shape tiny --batches 1,4 --new-tokens 16   # a dry run
 
@@ -149,7 +152,7 @@ def bench_hf(model, prompts: list[list[int]], batches: list[int], new_tokens: in
 
 
 def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]], batches: list[int],
-               new_tokens: int, profile: Path | None = None) -> dict:
+               new_tokens: int, profile: Path | None = None, gpu_matmul: str = "auto") -> dict:
     import jax
     import numpy as np
 
@@ -171,7 +174,8 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
     params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "bfloat16", 8, progress=False)
     model_cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", max_seq_len=MAX_SEQ_LEN)
     engine_cfg = EngineConfig(max_slots=slots, prefill_buckets=[64, MAX_SEQ_LEN], max_new_tokens=new_tokens,
-                              attention=attention, compilation_cache_dir=None, prefill_chunk=chunk)
+                              attention=attention, compilation_cache_dir=None, prefill_chunk=chunk,
+                              gpu_matmul=gpu_matmul)
     engine = Engine(family, cfg, params, mesh, rules, model_cfg, engine_cfg)
     load_s = time.perf_counter() - t0
     compile_s = engine.warmup()
@@ -208,14 +212,16 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
         return 1e3 * (walls[3] - walls[2]) / 32  # the second pair: the first compiles nothing new, but warms
 
     out: dict = {"backend": f"raydeploy engine (JAX {jax.__version__}, attention {attention}, bfloat16, "
-                            f"max_slots {slots}, decode_steps {engine.decode_steps}, prefill_chunk {chunk})",
+                            f"max_slots {slots}, decode_steps {engine.decode_steps}, prefill_chunk {chunk}, "
+                            f"gpu_matmul {gpu_matmul})",
+                 "stacked_matmul": engine.programs_set.stacked_matmul or "in use",
                  "load_s": load_s, "compile_s": sum(compile_s.values()), "programs": len(compile_s), "batches": {}}
     out["pass_ms"] = {str(b): pass_ms(b) for b in batches if b <= 8}
     if profile is not None:  # one batch-1 plan of 36 passes under the profiler: per-kernel device times
         from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
 
         item = PrefillItem(0, np.asarray(prompts[0], np.int32), SamplingParams())
-        where = profile / f"{attention}-{chunk}"
+        where = profile / f"{attention}-{chunk}-{gpu_matmul}"
         with jax.profiler.trace(str(where), create_perfetto_trace=True):
             engine.step(StepPlan(3000, prefills=(item,), decode=True, decode_steps=36))
         engine.step(StepPlan(3001, release=(0,)))
@@ -237,6 +243,9 @@ def main() -> int:
     ap.add_argument("--prefill-chunks", default="256", help="comma-separated engine.prefill_chunk values; each of "
                                                              "our backends runs once per value")
     ap.add_argument("--backends", default="hf,pallas,xla", help="comma-separated: hf, pallas, xla")
+    ap.add_argument("--gpu-matmul", default="auto", help="comma-separated engine.gpu_matmul values (auto: the Pallas "
+                    "kernel for few rows by a layer's stacked weight; xla: XLA's gemm); each of our backends runs "
+                    "once per value")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_decode.json")
     ap.add_argument("--profile", type=Path, default=None, help="a folder: trace one batch-1 plan (a prefill and "
                     "36 decode passes) per engine backend there (jax.profiler, with a Perfetto trace), and record "
@@ -278,9 +287,11 @@ def main() -> int:
         result["convert_s"] = time.perf_counter() - t
         for attention in [b for b in backends if b != "hf"]:
             for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
-                result["results"].append(bench_ours(Path(tmp) / "ckpt", attention, chunk, prompts, batches,
-                                                    args.new_tokens, args.profile))
-            print(json.dumps({k: v for k, v in result["results"][-1].items() if k != "greedy_tokens"}), flush=True)
+                for gpu_matmul in args.gpu_matmul.split(","):
+                    result["results"].append(bench_ours(Path(tmp) / "ckpt", attention, chunk, prompts, batches,
+                                                        args.new_tokens, args.profile, gpu_matmul))
+                    print(json.dumps({k: v for k, v in result["results"][-1].items() if k != "greedy_tokens"}),
+                          flush=True)
     ref = next((r for r in result["results"] if r["backend"].startswith("transformers")), None)
     for r in result["results"]:
         if ref is not None and r is not ref:

@@ -70,9 +70,9 @@ def converted(request, tmp_path_factory) -> dict[str, Any]:
 
 
 def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring", page_size: int = 8,
-            attention: str = "auto", backends: Any = None) -> Any:
+            attention: str = "auto", backends: Any = None, param_dtype: str = "float32", **engine_kw: Any) -> Any:
     """An engine over the converted checkpoint; `backends`: attention functions to use instead of those that
-    `attention` names (`Attention` or one function)."""
+    `attention` names (`Attention` or one function); `engine_kw`: other `EngineConfig` fields."""
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
     from raydeploy.engine.engine import Engine
@@ -84,10 +84,12 @@ def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring", p
     rules = merge_rules(None)
     reader = CheckpointReader(ckpt)
     family, cfg = from_hf_config(reader.hf_config)
-    params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "float32", 2, progress=False)
+    params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, param_dtype, 2, progress=False)
     engine_cfg = EngineConfig(max_slots=2, page_size=page_size, prefill_chunk=16, decode_steps=4,
-                              compilation_cache_dir=None, warmup=False, window_pages=window_pages, attention=attention)
-    return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg, backends)
+                              compilation_cache_dir=None, warmup=False, window_pages=window_pages, attention=attention,
+                              **engine_kw)
+    return Engine(family, cfg, params, mesh, rules, ModelConfig(max_seq_len=MAX_SEQ_LEN, param_dtype=param_dtype),
+                  engine_cfg, backends)
 
 
 def _engine_greedy(engine: Any) -> tuple[list[int], list[float]]:
@@ -506,3 +508,60 @@ def test_moe_layer_scan_takes_one_kind():
     assert seen == ["global"] and float(total) == cfg.num_layers * cfg.hidden_size  # one traced layer, scanned
     with pytest.raises(ValueError, match=r"an MoE layer stack scans layers of one kind, got kinds \[False, True\]"):
         stack.scan(body, jnp.float32(0), kinds=(True, False))
+
+
+@pytest.mark.parametrize("kind,mesh_shape", [("qwen3", {"tp": 1}), ("gemma3_text", {"dp": 2})])
+def test_stacked_matmul_reads_layers_in_place(kind, mesh_shape, tmp_path):
+    """`engine.gpu_matmul: pallas` (what auto is on a GPU), here in Pallas interpret mode: a step's few rows by a
+    layer's bfloat16 weights go to the kernel that takes the whole stack and the layer index, so no program
+    slices a projection weight out of the stack; the tokens and logprobs are those of XLA's gemm over the same
+    weights (the same bfloat16 products, float32 sums in another order). Qwen3 on one device; Gemma 3 (layers
+    in blocks of its pattern, static kinds as on a GPU) over dp=2, each group's rows through the kernel."""
+    from raydeploy.engine.attention import Attention, xla
+
+    case = _convert(kind, tmp_path)
+    kw = dict(param_dtype="bfloat16", kernel_layout="in_out", cpu_matmul="xla", unroll_layers="off",
+              backends=Attention(xla.ragged_paged_attention, static_layer_kinds=kind == "gemma3_text"))
+    ours = _engine(case["ckpt"], mesh_shape, gpu_matmul="pallas", **kw)
+    peer = _engine(case["ckpt"], mesh_shape, gpu_matmul="xla", **kw)
+    assert ours.programs_set.stacked_matmul is None
+    assert peer.programs_set.stacked_matmul == "engine.gpu_matmul is xla on cpu"
+    tokens, logprobs = _engine_greedy(ours)
+    want_tokens, want_logprobs = _engine_greedy(peer)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(logprobs, want_logprobs, atol=2e-3, rtol=0)
+    # bfloat16 weights still follow transformers' greedy path on this tiny model for the first tokens
+    assert tokens[:8] == case["greedy"][:8]
+
+    def kernel_calls(engine: Any) -> int:
+        return sum(e.primitive.name == "pallas_call" and str(e.params.get("name", "")).startswith("stacked_matmul")
+                   for e, _ in walk(_step_jaxpr(engine, False)))
+
+    assert kernel_calls(peer) == 0
+    # every projection of a layer: q, k, v, o, gate, up, down (Gemma 3: per layer of its block)
+    per_layer = 7
+    assert kernel_calls(ours) % per_layer == 0 and kernel_calls(ours) >= per_layer
+
+
+def test_stacked_matmul_choice_says_why_not():
+    """Where the kernel does not apply, the engine says why (and multiplies in XLA)."""
+    from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.engine.programs import ProgramSet
+    from raydeploy.model.registry import from_hf_config
+    from raydeploy.model.sharding import build_mesh, merge_rules
+
+    family, cfg = from_hf_config(TINY["qwen3"])
+
+    def why(mesh_shape: dict[str, int], param_dtype: str = "bfloat16", **kw: Any) -> str | None:
+        n = int(np.prod(list(mesh_shape.values())))
+        engine_cfg = EngineConfig(max_slots=2, page_size=8, prefill_chunk=16, compilation_cache_dir=None,
+                                  warmup=False, **{"gpu_matmul": "pallas", "kernel_layout": "in_out", **kw})
+        ps = ProgramSet(family, cfg, build_mesh(mesh_shape, jax.devices()[:n]), merge_rules(None),
+                        ModelConfig(max_seq_len=MAX_SEQ_LEN, param_dtype=param_dtype), engine_cfg)
+        return ps.stacked_matmul
+
+    assert why({"dp": 2}) is None
+    assert why({"tp": 1}, gpu_matmul="auto") == "engine.gpu_matmul is auto on cpu"
+    assert why({"tp": 1}, "float32") == "param_dtype float32 (the kernel multiplies bfloat16 weights)"
+    assert why({"tp": 1}, kernel_layout="out_in") == "kernel layout out_in (the kernel reads in_out weights)"
+    assert why({"tp": 2}) == "the mesh splits weights over {'tp': 2} (the kernel needs them replicated)"

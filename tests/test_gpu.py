@@ -9,7 +9,10 @@ shapes alone; here the Triton kernel is really compiled and run:
   transformers' 32 greedy tokens, their logprobs within 1e-3 and the last-position logits within 1e-3, as
   tests/test_engine_families.py checks on CPU, with no cond in any layer loop of its step programs (Gemma 3's
   layers scanned in blocks of their local/global pattern). Float32 matmuls run at full precision here (JAX on
-  a GPU would otherwise use TF32).
+  a GPU would otherwise use TF32);
+- the matmul of few rows by one layer of a stacked weight (`stacked_matmul`, compiled Triton) equals XLA's dot at
+  Llama-3.2-1B's MLP shapes, and an engine with it (`engine.gpu_matmul: auto`, bfloat16 weights) gives the
+  greedy tokens and logprobs of one with XLA's gemm (`xla`), the kernel in its step programs.
 
     JAX_PLATFORMS=cuda python -m pytest tests/test_gpu.py
 """
@@ -31,8 +34,18 @@ if jax.devices()[0].platform != "gpu":
     pytest.skip(f"no GPU: JAX's devices are {jax.devices()}", allow_module_level=True)
 
 from raydeploy.engine.attention import pallas_gpu, xla  # noqa: E402
+from raydeploy.model import stacked_matmul  # noqa: E402
+from tests.jaxpr_walk import walk  # noqa: E402
 from tests.test_attention import SCALE, assert_matches, make_step  # noqa: E402
-from tests.test_engine_families import CASES, _check, _conds_in_loops, _convert, _engine, _step_jaxpr  # noqa: E402
+from tests.test_engine_families import (  # noqa: E402
+    CASES,
+    _check,
+    _conds_in_loops,
+    _convert,
+    _engine,
+    _engine_greedy,
+    _step_jaxpr,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -91,3 +104,31 @@ def test_llama_engine_on_gpu_with_xla_attention_matches_transformers(page_size, 
     case = _convert("llama", tmp_path_factory.mktemp("gpu-llama-xla"), LLAMA)
     _check(_engine(case["ckpt"], {"tp": 1}, page_size=page_size, attention="xla"), case)
     _check(_engine(case["ckpt"], {"tp": 1}, page_size=page_size, attention="pallas"), case)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("k,n", [(2048, 8192), (8192, 2048), (2048, 512)])
+def test_compiled_stacked_matmul_matches_xla(rows, k, n):
+    w = jax.random.normal(jax.random.key(1), (4, k, n)).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(2), (rows, k)).astype(jnp.bfloat16)
+    fn = jax.jit(stacked_matmul.stacked_matmul)
+    assert "triton" in fn.lower(x, w, jnp.int32(2)).as_text()
+    got = fn(x, w, jnp.int32(2)).astype(jnp.float32)
+    want = jnp.dot(x.astype(jnp.float32), w[2].astype(jnp.float32))
+    scale = float(jnp.max(jnp.abs(want)))
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-2 * scale
+
+
+def test_engine_on_gpu_with_stacked_matmul_matches_xla_gemm(tmp_path_factory):
+    case = _convert("llama", tmp_path_factory.mktemp("gpu-llama-bf16"), LLAMA)
+    kw = dict(page_size=16, attention="pallas", param_dtype="bfloat16")
+    ours = _engine(case["ckpt"], {"tp": 1}, **kw)
+    peer = _engine(case["ckpt"], {"tp": 1}, gpu_matmul="xla", **kw)
+    assert ours.programs_set.stacked_matmul is None
+    tokens, logprobs = _engine_greedy(ours)
+    want_tokens, want_logprobs = _engine_greedy(peer)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= 2e-3
+    calls = [e for e, _ in walk(_step_jaxpr(ours, True)) if e.primitive.name == "pallas_call"
+             and str(e.params.get("name", "")).startswith("stacked_matmul")]
+    assert len(calls) == 7  # q, k, v, o, gate, up, down of the scanned layer

@@ -55,7 +55,7 @@ from raydeploy.engine.kv_cache import (
     step_tokens,
 )
 from raydeploy.engine.sampling import chunks_for_shards, sample
-from raydeploy.model import native
+from raydeploy.model import native, stacked_matmul
 from raydeploy.model.llama import DTYPES, ActivationSharding, unroll_layers
 from raydeploy.model.registry import Family
 from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
@@ -262,6 +262,9 @@ class ProgramSet:
         if (engine_cfg.unroll_layers == "auto" and platform in UNROLL_PLATFORMS
                 and getattr(type(self.model(leaves).layers), "unrollable", False)):
             self.unrolled_tokens = frozenset({UNROLL_MAX_TOKENS})
+        self.stacked_matmul = self._stacked_matmul(engine_cfg.gpu_matmul, model_cfg, leaves)
+        """Why the step programs keep XLA's gemm for few rows by stacked weights, or None when they use the Pallas
+        kernel that reads a layer's weight inside the stack (`raydeploy.model.stacked_matmul`)."""
         self.groups = self.shard.slot_groups
         # the logits keep the LM head's vocabulary sharding into sampling (no all-gather of [rows, vocab])
         vocab_axes = logical_to_mesh_axes(("vocab",), self.rules, mesh_shape, "LM head")[0] or ()
@@ -337,6 +340,23 @@ class ProgramSet:
         if others:
             return f"the mesh splits weights over {others} (the kernel needs them replicated)"
         return native.unavailable()
+
+    def _stacked_matmul(self, choice: str, model_cfg: ModelConfig, leaves: list[Any]) -> str | None:
+        """Why the step programs keep XLA's gemm for few rows by a layer's weights, or None when they call
+        `stacked_matmul` (`engine.gpu_matmul`: auto on a GPU, pallas anywhere; bfloat16 weights, in_out, replicated
+        over a dp-only mesh, layers scanned by `scan_layers`)."""
+        others = {a: n for a, n in dict(self.mesh.shape).items() if a not in self.dp_axes and n > 1}
+        if choice == "xla" or (choice == "auto" and self.platform != "gpu"):
+            return f"engine.gpu_matmul is {choice} on {self.platform}"
+        if model_cfg.param_dtype != "bfloat16":
+            return f"param_dtype {model_cfg.param_dtype} (the kernel multiplies bfloat16 weights)"
+        if self.kernel_layout != "in_out":
+            return f"kernel layout {self.kernel_layout} (the kernel reads in_out weights)"
+        if others:
+            return f"the mesh splits weights over {others} (the kernel needs them replicated)"
+        if not getattr(type(self.model(leaves).layers), "unrollable", False):
+            return f"{type(self.model(leaves).layers).__name__} layers pass no layer slices (`scan_layers`)"
+        return None
 
     # -- the list of programs
     def shapes(self) -> list[ProgramShape]:
@@ -577,7 +597,9 @@ class ProgramSet:
         attention = self.attention.single_token if single_token else self.attention.ragged
         if attention is None:
             raise ValueError("a single-token step program needs an attention with a single-token path")
-        with (native.rows_over(self.mesh, self.dp_axes) if self.native_matmul is None else contextlib.nullcontext()):
+        with (native.rows_over(self.mesh, self.dp_axes) if self.native_matmul is None else contextlib.nullcontext()), \
+                (stacked_matmul.rows_over(self.mesh, self.dp_axes, interpret=self.platform != "gpu")
+                 if self.stacked_matmul is None else contextlib.nullcontext()):
             return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer, attention)
 
     def _step_body(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer, attention: AttentionFn):

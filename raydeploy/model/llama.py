@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raydeploy.model import native
+from raydeploy.model import native, stacked_matmul
 from raydeploy.model.spec import (
     KERNEL_LAYOUTS,
     DecoderShape,
@@ -150,9 +150,12 @@ def _matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array:
     Lower-precision weights (bfloat16 params, float32 activations) multiply natively with float32
     accumulation: casting the weight up instead would rewrite it every step on XLA CPU.
 
-    Inside an engine step that asked for it (`native.rows_over`), few float32 rows go to the native CPU kernel,
-    and w may be a `native.LayerSlice` (one layer of the stacked weight, passed whole)."""
+    Inside an engine step that asked for it (`native.rows_over`), few float32 rows go to the native CPU kernel;
+    on a GPU (`stacked_matmul.rows_over`), few rows times a layer of bfloat16 weights go to a Pallas kernel. In
+    either, w may be a `native.LayerSlice` (one layer of the stacked weight, passed whole)."""
     if (y := native.matmul(x, w, out_first)) is not None:
+        return y
+    if (y := stacked_matmul.matmul(x, w, out_first)) is not None:
         return y
     if isinstance(w, native.LayerSlice):
         w = w.materialize()
@@ -344,7 +347,7 @@ def scan_layers(stack: nnx.Module, body: Any, carry: Any, xs: Any = None,
             ys.append(y)
         return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
     graphdef, state = nnx.split(stack)
-    whole = _whole_kernels(stack, state) if native.active() else None
+    whole = _whole_kernels(stack, state) if native.active() or stacked_matmul.active() else None
     if kinds is not None:
         return _scan_blocks(graphdef, state, whole, body, carry, xs, kinds)
     if whole is not None:

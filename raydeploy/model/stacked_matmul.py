@@ -1,0 +1,164 @@
+"""x @ w[layer] for a weight stacked over layers, read in place by a Pallas (Triton) kernel on a GPU.
+
+A decode step scans its layers over weights stacked [L, K, N]. XLA GPU copies each layer's slice of such a weight
+into a new buffer before a gemm (a dynamic slice is not a library call's operand), so at few rows, where the
+step is the weights' read, every weight is written and read twice (Llama-3.2-1B on an H100: 1.21 of 3.86 ms of a
+batch-1 pass). This kernel takes the whole stack and the layer index and reads that layer's tiles where they
+lie: grid (N / block_n, splits), each program a run of K in `block_k` steps, the splits' partial sums added
+after (few rows, so the partials are small).
+
+Rows are padded to 16 (Triton's dot needs 16 on each side); meant for the few rows of a decode step. The
+engine's step programs on a GPU (`engine.gpu_matmul: auto`) trace inside `rows_over`; the model's matmul then
+asks `matmul` first, which takes a `native.LayerSlice` of bfloat16 weights replicated over the mesh and at most
+`MAX_ROWS` rows per dp group, and returns None for anything else (XLA multiplies it, as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from raydeploy.model import native
+
+MIN_ROWS = 16
+MAX_ROWS = 64
+"""The most rows per dp group `matmul` sends to the kernel; more go to XLA's gemm (whose copy of the layer's weight
+is then shared by enough rows)."""
+TARGET_PROGRAMS = 264
+"""Programs to aim for (two per H100 multiprocessor): the splits of K are chosen to come near it."""
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def blocks_for(k: int, n: int, block_n: int = 128, block_k: int = 128) -> tuple[int, int, int]:
+    """(block_n, block_k, splits) for a [K, N] weight: the largest power-of-two blocks up to the given ones that
+    divide N and K, and the power-of-two split of K's steps that brings the grid nearest `TARGET_PROGRAMS`."""
+    while n % block_n:
+        block_n //= 2
+    while k % block_k:
+        block_k //= 2
+    if block_n < 16 or block_k < 16:
+        raise ValueError(f"stacked_matmul: a [{k}, {n}] weight has no power-of-two blocks of at least 16")
+    steps = k // block_k
+    splits = 1
+    while (steps % (2 * splits) == 0 and (n // block_n) * splits * 2 <= TARGET_PROGRAMS):
+        splits *= 2
+    return block_n, block_k, splits
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int) -> None:
+    layer = layer_ref[0]
+    split = pl.program_id(1)
+
+    def body(j, acc):
+        k0 = pl.multiple_of((split * steps + j) * block_k, block_k)
+        xs = x_ref[:, pl.ds(k0, block_k)]
+        ws = w_ref[layer, pl.ds(k0, block_k), :]
+        return acc + plgpu.dot(xs, ws)
+
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+@partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages"))
+def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, *, interpret: bool = False, num_warps: int = 4,
+                   num_stages: int = 3) -> jax.Array:
+    """x [M, K] @ w[layer] for w [L, K, N] -> [M, N] in x's dtype (float32 accumulation); `layer` an int32 scalar,
+    traced or not. w's dtype is x's (the kernel multiplies them as they are)."""
+    m, k = x.shape
+    n_layers, kw, n = w.shape
+    if kw != k:
+        raise ValueError(f"stacked_matmul: x [{m}, {k}] against a stacked weight {tuple(w.shape)}")
+    rows = max(MIN_ROWS, _pow2_at_least(m))
+    block_n, block_k, splits = blocks_for(k, n)
+    steps = k // block_k // splits
+    xp = jnp.pad(x.astype(w.dtype), ((0, rows - m), (0, 0)))
+    parts = pl.pallas_call(
+        partial(_kernel, block_k=block_k, steps=steps),
+        grid=(n // block_n, splits),
+        in_specs=[pl.BlockSpec((1,), lambda i, s: (0,)),
+                  pl.BlockSpec((rows, k), lambda i, s: (0, 0)),
+                  pl.BlockSpec((n_layers, k, block_n), lambda i, s: (0, 0, i))],
+        out_specs=pl.BlockSpec((None, rows, block_n), lambda i, s: (s, 0, i)),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, n), jnp.float32),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"stacked_matmul_{block_n}x{block_k}x{splits}",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, w)
+    return parts.sum(axis=0)[:m].astype(x.dtype)
+
+
+# -- where the engine's programs use it ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rows:
+    mesh: jax.sharding.Mesh
+    row_axes: tuple[str, ...]
+    groups: int
+    interpret: bool
+
+
+_ROWS: contextvars.ContextVar[_Rows | None] = contextvars.ContextVar("raydeploy_stacked_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str], interpret: bool = False) -> Iterator[None]:
+    """While tracing a program inside this block, `matmul` runs the kernel (`interpret`: in Pallas interpret mode,
+    off a GPU): activations' first dim split over `row_axes`, every weight replicated (the caller checks the
+    mesh: each other axis of size 1)."""
+    groups = 1
+    for a in row_axes:
+        groups *= int(mesh.shape[a])
+    token = _ROWS.set(_Rows(mesh, tuple(row_axes), groups, interpret))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def active() -> bool:
+    """Whether the program being traced runs inside `rows_over`."""
+    return _ROWS.get() is not None
+
+
+def applies(x: jax.Array, w: Any, out_first: bool = False) -> bool:
+    """Whether `matmul` takes x @ w in this trace: inside `rows_over`, x 2-D, w a `native.LayerSlice` of a
+    bfloat16 in_out weight (2-D as the layer sees it) with power-of-two blocks, at most `MAX_ROWS` rows per
+    group. A plain array stays with XLA, which reads it in place; float32 weights too, whose dot would round
+    through TF32 in the kernel."""
+    rows = _ROWS.get()
+    if (rows is None or out_first or not isinstance(w, native.LayerSlice) or x.ndim != 2 or len(w.shape) != 2
+            or w.dtype != jnp.bfloat16 or x.shape[0] % rows.groups or x.shape[0] // rows.groups > MAX_ROWS):
+        return False
+    try:
+        blocks_for(*w.shape)
+    except ValueError:
+        return False
+    return True
+
+
+def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
+    """x [M, K] @ w (a `native.LayerSlice` [K, N]) through the kernel on each dp group's rows, or None where it
+    does not apply (`applies`): the caller then multiplies in XLA."""
+    rows = _ROWS.get()
+    if rows is None or not applies(x, w, out_first):
+        return None
+    stack = w.stack.reshape(w.stack.shape[0], *w.shape)
+    layer = jnp.asarray(w.layer, jnp.int32)
+    fn = partial(_per_device, interpret=rows.interpret)
+    return native.per_group(rows.mesh, rows.row_axes, fn, x, stack, layer)  # type: ignore[no-any-return]
+
+
+def _per_device(x: jax.Array, stack: jax.Array, layer: jax.Array, *, interpret: bool) -> jax.Array:
+    return stacked_matmul(x, stack, layer, interpret=interpret)  # type: ignore[no-any-return]

@@ -1,0 +1,72 @@
+"""The GPU's matmul of few rows by one layer of a stacked weight (`raydeploy.model.stacked_matmul`), in Pallas
+interpret mode: against numpy, with the layer index traced inside a scan as the engine's layer loop has it.
+The compiled kernel runs in tests/test_gpu.py; the engine with it in tests/test_engine_families.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from raydeploy.model import native, stacked_matmul
+from raydeploy.model.stacked_matmul import applies, blocks_for, rows_over
+
+
+def _bf16(shape: tuple[int, ...], seed: int) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+@pytest.mark.parametrize("k,n", [(256, 512), (1024, 128)])
+def test_each_layer_of_the_stack(rows, k, n):
+    """Every layer's product, the index traced (a scan over layers), K split over several programs (1024 x 128:
+    8 steps of K in 8 splits) or not; rows padded to 16 and beyond it."""
+    layers = 3
+    w = _bf16((layers, k, n), 1)
+    x = _bf16((rows, k), 2)
+    _, _, splits = blocks_for(k, n)
+    if k == 1024:
+        assert splits > 1  # the split partial sums are exercised
+
+    def body(_: None, i: jax.Array) -> tuple[None, jax.Array]:
+        return None, stacked_matmul.stacked_matmul(x, w, i, interpret=True)
+
+    _, got = jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(layers, dtype=jnp.int32)))()
+    want = np.einsum("mk,lkn->lmn", np.asarray(x, np.float32), np.asarray(w, np.float32))
+    assert got.shape == (layers, rows, n) and got.dtype == jnp.bfloat16
+    # bfloat16 output: within a rounding of the float32 sum
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    assert not np.allclose(np.asarray(got[0], np.float32), want[1], atol=1e-2 * np.abs(want).max())
+
+
+def test_blocks_and_their_limits():
+    assert blocks_for(2048, 8192) == (128, 128, 4)        # Llama-3.2-1B gate/up: 64 x 4 = 256 programs
+    assert blocks_for(8192, 2048) == (128, 128, 16)       # its down projection: K split 16 ways
+    assert blocks_for(64, 96) == (32, 64, 1)
+    with pytest.raises(ValueError, match=r"a \[100, 96\] weight has no power-of-two blocks of at least 16"):
+        blocks_for(100, 96)
+
+
+def test_applies_only_to_layer_slices_of_few_bfloat16_rows():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    stack = jnp.zeros((2, 64, 128), jnp.bfloat16)
+    w = native.LayerSlice(stack, jnp.int32(1))
+    x = jnp.zeros((8, 64), jnp.float32)
+    assert not applies(x, w)  # outside an engine step that asked for it
+    with rows_over(mesh, ("dp",), interpret=True):
+        assert applies(x, w)
+        assert not applies(x, stack[1])  # a plain array: XLA reads it in place
+        assert not applies(x, w, out_first=True)
+        assert not applies(x, native.LayerSlice(stack.astype(jnp.float32), jnp.int32(1)))
+        assert not applies(jnp.zeros((stacked_matmul.MAX_ROWS + 1, 64)), w)
+        assert not applies(x, native.LayerSlice(jnp.zeros((2, 64, 100), jnp.bfloat16), jnp.int32(0)))
+        y = stacked_matmul.matmul(x + 1, w)
+    assert y is not None and y.shape == (8, 128) and y.dtype == jnp.float32
+    assert stacked_matmul.matmul(x, w) is None
+
+
+def test_wrong_shapes_are_named():
+    with pytest.raises(ValueError, match=r"x \[2, 32\] against a stacked weight \(3, 64, 128\)"):
+        stacked_matmul.stacked_matmul(jnp.zeros((2, 32), jnp.bfloat16), jnp.zeros((3, 64, 128), jnp.bfloat16),
+                                      jnp.int32(0), interpret=True)
