@@ -270,7 +270,7 @@ def main() -> int:
 
     result: dict = {"shape": args.shape, "config": SHAPES[args.shape], "new_tokens": args.new_tokens,
                     "jax": jax.__version__, "torch": torch.__version__, "device": str(jax.devices()[0].device_kind),
-                    "results": []}
+                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": []}
     print(f"jax {jax.__version__} on {jax.devices()}, torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
