@@ -219,11 +219,11 @@ class EngineConfig(_Section):
     bfloat16, dtype float32) from 1 to 128 rows per device. The decode rows' attention then runs in the native
     attention kernel too (2.5x faster than XLA's gathers). TPU and GPU: no effect. xla: always XLA."""
     gpu_matmul: Literal["auto", "xla", "pallas"] = "auto"
-    """auto: on a GPU, projections of up to 64 rows per dp group by bfloat16 weights replicated over the mesh (dp
-    only) run in a Pallas kernel that reads the layer's weight inside the stacked one (XLA GPU copies every
-    layer's weight out of the stack before a gemm: a decode pass then writes and rereads its weights); XLA's gemm
-    for the rest. pallas: the same on any platform (Pallas interpret mode off a GPU: slow, for checks). xla:
-    always XLA."""
+    """auto: on a GPU, projections of up to 64 rows per dp group by bfloat16 weights run in a Pallas kernel that
+    reads the layer's weight inside the stacked one (XLA GPU copies every layer's weight out of the stack before
+    a gemm: a decode pass then writes and rereads its weights), each device on its shard of a weight split over
+    tp or fsdp; XLA's gemm for the rest. pallas: the same on any platform (Pallas interpret mode off a GPU: slow,
+    for checks). xla: always XLA."""
     window_pages: Literal["ring", "all"] = "ring"
     """KV pages of a model's sliding-window layers (Gemma 3's local layers, Mistral's window): ring = each slot
     keeps a ring of pages covering the window plus one step's chunk, in a pool of their own, and the other

@@ -510,13 +510,15 @@ def test_moe_layer_scan_takes_one_kind():
         stack.scan(body, jnp.float32(0), kinds=(True, False))
 
 
-@pytest.mark.parametrize("kind,mesh_shape", [("qwen3", {"tp": 1}), ("gemma3_text", {"dp": 2})])
+@pytest.mark.parametrize("kind,mesh_shape", [("qwen3", {"tp": 1}), ("qwen3", {"tp": 2}), ("gemma3_text", {"dp": 2})])
 def test_stacked_matmul_reads_layers_in_place(kind, mesh_shape, tmp_path):
     """`engine.gpu_matmul: pallas` (what auto is on a GPU), here in Pallas interpret mode: a step's few rows by a
     layer's bfloat16 weights go to the kernel that takes the whole stack and the layer index, so no program
     slices a projection weight out of the stack; the tokens and logprobs are those of XLA's gemm over the same
-    weights (the same bfloat16 products, float32 sums in another order). Qwen3 on one device; Gemma 3 (layers
-    in blocks of its pattern, static kinds as on a GPU) over dp=2, each group's rows through the kernel."""
+    weights (the same bfloat16 products, float32 sums in another order). Qwen3 on one device and over tp=2
+    (each device multiplies by its shard: q, k, v, gate and up split by columns, o and down by rows and summed
+    over tp); Gemma 3 (layers in blocks of its pattern, static kinds as on a GPU) over dp=2, each group's rows
+    through the kernel."""
     from raydeploy.engine.attention import Attention, xla
 
     case = _convert(kind, tmp_path)
@@ -524,8 +526,9 @@ def test_stacked_matmul_reads_layers_in_place(kind, mesh_shape, tmp_path):
               backends=Attention(xla.ragged_paged_attention, static_layer_kinds=kind == "gemma3_text"))
     ours = _engine(case["ckpt"], mesh_shape, gpu_matmul="pallas", **kw)
     peer = _engine(case["ckpt"], mesh_shape, gpu_matmul="xla", **kw)
-    assert ours.programs_set.stacked_matmul is None
+    assert ours.programs_set.stacked_matmul is None and ours.matmul == "pallas"
     assert peer.programs_set.stacked_matmul == "engine.gpu_matmul is xla on cpu"
+    assert peer.matmul == "xla (engine.cpu_matmul is xla)"  # on CPU the status names the CPU kernel's reason
     tokens, logprobs = _engine_greedy(ours)
     want_tokens, want_logprobs = _engine_greedy(peer)
     assert tokens == want_tokens
@@ -564,4 +567,5 @@ def test_stacked_matmul_choice_says_why_not():
     assert why({"tp": 1}, gpu_matmul="auto") == "engine.gpu_matmul is auto on cpu"
     assert why({"tp": 1}, "float32") == "param_dtype float32 (the kernel multiplies bfloat16 weights)"
     assert why({"tp": 1}, kernel_layout="out_in") == "kernel layout out_in (the kernel reads in_out weights)"
-    assert why({"tp": 2}) == "the mesh splits weights over {'tp': 2} (the kernel needs them replicated)"
+    assert why({"tp": 2}) is None  # each device multiplies by its shard
+    assert why({"tp": 1}, unroll_layers="off") is None

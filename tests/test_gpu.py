@@ -124,7 +124,8 @@ def test_engine_on_gpu_with_stacked_matmul_matches_xla_gemm(tmp_path_factory):
     kw = dict(page_size=16, attention="pallas", param_dtype="bfloat16")
     ours = _engine(case["ckpt"], {"tp": 1}, **kw)
     peer = _engine(case["ckpt"], {"tp": 1}, gpu_matmul="xla", **kw)
-    assert ours.programs_set.stacked_matmul is None
+    assert ours.programs_set.stacked_matmul is None and ours.matmul == "pallas"
+    assert peer.matmul == "xla (engine.gpu_matmul is xla on gpu)"
     tokens, logprobs = _engine_greedy(ours)
     want_tokens, want_logprobs = _engine_greedy(peer)
     assert tokens == want_tokens

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from raydeploy.model import native, stacked_matmul
-from raydeploy.model.stacked_matmul import applies, blocks_for, rows_over
+from jax.sharding import NamedSharding, PartitionSpec
+
+from raydeploy.model.stacked_matmul import applies, blocks_for, merged_spec, rows_over
 
 
 def _bf16(shape: tuple[int, ...], seed: int) -> jax.Array:
@@ -60,7 +62,8 @@ def test_applies_only_to_layer_slices_of_few_bfloat16_rows():
         assert not applies(x, w, out_first=True)
         assert not applies(x, native.LayerSlice(stack.astype(jnp.float32), jnp.int32(1)))
         assert not applies(jnp.zeros((stacked_matmul.MAX_ROWS + 1, 64)), w)
-        assert not applies(x, native.LayerSlice(jnp.zeros((2, 64, 100), jnp.bfloat16), jnp.int32(0)))
+        # no power-of-two blocks of at least 16 in a 100-wide weight
+        assert stacked_matmul.matmul(x, native.LayerSlice(jnp.zeros((2, 64, 100), jnp.bfloat16), jnp.int32(0))) is None
         y = stacked_matmul.matmul(x + 1, w)
     assert y is not None and y.shape == (8, 128) and y.dtype == jnp.float32
     assert stacked_matmul.matmul(x, w) is None
@@ -70,3 +73,45 @@ def test_wrong_shapes_are_named():
     with pytest.raises(ValueError, match=r"x \[2, 32\] against a stacked weight \(3, 64, 128\)"):
         stacked_matmul.stacked_matmul(jnp.zeros((2, 32), jnp.bfloat16), jnp.zeros((3, 64, 128), jnp.bfloat16),
                                       jnp.int32(0), interpret=True)
+
+
+def test_merged_spec_carries_a_split_through_merged_dims():
+    assert merged_spec((None, "tp", None), (64, 4, 16), (64, 64)) == (None, "tp")      # [embed, heads, hd]
+    assert merged_spec(("tp", None, None), (4, 16, 64), (64, 64)) == ("tp", None)      # [heads, hd, embed]
+    assert merged_spec((None, None), (64, 96), (64, 96)) == (None, None)
+    assert merged_spec((None, None, "tp"), (64, 4, 16), (64, 64)) is None              # a split minor dim
+    assert merged_spec((None, None), (64, 96), (96, 64)) is None                       # not a merge
+
+
+@pytest.mark.parametrize("split", ["columns", "rows", "both", "replicated"])
+def test_each_device_multiplies_its_shard(split):
+    """Over a dp=2 x tp=2 mesh (rows over dp): a weight split by columns over tp keeps the split in the output; one
+    split by rows (K) sums the devices' parts over tp; both at once; and replicated weights (no specs). All
+    equal numpy."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    entry = {"columns": (None, None, "tp"), "rows": (None, "tp", None), "both": (None, "tp", "dp"),
+             "replicated": (None, None, None)}[split]
+    layers, k, n = 2, 128, 256
+    stack = _bf16((layers, k, n), 3)
+    x = _bf16((8, k), 4).astype(jnp.float32)
+    specs = None if split == "replicated" else {"mlp.up_proj.kernel": PartitionSpec(*entry)}
+
+    @jax.jit
+    def run(x: jax.Array, stack: jax.Array) -> jax.Array | None:
+        with rows_over(mesh, ("dp",), interpret=True, specs=specs):
+            return stacked_matmul.matmul(x, native.LayerSlice(stack, jnp.int32(1), name="mlp.up_proj.kernel"))
+
+    stack = jax.device_put(stack, NamedSharding(mesh, PartitionSpec(*entry)))
+    if split == "both":  # the rows are split over dp already: the kernel cannot also split the weight over it
+        assert run(x, stack) is None
+        return
+    got = run(x, stack)
+    want = np.asarray(x.astype(jnp.bfloat16), np.float32) @ np.asarray(stack[1], np.float32)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_unknown_weight_stays_with_xla():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    w = native.LayerSlice(jnp.zeros((2, 64, 128), jnp.bfloat16), jnp.int32(0), name="attn.q_proj.kernel")
+    with rows_over(mesh, ("dp",), interpret=True, specs={"mlp.up_proj.kernel": PartitionSpec()}):
+        assert stacked_matmul.matmul(jnp.ones((4, 64)), w) is None

@@ -133,9 +133,14 @@ class Engine:
     @property
     def matmul(self) -> str:
         """What multiplies the step programs' few rows by the weights: "native" (the CPU kernel,
-        `raydeploy.model.native`) or "xla (why not native)"; hosts report it in their status."""
-        reason = self.programs_set.native_matmul
-        return "native" if reason is None else f"xla ({reason})"
+        `raydeploy.model.native`), "pallas" (the GPU's stacked-weight kernel, `raydeploy.model.stacked_matmul`)
+        or "xla (why not the platform's kernel)"; hosts report it in their status."""
+        ps = self.programs_set
+        if ps.native_matmul is None:
+            return "native"
+        if ps.stacked_matmul is None:
+            return "pallas"
+        return f"xla ({ps.stacked_matmul if ps.platform == 'gpu' else ps.native_matmul})"
 
     @property
     def mixed_step_tokens(self) -> int | None:

@@ -258,6 +258,8 @@ class ProgramSet:
         self.abstract_params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                                 for x, s in zip(leaves, self.param_shardings, strict=True)]
         self.layer_leaves = [i for i, n in enumerate(names) if n.startswith("layers.")]
+        self.layer_specs = {names[i].removeprefix("layers."): self.param_shardings[i].spec for i in self.layer_leaves}
+        """Each stacked layer parameter's partition, by its path in the layer module (`stacked_matmul.rows_over`)."""
         self.unrolled_tokens: frozenset[int] = frozenset()
         if (engine_cfg.unroll_layers == "auto" and platform in UNROLL_PLATFORMS
                 and getattr(type(self.model(leaves).layers), "unrollable", False)):
@@ -343,17 +345,14 @@ class ProgramSet:
 
     def _stacked_matmul(self, choice: str, model_cfg: ModelConfig, leaves: list[Any]) -> str | None:
         """Why the step programs keep XLA's gemm for few rows by a layer's weights, or None when they call
-        `stacked_matmul` (`engine.gpu_matmul`: auto on a GPU, pallas anywhere; bfloat16 weights, in_out, replicated
-        over a dp-only mesh, layers scanned by `scan_layers`)."""
-        others = {a: n for a, n in dict(self.mesh.shape).items() if a not in self.dp_axes and n > 1}
+        `stacked_matmul` (`engine.gpu_matmul`: auto on a GPU, pallas anywhere; bfloat16 weights, in_out, layers
+        scanned by `scan_layers`)."""
         if choice == "xla" or (choice == "auto" and self.platform != "gpu"):
             return f"engine.gpu_matmul is {choice} on {self.platform}"
         if model_cfg.param_dtype != "bfloat16":
             return f"param_dtype {model_cfg.param_dtype} (the kernel multiplies bfloat16 weights)"
         if self.kernel_layout != "in_out":
             return f"kernel layout {self.kernel_layout} (the kernel reads in_out weights)"
-        if others:
-            return f"the mesh splits weights over {others} (the kernel needs them replicated)"
         if not getattr(type(self.model(leaves).layers), "unrollable", False):
             return f"{type(self.model(leaves).layers).__name__} layers pass no layer slices (`scan_layers`)"
         return None
@@ -598,7 +597,7 @@ class ProgramSet:
         if attention is None:
             raise ValueError("a single-token step program needs an attention with a single-token path")
         with (native.rows_over(self.mesh, self.dp_axes) if self.native_matmul is None else contextlib.nullcontext()), \
-                (stacked_matmul.rows_over(self.mesh, self.dp_axes, interpret=self.platform != "gpu")
+                (stacked_matmul.rows_over(self.mesh, self.dp_axes, self.platform != "gpu", self.layer_specs)
                  if self.stacked_matmul is None else contextlib.nullcontext()):
             return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer, attention)
 

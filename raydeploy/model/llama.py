@@ -366,8 +366,8 @@ def kinds_period(kinds: Sequence[Any]) -> int:
     return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
 
 
-def _scan_blocks(graphdef: Any, state: nnx.State, whole: Sequence[bool] | None, body: Any, carry: Any, xs: Any,
-                 kinds: Sequence[Any]) -> tuple[Any, Any]:
+def _scan_blocks(graphdef: Any, state: nnx.State, whole: Sequence[str | None] | None, body: Any, carry: Any,
+                 xs: Any, kinds: Sequence[Any]) -> tuple[Any, Any]:
     """`scan_layers` with a static kind per layer: `lax.scan` over blocks of `kinds_period(kinds)` layers, each
     block's layers unrolled in the body with their own kind, then the remaining layers unrolled. Each layer
     reads its slices of the stacked leaves by index (what `lax.scan` does with its xs; no leaf is sliced or
@@ -378,13 +378,13 @@ def _scan_blocks(graphdef: Any, state: nnx.State, whole: Sequence[bool] | None, 
         raise ValueError(f"{len(kinds)} layer kinds for a stack of {n} layers")
     period = kinds_period(kinds)
     blocks = n // period
-    mask = list(whole) if whole is not None else [False] * len(leaves)
+    names = list(whole) if whole is not None else [None] * len(leaves)
 
     def at(a: jax.Array, i: Any) -> jax.Array:
         return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
 
     def layer(c: Any, i: Any, kind: Any) -> tuple[Any, Any]:
-        per = [native.LayerSlice(x, i) if w else at(x, i) for x, w in zip(leaves, mask, strict=True)]
+        per = [native.LayerSlice(x, i, name=w) if w else at(x, i) for x, w in zip(leaves, names, strict=True)]
         x = None if xs is None else jax.tree.map(lambda a: at(a, i), xs)
         return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, per)), c, x, kind)  # type: ignore[no-any-return]
 
@@ -406,24 +406,26 @@ def _scan_blocks(graphdef: Any, state: nnx.State, whole: Sequence[bool] | None, 
     return carry, ys
 
 
-def _whole_kernels(stack: nnx.Module, state: nnx.State) -> list[bool] | None:
-    """Per state leaf of a stacked layer module, whether it is the kernel of an in_out projection (`Dense`,
-    `HeadsProj`, `OutProj`), which the native matmul reads whole with a layer index; None when there is none or
-    the module's scan is not this one (`unrollable`)."""
+def _whole_kernels(stack: nnx.Module, state: nnx.State) -> list[str | None] | None:
+    """Per state leaf of a stacked layer module, its path ("attn.q_proj.kernel") when it is the kernel of an
+    in_out projection (`Dense`, `HeadsProj`, `OutProj`), which the native and stacked matmuls read whole with a
+    layer index, else None; None when there is no such kernel or the module's scan is not this one
+    (`unrollable`)."""
     if not getattr(type(stack), "unrollable", False):
         return None
-    mask = []
+    found: list[str | None] = []
     for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
         owner: Any = stack
         for name in names[:-1]:
             owner = getattr(owner, str(name), None)
-        mask.append(names[-1:] == ["kernel"] and isinstance(owner, (Dense, HeadsProj, OutProj))
-                    and not owner.out_first)
-    return mask if any(mask) else None
+        whole = (names[-1:] == ["kernel"] and isinstance(owner, (Dense, HeadsProj, OutProj))
+                 and not owner.out_first)
+        found.append(".".join(map(str, names)) if whole else None)
+    return found if any(found) else None
 
 
-def _scan_whole_kernels(graphdef: Any, state: nnx.State, whole: Sequence[bool], body: Any, carry: Any,
+def _scan_whole_kernels(graphdef: Any, state: nnx.State, whole: Sequence[str | None], body: Any, carry: Any,
                         xs: Any) -> tuple[Any, Any]:
     """`lax.scan` over the layers where the projection kernels stay stacked (loop invariants, each layer's
     module holding a `native.LayerSlice` of them) and only the other leaves are sliced per layer."""
@@ -435,7 +437,7 @@ def _scan_whole_kernels(graphdef: Any, state: nnx.State, whole: Sequence[bool], 
     def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
         rest, x, i = per_layer
         rest_it, kern_it = iter(rest), iter(kernels)
-        layer_leaves = [native.LayerSlice(next(kern_it), i) if w else next(rest_it) for w in whole]
+        layer_leaves = [native.LayerSlice(next(kern_it), i, name=w) if w else next(rest_it) for w in whole]
         return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, layer_leaves)), c, x)
 
     return jax.lax.scan(step, carry, (sliced, xs, jnp.arange(n, dtype=jnp.int32)))

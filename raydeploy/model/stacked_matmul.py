@@ -9,15 +9,17 @@ after (few rows, so the partials are small).
 
 Rows are padded to 16 (Triton's dot needs 16 on each side); meant for the few rows of a decode step. The
 engine's step programs on a GPU (`engine.gpu_matmul: auto`) trace inside `rows_over`; the model's matmul then
-asks `matmul` first, which takes a `native.LayerSlice` of bfloat16 weights replicated over the mesh and at most
-`MAX_ROWS` rows per dp group, and returns None for anything else (XLA multiplies it, as before).
+asks `matmul` first, which takes a `native.LayerSlice` of bfloat16 weights and at most `MAX_ROWS` rows per dp
+group, each device multiplying its rows by its shard of the weight (summed over the axes that split K), and
+returns None for anything else (XLA multiplies it, as before).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec
 
 from raydeploy.model import native
 
@@ -70,11 +73,11 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int) -> None
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-@partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages"))
-def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, *, interpret: bool = False, num_warps: int = 4,
-                   num_stages: int = 3) -> jax.Array:
-    """x [M, K] @ w[layer] for w [L, K, N] -> [M, N] in x's dtype (float32 accumulation); `layer` an int32 scalar,
-    traced or not. w's dtype is x's (the kernel multiplies them as they are)."""
+@partial(jax.jit, static_argnames=("interpret", "out_dtype", "num_warps", "num_stages"))
+def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, *, interpret: bool = False,
+                   out_dtype: Any = None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+    """x [M, K] @ w[layer] for w [L, K, N] -> [M, N] in `out_dtype` (default x's; float32 accumulation); `layer`
+    an int32 scalar, traced or not. x is multiplied in w's dtype, as XLA's dot of the model does."""
     m, k = x.shape
     n_layers, kw, n = w.shape
     if kw != k:
@@ -95,7 +98,7 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, *, interpret: b
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"stacked_matmul_{block_n}x{block_k}x{splits}",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, w)
-    return parts.sum(axis=0)[:m].astype(x.dtype)
+    return parts.sum(axis=0)[:m].astype(out_dtype or x.dtype)
 
 
 # -- where the engine's programs use it ---------------------------------------------------------------------
@@ -107,20 +110,24 @@ class _Rows:
     row_axes: tuple[str, ...]
     groups: int
     interpret: bool
+    specs: Mapping[str, PartitionSpec] | None
 
 
 _ROWS: contextvars.ContextVar[_Rows | None] = contextvars.ContextVar("raydeploy_stacked_rows", default=None)
 
 
 @contextlib.contextmanager
-def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str], interpret: bool = False) -> Iterator[None]:
+def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str], interpret: bool = False,
+              specs: Mapping[str, PartitionSpec] | None = None) -> Iterator[None]:
     """While tracing a program inside this block, `matmul` runs the kernel (`interpret`: in Pallas interpret mode,
-    off a GPU): activations' first dim split over `row_axes`, every weight replicated (the caller checks the
-    mesh: each other axis of size 1)."""
+    off a GPU), activations' first dim split over `row_axes`. `specs`: each stacked layer weight's partition
+    ([L, ...], by its path in the layer module, as `native.LayerSlice.name`); None when every weight is
+    replicated. A weight split over other axes (tp, fsdp) is multiplied per device on its own shard: its
+    columns' split carries to the output, a split of its rows (K) is summed over those axes after."""
     groups = 1
     for a in row_axes:
         groups *= int(mesh.shape[a])
-    token = _ROWS.set(_Rows(mesh, tuple(row_axes), groups, interpret))
+    token = _ROWS.set(_Rows(mesh, tuple(row_axes), groups, interpret, specs))
     try:
         yield
     finally:
@@ -133,31 +140,93 @@ def active() -> bool:
 
 
 def applies(x: jax.Array, w: Any, out_first: bool = False) -> bool:
-    """Whether `matmul` takes x @ w in this trace: inside `rows_over`, x 2-D, w a `native.LayerSlice` of a
-    bfloat16 in_out weight (2-D as the layer sees it) with power-of-two blocks, at most `MAX_ROWS` rows per
-    group. A plain array stays with XLA, which reads it in place; float32 weights too, whose dot would round
-    through TF32 in the kernel."""
+    """Whether `matmul` may take x @ w in this trace: inside `rows_over`, x 2-D, w a `native.LayerSlice` of a
+    bfloat16 in_out weight (2-D as the layer sees it), at most `MAX_ROWS` rows per group. A plain array stays
+    with XLA, which reads it in place; float32 weights too, whose dot would round through TF32 in the kernel.
+    (`matmul` also needs power-of-two blocks of each device's shard.)"""
     rows = _ROWS.get()
-    if (rows is None or out_first or not isinstance(w, native.LayerSlice) or x.ndim != 2 or len(w.shape) != 2
-            or w.dtype != jnp.bfloat16 or x.shape[0] % rows.groups or x.shape[0] // rows.groups > MAX_ROWS):
-        return False
-    try:
-        blocks_for(*w.shape)
-    except ValueError:
-        return False
-    return True
+    return not (rows is None or out_first or not isinstance(w, native.LayerSlice) or x.ndim != 2
+                or len(w.shape) != 2 or w.dtype != jnp.bfloat16 or x.shape[0] % rows.groups
+                or x.shape[0] // rows.groups > MAX_ROWS)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def merged_spec(entries: Sequence[Any], shape: Sequence[int], to: Sequence[int]) -> tuple[Any, ...] | None:
+    """A partition of `shape` (one entry per dim) carried through a reshape to `to` that merges runs of
+    consecutive dims (a layer's [embed, heads, head_dim] kernel as [embed, heads * head_dim]): a merged dim
+    takes its first dim's entry, and the others must be unsplit. None for any other reshape."""
+    out: list[Any] = []
+    i = 0
+    for size in to:
+        group: list[int] = []
+        prod = 1
+        while i < len(shape) and (not group or prod < size):
+            prod *= shape[i]
+            group.append(i)
+            i += 1
+        if prod != size or any(entries[j] is not None for j in group[1:]):
+            return None
+        out.append(entries[group[0]])
+    return tuple(out) if i == len(shape) else None
+
+
+def _weight_split(rows: _Rows, w: native.LayerSlice) -> tuple[Any, Any] | None:
+    """The mesh axes entries of w's (K, N) dims, (None, None) when replicated; None when the kernel cannot take
+    its split (its layer dim split, a reshape that moves a split, an axis the rows are split over too)."""
+    if rows.specs is None:
+        return None, None
+    spec = rows.specs.get(w.name or "")
+    if spec is None:
+        return None
+    entries = tuple(spec) + (None,) * (w.stack.ndim - len(spec))
+    if entries[0] is not None:
+        return None
+    merged = merged_spec(entries[1:], w.stack.shape[1:], w.shape)
+    if merged is None or set(_axes(merged[0]) + _axes(merged[1])) & set(rows.row_axes):
+        return None
+    return merged[0], merged[1]
 
 
 def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
-    """x [M, K] @ w (a `native.LayerSlice` [K, N]) through the kernel on each dp group's rows, or None where it
-    does not apply (`applies`): the caller then multiplies in XLA."""
+    """x [M, K] @ w (a `native.LayerSlice` [K, N]) through the kernel on each device's rows and weight shard,
+    or None where it does not apply (`applies`, `_weight_split`, blocks of the shard): the caller then
+    multiplies in XLA."""
     rows = _ROWS.get()
     if rows is None or not applies(x, w, out_first):
         return None
+    split = _weight_split(rows, w)
+    if split is None:
+        return None
+    k_axes, n_axes = _axes(split[0]), _axes(split[1])
+    shards = [math.prod(int(rows.mesh.shape[a]) for a in axes) for axes in (k_axes, n_axes)]
+    k, n = w.shape
+    if k % shards[0] or n % shards[1]:
+        return None
+    try:
+        blocks_for(k // shards[0], n // shards[1])
+    except ValueError:
+        return None
     stack = w.stack.reshape(w.stack.shape[0], *w.shape)
     layer = jnp.asarray(w.layer, jnp.int32)
-    fn = partial(_per_device, interpret=rows.interpret)
-    return native.per_group(rows.mesh, rows.row_axes, fn, x, stack, layer)  # type: ignore[no-any-return]
+    if not k_axes and not n_axes:
+        fn = partial(_per_device, interpret=rows.interpret)
+        return native.per_group(rows.mesh, rows.row_axes, fn, x, stack, layer)  # type: ignore[no-any-return]
+
+    def per_shard(xs: jax.Array, st: jax.Array, lay: jax.Array) -> jax.Array:
+        if not k_axes:
+            return _per_device(xs, st, lay, interpret=rows.interpret)
+        y = stacked_matmul(xs, st, lay, interpret=rows.interpret, out_dtype=jnp.float32)
+        return jax.lax.psum(y, k_axes).astype(xs.dtype)
+
+    row = None if not rows.row_axes else (rows.row_axes[0] if len(rows.row_axes) == 1 else rows.row_axes)
+    return jax.shard_map(per_shard, mesh=rows.mesh,  # type: ignore[no-any-return]
+                         in_specs=(PartitionSpec(row, split[0]), PartitionSpec(None, split[0], split[1]),
+                                   PartitionSpec()),
+                         out_specs=PartitionSpec(row, split[1]), axis_names=frozenset(rows.mesh.axis_names),
+                         check_vma=False)(x, stack, layer)
 
 
 def _per_device(x: jax.Array, stack: jax.Array, layer: jax.Array, *, interpret: bool) -> jax.Array:

@@ -183,10 +183,13 @@ class LayerSlice:
     """Layer `layer` of a stacked weight `stack` [L, ...], not sliced out: the kernel takes the stack and the
     index, so a layer scan passes the weights through untouched (XLA CPU copies a layer's slice of a stacked
     weight into a new buffer before any library call reads it). Reads as the layer's own array would
-    (`shape`, `dtype`, `[...]`, `reshape`); `materialize()` is that array, for whatever the kernel does not run."""
+    (`shape`, `dtype`, `[...]`, `reshape`); `materialize()` is that array, for whatever the kernel does not run.
+    `name`: the stacked parameter's path in the layer module ("attn.q_proj.kernel"), by which a kernel that
+    needs the weight's sharding looks it up."""
 
-    def __init__(self, stack: jax.Array, layer: jax.Array, shape: Sequence[int] | None = None) -> None:
-        self.stack, self.layer = stack, layer
+    def __init__(self, stack: jax.Array, layer: jax.Array, shape: Sequence[int] | None = None,
+                 name: str | None = None) -> None:
+        self.stack, self.layer, self.name = stack, layer, name
         self.shape = tuple(stack.shape[1:] if shape is None else shape)
 
     @property
@@ -210,7 +213,7 @@ class LayerSlice:
             for d in dims:
                 known *= d if d != -1 else 1
             dims[dims.index(-1)] = size // known
-        return LayerSlice(self.stack, self.layer, dims)
+        return LayerSlice(self.stack, self.layer, dims, self.name)
 
     def materialize(self) -> jax.Array:
         return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False).reshape(self.shape)
