@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from raydeploy.model import native, stacked_matmul
 from jax.sharding import NamedSharding, PartitionSpec
 
+from raydeploy.model import native, stacked_matmul
 from raydeploy.model.stacked_matmul import applies, blocks_for, merged_spec, rows_over
 
 
