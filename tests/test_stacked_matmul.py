@@ -114,3 +114,15 @@ def test_unknown_weight_stays_with_xla():
     w = native.LayerSlice(jnp.zeros((2, 64, 128), jnp.bfloat16), jnp.int32(0), name="attn.q_proj.kernel")
     with rows_over(mesh, ("dp",), interpret=True, specs={"mlp.up_proj.kernel": PartitionSpec()}):
         assert stacked_matmul.matmul(jnp.ones((4, 64)), w) is None
+
+
+@pytest.mark.parametrize("k,n", [(8192, 3584), (3584, 8192), (8192, 1024), (8192, 128)])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_lowers_for_cuda_without_a_gpu(k, n, rows):
+    """Each device's shard of Llama-3-70B's projections over tp=8 (`configs/gpu-2x8-h100.yaml`: gate/up, down,
+    q, k), 80 layers stacked, lowered for CUDA from shapes alone: one Triton call each (compiling it to PTX
+    needs a GPU; tests/test_gpu.py runs it there)."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((rows, k), jnp.bfloat16), spec((80, k, n), jnp.bfloat16), spec((), jnp.int32))
+    text = jax.jit(stacked_matmul.stacked_matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
