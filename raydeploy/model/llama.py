@@ -350,8 +350,9 @@ def scan_layers(stack: nnx.Module, body: Any, carry: Any, xs: Any = None,
     whole = _whole_kernels(stack, state) if native.active() or stacked_matmul.active() else None
     if kinds is not None:
         return _scan_blocks(graphdef, state, whole, body, carry, xs, kinds)
-    if whole is not None:
-        return _scan_whole_kernels(graphdef, state, whole, body, carry, xs)
+    if whole is not None:  # the kernels read whole: one kind, blocks of one layer
+        n = jax.tree.leaves(state)[0].shape[0]
+        return _scan_blocks(graphdef, state, whole, lambda layer, c, x, _: body(layer, c, x), carry, xs, [None] * n)
 
     def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
         layer_state, x = per_layer
@@ -423,24 +424,6 @@ def _whole_kernels(stack: nnx.Module, state: nnx.State) -> list[str | None] | No
                  and not owner.out_first)
         found.append(".".join(map(str, names)) if whole else None)
     return found if any(found) else None
-
-
-def _scan_whole_kernels(graphdef: Any, state: nnx.State, whole: Sequence[str | None], body: Any, carry: Any,
-                        xs: Any) -> tuple[Any, Any]:
-    """`lax.scan` over the layers where the projection kernels stay stacked (loop invariants, each layer's
-    module holding a `native.LayerSlice` of them) and only the other leaves are sliced per layer."""
-    leaves, treedef = jax.tree.flatten(state)
-    kernels = [x for x, w in zip(leaves, whole, strict=True) if w]
-    sliced = [x for x, w in zip(leaves, whole, strict=True) if not w]
-    n = leaves[0].shape[0]
-
-    def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
-        rest, x, i = per_layer
-        rest_it, kern_it = iter(rest), iter(kernels)
-        layer_leaves = [native.LayerSlice(next(kern_it), i, name=w) if w else next(rest_it) for w in whole]
-        return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, layer_leaves)), c, x)
-
-    return jax.lax.scan(step, carry, (sliced, xs, jnp.arange(n, dtype=jnp.int32)))
 
 
 class Embed(nnx.Module):
