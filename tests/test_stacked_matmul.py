@@ -126,3 +126,18 @@ def test_lowers_for_cuda_without_a_gpu(k, n, rows):
     args = (spec((rows, k), jnp.bfloat16), spec((80, k, n), jnp.bfloat16), spec((), jnp.int32))
     text = jax.jit(stacked_matmul.stacked_matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_older_gpus_keep_xla():
+    """Triton's bfloat16 dot needs sm_80: a T4 (7.5) or V100 (7.0) is named, an A100 / H100 takes the kernel."""
+
+    class Gpu:
+        def __init__(self, cc: str | None) -> None:
+            if cc is not None:
+                self.compute_capability = cc
+
+    assert stacked_matmul.device_problem(Gpu("7.5")) == (
+        "the GPU's compute capability is 7.5 (the kernel's bfloat16 dot needs 8.0, Ampere or newer)")
+    assert "7.0" in (stacked_matmul.device_problem(Gpu("7.0")) or "")
+    assert stacked_matmul.device_problem(Gpu("8.0")) is None and stacked_matmul.device_problem(Gpu("9.0")) is None
+    assert stacked_matmul.device_problem(Gpu(None)) is None

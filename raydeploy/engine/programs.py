@@ -355,7 +355,7 @@ class ProgramSet:
             return f"kernel layout {self.kernel_layout} (the kernel reads in_out weights)"
         if not getattr(type(self.model(leaves).layers), "unrollable", False):
             return f"{type(self.model(leaves).layers).__name__} layers pass no layer slices (`scan_layers`)"
-        return None
+        return stacked_matmul.device_problem(self.mesh.devices.flat[0]) if self.platform == "gpu" else None
 
     # -- the list of programs
     def shapes(self) -> list[ProgramShape]:

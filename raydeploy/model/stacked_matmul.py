@@ -40,6 +40,27 @@ TARGET_PROGRAMS = 264
 """Programs to aim for (two per H100 multiprocessor): the splits of K are chosen to come near it."""
 
 
+MIN_COMPUTE_CAPABILITY = (8, 0)
+"""Triton's bfloat16 dot needs Ampere or newer (sm_80): older GPUs keep XLA's gemm."""
+
+
+def device_problem(device: Any) -> str | None:
+    """Why the kernel cannot run on `device` (a jax GPU device), or None: its compute capability below
+    `MIN_COMPUTE_CAPABILITY`. A device that does not say (an older jax) is taken as able."""
+    cc = getattr(device, "compute_capability", None)
+    if not cc:
+        return None
+    try:
+        have = tuple(int(p) for p in str(cc).split(".")[:2])
+    except ValueError:
+        return None
+    if have < MIN_COMPUTE_CAPABILITY:
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        return (f"the GPU's compute capability is {cc} (the kernel's bfloat16 dot needs {need}, Ampere or "
+                f"newer)")
+    return None
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
