@@ -132,6 +132,8 @@ def test_older_gpus_keep_xla():
     """Triton's bfloat16 dot needs sm_80: a T4 (7.5) or V100 (7.0) is named, an A100 / H100 takes the kernel."""
 
     class Gpu:
+        platform = "gpu"
+
         def __init__(self, cc: str | None) -> None:
             if cc is not None:
                 self.compute_capability = cc
@@ -141,3 +143,11 @@ def test_older_gpus_keep_xla():
     assert "7.0" in (stacked_matmul.device_problem(Gpu("7.0")) or "")
     assert stacked_matmul.device_problem(Gpu("8.0")) is None and stacked_matmul.device_problem(Gpu("9.0")) is None
     assert stacked_matmul.device_problem(Gpu(None)) is None
+
+    # jax's Pallas GPU attention multiplies bfloat16 with the same dot: `auto` takes the XLA path there
+    from raydeploy.engine.attention import for_device
+
+    for cc, want in (("7.5", "xla"), ("8.0", "auto"), ("9.0", "auto")):
+        assert for_device("auto", Gpu(cc)) == want
+    assert for_device("pallas", Gpu("7.5")) == "pallas"  # an explicit choice stays
+    assert for_device("auto", jax.devices()[0]) == "auto"  # CPU: resolved later, as before

@@ -297,12 +297,13 @@ class ProgramSet:
         slow_single_row = self.param_dtype == jnp.bfloat16 and platform == "cpu"
         decode = default_decode_rows(self.slots_per_group, 2 if slow_single_row else 1)
         self.token_buckets = default_token_buckets(decode, self.slots_per_group, self.max_step_tokens, platform)
-        from raydeploy.engine.attention import work_follows_table
+        from raydeploy.engine.attention import for_device, work_follows_table
 
+        attention_name = for_device(engine_cfg.attention, mesh.devices.flat[0])
         self.page_buckets = (default_page_buckets(self.max_pages_per_seq, self.page_size)
-                             if work_follows_table(engine_cfg.attention, platform) else [self.max_pages_per_seq])
+                             if work_follows_table(attention_name, platform) else [self.max_pages_per_seq])
         if attention is None:
-            attention = default_attention(engine_cfg.attention, platform)
+            attention = default_attention(attention_name, platform)
         self.attention = attention if isinstance(attention, Attention) else Attention(attention)
         # a family with another score scale applies it to q (Gemma 3's query_pre_attn_scalar)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)

@@ -30,7 +30,7 @@ than with the live tokens: only then does the engine compile several page-count 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 
@@ -59,6 +59,17 @@ def resolve(name: str, platform: str) -> tuple[str, str]:
         raise ValueError("engine.attention: 'pallas' needs a TPU or GPU platform, got 'cpu'; use 'xla' or "
                          "'auto' on CPU")
     return name, plat
+
+
+def for_device(name: str, device: Any) -> str:
+    """`name` as the engine on `device` takes it: `auto` on a GPU older than Ampere is `xla` (jax's Pallas GPU
+    kernel multiplies bfloat16 with Triton's dot, which needs sm_80: `stacked_matmul.device_problem`); an
+    explicit choice stays as given."""
+    from raydeploy.model.stacked_matmul import device_problem
+
+    if name == "auto" and getattr(device, "platform", "") == "gpu" and device_problem(device) is not None:
+        return "xla"
+    return name
 
 
 def get_backend(name: str, platform: str) -> AttentionBackend:
