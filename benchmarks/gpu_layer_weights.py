@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -121,20 +122,18 @@ def main() -> int:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     result = {"default": run(args.shape, rows, args.forms.split(","), args.reps)}
-    if args.flags:
+    if args.flags:  # XLA reads its flags once per process: the same forms again in a child under them
         env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + FLAGS).strip()}
-        child = subprocess.run([sys.executable, __file__, "--shape", args.shape, "--rows", args.rows,
-                                "--forms", "scan_dot,unrolled_dot", "--reps", str(args.reps), "--out", "/dev/stdout"],
-                               env=env, capture_output=True, text=True, timeout=600)
-        print(child.stderr[-2000:], flush=True)
-        text = child.stdout
-        result["flags"] = json.loads(text[text.index("\n{") + 1:]) if "\n{" in text else {"error": text[-2000:]}
+        with tempfile.TemporaryDirectory() as tmp:
+            child_out = Path(tmp) / "flags.json"
+            child = subprocess.run([sys.executable, __file__, "--shape", args.shape, "--rows", args.rows, "--forms",
+                                    "scan_dot,unrolled_dot", "--reps", str(args.reps), "--out", str(child_out)],
+                                   env=env, capture_output=True, text=True, timeout=600)
+            print(child.stdout[-2000:], child.stderr[-2000:] if child.returncode else "", flush=True)
+            result["flags"] = (json.loads(child_out.read_text())["default"] if child_out.exists()
+                               else {"error": child.stderr[-2000:]})
     if args.out is not None:
-        text = json.dumps(result if not args.flags else result, indent=1)
-        if str(args.out) == "/dev/stdout":
-            print("\n" + json.dumps(result["default"], indent=1), flush=True)
-        else:
-            args.out.write_text(text + "\n")
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
