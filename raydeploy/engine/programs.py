@@ -260,11 +260,11 @@ class ProgramSet:
         self.layer_leaves = [i for i, n in enumerate(names) if n.startswith("layers.")]
         self.layer_specs = {names[i].removeprefix("layers."): self.param_shardings[i].spec for i in self.layer_leaves}
         """Each stacked layer parameter's partition, by its path in the layer module (`stacked_matmul.rows_over`)."""
+        layers = type(self.model(leaves).layers)
         self.unrolled_tokens: frozenset[int] = frozenset()
-        if (engine_cfg.unroll_layers == "auto" and platform in UNROLL_PLATFORMS
-                and getattr(type(self.model(leaves).layers), "unrollable", False)):
+        if engine_cfg.unroll_layers == "auto" and platform in UNROLL_PLATFORMS and getattr(layers, "unrollable", False):
             self.unrolled_tokens = frozenset({UNROLL_MAX_TOKENS})
-        self.stacked_matmul = self._stacked_matmul(engine_cfg.gpu_matmul, model_cfg, leaves)
+        self.stacked_matmul = self._stacked_matmul(engine_cfg.gpu_matmul, model_cfg, layers)
         """Why the step programs keep XLA's gemm for few rows by stacked weights, or None when they use the Pallas
         kernel that reads a layer's weight inside the stack (`raydeploy.model.stacked_matmul`)."""
         self.groups = self.shard.slot_groups
@@ -344,7 +344,7 @@ class ProgramSet:
             return f"the mesh splits weights over {others} (the kernel needs them replicated)"
         return native.unavailable()
 
-    def _stacked_matmul(self, choice: str, model_cfg: ModelConfig, leaves: list[Any]) -> str | None:
+    def _stacked_matmul(self, choice: str, model_cfg: ModelConfig, layers: type) -> str | None:
         """Why the step programs keep XLA's gemm for few rows by a layer's weights, or None when they call
         `stacked_matmul` (`engine.gpu_matmul`: auto on a GPU, pallas anywhere; bfloat16 weights, in_out, layers
         scanned by `scan_layers`)."""
@@ -354,8 +354,8 @@ class ProgramSet:
             return f"param_dtype {model_cfg.param_dtype} (the kernel multiplies bfloat16 weights)"
         if self.kernel_layout != "in_out":
             return f"kernel layout {self.kernel_layout} (the kernel reads in_out weights)"
-        if not getattr(type(self.model(leaves).layers), "unrollable", False):
-            return f"{type(self.model(leaves).layers).__name__} layers pass no layer slices (`scan_layers`)"
+        if not getattr(layers, "unrollable", False):
+            return f"{layers.__name__} layers pass no layer slices (`scan_layers`)"
         return stacked_matmul.device_problem(self.mesh.devices.flat[0]) if self.platform == "gpu" else None
 
     # -- the list of programs

@@ -232,23 +232,18 @@ def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
         return None
     stack = w.stack.reshape(w.stack.shape[0], *w.shape)
     layer = jnp.asarray(w.layer, jnp.int32)
-    if not k_axes and not n_axes:
-        fn = partial(_per_device, interpret=rows.interpret)
-        return native.per_group(rows.mesh, rows.row_axes, fn, x, stack, layer)  # type: ignore[no-any-return]
 
-    def per_shard(xs: jax.Array, st: jax.Array, lay: jax.Array) -> jax.Array:
+    def per_device(xs: jax.Array, st: jax.Array, lay: jax.Array) -> jax.Array:
         if not k_axes:
-            return _per_device(xs, st, lay, interpret=rows.interpret)
+            return stacked_matmul(xs, st, lay, interpret=rows.interpret)  # type: ignore[no-any-return]
         y = stacked_matmul(xs, st, lay, interpret=rows.interpret, out_dtype=jnp.float32)
         return jax.lax.psum(y, k_axes).astype(xs.dtype)
 
+    if rows.mesh.size == 1:
+        return per_device(x, stack, layer)
     row = None if not rows.row_axes else (rows.row_axes[0] if len(rows.row_axes) == 1 else rows.row_axes)
-    return jax.shard_map(per_shard, mesh=rows.mesh,  # type: ignore[no-any-return]
+    return jax.shard_map(per_device, mesh=rows.mesh,  # type: ignore[no-any-return]
                          in_specs=(PartitionSpec(row, split[0]), PartitionSpec(None, split[0], split[1]),
                                    PartitionSpec()),
                          out_specs=PartitionSpec(row, split[1]), axis_names=frozenset(rows.mesh.axis_names),
                          check_vma=False)(x, stack, layer)
-
-
-def _per_device(x: jax.Array, stack: jax.Array, layer: jax.Array, *, interpret: bool) -> jax.Array:
-    return stacked_matmul(x, stack, layer, interpret=interpret)  # type: ignore[no-any-return]

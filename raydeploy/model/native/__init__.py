@@ -277,16 +277,14 @@ def _stacked(w: Any) -> tuple[jax.Array, jax.Array]:
     return w.reshape(1, *w.shape), jnp.zeros((), jnp.int32)
 
 
-def per_group(mesh: jax.sharding.Mesh, row_axes: Sequence[str], fn: Any, x: jax.Array, *operands: jax.Array,
-              outs: int | None = None) -> Any:
-    """fn(x, *operands) on each dp group's rows of x (x's first dim split over `row_axes`, operands replicated),
-    or directly on a one-device mesh."""
-    if mesh.size == 1:
+def _per_group(rows: _Rows, fn: Any, x: jax.Array, *operands: jax.Array, outs: int | None = None) -> Any:
+    """fn(x, *operands) on each dp group's rows of x (operands replicated), or directly on a one-device mesh."""
+    if rows.mesh.size == 1:
         return fn(x, *operands)
-    spec = PartitionSpec(tuple(row_axes) if len(row_axes) > 1 else row_axes[0])
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec, *(PartitionSpec() for _ in operands)),
+    spec = PartitionSpec(rows.row_axes if len(rows.row_axes) > 1 else rows.row_axes[0])
+    return jax.shard_map(fn, mesh=rows.mesh, in_specs=(spec, *(PartitionSpec() for _ in operands)),
                          out_specs=spec if outs is None else [spec] * outs,
-                         axis_names=frozenset(mesh.axis_names), check_vma=False)(x, *operands)
+                         axis_names=frozenset(rows.mesh.axis_names), check_vma=False)(x, *operands)
 
 
 def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
@@ -298,7 +296,7 @@ def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
     if rows is None or not _applies(x, w, out_first, rows):
         return None
     stack, layer = _stacked(w)
-    return per_group(rows.mesh, rows.row_axes, _call_out_first if out_first else _call, x, stack, layer)
+    return _per_group(rows, _call_out_first if out_first else _call, x, stack, layer)
 
 
 def matmuls(x: jax.Array, ws: Sequence[Any]) -> list[jax.Array] | None:
@@ -314,7 +312,7 @@ def matmuls(x: jax.Array, ws: Sequence[Any]) -> list[jax.Array] | None:
         return None  # one layer index for every weight
     stacks = [_stacked(w) for w in ws]
     layer = stacks[0][1]
-    return list(per_group(rows.mesh, rows.row_axes, _call_multi, x, layer, *(st for st, _ in stacks), outs=len(ws)))
+    return list(_per_group(rows, _call_multi, x, layer, *(st for st, _ in stacks), outs=len(ws)))
 
 
 def active() -> bool:
