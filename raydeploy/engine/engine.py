@@ -70,6 +70,8 @@ class Engine:
         _, state = family.build_model(cfg, params, model_cfg.dtype, model_cfg.param_dtype, ps.kernel_layout)
         del params
         self._param_leaves = jax.tree.leaves(state)
+        self._packed = self._pack(ps, self._param_leaves)
+        ps.use_packed({n: p.shape for n, p in self._packed.items()})
         # the one-token CPU programs' weights: per-layer arrays over the stacked ones' memory (or none)
         self._layer_views = ps.layer_views(self._param_leaves)
         if self._layer_views is None:
@@ -89,6 +91,30 @@ class Engine:
         self._gathers: dict[tuple[int, int], Any] = {}
         self.compile_s: dict[str, float] = {}
         self.programs: dict[str, dict[str, Any]] = {}
+
+    @staticmethod
+    def _pack(ps: ProgramSet, leaves: list[jax.Array]) -> dict[str, jax.Array]:
+        """The packed 4-bit copies (`raydeploy.model.native.q4`) of the layer kernels whose float32 weights are
+        exactly 4-bit blocks, replicated like the weights, by path in the layer module. Every host packs its own
+        replica of the same checkpoint, so every host packs the same kernels."""
+        from raydeploy.model.native import q4
+
+        out: dict[str, jax.Array] = {}
+        for i, name in enumerate(ps.param_names):
+            path = name.removeprefix("layers.")
+            k_dims = ps.packable.get(path) if name.startswith("layers.") else None
+            if k_dims is None:
+                continue
+            w = np.asarray(leaves[i].addressable_data(0))
+            packed = q4.pack(w.reshape(w.shape[0], int(np.prod(w.shape[1:1 + k_dims])), -1))
+            if packed is not None:
+                out[path] = jax.make_array_from_callback(packed.shape, ps.replicated, lambda idx, p=packed: p[idx])
+        return out
+
+    @property
+    def packed_weights(self) -> list[str]:
+        """The layer kernels whose decode-size steps read a packed 4-bit copy (`engine.pack_weights`)."""
+        return sorted(self._packed)
 
     # -- what the scheduler reads
     @property
@@ -137,7 +163,7 @@ class Engine:
         or "xla (why not the platform's kernel)"; hosts report it in their status."""
         ps = self.programs_set
         if ps.native_matmul is None:
-            return "native"
+            return f"native ({len(self._packed)} layer kernels packed 4-bit)" if self._packed else "native"
         if ps.stacked_matmul is None:
             return "pallas"
         return f"xla ({ps.stacked_matmul if ps.platform == 'gpu' else ps.native_matmul})"
@@ -278,7 +304,8 @@ class Engine:
         pages = ps.page_buckets[bisect.bisect_left(ps.page_buckets, -(-longest // ps.page_size))]
         shape = ps.program_for(tokens, pages, all(q.num_tokens == 1 for q in seqs))
         exe = self.executable(shape)
-        params = (self._param_leaves, self._layer_views) if ps.unrolled(shape) else self._param_leaves
+        weights = (self._param_leaves, self._packed)
+        params = (weights, self._layer_views) if ps.unrolled(shape) else weights
         outs, rows = [], []
         for k in range(steps):  # no host round trip between the steps of a plan
             host = build_inputs(seqs, t, ps.page_size, tokens, ps.rows_for(tokens), pages, step=k,

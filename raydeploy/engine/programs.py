@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -56,7 +56,7 @@ from raydeploy.engine.kv_cache import (
 )
 from raydeploy.engine.sampling import chunks_for_shards, sample
 from raydeploy.model import native, stacked_matmul
-from raydeploy.model.llama import DTYPES, ActivationSharding, unroll_layers
+from raydeploy.model.llama import DTYPES, ActivationSharding, in_out_kernels, unroll_layers
 from raydeploy.model.registry import Family
 from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
 from raydeploy.model.spec import pages_per_seq, resolve_num_pages
@@ -258,9 +258,21 @@ class ProgramSet:
         self.abstract_params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                                 for x, s in zip(leaves, self.param_shardings, strict=True)]
         self.layer_leaves = [i for i, n in enumerate(names) if n.startswith("layers.")]
+        self.param_names = names
         self.layer_specs = {names[i].removeprefix("layers."): self.param_shardings[i].spec for i in self.layer_leaves}
         """Each stacked layer parameter's partition, by its path in the layer module (`stacked_matmul.rows_over`)."""
-        layers = type(self.model(leaves).layers)
+        layer_stack = self.model(leaves).layers
+        layers = type(layer_stack)
+        self.packable: dict[str, int] = {}
+        """The stacked layer kernels the native kernel may read packed (`raydeploy.model.native.q4`), by path in the
+        layer module, with how many of their dims make K (`in_out_kernels`); empty where it may not."""
+        self.pack_weights = self._pack_weights(engine_cfg.pack_weights, model_cfg, layers)
+        """Why no layer kernel is held packed, or None when those in `packable` may be (`Engine` packs each whose
+        weights are exactly 4-bit blocks and calls `use_packed`)."""
+        if self.pack_weights is None:
+            self.packable = in_out_kernels(layer_stack)
+        self.packed: dict[str, jax.ShapeDtypeStruct] = {}
+        """The packed copies the step programs take (after `use_packed`), by path in the layer module."""
         self.unrolled_tokens: frozenset[int] = frozenset()
         if engine_cfg.unroll_layers == "auto" and platform in UNROLL_PLATFORMS and getattr(layers, "unrollable", False):
             self.unrolled_tokens = frozenset({UNROLL_MAX_TOKENS})
@@ -344,6 +356,28 @@ class ProgramSet:
             return f"the mesh splits weights over {others} (the kernel needs them replicated)"
         return native.unavailable()
 
+    def _pack_weights(self, choice: str, model_cfg: ModelConfig, layers: type) -> str | None:
+        if choice != "auto":
+            return f"engine.pack_weights is {choice}"
+        if self.native_matmul is not None:
+            return f"the native kernel does not run ({self.native_matmul})"
+        if model_cfg.param_dtype != "float32":
+            return f"param_dtype {model_cfg.param_dtype} (packing takes float32 weights)"
+        if not getattr(layers, "unrollable", False):
+            return f"{layers.__name__} layers pass no layer slices (`scan_layers`)"
+        return native.packs_weights()
+
+    def use_packed(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """The step programs take these packed copies ([L, K/32, N/32, 768] uint8, by path in the layer module,
+        replicated) and read them for few rows; every program then scans the layers (a `LayerSlice` names its
+        packed copy, an unrolled layer's weight would not)."""
+        unknown = sorted(set(shapes) - set(self.packable))
+        if unknown:
+            raise ValueError(f"packed weights {unknown} are not among the packable layer kernels {sorted(self.packable)}")
+        self.packed = {n: jax.ShapeDtypeStruct(tuple(s), jnp.uint8, sharding=self.replicated) for n, s in shapes.items()}
+        if self.packed:
+            self.scan_everywhere()
+
     def _stacked_matmul(self, choice: str, model_cfg: ModelConfig, layers: type) -> str | None:
         """Why the step programs keep XLA's gemm for few rows by a layer's weights, or None when they call
         `stacked_matmul` (`engine.gpu_matmul`: auto on a GPU, pallas anywhere; bfloat16 weights, in_out, layers
@@ -399,13 +433,13 @@ class ProgramSet:
         return StepInputs(**fields)
 
     def abstract_state(self) -> tuple[Any, ...]:
-        """(params, pools, presence, last tokens) as ShapeDtypeStructs."""
+        """((params, packed weights), pools, presence, last tokens) as ShapeDtypeStructs."""
         pool = tuple(jax.ShapeDtypeStruct(shape, self.dtype, sharding=sh)
                      for shape, sh in zip(self.pool_shapes, self.pool_sharding, strict=True))
         presence = jax.ShapeDtypeStruct((self.max_slots, self.cfg.vocab_size), jnp.bool_,
                                         sharding=self.presence_sharding)
         last = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.sharded_1d)
-        return self.abstract_params, pool, presence, last
+        return (self.abstract_params, self.packed), pool, presence, last
 
     def unrolled(self, shape: ProgramShape) -> bool:
         """Whether this step program runs the layers unrolled over per-layer weight arrays (`step_unrolled`)."""
@@ -420,9 +454,10 @@ class ProgramSet:
                                                             sharding=self.replicated))
         inputs = self.abstract_inputs(shape.tokens, shape.pages)
         if self.unrolled(shape):
+            leaves = params[0]
             per_layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=_layer_sharding(x.sharding))
-                         for x in (params[i] for i in self.layer_leaves)]
-            n = params[self.layer_leaves[0]].shape[0]
+                         for x in (leaves[i] for i in self.layer_leaves)]
+            n = leaves[self.layer_leaves[0]].shape[0]
             fn = self.step_unrolled_single if shape.single_token else self.step_unrolled
             return fn, ((params, [per_layer] * n), pool, presence, last, inputs)
         return (self.step_single if shape.single_token else self.step), (params, pool, presence, last, inputs)
@@ -583,21 +618,24 @@ class ProgramSet:
         return attend
 
     def _step_unrolled_fn(self, params, pool, presence, last_tokens, inp: StepInputs, single_token: bool = False):
-        """`_step_fn` with the layers unrolled: params are (leaves, per layer its slices of the stacked layer
-        leaves, in `layer_leaves` order); the stacked ones go unread."""
-        leaves, per_layer = params
-        return self._step_fn(leaves, pool, presence, last_tokens, inp, per_layer, single_token)
+        """`_step_fn` with the layers unrolled: params are ((leaves, packed), per layer its slices of the stacked
+        layer leaves, in `layer_leaves` order); the stacked ones go unread."""
+        weights, per_layer = params
+        return self._step_fn(weights, pool, presence, last_tokens, inp, per_layer, single_token)
 
-    def _step_fn(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer=None,
+    def _step_fn(self, weights, pool, presence, last_tokens, inp: StepInputs, per_layer=None,
                  single_token: bool = False):
-        """One ragged step. Returns the pool, the repetition-penalty sets, the slots' last tokens and the packed
-        results [2, G*R] (token bits, logprob) of every row. `per_layer`: each layer's own arrays, run unrolled
-        (`unroll_layers`) instead of scanning the stacked ones. `single_token`: every live sequence carries one
-        token (the caller's promise), so the attention's single-token path serves the step."""
+        """One ragged step. `weights`: (the model's leaves, the packed copies by path, `use_packed`). Returns the
+        pool, the repetition-penalty sets, the slots' last tokens and the packed results [2, G*R] (token bits,
+        logprob) of every row. `per_layer`: each layer's own arrays, run unrolled (`unroll_layers`) instead of
+        scanning the stacked ones. `single_token`: every live sequence carries one token (the caller's promise),
+        so the attention's single-token path serves the step."""
+        leaves, packed = weights
         attention = self.attention.single_token if single_token else self.attention.ragged
         if attention is None:
             raise ValueError("a single-token step program needs an attention with a single-token path")
-        with (native.rows_over(self.mesh, self.dp_axes) if self.native_matmul is None else contextlib.nullcontext()), \
+        with (native.rows_over(self.mesh, self.dp_axes, packed) if self.native_matmul is None
+              else contextlib.nullcontext()), \
                 (stacked_matmul.rows_over(self.mesh, self.dp_axes, self.platform != "gpu", self.layer_specs)
                  if self.stacked_matmul is None else contextlib.nullcontext()):
             return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer, attention)

@@ -414,16 +414,29 @@ def _whole_kernels(stack: nnx.Module, state: nnx.State) -> list[str | None] | No
     (`unrollable`)."""
     if not getattr(type(stack), "unrollable", False):
         return None
-    found: list[str | None] = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
-        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    kernels = in_out_kernels(stack)
+    found = [path if path in kernels else None for path in _leaf_paths(state)]
+    return found if any(found) else None
+
+
+def _leaf_paths(state: nnx.State) -> list[str]:
+    return [".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+            for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def in_out_kernels(stack: nnx.Module) -> dict[str, int]:
+    """The in_out projection kernels (`Dense`, `HeadsProj`, `OutProj`) of a stacked layer module, by path
+    ("attn.q_proj.kernel"): how many of the kernel's dims after the layer's make its matmul's K (OutProj's
+    [heads, head_dim, embed]: 2, else 1)."""
+    found: dict[str, int] = {}
+    for path in _leaf_paths(nnx.state(stack)):
+        names = path.split(".")
         owner: Any = stack
         for name in names[:-1]:
-            owner = getattr(owner, str(name), None)
-        whole = (names[-1:] == ["kernel"] and isinstance(owner, (Dense, HeadsProj, OutProj))
-                 and not owner.out_first)
-        found.append(".".join(map(str, names)) if whole else None)
-    return found if any(found) else None
+            owner = getattr(owner, name, None)
+        if names[-1:] == ["kernel"] and isinstance(owner, (Dense, HeadsProj, OutProj)) and not owner.out_first:
+            found[path] = 2 if isinstance(owner, OutProj) else 1
+    return found
 
 
 class Embed(nnx.Module):

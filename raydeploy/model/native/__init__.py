@@ -28,7 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+
+from raydeploy.model.native import q4
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "small_matmul.cc", HERE / "decode_attention.cc")
@@ -48,6 +50,7 @@ TARGET_MULTI = "raydeploy_small_matmul_multi"
 TARGET_BF16 = "raydeploy_small_matmul_bf16"
 TARGET_MULTI_BF16 = "raydeploy_small_matmul_multi_bf16"
 TARGET_OUT_FIRST_BF16 = "raydeploy_small_matmul_out_first_bf16"
+TARGET_Q4 = "raydeploy_small_matmul_q4"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
 
@@ -163,12 +166,21 @@ def _register() -> str | None:
         jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulBf16), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_OUT_FIRST_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstBf16),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_Q4, jax.ffi.pycapsule(lib.RaydeploySmallMatmulQ4), platform="cpu")
     return None
 
 
 def unavailable() -> str | None:
     """None once the kernel is built and registered in this process, else why it cannot be."""
     return _register()
+
+
+def packs_weights() -> str | None:
+    """None where the kernel multiplies packed 4-bit weights (`raydeploy.model.native.q4`; the AVX-512 build),
+    else why not."""
+    if (problem := unavailable()) is not None:
+        return problem
+    return None if isa() == "avx512" else "packed 4-bit weights need the AVX-512 build (this CPU's is AVX2)"
 
 
 def weight_dtypes() -> tuple[str, ...]:
@@ -227,19 +239,23 @@ class _Rows:
     mesh: jax.sharding.Mesh
     row_axes: tuple[str, ...]
     groups: int
+    packed: Mapping[str, jax.Array]
 
 
 _ROWS: contextvars.ContextVar[_Rows | None] = contextvars.ContextVar("raydeploy_native_rows", default=None)
 
 
 @contextlib.contextmanager
-def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str]) -> Iterator[None]:
+def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str],
+              packed: Mapping[str, jax.Array] | None = None) -> Iterator[None]:
     """While tracing a program inside this block, `matmul` runs the kernel: activations' first dim split over
-    `row_axes`, every weight replicated (the caller checks the mesh: each other axis of size 1)."""
+    `row_axes`, every weight replicated (the caller checks the mesh: each other axis of size 1). `packed`: the
+    packed 4-bit copies (`q4.pack`, [L, K/32, N/32, 768]) of stacked layer kernels, by their path in the layer
+    module; a `LayerSlice` of such a kernel is read from its copy."""
     groups = 1
     for a in row_axes:
         groups *= int(mesh.shape[a])
-    token = _ROWS.set(_Rows(mesh, tuple(row_axes), groups))
+    token = _ROWS.set(_Rows(mesh, tuple(row_axes), groups, dict(packed or {})))
     try:
         yield
     finally:
@@ -261,6 +277,23 @@ def _call_multi(x: jax.Array, layer: jax.Array, *stacks: jax.Array) -> list[jax.
     outs = [jax.ShapeDtypeStruct((x.shape[0], st.shape[2]), jnp.float32) for st in stacks]
     target = TARGET_MULTI_BF16 if stacks[0].dtype == jnp.bfloat16 else TARGET_MULTI
     return list(jax.ffi.ffi_call(target, outs)(x, layer, *stacks))
+
+
+def _call_q4(x: jax.Array, layer: jax.Array, *packed: jax.Array) -> list[jax.Array]:
+    outs = [jax.ShapeDtypeStruct((x.shape[0], p.shape[2] * q4.BLOCK), jnp.float32) for p in packed]
+    return list(jax.ffi.ffi_call(TARGET_Q4, outs)(x, layer, *packed))
+
+
+def _packed(x: jax.Array, w: Any, rows: _Rows | None) -> jax.Array | None:
+    """The packed copy the kernel reads for x @ w (w a `LayerSlice` of a packed kernel, rows within
+    [1, `max_rows`]), else None."""
+    if rows is None or not isinstance(w, LayerSlice) or w.name not in rows.packed or len(w.shape) != 2:
+        return None
+    p = rows.packed[w.name]
+    if (x.ndim != 2 or x.dtype != jnp.float32 or tuple(p.shape[1:3]) != (w.shape[0] // q4.BLOCK, w.shape[1] // q4.BLOCK)
+            or x.shape[0] % rows.groups or not 1 <= x.shape[0] // rows.groups <= max_rows(jnp.float32)):
+        return None
+    return p
 
 
 def _applies(x: jax.Array, w: Any, out_first: bool, rows: _Rows | None) -> bool:
@@ -293,6 +326,8 @@ def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
     `rows_over` or the kernel does not apply (dtype, shape, rows per device outside [`min_rows`,
     `max_rows`]): the caller then multiplies in XLA."""
     rows = _ROWS.get()
+    if rows is not None and not out_first and (p := _packed(x, w, rows)) is not None:
+        return _per_group(rows, _call_q4, x, jnp.asarray(w.layer, jnp.int32), p, outs=1)[0]  # type: ignore[no-any-return]
     if rows is None or not _applies(x, w, out_first, rows):
         return None
     stack, layer = _stacked(w)
@@ -304,6 +339,10 @@ def matmuls(x: jax.Array, ws: Sequence[Any]) -> list[jax.Array] | None:
     layer): a layer's q, k, v or gate and up projections, whose separate calls would each split over the threads
     and start a weight stream of their own. None where `matmul` would be None for any of them."""
     rows = _ROWS.get()
+    packed = [_packed(x, w, rows) for w in ws]
+    if ws and len(ws) <= 8 and all(p is not None for p in packed) and len({id(w.layer) for w in ws}) == 1:
+        return list(_per_group(rows, _call_q4, x, jnp.asarray(ws[0].layer, jnp.int32), *packed,  # type: ignore[arg-type]
+                               outs=len(ws)))
     if (rows is None or not ws or len(ws) > 8 or len({jnp.dtype(w.dtype) for w in ws}) != 1
             or not all(_applies(x, w, False, rows) for w in ws)):
         return None

@@ -1,0 +1,76 @@
+"""Float32 weights that are exactly 4-bit blocks, held packed for the native matmul (`small_matmul.cc`,
+`MultiQ4Impl`).
+
+A GGUF Q4_1 checkpoint (the demo model's projections) dequantized to float32 holds, down each column of a kernel
+[K, N], blocks of 32 weights that are `d * q + m` with q in 0..15 and d, m float16 values: 16 distinct values a
+block, 4 bytes each. `pack(w)` finds d, m and q for every block and checks that they rebuild every weight bit for
+bit; then the kernel reads 0.75 bytes a weight instead of 4 and rebuilds each weight as float32 before it
+multiplies (d * q is exact in float32, so the fused multiply-add rounds as the converter's dequantization did).
+The products are the float32 weight's: packing changes how many bytes a step reads, not what it computes. A
+weight that is not such blocks, bit for bit, is not packed (`pack` returns None).
+
+Layout (`TILE` bytes a tile of 32 weight rows x 32 columns, tiles in row-block-major order):
+[L, K/32, N/32, 768], uint8; a tile is the 32 columns' d (float32), their m (float32), then 32 rows of 16 bytes,
+byte j of a row holding column j in its low nibble and column 16 + j in its high one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+"""Weights a block down a column (Q4_1's block)."""
+TILE = 2 * BLOCK * 4 + BLOCK * 16
+"""Bytes a packed tile of BLOCK weight rows x BLOCK columns."""
+
+
+def packed_shape(layers: int, k: int, n: int) -> tuple[int, int, int, int]:
+    return layers, k // BLOCK, n // BLOCK, TILE
+
+
+def pack(w: np.ndarray) -> np.ndarray | None:
+    """w [L, K, N] float32 (a stacked in_out kernel) -> packed uint8 [L, K/32, N/32, 768], or None when K or N
+    is not a multiple of 32 or any block is not exactly d * q + m (float16 d and m, q in 0..15)."""
+    if w.ndim != 3 or w.dtype != np.float32 or w.shape[1] % BLOCK or w.shape[2] % BLOCK or not w.size:
+        return None
+    layers, k, n = w.shape
+    blocks = w.reshape(layers, k // BLOCK, BLOCK, n)
+    lo = blocks.min(axis=2)
+    hi = blocks.max(axis=2)
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        return None
+    m = lo.astype(np.float16).astype(np.float32)
+    d = ((hi - m) / np.float32(15)).astype(np.float16).astype(np.float32)
+    if not (np.array_equal(m, lo) and np.isfinite(d).all()):
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint((blocks - m[:, :, None]) / d[:, :, None])
+    q = np.where(d[:, :, None] > 0, q, 0)
+    if q.min() < 0 or q.max() > 15:
+        return None
+    q = q.astype(np.uint8)
+    rebuilt = q.astype(np.float32) * d[:, :, None] + m[:, :, None]
+    if not np.array_equal(rebuilt.view(np.uint32), blocks.view(np.uint32)):
+        return None
+    groups = n // BLOCK
+    # q [L, K/32, 32 rows, N] -> per tile [L, K/32, N/32, 32 rows, 16]: column j low nibble, 16 + j high
+    qt = q.reshape(layers, k // BLOCK, BLOCK, groups, 2, 16)
+    nibbles = qt[..., 0, :] | (qt[..., 1, :] << 4)
+    nibbles = nibbles.transpose(0, 1, 3, 2, 4).reshape(layers, k // BLOCK, groups, BLOCK * 16)
+    scales = np.concatenate([d.reshape(layers, k // BLOCK, groups, BLOCK),
+                             m.reshape(layers, k // BLOCK, groups, BLOCK)], axis=-1)
+    out = np.concatenate([scales.view(np.uint8), nibbles], axis=-1)
+    return np.ascontiguousarray(out)
+
+
+def unpack(packed: np.ndarray) -> np.ndarray:
+    """The float32 weight [L, K, N] a packed one holds (what the kernel multiplies by)."""
+    layers, kb, groups, tile = packed.shape
+    if tile != TILE:
+        raise ValueError(f"packed weights have tiles of {tile} bytes, expected {TILE}")
+    scales = np.ascontiguousarray(packed[..., :2 * BLOCK * 4]).view(np.float32)
+    d, m = scales[..., :BLOCK], scales[..., BLOCK:]
+    nib = packed[..., 2 * BLOCK * 4:].reshape(layers, kb, groups, BLOCK, 16)
+    q = np.stack([nib & 0xF, nib >> 4], axis=-2).reshape(layers, kb, groups, BLOCK, BLOCK)  # [.., row, col]
+    w = q.astype(np.float32) * d[:, :, :, None, :] + m[:, :, :, None, :]
+    return w.transpose(0, 1, 3, 2, 4).reshape(layers, kb * BLOCK, groups * BLOCK)
