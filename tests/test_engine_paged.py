@@ -189,6 +189,13 @@ def engine(demo_checkpoint):
     return _build_engine(demo_checkpoint, {"dp": 1})
 
 
+@pytest.fixture(scope="module")
+def unpacked(demo_checkpoint):
+    """The demo engine with float32 weights only (`engine.pack_weights: off`): its one-token program runs
+    unrolled, and its projections multiply float32 weights."""
+    return _build_engine(demo_checkpoint, {"dp": 1}, pack_weights="off")
+
+
 def _trusted_prefix(gaps: list[float]) -> int:
     from hf_reference import trusted_steps
 
@@ -225,13 +232,15 @@ def test_greedy_tokens_and_logprobs_match_transformers(alone, reference):
     _check_reference(alone, reference)
 
 
-def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, demo_checkpoint, prompt_ids, alone):
+def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(unpacked, demo_checkpoint, prompt_ids):
     """On CPU the one-token step program runs the layers unrolled, over per-layer arrays that are views of the
     stacked weights' memory (XLA CPU copies a scanned layer's weight slice before each matmul); every other
     program scans. The unrolled program's tokens and logprobs equal those of an engine with
-    `engine.unroll_layers: off`, which scans everywhere."""
+    `engine.unroll_layers: off`, which scans everywhere. (An engine with packed weights scans everywhere: a
+    layer slice names its packed copy.)"""
     from raydeploy.engine.programs import ProgramShape
 
+    engine = unpacked
     ps = engine.programs_set
     pages = ps.page_buckets[0]
     assert ps.unrolled(ProgramShape("step", 1, pages))
@@ -248,15 +257,15 @@ def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(engine, 
 
     with pytest.raises(ValueError, match=r"layer 1: arrays of shapes \[.*\] do not match the stacked layer"):
         unroll_layers(ps.model(engine._param_leaves).layers, [views[0], views[1][1:]])
-    unrolled = alone[0]
-    off = _build_engine(demo_checkpoint, {"dp": 1}, unroll_layers="off")
+    unrolled = PlanDriver(engine).run([("r0", prompt_ids[0], NEW_TOKENS, None)])["r0"]
+    off = _build_engine(demo_checkpoint, {"dp": 1}, unroll_layers="off", pack_weights="off")
     assert off.programs_set.unrolled_tokens == frozenset() and off._layer_views is None
     scanned = PlanDriver(off).run([("r0", prompt_ids[0], NEW_TOKENS, None)])["r0"]
     assert scanned["out"] == unrolled["out"]
     np.testing.assert_allclose(scanned["logprobs"], unrolled["logprobs"], atol=1e-5)
 
 
-def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_weights(engine, demo_checkpoint,
+def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_weights(unpacked, demo_checkpoint,
                                                                                     prompt_ids):
     """On CPU with replicated float32 weights, a step program of 2-32 rows per device (1-32 in the AVX-512 build)
     multiplies its seven
@@ -268,6 +277,7 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
 
     from raydeploy.model import native
 
+    engine = unpacked
     ps = engine.programs_set
     assert ps.native_matmul is None and engine.matmul == "native"
     pages = ps.page_buckets[0]
@@ -300,6 +310,40 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
     assert "raydeploy_decode_attention" not in xla.step_hlo(tokens, pages)
     prompts = [(f"r{i}", ids, 24, None) for i, ids in enumerate(prompt_ids[:2])]
     ours, theirs = PlanDriver(engine).run(prompts), PlanDriver(xla).run(prompts)
+    for name in ("r0", "r1"):
+        assert ours[name]["out"] == theirs[name]["out"]
+        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"], atol=1e-4)
+
+
+def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, unpacked, prompt_ids):
+    """The demo's projections are a Q4_1 GGUF's blocks dequantized to float32: where the kernel is built for AVX-512
+    the engine also holds them packed (`engine.pack_weights: auto`), and every step program of few rows reads the
+    packed copies (q/k/v joined, o, gate/up joined, down: four calls in the scanned layer body), while a prompt
+    chunk of more rows than the kernel takes keeps XLA's dot over the float32 weights. Greedy tokens equal and
+    logprobs are within 1e-4 of the float32-only engine's: the same products, from fewer bytes."""
+    from raydeploy.model import native
+
+    ps = engine.programs_set
+    if native.packs_weights() is not None:
+        assert engine.packed_weights == [] and ps.pack_weights == native.packs_weights()
+        return
+    kernels = ["attn.k_proj.kernel", "attn.o_proj.kernel", "attn.q_proj.kernel", "attn.v_proj.kernel",
+               "mlp.down_proj.kernel", "mlp.gate_proj.kernel", "mlp.up_proj.kernel"]
+    assert engine.packed_weights == kernels
+    assert engine.matmul == "native (7 layer kernels packed 4-bit)"
+    assert unpacked.packed_weights == [] and unpacked.programs_set.pack_weights == "engine.pack_weights is off"
+    assert ps.unrolled_tokens == frozenset()
+    pages = ps.page_buckets[0]
+    for tokens in (1, min(t for t in ps.token_buckets if t > 1)):
+        hlo = engine.step_hlo(tokens, pages)
+        assert hlo.count('custom_call_target="raydeploy_small_matmul_q4"') == 4, tokens
+        assert hlo.count('custom_call_target="raydeploy_small_matmul"') == 0, tokens
+        assert hlo.count('custom_call_target="raydeploy_small_matmul_out_first"') == 1, tokens  # the tied head
+    chunk = max(ps.token_buckets)
+    assert chunk > native.max_rows("float32")
+    assert "raydeploy_small_matmul_q4" not in engine.step_hlo(chunk, pages)
+    prompts = [(f"r{i}", ids, 24, None) for i, ids in enumerate(prompt_ids[:2])]
+    ours, theirs = PlanDriver(engine).run(prompts), PlanDriver(unpacked).run(prompts)
     for name in ("r0", "r1"):
         assert ours[name]["out"] == theirs[name]["out"]
         np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"], atol=1e-4)

@@ -228,3 +228,92 @@ def test_many_concurrent_calls_on_two_threads_finish(kernel):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_NPROC": "2"}
     done = subprocess.run([sys.executable, "-c", CONCURRENT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+# -- packed 4-bit weights (`raydeploy.model.native.q4`) ------------------------------------------------------
+
+
+def _q4_weight(rng, layers: int, k: int, n: int) -> np.ndarray:
+    """A float32 weight made as a Q4_1 checkpoint's dequantization makes it: per 32 weights down a column,
+    float16 d and m, q in 0..15 with 0 and 15 present (as the quantizer's min and max give them)."""
+    d = rng.uniform(1e-3, 3e-2, (layers, k // 32, n)).astype(np.float16).astype(np.float32)
+    m = (-rng.uniform(1, 8, (layers, k // 32, n)) * d).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (layers, k // 32, 32, n))
+    q[:, :, 3, :], q[:, :, 17, :] = 0, 15
+    return (q.astype(np.float32) * d[:, :, None] + m[:, :, None]).reshape(layers, k, n)
+
+
+def test_q4_pack_keeps_every_weight_bit_for_bit():
+    from raydeploy.model.native import q4
+
+    rng = np.random.default_rng(4)
+    w = _q4_weight(rng, 2, 96, 64)
+    w[1, 32:64, 5] = np.float32(0.25)  # a constant block: d = 0
+    packed = q4.pack(w)
+    assert packed is not None and packed.shape == (2, 3, 2, q4.TILE) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(q4.unpack(packed).view(np.uint32), w.view(np.uint32))
+
+
+def test_q4_pack_refuses_weights_that_are_not_exact_blocks():
+    """Packing never approximates: one weight an ulp off, float32 noise, a NaN, K or N not a multiple of 32, or
+    another dtype leave the weight unpacked (None)."""
+    from raydeploy.model.native import q4
+
+    rng = np.random.default_rng(5)
+    w = _q4_weight(rng, 1, 64, 32)
+    off = w.copy()
+    off[0, 40, 7] = np.nextafter(off[0, 40, 7], np.float32(1))
+    assert q4.pack(off) is None
+    assert q4.pack(rng.standard_normal((1, 64, 32), dtype=np.float32)) is None
+    nan = w.copy()
+    nan[0, 0, 0] = np.nan
+    assert q4.pack(nan) is None
+    assert q4.pack(_q4_weight(rng, 1, 64, 48)[:, :, :40]) is None
+    assert q4.pack(w[:, :48]) is None
+    assert q4.pack(w.astype(np.float64)) is None
+    assert q4.pack(w) is not None
+
+
+@pytest.fixture(scope="module")
+def q4_kernel(native_library):
+    if native.packs_weights() is not None:
+        pytest.skip(native.packs_weights())
+    return native
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 32])
+def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m):
+    """`native.matmul` / `matmuls` inside `rows_over(..., packed=)` read a `LayerSlice`'s packed copy (one kernel
+    call for several weights of a layer): the float32 weight's products, within float32 rounding, for row counts
+    in one and several register groups, at a traced layer index inside a scan."""
+    rng = np.random.default_rng(m)
+    ws = {"a": _q4_weight(rng, 3, 576, 192), "b": _q4_weight(rng, 3, 576, 1536)}
+    packed = {k: jnp.asarray(native.q4.pack(v)) for k, v in ws.items()}
+    x = rng.standard_normal((m, 576), dtype=np.float32)
+    mesh = jax.make_mesh((1,), ("dp",))
+
+    def run(x, wa, wb, packed):
+        def body(c, layer):
+            a, b = native.LayerSlice(wa, layer, name="a"), native.LayerSlice(wb, layer, name="b")
+            joined = native.matmuls(x, [a, b])
+            return c, (native.matmul(x, a), native.matmul(x, b), *joined)
+        with native.rows_over(mesh, ("dp",), packed):
+            return jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1]
+
+    fn = jax.jit(run)
+    text = fn.lower(x, ws["a"], ws["b"], packed).as_text()
+    assert text.count("raydeploy_small_matmul_q4") == 3 and "raydeploy_small_matmul\"" not in text
+    ya, yb, ja, jb = (np.asarray(y) for y in fn(x, ws["a"], ws["b"], packed))
+    for layer in range(3):
+        for got, name in ((ya, "a"), (ja, "a"), (yb, "b"), (jb, "b")):
+            want = x.astype(np.float64) @ ws[name][layer].astype(np.float64)
+            np.testing.assert_allclose(got[layer], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_q4_kernel_names_wrong_shapes(q4_kernel):
+    """A packed weight whose K does not match x's is refused by the handler with what it expected."""
+    w = q4_kernel.q4.pack(_q4_weight(np.random.default_rng(0), 1, 64, 32))
+    with pytest.raises(Exception, match=r"expected w_i \[L, K/32, N_i/32, 768\]"):
+        y = jax.ffi.ffi_call(native.TARGET_Q4, [jax.ShapeDtypeStruct((2, 32), jnp.float32)])(
+            jnp.zeros((2, 96), jnp.float32), jnp.int32(0), jnp.asarray(w))
+        jax.block_until_ready(y)
