@@ -316,9 +316,10 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
 
 
 def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, unpacked, prompt_ids):
-    """The demo's projections are a Q4_1 GGUF's blocks dequantized to float32: where the kernel is built for AVX-512
-    the engine also holds them packed (`engine.pack_weights: auto`), and every step program of few rows reads the
-    packed copies (q/k/v joined, o, gate/up joined, down: four calls in the scanned layer body), while a prompt
+    """The demo's projections are a Q4_1 GGUF's blocks dequantized to float32, its tied table Q8_0's: where the kernel
+    is built for AVX-512 the engine also holds them packed (`engine.pack_weights: auto`), and every step program of
+    few rows reads the packed copies (q/k/v joined, o, gate/up joined, down: four calls in the scanned layer body;
+    the LM head), while a prompt
     chunk of more rows than the kernel takes keeps XLA's dot over the float32 weights. Greedy tokens equal and
     logprobs are within 1e-4 of the float32-only engine's: the same products, from fewer bytes."""
     from raydeploy.model import native
@@ -328,9 +329,9 @@ def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, un
         assert engine.packed_weights == [] and ps.pack_weights == native.packs_weights()
         return
     kernels = ["attn.k_proj.kernel", "attn.o_proj.kernel", "attn.q_proj.kernel", "attn.v_proj.kernel",
-               "mlp.down_proj.kernel", "mlp.gate_proj.kernel", "mlp.up_proj.kernel"]
-    assert engine.packed_weights == kernels
-    assert engine.matmul == "native (7 layer kernels packed 4-bit)"
+               "embed.embedding", "mlp.down_proj.kernel", "mlp.gate_proj.kernel", "mlp.up_proj.kernel"]
+    assert engine.packed_weights == kernels  # the seven Q4_1 projections and the Q8_0 table (the tied head)
+    assert engine.matmul == "native (8 weights packed)"
     assert unpacked.packed_weights == [] and unpacked.programs_set.pack_weights == "engine.pack_weights is off"
     assert ps.unrolled_tokens == frozenset()
     pages = ps.page_buckets[0]
@@ -338,7 +339,8 @@ def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, un
         hlo = engine.step_hlo(tokens, pages)
         assert hlo.count('custom_call_target="raydeploy_small_matmul_q4"') == 4, tokens
         assert hlo.count('custom_call_target="raydeploy_small_matmul"') == 0, tokens
-        assert hlo.count('custom_call_target="raydeploy_small_matmul_out_first"') == 1, tokens  # the tied head
+        assert hlo.count('custom_call_target="raydeploy_small_matmul_out_first_q8"') == 1, tokens  # the tied head
+        assert 'custom_call_target="raydeploy_small_matmul_out_first"' not in hlo, tokens
     chunk = max(ps.token_buckets)
     assert chunk > native.max_rows("float32")
     assert "raydeploy_small_matmul_q4" not in engine.step_hlo(chunk, pages)

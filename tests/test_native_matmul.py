@@ -230,7 +230,7 @@ def test_many_concurrent_calls_on_two_threads_finish(kernel):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
-# -- packed 4-bit weights (`raydeploy.model.native.q4`) ------------------------------------------------------
+# -- packed 4-bit weights (`raydeploy.model.native.packing`) ------------------------------------------------------
 
 
 def _q4_weight(rng, layers: int, k: int, n: int) -> np.ndarray:
@@ -244,34 +244,34 @@ def _q4_weight(rng, layers: int, k: int, n: int) -> np.ndarray:
 
 
 def test_q4_pack_keeps_every_weight_bit_for_bit():
-    from raydeploy.model.native import q4
+    from raydeploy.model.native import packing
 
     rng = np.random.default_rng(4)
     w = _q4_weight(rng, 2, 96, 64)
     w[1, 32:64, 5] = np.float32(0.25)  # a constant block: d = 0
-    packed = q4.pack(w)
-    assert packed is not None and packed.shape == (2, 3, 2, q4.TILE) and packed.dtype == np.uint8
-    np.testing.assert_array_equal(q4.unpack(packed).view(np.uint32), w.view(np.uint32))
+    packed = packing.pack_q4(w)
+    assert packed is not None and packed.shape == (2, 3, 2, packing.TILE) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(packing.unpack_q4(packed).view(np.uint32), w.view(np.uint32))
 
 
 def test_q4_pack_refuses_weights_that_are_not_exact_blocks():
     """Packing never approximates: one weight an ulp off, float32 noise, a NaN, K or N not a multiple of 32, or
     another dtype leave the weight unpacked (None)."""
-    from raydeploy.model.native import q4
+    from raydeploy.model.native import packing
 
     rng = np.random.default_rng(5)
     w = _q4_weight(rng, 1, 64, 32)
     off = w.copy()
     off[0, 40, 7] = np.nextafter(off[0, 40, 7], np.float32(1))
-    assert q4.pack(off) is None
-    assert q4.pack(rng.standard_normal((1, 64, 32), dtype=np.float32)) is None
+    assert packing.pack_q4(off) is None
+    assert packing.pack_q4(rng.standard_normal((1, 64, 32), dtype=np.float32)) is None
     nan = w.copy()
     nan[0, 0, 0] = np.nan
-    assert q4.pack(nan) is None
-    assert q4.pack(_q4_weight(rng, 1, 64, 48)[:, :, :40]) is None
-    assert q4.pack(w[:, :48]) is None
-    assert q4.pack(w.astype(np.float64)) is None
-    assert q4.pack(w) is not None
+    assert packing.pack_q4(nan) is None
+    assert packing.pack_q4(_q4_weight(rng, 1, 64, 48)[:, :, :40]) is None
+    assert packing.pack_q4(w[:, :48]) is None
+    assert packing.pack_q4(w.astype(np.float64)) is None
+    assert packing.pack_q4(w) is not None
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +288,7 @@ def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m):
     in one and several register groups, at a traced layer index inside a scan."""
     rng = np.random.default_rng(m)
     ws = {"a": _q4_weight(rng, 3, 576, 192), "b": _q4_weight(rng, 3, 576, 1536)}
-    packed = {k: jnp.asarray(native.q4.pack(v)) for k, v in ws.items()}
+    packed = {k: jnp.asarray(native.packing.pack_q4(v)) for k, v in ws.items()}
     x = rng.standard_normal((m, 576), dtype=np.float32)
     mesh = jax.make_mesh((1,), ("dp",))
 
@@ -312,8 +312,53 @@ def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m):
 
 def test_q4_kernel_names_wrong_shapes(q4_kernel):
     """A packed weight whose K does not match x's is refused by the handler with what it expected."""
-    w = q4_kernel.q4.pack(_q4_weight(np.random.default_rng(0), 1, 64, 32))
+    w = q4_kernel.packing.pack_q4(_q4_weight(np.random.default_rng(0), 1, 64, 32))
     with pytest.raises(Exception, match=r"expected w_i \[L, K/32, N_i/32, 768\]"):
         y = jax.ffi.ffi_call(native.TARGET_Q4, [jax.ShapeDtypeStruct((2, 32), jnp.float32)])(
             jnp.zeros((2, 96), jnp.float32), jnp.int32(0), jnp.asarray(w))
         jax.block_until_ready(y)
+
+
+def _q8_table(rng, n: int, k: int) -> np.ndarray:
+    """A float32 table made as a Q8_0 checkpoint's dequantization makes it: per 32 weights along a row, a float16
+    d and q in -127..127 with |q| = 127 present."""
+    d = rng.uniform(1e-3, 3e-2, (n, k // 32)).astype(np.float16).astype(np.float32)
+    q = rng.integers(-127, 128, (n, k // 32, 32))
+    q[:, :, 9] = np.where(rng.random((n, k // 32)) < 0.5, -127, 127)
+    return (q.astype(np.float32) * d[:, :, None]).reshape(n, k)
+
+
+def test_q8_pack_keeps_every_weight_bit_for_bit_and_refuses_the_rest():
+    from raydeploy.model.native import packing
+
+    rng = np.random.default_rng(8)
+    w = _q8_table(rng, 40, 96)
+    w[3, 32:64] = 0.0  # an all-zero block: d = 0
+    packed = packing.pack_q8(w)
+    assert packed is not None and packed.shape == (1, 40, 96 + 12) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(packing.unpack_q8(packed).view(np.uint32), w.view(np.uint32))
+    off = w.copy()
+    off[7, 50] = np.nextafter(off[7, 50], np.float32(1))
+    assert packing.pack_q8(off) is None
+    assert packing.pack_q8(rng.standard_normal((8, 64), dtype=np.float32)) is None
+    assert packing.pack_q8(w[:, :80]) is None
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 32])
+def test_q8_table_as_lm_head_equals_numpy(q4_kernel, m):
+    """A tied table's 8-bit rows read as the LM head (`LayerSlice` named in `rows_over(..., packed=)`, out_first):
+    x times the float32 table, within float32 rounding, for 1, 2 and several 4-row groups."""
+    rng = np.random.default_rng(m)
+    table = _q8_table(rng, 1000, 576)
+    x = rng.standard_normal((m, 576), dtype=np.float32)
+    mesh = jax.make_mesh((1,), ("dp",))
+
+    def run(x, table, packed):
+        with native.rows_over(mesh, ("dp",), {"embed.embedding": packed}):
+            return native.matmul(x, native.LayerSlice(table[None], jnp.int32(0), name="embed.embedding"), True)
+
+    fn = jax.jit(run)
+    args = (x, table, jnp.asarray(native.packing.pack_q8(table)))
+    assert "raydeploy_small_matmul_out_first_q8" in fn.lower(*args).as_text()
+    want = x.astype(np.float64) @ table.astype(np.float64).T
+    np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -94,26 +94,29 @@ class Engine:
 
     @staticmethod
     def _pack(ps: ProgramSet, leaves: list[jax.Array]) -> dict[str, jax.Array]:
-        """The packed 4-bit copies (`raydeploy.model.native.q4`) of the layer kernels whose float32 weights are
-        exactly 4-bit blocks, replicated like the weights, by path in the layer module. Every host packs its own
-        replica of the same checkpoint, so every host packs the same kernels."""
-        from raydeploy.model.native import q4
+        """The packed copies (`raydeploy.model.native.packing`) of the weights the native kernel may read packed
+        (`ProgramSet.packable`) whose float32 values are exactly 4-bit blocks (layer kernels) or 8-bit blocks (a
+        tied embedding table), replicated like the weights, by name. Every host packs its own replica of the same
+        checkpoint, so every host packs the same weights."""
+        from raydeploy.model.native import packing
 
         out: dict[str, jax.Array] = {}
         for i, name in enumerate(ps.param_names):
             path = name.removeprefix("layers.")
-            k_dims = ps.packable.get(path) if name.startswith("layers.") else None
+            k_dims = ps.packable.get(path)
             if k_dims is None:
                 continue
             w = np.asarray(leaves[i].addressable_data(0))
-            packed = q4.pack(w.reshape(w.shape[0], int(np.prod(w.shape[1:1 + k_dims])), -1))
+            packed = (packing.pack_q8(w) if k_dims == 0
+                      else packing.pack_q4(w.reshape(w.shape[0], int(np.prod(w.shape[1:1 + k_dims])), -1)))
             if packed is not None:
                 out[path] = jax.make_array_from_callback(packed.shape, ps.replicated, lambda idx, p=packed: p[idx])
         return out
 
     @property
     def packed_weights(self) -> list[str]:
-        """The layer kernels whose decode-size steps read a packed 4-bit copy (`engine.pack_weights`)."""
+        """The weights whose decode-size steps read a packed copy (`engine.pack_weights`): layer kernels (4-bit) by
+        path in the layer module, the tied embedding table (8-bit) as "embed.embedding"."""
         return sorted(self._packed)
 
     # -- what the scheduler reads
@@ -163,7 +166,7 @@ class Engine:
         or "xla (why not the platform's kernel)"; hosts report it in their status."""
         ps = self.programs_set
         if ps.native_matmul is None:
-            return f"native ({len(self._packed)} layer kernels packed 4-bit)" if self._packed else "native"
+            return f"native ({len(self._packed)} weights packed)" if self._packed else "native"
         if ps.stacked_matmul is None:
             return "pallas"
         return f"xla ({ps.stacked_matmul if ps.platform == 'gpu' else ps.native_matmul})"

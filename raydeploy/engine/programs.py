@@ -56,7 +56,7 @@ from raydeploy.engine.kv_cache import (
 )
 from raydeploy.engine.sampling import chunks_for_shards, sample
 from raydeploy.model import native, stacked_matmul
-from raydeploy.model.llama import DTYPES, ActivationSharding, in_out_kernels, unroll_layers
+from raydeploy.model.llama import DTYPES, EMBEDDING, ActivationSharding, in_out_kernels, unroll_layers
 from raydeploy.model.registry import Family
 from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
 from raydeploy.model.spec import pages_per_seq, resolve_num_pages
@@ -264,13 +264,16 @@ class ProgramSet:
         layer_stack = self.model(leaves).layers
         layers = type(layer_stack)
         self.packable: dict[str, int] = {}
-        """The stacked layer kernels the native kernel may read packed (`raydeploy.model.native.q4`), by path in the
-        layer module, with how many of their dims make K (`in_out_kernels`); empty where it may not."""
+        """The weights the native kernel may read packed (`raydeploy.model.native.packing`): stacked layer kernels by
+        path in the layer module, with how many of their dims make K (`in_out_kernels`; 4-bit tiles), and a tied
+        embedding table (`EMBEDDING`, 0; 8-bit rows); empty where it may not."""
         self.pack_weights = self._pack_weights(engine_cfg.pack_weights, model_cfg, layers)
         """Why no layer kernel is held packed, or None when those in `packable` may be (`Engine` packs each whose
         weights are exactly 4-bit blocks and calls `use_packed`)."""
         if self.pack_weights is None:
             self.packable = in_out_kernels(layer_stack)
+            if self.model(leaves).lm_head is None:  # the tied embedding table is the LM head: 8-bit rows
+                self.packable[EMBEDDING] = 0
         self.packed: dict[str, jax.ShapeDtypeStruct] = {}
         """The packed copies the step programs take (after `use_packed`), by path in the layer module."""
         self.unrolled_tokens: frozenset[int] = frozenset()

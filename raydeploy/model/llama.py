@@ -439,6 +439,10 @@ def in_out_kernels(stack: nnx.Module) -> dict[str, int]:
     return found
 
 
+EMBEDDING = "embed.embedding"
+"""The embedding table's parameter name (read as the LM head where the family ties them)."""
+
+
 class Embed(nnx.Module):
     def __init__(self, vocab: int, d: int, param_dtype: Any, rngs: nnx.Rngs | None) -> None:
         self.embedding = _param(rngs, (vocab, d), param_dtype)
@@ -501,6 +505,8 @@ class Llama(nnx.Module):
             out = self.lm_head(h)
         else:
             emb = self.embed.embedding[...]
+            if native.active():  # named, so the native kernel can read its packed copy (`engine.pack_weights`)
+                emb = native.LayerSlice(emb[None], jnp.zeros((), jnp.int32), name=EMBEDDING)
             out = _matmul(h, emb, out_first=True)  # [..., D] x [V, D]
         if out.ndim == 2 and shard is not None:
             # Compute the logits where the vocabulary shards of the weight live, then lay them out as the

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from raydeploy.model.native import q4
+from raydeploy.model.native import packing
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "small_matmul.cc", HERE / "decode_attention.cc")
@@ -51,6 +51,7 @@ TARGET_BF16 = "raydeploy_small_matmul_bf16"
 TARGET_MULTI_BF16 = "raydeploy_small_matmul_multi_bf16"
 TARGET_OUT_FIRST_BF16 = "raydeploy_small_matmul_out_first_bf16"
 TARGET_Q4 = "raydeploy_small_matmul_q4"
+TARGET_OUT_FIRST_Q8 = "raydeploy_small_matmul_out_first_q8"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
 
@@ -167,6 +168,8 @@ def _register() -> str | None:
         jax.ffi.register_ffi_target(TARGET_OUT_FIRST_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstBf16),
                                     platform="cpu")
         jax.ffi.register_ffi_target(TARGET_Q4, jax.ffi.pycapsule(lib.RaydeploySmallMatmulQ4), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_OUT_FIRST_Q8, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstQ8),
+                                    platform="cpu")
     return None
 
 
@@ -176,7 +179,7 @@ def unavailable() -> str | None:
 
 
 def packs_weights() -> str | None:
-    """None where the kernel multiplies packed 4-bit weights (`raydeploy.model.native.q4`; the AVX-512 build),
+    """None where the kernel multiplies packed 4-bit weights (`raydeploy.model.native.packing`; the AVX-512 build),
     else why not."""
     if (problem := unavailable()) is not None:
         return problem
@@ -249,9 +252,10 @@ _ROWS: contextvars.ContextVar[_Rows | None] = contextvars.ContextVar("raydeploy_
 def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str],
               packed: Mapping[str, jax.Array] | None = None) -> Iterator[None]:
     """While tracing a program inside this block, `matmul` runs the kernel: activations' first dim split over
-    `row_axes`, every weight replicated (the caller checks the mesh: each other axis of size 1). `packed`: the
-    packed 4-bit copies (`q4.pack`, [L, K/32, N/32, 768]) of stacked layer kernels, by their path in the layer
-    module; a `LayerSlice` of such a kernel is read from its copy."""
+    `row_axes`, every weight replicated (the caller checks the mesh: each other axis of size 1). `packed`: packed
+    copies of weights by name, read for a `LayerSlice` of that name: stacked layer kernels' 4-bit tiles
+    (`packing.pack_q4`, [L, K/32, N/32, 768], by path in the layer module) and a tied embedding table's 8-bit rows
+    (`packing.pack_q8`, [1, V, D + D/8], "embed.embedding")."""
     groups = 1
     for a in row_axes:
         groups *= int(mesh.shape[a])
@@ -280,18 +284,26 @@ def _call_multi(x: jax.Array, layer: jax.Array, *stacks: jax.Array) -> list[jax.
 
 
 def _call_q4(x: jax.Array, layer: jax.Array, *packed: jax.Array) -> list[jax.Array]:
-    outs = [jax.ShapeDtypeStruct((x.shape[0], p.shape[2] * q4.BLOCK), jnp.float32) for p in packed]
+    outs = [jax.ShapeDtypeStruct((x.shape[0], p.shape[2] * packing.BLOCK), jnp.float32) for p in packed]
     return list(jax.ffi.ffi_call(TARGET_Q4, outs)(x, layer, *packed))
 
 
-def _packed(x: jax.Array, w: Any, rows: _Rows | None) -> jax.Array | None:
-    """The packed copy the kernel reads for x @ w (w a `LayerSlice` of a packed kernel, rows within
-    [1, `max_rows`]), else None."""
+def _call_out_first_q8(x: jax.Array, table: jax.Array, layer: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], table.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_OUT_FIRST_Q8, out)(x, table, layer)
+
+
+def _packed(x: jax.Array, w: Any, rows: _Rows | None, out_first: bool = False) -> jax.Array | None:
+    """The packed copy the kernel reads for x @ w (w a `LayerSlice` named in `rows.packed`: a layer kernel's
+    4-bit tiles, or with out_first a table's 8-bit rows; rows within [1, `max_rows`]), else None."""
     if rows is None or not isinstance(w, LayerSlice) or w.name not in rows.packed or len(w.shape) != 2:
         return None
     p = rows.packed[w.name]
-    if (x.ndim != 2 or x.dtype != jnp.float32 or tuple(p.shape[1:3]) != (w.shape[0] // q4.BLOCK, w.shape[1] // q4.BLOCK)
-            or x.shape[0] % rows.groups or not 1 <= x.shape[0] // rows.groups <= max_rows(jnp.float32)):
+    n, k = w.shape if out_first else w.shape[::-1]
+    fits = (tuple(p.shape[1:]) == (n, k + k // 8) if out_first
+            else tuple(p.shape[1:3]) == (k // packing.BLOCK, n // packing.BLOCK))
+    if (not fits or x.ndim != 2 or x.dtype != jnp.float32 or x.shape[0] % rows.groups
+            or not 1 <= x.shape[0] // rows.groups <= max_rows(jnp.float32)):
         return None
     return p
 
@@ -326,8 +338,11 @@ def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
     `rows_over` or the kernel does not apply (dtype, shape, rows per device outside [`min_rows`,
     `max_rows`]): the caller then multiplies in XLA."""
     rows = _ROWS.get()
-    if rows is not None and not out_first and (p := _packed(x, w, rows)) is not None:
-        return _per_group(rows, _call_q4, x, jnp.asarray(w.layer, jnp.int32), p, outs=1)[0]  # type: ignore[no-any-return]
+    if (p := _packed(x, w, rows, out_first)) is not None:
+        layer = jnp.asarray(w.layer, jnp.int32)
+        if out_first:
+            return _per_group(rows, _call_out_first_q8, x, p, layer)  # type: ignore[arg-type,no-any-return]
+        return _per_group(rows, _call_q4, x, layer, p, outs=1)[0]  # type: ignore[arg-type,no-any-return]
     if rows is None or not _applies(x, w, out_first, rows):
         return None
     stack, layer = _stacked(w)

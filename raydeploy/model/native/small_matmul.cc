@@ -299,16 +299,55 @@ inline __m256 Half(__m512 a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
+// A weight's rows as the output-first kernel reads them: row(n).load(k) is the row's 16 weights from k as float32.
+template <typename W>
+struct PlainRows {
+  const W* w;
+  int64_t K;
+  struct Row {
+    const W* p;
+    __m512 load(int64_t k) const { return Load16(p + k); }
+    __m512 load(int64_t k, __mmask16 m) const { return Load16(p + k, m); }
+    const char* at(int64_t k) const { return reinterpret_cast<const char*>(p + k); }
+  };
+  Row row(int64_t n) const { return Row{w + n * K}; }
+};
+
+// Packed 8-bit rows (`raydeploy.model.native.packing.pack_q8`: a GGUF Q8_0 table dequantized to float32): per row, K/32
+// float32 scales, then K int8 weights; weight k is scale[k / 32] * q[k], exact in float32. K is a multiple of 32.
+struct Q8Rows {
+  const uint8_t* w;
+  int64_t K;
+  struct Row {
+    const float* s;
+    const int8_t* q;
+    __m512 load(int64_t k) const {
+      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k)));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[k >> 5]));
+    }
+    __m512 load(int64_t k, __mmask16) const { return load(k); }  // K is a multiple of 32: no partial vector
+    const char* at(int64_t k) const { return reinterpret_cast<const char*>(q + k); }
+  };
+  Row row(int64_t n) const {
+    const uint8_t* r = w + n * (K + K / 8);
+    return Row{reinterpret_cast<const float*>(r), reinterpret_cast<const int8_t*>(r + K / 8)};
+  }
+};
+
 // MR rows of x against NR weight rows at a time (MR * NR = 8 or 16 dot products in registers).
-template <int MR, int NR, typename W>
-void OutFirstBlocks(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+template <int MR, int NR, typename Rows>
+void OutFirstBlocks(const float* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                    int64_t n1) {
   static_assert(MR * NR == 8 || MR * NR == 16, "the dot products reduce eight at a time");
   const int64_t kfull = K / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (K - kfull)) - 1);
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t nr = n1 - n < NR ? n1 - n : NR;
-    const W* wr[NR];
-    for (int j = 0; j < NR; ++j) wr[j] = w + (n + (j < nr ? j : 0)) * K;
+    typename Rows::Row wr[NR], ahead[NR];
+    for (int j = 0; j < NR; ++j) {
+      wr[j] = w.row(n + (j < nr ? j : 0));
+      ahead[j] = w.row(n + NR + j);
+    }
     for (int64_t m = 0; m < M; m += MR) {
       const int64_t mr = M - m < MR ? M - m : MR;
       const float* xr[MR];
@@ -318,12 +357,12 @@ void OutFirstBlocks(const float* x, const W* w, float* y, int64_t M, int64_t K, 
       for (int64_t k = 0; k < K; k += 16) {
         __m512 wv[NR], xv[MR];
         if (m == 0 && M > MR && n + 2 * NR <= n1)  // rows of x pass over these weight rows again: fetch the next ones
-          for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NR * K + k), _MM_HINT_T0);
+          for (int j = 0; j < NR; ++j) _mm_prefetch(ahead[j].at(k), _MM_HINT_T0);
         if (k < kfull) {
-          for (int j = 0; j < NR; ++j) wv[j] = Load16(wr[j] + k);
+          for (int j = 0; j < NR; ++j) wv[j] = wr[j].load(k);
           for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_ps(xr[i] + k);
         } else {
-          for (int j = 0; j < NR; ++j) wv[j] = Load16(wr[j] + k, tail);
+          for (int j = 0; j < NR; ++j) wv[j] = wr[j].load(k, tail);
           for (int i = 0; i < MR; ++i) xv[i] = _mm512_maskz_loadu_ps(tail, xr[i] + k);
         }
         for (int i = 0; i < MR; ++i)
@@ -340,14 +379,42 @@ void OutFirstBlocks(const float* x, const W* w, float* y, int64_t M, int64_t K, 
 }
 
 // One row: eight weight rows at a time; two: four; more: four rows of x against four weight rows.
-template <typename W>
-void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+template <typename Rows>
+void OutFirstFrom(const float* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   if (M == 1)
     OutFirstBlocks<1, 8>(x, w, y, M, K, N, n0, n1);
   else if (M == 2)
     OutFirstBlocks<2, 4>(x, w, y, M, K, N, n0, n1);
   else
     OutFirstBlocks<4, 4>(x, w, y, M, K, N, n0, n1);
+}
+
+template <typename W>
+void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  OutFirstFrom(x, PlainRows<W>{w, K}, y, M, K, N, n0, n1);
+}
+
+// x [M, K] float32, w [L, N, K + K/8] packed 8-bit rows (`Q8Rows`), the layer index; y [M, N] float32.
+ffi::Error OutFirstQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] % 32 != 0 || wd[2] != xd[1] + xd[1] / 8 ||
+      wd[1] != yd[1] || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument(
+        "raydeploy small_matmul_out_first_q8: expected x [M, K] (K a multiple of 32), w [L, N, K + K/8], y [M, N]");
+  const int64_t L = wd[0], N = wd[1], K = xd[1], M = xd[0];
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("raydeploy small_matmul: layer index out of range");
+  const Q8Rows rows{w.typed_data() + static_cast<int64_t>(l) * N * wd[2], K};
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const int64_t groups = (N + 255) / 256;
+  Split(pool, groups, [&](int64_t g0, int64_t g1) {
+    OutFirstFrom(xp, rows, yp, M, K, N, g0 * 256, g1 * 256 < N ? g1 * 256 : N);
+  });
+  return ffi::Error::Success();
 }
 #else
 template <typename W>
@@ -476,7 +543,7 @@ ffi::Error MultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 }
 
 #if defined(__AVX512F__)
-// Packed 4-bit weights (`raydeploy.model.native.pack_q4`): a weight [K, N] whose every block of 32 weights down a
+// Packed 4-bit weights (`raydeploy.model.native.packing.pack_q4`): a weight [K, N] whose every block of 32 weights down a
 // column is d * q + m, q in 0..15 (a GGUF Q4_1 checkpoint dequantized to float32 is such a weight), stored as
 // tiles of 32 weight rows x 32 columns, one after another in row-block-major order, each 768 bytes: the 32
 // columns' d (float32), their m (float32), then 32 rows of 16 bytes, byte j of a row holding column j in its low
@@ -631,4 +698,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulMultiBf16, MultiImpl<ffi::BF16
 
 // packed 4-bit weights (float32 rows of x and y): the AVX-512 build only.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulQ4, MultiQ4Impl, MultiBinding<ffi::U8>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirstQ8, OutFirstQ8Impl, Binding<ffi::U8>());
 #endif

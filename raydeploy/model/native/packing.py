@@ -1,15 +1,17 @@
-"""Float32 weights that are exactly 4-bit blocks, held packed for the native matmul (`small_matmul.cc`,
-`MultiQ4Impl`).
+"""Float32 weights that are exactly 4-bit or 8-bit blocks, held packed for the native matmul (`small_matmul.cc`:
+`MultiQ4Impl` for layer kernels, `OutFirstQ8Impl` for a tied embedding table read as the LM head).
 
 A GGUF Q4_1 checkpoint (the demo model's projections) dequantized to float32 holds, down each column of a kernel
 [K, N], blocks of 32 weights that are `d * q + m` with q in 0..15 and d, m float16 values: 16 distinct values a
 block, 4 bytes each. `pack(w)` finds d, m and q for every block and checks that they rebuild every weight bit for
-bit; then the kernel reads 0.75 bytes a weight instead of 4 and rebuilds each weight as float32 before it
+bit (`pack_q4`); then the kernel reads 0.75 bytes a weight instead of 4 and rebuilds each weight as float32 before it
 multiplies (d * q is exact in float32, so the fused multiply-add rounds as the converter's dequantization did).
 The products are the float32 weight's: packing changes how many bytes a step reads, not what it computes. A
-weight that is not such blocks, bit for bit, is not packed (`pack` returns None).
+weight that is not such blocks, bit for bit, is not packed (`pack_q4` returns None). A GGUF Q8_0 table (the demo's
+embedding) holds, along each row, blocks of 32 weights that are `d * q` with q in -127..127 (`pack_q8`: 1.125
+bytes a weight).
 
-Layout (`TILE` bytes a tile of 32 weight rows x 32 columns, tiles in row-block-major order):
+Layout of `pack_q4` (`TILE` bytes a tile of 32 weight rows x 32 columns, tiles in row-block-major order):
 [L, K/32, N/32, 768], uint8; a tile is the 32 columns' d (float32), their m (float32), then 32 rows of 16 bytes,
 byte j of a row holding column j in its low nibble and column 16 + j in its high one.
 """
@@ -28,7 +30,7 @@ def packed_shape(layers: int, k: int, n: int) -> tuple[int, int, int, int]:
     return layers, k // BLOCK, n // BLOCK, TILE
 
 
-def pack(w: np.ndarray) -> np.ndarray | None:
+def pack_q4(w: np.ndarray) -> np.ndarray | None:
     """w [L, K, N] float32 (a stacked in_out kernel) -> packed uint8 [L, K/32, N/32, 768], or None when K or N
     is not a multiple of 32 or any block is not exactly d * q + m (float16 d and m, q in 0..15)."""
     if w.ndim != 3 or w.dtype != np.float32 or w.shape[1] % BLOCK or w.shape[2] % BLOCK or not w.size:
@@ -63,7 +65,7 @@ def pack(w: np.ndarray) -> np.ndarray | None:
     return np.ascontiguousarray(out)
 
 
-def unpack(packed: np.ndarray) -> np.ndarray:
+def unpack_q4(packed: np.ndarray) -> np.ndarray:
     """The float32 weight [L, K, N] a packed one holds (what the kernel multiplies by)."""
     layers, kb, groups, tile = packed.shape
     if tile != TILE:
@@ -74,3 +76,36 @@ def unpack(packed: np.ndarray) -> np.ndarray:
     q = np.stack([nib & 0xF, nib >> 4], axis=-2).reshape(layers, kb, groups, BLOCK, BLOCK)  # [.., row, col]
     w = q.astype(np.float32) * d[:, :, :, None, :] + m[:, :, :, None, :]
     return w.transpose(0, 1, 3, 2, 4).reshape(layers, kb * BLOCK, groups * BLOCK)
+
+
+def pack_q8(w: np.ndarray) -> np.ndarray | None:
+    """w [N, K] float32 (an output-first weight: a tied embedding table as the LM head) -> packed uint8
+    [1, N, K + K/8] (per row: K/32 float32 scales, then K int8 weights), or None when K is not a multiple of 32 or
+    any block of 32 along a row is not exactly d * q (float16 d, q in -127..127)."""
+    if w.ndim != 2 or w.dtype != np.float32 or w.shape[1] % BLOCK or not w.size:
+        return None
+    n, k = w.shape
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=2)
+    if not np.isfinite(amax).all():
+        return None
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint(blocks / d[:, :, None])
+    q = np.where(d[:, :, None] > 0, q, 0)
+    if np.abs(q).max() > 127:
+        return None
+    q = q.astype(np.int8)
+    if not np.array_equal((q.astype(np.float32) * d[:, :, None]).view(np.uint32), blocks.view(np.uint32)):
+        return None
+    out = np.concatenate([d.view(np.uint8).reshape(n, k // 8), q.view(np.uint8).reshape(n, k)], axis=1)
+    return np.ascontiguousarray(out[None])
+
+
+def unpack_q8(packed: np.ndarray) -> np.ndarray:
+    """The float32 weight [N, K] a `pack_q8` packing holds."""
+    _, n, row = packed.shape
+    k = row * 8 // 9
+    d = np.ascontiguousarray(packed[0, :, :k // 8]).view(np.float32)
+    q = packed[0, :, k // 8:].view(np.int8).astype(np.float32).reshape(n, k // BLOCK, BLOCK)
+    return (q * d[:, :, None]).reshape(n, k)
