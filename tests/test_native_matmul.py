@@ -281,7 +281,7 @@ def q4_kernel(native_library):
     return native
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 32])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 32, 64])
 def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m):
     """`native.matmul` / `matmuls` inside `rows_over(..., packed=)` read a `LayerSlice`'s packed copy (one kernel
     call for several weights of a layer): the float32 weight's products, within float32 rounding, for row counts
@@ -308,6 +308,23 @@ def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m):
         for got, name in ((ya, "a"), (ja, "a"), (yb, "b"), (jb, "b")):
             want = x.astype(np.float64) @ ws[name][layer].astype(np.float64)
             np.testing.assert_allclose(got[layer], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_more_rows_than_the_packed_kernel_takes_go_to_xla(q4_kernel):
+    """Past `PACKED_MAX_ROWS` rows per device (and past the float32 kernel's own limit) `matmul` returns None: the
+    model multiplies in XLA over the float32 weight."""
+    w = _q4_weight(np.random.default_rng(1), 1, 64, 32)
+    mesh = jax.make_mesh((1,), ("dp",))
+    seen = {}
+
+    def run(x, w, p):
+        with native.rows_over(mesh, ("dp",), {"w": p}):
+            seen[x.shape[0]] = native.matmul(x, native.LayerSlice(w, jnp.int32(0), name="w"))
+        return x
+
+    for m in (native.PACKED_MAX_ROWS, native.PACKED_MAX_ROWS + 1):
+        jax.jit(run).lower(np.zeros((m, 64), np.float32), w, native.packing.pack_q4(w))
+    assert seen[native.PACKED_MAX_ROWS] is not None and seen[native.PACKED_MAX_ROWS + 1] is None
 
 
 def test_q4_kernel_names_wrong_shapes(q4_kernel):
