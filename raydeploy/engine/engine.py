@@ -49,6 +49,10 @@ def compile_threads(configured: int, platform: str) -> int:
     return 1 if platform == "cpu" else max(1, min(8, os.cpu_count() or 1))
 
 
+def _indexer(a: np.ndarray) -> Callable[[Any], np.ndarray]:
+    return lambda idx: a[idx]
+
+
 class Engine:
     """One model replica over one mesh (possibly several processes): a paged KV pool per dp group and
     `max_slots` page-table rows. `step(plan)` runs the plan's mixed ragged step (and, for a decode-only plan,
@@ -110,7 +114,7 @@ class Engine:
             packed = (packing.pack_q8(w) if k_dims == 0
                       else packing.pack_q4(w.reshape(w.shape[0], int(np.prod(w.shape[1:1 + k_dims])), -1)))
             if packed is not None:
-                out[path] = jax.make_array_from_callback(packed.shape, ps.replicated, lambda idx, p=packed: p[idx])
+                out[path] = jax.make_array_from_callback(packed.shape, ps.replicated, _indexer(packed))
         return out
 
     @property

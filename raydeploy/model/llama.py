@@ -504,7 +504,7 @@ class Llama(nnx.Module):
         if self.lm_head is not None:
             out = self.lm_head(h)
         else:
-            emb = self.embed.embedding[...]
+            emb: Any = self.embed.embedding[...]
             if native.active():  # named, so the native kernel can read its packed copy (`engine.pack_weights`)
                 emb = native.LayerSlice(emb[None], jnp.zeros((), jnp.int32), name=EMBEDDING)
             out = _matmul(h, emb, out_first=True)  # [..., D] x [V, D]
