@@ -22,7 +22,12 @@ With `--weights bfloat16` the weights are bfloat16 and the rows float32, as the 
 accumulation), native runs the kernel's bfloat16 handler (AVX-512 build only), blas multiplies the same weights
 widened to float32 (twice the bytes). The report gives each case's weight GB/s too.
 
-    .venv/bin/python benchmarks/small_matmul.py [--rows 1,2,4,8,16,32,64] [--weights float32|bfloat16]
+With `--weights packed` the float32 weights are exactly 4-bit blocks (the layers, as a GGUF Q4_1 checkpoint's
+dequantization makes them) and 8-bit blocks (the head, Q8_0), as the demo model's are: xla and blas multiply the
+float32 values, native (each call chained on the last) and joined read the packed copies the engine holds (`engine.pack_weights: auto`;
+`raydeploy.model.native.packing`; AVX-512 build only), the head as the tied table's 8-bit rows.
+
+    .venv/bin/python benchmarks/small_matmul.py [--rows 1,2,4,8,16,32,64] [--weights float32|bfloat16|packed]
         [--backends xla,native,blas] [--out benchmarks/results/small_matmul.json]
 """
 
@@ -49,6 +54,16 @@ def _inputs(rows: int, weights: str = "float32"):
 
     rng = np.random.default_rng(0)
     ws = [rng.standard_normal(s, dtype=np.float32) for s in SHAPES]
+    if weights == "packed":  # d * q + m down each column's blocks of 32 (the layers), d * q along the head's rows
+        def blocks(k: int, n: int, q_range: tuple[int, int], offset: bool) -> np.ndarray:
+            d = rng.uniform(1e-3, 3e-2, (k // 32, 1, n)).astype(np.float16).astype(np.float32)
+            m = (-8 * d).astype(np.float16).astype(np.float32) if offset else np.zeros_like(d)
+            q = rng.integers(*q_range, (k // 32, 32, n))
+            q[:, 0], q[:, 1] = q_range[0], q_range[1] - 1
+            return (q.astype(np.float32) * d + m).reshape(k, n)
+
+        ws = [blocks(k, n, (0, 16), True) for k, n in SHAPES[:-1]]
+        ws.append(blocks(*SHAPES[-1], (-127, 128), False))  # [K, N]: blocks down K, along the table's rows
     if weights == "bfloat16":  # the bfloat16 values, held as float32 here
         import ml_dtypes
 
@@ -68,7 +83,7 @@ def _best(fn, repeats: int = 5) -> float:
 
 
 @functools.cache
-def _chain_fn(joined: bool):
+def _chain_fn(joined: bool, packed: bool = False):
     import jax
     import jax.numpy as jnp
 
@@ -80,14 +95,21 @@ def _chain_fn(joined: bool):
             groups += [[layer, layer + 1, layer + 2], [layer + 3], [layer + 4, layer + 5], [layer + 6]]
         return groups + [[n - 1]]
 
-    def run(xs, ws):
+    def run(xs, ws, copies=None):
         mesh = jax.make_mesh((1,), ("dp",))
         out, carry = [], jnp.zeros((), jnp.float32)
-        with native.rows_over(mesh, ("dp",)):
+        layer = jnp.zeros((), jnp.int32)
+        with native.rows_over(mesh, ("dp",), copies if packed else None):
             groups = layer_groups(len(ws)) if joined else [[i] for i in range(len(ws))]
             for g in groups:
                 x = xs[g[0]] + carry  # each call waits for the one before it
-                ys = native.matmuls(x, [ws[i][0] for i in g]) if len(g) > 1 else None
+                if packed:  # layer slices named as their packed copies; the head as the tied table (out_first)
+                    head = g == [len(ws) - 1]
+                    named = [native.LayerSlice(ws[i], layer, name=str(i)) for i in g]
+                    ys = [native.matmul(x, named[0], True)] if head else native.matmuls(x, named)
+                    assert ys is not None and all(y is not None for y in ys), f"rows {x.shape[0]}: no packed call"
+                else:
+                    ys = native.matmuls(x, [ws[i][0] for i in g]) if len(g) > 1 else None
                 if ys is None:  # one weight, or rows the joined call does not take
                     ys = [native._call(x, ws[i], jnp.int32(0)) for i in g]
                 carry = 0.0 * ys[0][0, 0]
@@ -108,7 +130,7 @@ def child(backend: str, rows: int, weights: str = "float32") -> float:
         import jax
         import jax.numpy as jnp
 
-        dws = [jnp.asarray(w, weights) for w in ws]
+        dws = [jnp.asarray(w, "float32" if weights == "packed" else weights) for w in ws]
         dxs = [jnp.asarray(x) for x in xs]
         f = jax.jit(lambda xs, ws: [jax.lax.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
                                     for x, w in zip(xs, ws, strict=True)])
@@ -120,6 +142,23 @@ def child(backend: str, rows: int, weights: str = "float32") -> float:
 
     if (problem := native.unavailable()) is not None:
         raise SystemExit(problem)
+    if weights == "packed":
+        from raydeploy.model.native import packing
+
+        if (problem := native.packs_weights()) is not None:
+            raise SystemExit(problem)
+        if backend not in ("native", "joined"):
+            raise SystemExit("packed weights: backends xla, blas, native, joined")
+        native.PACKED_MAX_ROWS = max(native.PACKED_MAX_ROWS, rows)  # time every row count asked for
+        copies = {str(i): jnp.asarray(packing.pack_q4(w[None])) for i, w in enumerate(ws[:-1])}
+        copies[str(len(ws) - 1)] = jnp.asarray(packing.pack_q8(np.ascontiguousarray(ws[-1].T)))
+        dws = [jnp.asarray(w).reshape(1, *w.shape) for w in ws[:-1]] + [jnp.asarray(ws[-1].T)[None]]
+        dxs = [jnp.asarray(x) for x in xs]
+        chained = _chain_fn(backend == "joined", packed=True)
+        ys = chained(dxs, dws, copies)
+        for i in (0, 3, 4, 6, len(ws) - 1):  # a joined call's weights share its first one's rows
+            np.testing.assert_allclose(np.asarray(ys[i]), xs[i] @ ws[i], rtol=1e-3, atol=1e-3)
+        return _best(lambda: jax.block_until_ready(chained(dxs, dws, copies)))
     if weights not in native.weight_dtypes():
         raise SystemExit(f"the kernel's {native.isa()} build multiplies {native.weight_dtypes()} weights")
     dws = [jnp.asarray(w, weights).reshape(1, *w.shape) for w in ws]
@@ -136,7 +175,7 @@ def child(backend: str, rows: int, weights: str = "float32") -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
-    ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "packed"])
     ap.add_argument("--backends", default="xla,native,blas", help="of xla, native, blas, chain, joined")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
@@ -147,6 +186,8 @@ def main() -> None:
         return
     flops_per_row = sum(2 * k * n for k, n in SHAPES)
     weight_bytes = sum(k * n for k, n in SHAPES) * (2 if args.weights == "bfloat16" else 4)
+    if args.weights == "packed":  # what the packed kernels read: 0.75 bytes a layer weight, 1.125 a head weight
+        weight_bytes = sum(k * n for k, n in SHAPES[:-1]) * 3 // 4 + SHAPES[-1][0] * SHAPES[-1][1] * 9 // 8
     cases = []
     for rows in (int(r) for r in args.rows.split(",")):
         for threads in (1, 2):
