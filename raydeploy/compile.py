@@ -252,6 +252,7 @@ def compile_config(cfg: Config, out_dir: str | None = None, only: list[str] | No
     import jax
 
     from raydeploy.engine import compile_cache
+    from raydeploy.engine.engine import checkpoint_packing
     from raydeploy.engine.programs import ProgramSet
     from raydeploy.model.sharding import build_mesh, merge_rules
     from raydeploy.plan import device_memory, make_plan, model_family
@@ -264,6 +265,8 @@ def compile_config(cfg: Config, out_dir: str | None = None, only: list[str] | No
     family, model, _ = model_family(cfg)
     mesh = build_mesh(plan.mesh, devices)
     ps = ProgramSet(family, model, mesh, merge_rules(cfg.mesh.rules), cfg.model, cfg.engine)
+    # a CPU engine over weights that pack takes the packed copies: the programs bring-up runs (reads the weights)
+    ps.use_packed(checkpoint_packing(cfg, ps))
     chip = chip_for(cfg)
     memory, _ = device_memory(cfg)
     reports, problems = [], []

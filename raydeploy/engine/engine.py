@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raydeploy.config import EngineConfig, ModelConfig
+from raydeploy.config import Config, EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
 from raydeploy.engine.attention import Attention
 from raydeploy.engine.kv_cache import PageTables, StepInputs, allocate_pool, build_inputs
@@ -51,6 +51,49 @@ def compile_threads(configured: int, platform: str) -> int:
 
 def _indexer(a: np.ndarray) -> Callable[[Any], np.ndarray]:
     return lambda idx: a[idx]
+
+
+def pack_weights(ps: ProgramSet, leaves: list[jax.Array]) -> dict[str, jax.Array]:
+    """The packed copies (`raydeploy.model.native.packing`) of the weights the native kernel may read packed
+    (`ProgramSet.packable`) whose float32 values are exactly 4-bit blocks (layer kernels) or 8-bit blocks (a tied
+    embedding table), replicated like the weights, by name. Every host packs its own replica of the same
+    checkpoint, so every host packs the same weights."""
+    from raydeploy.model.native import packing
+
+    out: dict[str, jax.Array] = {}
+    for i, name in enumerate(ps.param_names):
+        path = name.removeprefix("layers.")
+        k_dims = ps.packable.get(path)
+        if k_dims is None:
+            continue
+        w = np.asarray(leaves[i].addressable_data(0))
+        packed = (packing.pack_q8(w) if k_dims == 0
+                  else packing.pack_q4(w.reshape(w.shape[0], int(np.prod(w.shape[1:1 + k_dims])), -1)))
+        if packed is not None:
+            out[path] = jax.make_array_from_callback(packed.shape, ps.replicated, _indexer(packed))
+    return out
+
+
+def checkpoint_packing(cfg: Config, ps: ProgramSet) -> dict[str, tuple[int, ...]]:
+    """The packed copies an engine over `cfg`'s checkpoint holds (`pack_weights`), by name with their shapes, from
+    the weights read as bring-up reads them: what `raydeploy compile` compiles the programs for. Empty (nothing
+    read) where nothing may be packed."""
+    if not ps.packable:
+        return {}
+    from raydeploy.checkpoint.demo import resolve_checkpoint
+    from raydeploy.checkpoint.reader import CheckpointReader
+    from raydeploy.model.sharding import merge_rules
+
+    path = resolve_checkpoint(cfg.model.checkpoint, split_for=cfg)
+    reader = CheckpointReader(path)
+    rules = merge_rules(cfg.mesh.rules)
+    family, model = ps.family, ps.cfg
+    params, _ = reader.load(family.checkpoint_specs(model, reader.index.tensors), ps.mesh, {**family.rules, **rules},
+                            cfg.model.param_dtype, cfg.model.load_threads, progress=False,
+                            verify=cfg.model.verify_checksums)
+    params = family.stack_layers(model, params, ps.kernel_layout, ps.mesh, ps.rules)
+    _, state = family.build_model(model, params, cfg.model.dtype, cfg.model.param_dtype, ps.kernel_layout)
+    return {n: tuple(p.shape) for n, p in pack_weights(ps, jax.tree.leaves(state)).items()}
 
 
 class Engine:
@@ -74,7 +117,7 @@ class Engine:
         _, state = family.build_model(cfg, params, model_cfg.dtype, model_cfg.param_dtype, ps.kernel_layout)
         del params
         self._param_leaves = jax.tree.leaves(state)
-        self._packed = self._pack(ps, self._param_leaves)
+        self._packed = pack_weights(ps, self._param_leaves)
         ps.use_packed({n: p.shape for n, p in self._packed.items()})
         # the one-token CPU programs' weights: per-layer arrays over the stacked ones' memory (or none)
         self._layer_views = ps.layer_views(self._param_leaves)
@@ -95,27 +138,6 @@ class Engine:
         self._gathers: dict[tuple[int, int], Any] = {}
         self.compile_s: dict[str, float] = {}
         self.programs: dict[str, dict[str, Any]] = {}
-
-    @staticmethod
-    def _pack(ps: ProgramSet, leaves: list[jax.Array]) -> dict[str, jax.Array]:
-        """The packed copies (`raydeploy.model.native.packing`) of the weights the native kernel may read packed
-        (`ProgramSet.packable`) whose float32 values are exactly 4-bit blocks (layer kernels) or 8-bit blocks (a
-        tied embedding table), replicated like the weights, by name. Every host packs its own replica of the same
-        checkpoint, so every host packs the same weights."""
-        from raydeploy.model.native import packing
-
-        out: dict[str, jax.Array] = {}
-        for i, name in enumerate(ps.param_names):
-            path = name.removeprefix("layers.")
-            k_dims = ps.packable.get(path)
-            if k_dims is None:
-                continue
-            w = np.asarray(leaves[i].addressable_data(0))
-            packed = (packing.pack_q8(w) if k_dims == 0
-                      else packing.pack_q4(w.reshape(w.shape[0], int(np.prod(w.shape[1:1 + k_dims])), -1)))
-            if packed is not None:
-                out[path] = jax.make_array_from_callback(packed.shape, ps.replicated, _indexer(packed))
-        return out
 
     @property
     def packed_weights(self) -> list[str]:
