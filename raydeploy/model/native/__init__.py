@@ -2,7 +2,8 @@
 float32 weights, and bfloat16 weights in the AVX-512 build) and the paged attention of decode rows
 (`decode_attention.cc`, `decode_attention`, which the XLA attention backend asks first: it reads each row's keys
 where they lie in the pool instead of gathering copies of them), both in one library, built for the CPU's vector
-unit (`isa`: AVX-512 where the CPU has AVX-512F, else AVX2).
+unit (`isa`: AVX-512 where the CPU has AVX-512F, else AVX2). The AVX-512 build also multiplies float32 weights that
+are exactly 4-bit or 8-bit blocks from packed copies (`packing`; `rows_over(..., packed=)`).
 
 XLA CPU multiplies a handful of rows by a weight through a general matrix product made for many rows: on one
 thread (each host of the simulated gang) its 2- to 32-row dots take 1.3-2.2x the time of loops that stream
