@@ -261,8 +261,8 @@ class ProgramSet:
         self.param_names = names
         self.layer_specs = {names[i].removeprefix("layers."): self.param_shardings[i].spec for i in self.layer_leaves}
         """Each stacked layer parameter's partition, by its path in the layer module (`stacked_matmul.rows_over`)."""
-        layer_stack = self.model(leaves).layers
-        layers = type(layer_stack)
+        abstract_model = self.model(leaves)
+        layers = type(abstract_model.layers)
         self.packable: dict[str, int] = {}
         """The weights the native kernel may read packed (`raydeploy.model.native.packing`): stacked layer kernels by
         path in the layer module, with how many of their dims make K (`in_out_kernels`; 4-bit tiles), and a tied
@@ -271,8 +271,8 @@ class ProgramSet:
         """Why no layer kernel is held packed, or None when those in `packable` may be (`Engine` packs each whose
         weights are exactly 4-bit blocks and calls `use_packed`)."""
         if self.pack_weights is None:
-            self.packable = in_out_kernels(layer_stack)
-            if self.model(leaves).lm_head is None:  # the tied embedding table is the LM head: 8-bit rows
+            self.packable = in_out_kernels(abstract_model.layers)
+            if abstract_model.lm_head is None:  # the tied embedding table is the LM head: 8-bit rows
                 self.packable[EMBEDDING] = 0
         self.packed: dict[str, jax.ShapeDtypeStruct] = {}
         """The packed copies the step programs take (after `use_packed`), by path in the layer module."""

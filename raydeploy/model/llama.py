@@ -414,8 +414,9 @@ def _whole_kernels(stack: nnx.Module, state: nnx.State) -> list[str | None] | No
     (`unrollable`)."""
     if not getattr(type(stack), "unrollable", False):
         return None
-    kernels = in_out_kernels(stack)
-    found = [path if path in kernels else None for path in _leaf_paths(state)]
+    paths = _leaf_paths(state)
+    kernels = in_out_kernels(stack, paths)
+    found = [path if path in kernels else None for path in paths]
     return found if any(found) else None
 
 
@@ -424,12 +425,12 @@ def _leaf_paths(state: nnx.State) -> list[str]:
             for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
-def in_out_kernels(stack: nnx.Module) -> dict[str, int]:
+def in_out_kernels(stack: nnx.Module, paths: Sequence[str] | None = None) -> dict[str, int]:
     """The in_out projection kernels (`Dense`, `HeadsProj`, `OutProj`) of a stacked layer module, by path
     ("attn.q_proj.kernel"): how many of the kernel's dims after the layer's make its matmul's K (OutProj's
-    [heads, head_dim, embed]: 2, else 1)."""
+    [heads, head_dim, embed]: 2, else 1). `paths`: the module's leaf paths, where the caller has them."""
     found: dict[str, int] = {}
-    for path in _leaf_paths(nnx.state(stack)):
+    for path in _leaf_paths(nnx.state(stack)) if paths is None else paths:
         names = path.split(".")
         owner: Any = stack
         for name in names[:-1]:

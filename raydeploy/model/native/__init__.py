@@ -302,7 +302,7 @@ def _call_out_first_q8(x: jax.Array, table: jax.Array, layer: jax.Array) -> jax.
 
 def _packed(x: jax.Array, w: Any, rows: _Rows | None, out_first: bool = False) -> jax.Array | None:
     """The packed copy the kernel reads for x @ w (w a `LayerSlice` named in `rows.packed`: a layer kernel's
-    4-bit tiles, or with out_first a table's 8-bit rows; rows within [1, `max_rows`]), else None."""
+    4-bit tiles, or with out_first a table's 8-bit rows; rows per device within [1, `PACKED_MAX_ROWS`]), else None."""
     if rows is None or not isinstance(w, LayerSlice) or w.name is None or w.name not in rows.packed or len(w.shape) != 2:
         return None
     p = rows.packed[w.name]

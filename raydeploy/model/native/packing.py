@@ -3,8 +3,8 @@
 
 A GGUF Q4_1 checkpoint (the demo model's projections) dequantized to float32 holds, down each column of a kernel
 [K, N], blocks of 32 weights that are `d * q + m` with q in 0..15 and d, m float16 values: 16 distinct values a
-block, 4 bytes each. `pack(w)` finds d, m and q for every block and checks that they rebuild every weight bit for
-bit (`pack_q4`); then the kernel reads 0.75 bytes a weight instead of 4 and rebuilds each weight as float32 before it
+block, 4 bytes each. `pack_q4(w)` finds d, m and q for every block and checks that they rebuild every weight bit
+for bit; then the kernel reads 0.75 bytes a weight instead of 4 and rebuilds each weight as float32 before it
 multiplies (d * q is exact in float32, so the fused multiply-add rounds as the converter's dequantization did).
 The products are the float32 weight's: packing changes how many bytes a step reads, not what it computes. A
 weight that is not such blocks, bit for bit, is not packed (`pack_q4` returns None). A GGUF Q8_0 table (the demo's
@@ -24,10 +24,6 @@ BLOCK = 32
 """Weights a block down a column (Q4_1's block)."""
 TILE = 2 * BLOCK * 4 + BLOCK * 16
 """Bytes a packed tile of BLOCK weight rows x BLOCK columns."""
-
-
-def packed_shape(layers: int, k: int, n: int) -> tuple[int, int, int, int]:
-    return layers, k // BLOCK, n // BLOCK, TILE
 
 
 def pack_q4(w: np.ndarray) -> np.ndarray | None:
