@@ -454,16 +454,19 @@ def test_steps_with_decode_rows_cap_prompt_tokens_at_the_mixed_step_size():
 
 class TimedEngine(PagedTokenEngine):
     """A paged token engine whose steps take simulated time: `decode_s` per decode pass of a decode-only plan,
-    `chunk_s` for a step that carries prompt tokens."""
+    `chunk_s` for a step that carries prompt tokens, and `plan_s` more for any plan (gathering its inputs, the
+    hosts' round trip, streaming its tokens)."""
 
-    def __init__(self, clock: Clock, decode_s: float, chunk_s: float, growth_s: float = 0.0, **kw) -> None:
+    def __init__(self, clock: Clock, decode_s: float, chunk_s: float, growth_s: float = 0.0, plan_s: float = 0.0,
+                 **kw) -> None:
         super().__init__(**kw)
         self.clock, self.decode_s, self.chunk_s, self.growth_s = clock, decode_s, chunk_s, growth_s
+        self.plan_s = plan_s
 
     def step(self, plan: StepPlan) -> StepResult:
         out = super().step(plan)
         chunk = any(len(q.tokens) for q in plan.seqs)
-        self.clock.t += self.chunk_s if chunk else self.decode_s * plan.decode_steps
+        self.clock.t += self.plan_s + (self.chunk_s if chunk else self.decode_s * plan.decode_steps)
         self.chunk_s += self.growth_s if chunk else 0.0  # later chunks attend to more keys
         return out
 
@@ -477,9 +480,9 @@ def _limited(eng: TimedEngine, clock: Clock, limit: float, decode_steps: int = 4
     return sched, LocalRunner(eng, sched)
 
 
-def _held_run(limit: float, chunk_s: float, decode_steps: int = 4, growth_s: float = 0.0):
+def _held_run(limit: float, chunk_s: float, decode_steps: int = 4, growth_s: float = 0.0, plan_s: float = 0.0):
     clock = Clock()
-    eng = TimedEngine(clock, 1.0, chunk_s, growth_s, max_slots=3, groups=1, step_tokens=8, max_seq_len=128,
+    eng = TimedEngine(clock, 1.0, chunk_s, growth_s, plan_s, max_slots=3, groups=1, step_tokens=8, max_seq_len=128,
                       pages_per_group=64)
     sched, runner = _limited(eng, clock, limit, decode_steps)
     a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=100))
@@ -527,6 +530,19 @@ def test_growing_chunk_steps_are_paid_for_in_advance(growth_s):
     _, held, tpot, _ = _held_run(2.0, 3.0, growth_s=growth_s)
     assert tpot <= 2.0 + 1e-9, (tpot, held)
     assert held[1:] == sorted(held[1:]), held  # dearer chunk steps, longer waits
+
+
+@pytest.mark.parametrize("plan_s", [2.0, 4.0, 8.0])
+def test_a_held_prompt_progresses_when_every_plan_has_a_fixed_cost(plan_s):
+    # Each plan costs plan_s beyond its passes, so the pace before the prompt (plans of 4 passes) is
+    # 1 + plan_s / 4 s per token, and a plan of fewer passes runs slower per token than that. Holding the
+    # prompt in such short plans costs the streams more time per token than it saves them: the prompt must still
+    # go on, and the streams stay within the limit.
+    _, held, tpot, sched = _held_run(2.0, 4.0 + plan_s, plan_s=plan_s)
+    assert sched.decode_pass_s == pytest.approx(1.0 + plan_s / 4)
+    assert tpot <= 2.0 * sched.decode_pass_s + 1e-9, (tpot, held)
+    assert 1 < sched.held_floor <= 4, sched.held_floor  # the plans cut short to one pass were too dear
+    assert max(held) < 24, held  # (in one-pass plans the prompt waited until a's 100 tokens were done)
 
 
 def test_passes_between_chunks_do_not_move_the_pace_the_limit_refers_to():

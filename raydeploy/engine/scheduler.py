@@ -177,6 +177,14 @@ class Scheduler:
         self.chunk_step_s: float | None = None
         """Paged form: seconds of the last step that carried prompt chunks beside decode rows."""
         self._chunk_growth_s = 0.0  # how much the last chunk step took over the one before (0 if less)
+        self.held_floor = 1
+        """Paged form: the fewest passes a decode-only plan holding a prompt back may have. Every plan costs time
+        beyond its passes (gathering inputs, the hosts' round trip, streaming tokens); a plan cut short to end
+        where the prompt may go on spreads that over fewer tokens. Where it ran the streams slower per token than
+        halfway from their pace to the limit, waiting in such plans makes the wait grow instead of end (measured:
+        a 1500-token prompt beside 7 streams waited 140 s in one-pass plans), so the floor rises past it, up to
+        `decode_steps`. A plan that runs past the wait is repaid: the episode's account lets the next chunks
+        follow one another."""
         # counters
         self.steps = 0
         self.tokens_generated = 0
@@ -230,6 +238,7 @@ class Scheduler:
             # the step times the chunk hold-back (max_decode_slowdown) works from
             for name, secs in (("decode_pass_ms", self.decode_pass_s), ("chunk_step_ms", self.chunk_step_s)):
                 out[name] = None if secs is None else round(1e3 * secs, 2)
+            out["held_floor_passes"] = self.held_floor
         return out
 
     # -- counters
@@ -459,8 +468,8 @@ class Scheduler:
                     seqs.append(self._chunk(slot, run, n, updates))
                     entries.append((slot, run))
             steps = 1 if seqs else self._paged_decode_steps([r for _, r in decoding])
-            if held and not seqs:  # a decode-only plan ends where the held prompts may go on
-                steps = max(1, min(steps, wait))
+            if held and not seqs:  # a decode-only plan ends where the held prompts may go on (`held_floor`)
+                steps = max(1, min(steps, max(wait, self.held_floor)))
             now = self.clock()
             if decoding and self._prefilling:
                 if self._episode_t0 is None:
@@ -563,6 +572,9 @@ class Scheduler:
         t0, kind, passes = planned
         dt = max(now - t0, 0.0)
         if kind == "held" and self.decode_pass_s is not None:
+            limit = 0.0 if self.paging is None else self.paging.max_decode_slowdown
+            if passes < self.decode_steps and dt / passes > (1 + limit) / 2 * self.decode_pass_s:
+                self.held_floor = max(self.held_floor, min(passes + 1, self.decode_steps))
             return  # a pass between chunks: the pace before the prompt is what the limit refers to
         if kind in ("decode", "held"):
             if passes == self.decode_steps or self.decode_pass_s is None:
