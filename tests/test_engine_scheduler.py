@@ -545,6 +545,36 @@ def test_a_held_prompt_progresses_when_every_plan_has_a_fixed_cost(plan_s):
     assert max(held) < 24, held  # (in one-pass plans the prompt waited until a's 100 tokens were done)
 
 
+def test_a_held_prompt_progresses_while_the_streams_passes_slow_past_the_limit():
+    # the streams' passes slow as their keys grow (here 2% a pass, from 1 s): after ~35 passes a pass alone
+    # takes the limit's 2x the pace measured before the prompt, so waiting for that pace would hold the prompt
+    # until the stream ends. The pace follows the passes between chunks instead, and the prompt goes on.
+    clock = Clock()
+
+    class Growing(TimedEngine):
+        def step(self, plan: StepPlan) -> StepResult:
+            out = super().step(plan)
+            self.decode_s *= 1.02 ** plan.decode_steps
+            return out
+
+    eng = Growing(clock, 1.0, 6.0, max_slots=3, groups=1, step_tokens=8, max_seq_len=1024, pages_per_group=300)
+    sched, runner = _limited(eng, clock, 2.0)
+    a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=600))
+    for _ in range(2):
+        runner.step_once()
+    b = runner.submit(req("b", prompt=prompt_of(120, 2), max_tokens=2))
+    n0 = len(eng.plans)
+    while not any(q.slot == 1 and q.sample for q in eng.plans[-1].seqs):
+        runner.step_once()
+    a_passes = sum(p.decode_steps for p in eng.plans[n0:])
+    assert a_passes < 300, a_passes  # b's first token long before a's 600 (held to a's end without the fix)
+    chunks = [p for p in eng.plans[n0:] if any(q.slot == 1 and len(q.tokens) for q in p.seqs)]
+    assert len(chunks) == -(-120 // 7)
+    runner.run_until_idle()
+    assert a.result(5).token_ids == alone(prompt_of(3, 1), 600)
+    assert b.result(5).token_ids == alone(prompt_of(120, 2), 2)
+
+
 def test_passes_between_chunks_do_not_move_the_pace_the_limit_refers_to():
     # decode passes run 30% slower once the long prompt's chunk steps start (caches the chunk steps evicted),
     # and a chunk step costs 12 passes, so whole plans of decode_steps passes run between chunks:

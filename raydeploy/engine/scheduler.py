@@ -167,6 +167,7 @@ class Scheduler:
         self._planned_at: dict[int, tuple[float, str, int]] = {}  # step_id -> (clock, kind, passes)
         # kind: "chunk" (prompt chunks beside decode rows), "held" (decode rows between them), "decode" (neither)
         self._recent_passes: deque[float] = deque(maxlen=DECODE_PASS_WINDOW)
+        self._held_passes: deque[float] = deque(maxlen=DECODE_PASS_WINDOW)  # this episode's, per pass (`_pace`)
         self.decode_pass_s: float | None = None
         """Paged form: seconds per decode pass of a decode-only plan of `decode_steps` passes while no prompt
         prefills beside the streams, the median of the last `DECODE_PASS_WINDOW`: the pace `max_decode_slowdown`
@@ -477,6 +478,7 @@ class Scheduler:
                 self._episode_passes += steps
             else:
                 self._episode_t0, self._episode_passes = None, 0
+                self._held_passes.clear()
             if decoding:  # (seqs holds the prompt chunks so far) the plan's duration feeds `_wait_passes`
                 kind = "chunk" if seqs else "held" if self._episode_t0 is not None else "decode"
                 self._planned_at[self._step_id] = (now, kind, steps)
@@ -556,13 +558,25 @@ class Scheduler:
         time, not one chunk step at a time, corrects itself when chunk steps grow (a prompt's later chunks attend
         to more keys), when a step ran before one was measured, and for the host's time between plans."""
         limit = 0.0 if self.paging is None else self.paging.max_decode_slowdown
-        d, m = self.decode_pass_s, self.chunk_step_s
+        d, m = self._pace(limit), self.chunk_step_s
         if not limit or d is None or m is None or d <= 0:
             return 0
         elapsed = 0.0 if self._episode_t0 is None else self.clock() - self._episode_t0
         m += self._chunk_growth_s  # a prompt's next chunk attends to more keys than its last: steps grow
         need = (elapsed + m) / (limit * d) - (self._episode_passes + 1)
         return min(MAX_HOLD_PASSES, max(0, int(np.ceil(need))))
+
+    def _pace(self, limit: float) -> float | None:
+        """The decode pass time the limit is a factor of: the pace before the prompt (`decode_pass_s`), unless
+        this episode's passes between chunks run slower than halfway from it to the limit. Then the pace follows
+        them (their median over that halfway factor): the streams' own passes slow as their keys grow (measured
+        on the demo, 7 streams: 30 ms a pass at 256 cached tokens, 50 at 512, 65 at 1000), and against a pace
+        they no longer reach, waiting would never pay for a chunk and the prompt would wait until the streams
+        end. So a held pass always pays for at least (limit - 1) / (2 * limit) of a pass of the wait."""
+        d = self.decode_pass_s
+        if d is None or not self._held_passes or limit <= 1:
+            return d
+        return max(d, float(np.median(self._held_passes)) * 2 / (1 + limit))
 
     def _timed(self, step_id: int, now: float) -> None:
         """Fold a finished plan's duration into the decode pass average or the last chunk step."""
@@ -573,8 +587,12 @@ class Scheduler:
         dt = max(now - t0, 0.0)
         if kind == "held" and self.decode_pass_s is not None:
             limit = 0.0 if self.paging is None else self.paging.max_decode_slowdown
-            if passes < self.decode_steps and dt / passes > (1 + limit) / 2 * self.decode_pass_s:
+            pace = self._pace(limit)
+            assert pace is not None
+            if passes < self.decode_steps and dt / passes > (1 + limit) / 2 * pace:
                 self.held_floor = max(self.held_floor, min(passes + 1, self.decode_steps))
+            elif passes == self.decode_steps:
+                self._held_passes.append(dt / passes)
             return  # a pass between chunks: the pace before the prompt is what the limit refers to
         if kind in ("decode", "held"):
             if passes == self.decode_steps or self.decode_pass_s is None:
