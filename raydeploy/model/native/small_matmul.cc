@@ -356,7 +356,7 @@ void OutFirstBlocks(const float* x, const Rows& w, float* y, int64_t M, int64_t 
       for (int i = 0; i < MR * NR; ++i) a[i] = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
         __m512 wv[NR], xv[MR];
-        if (m == 0 && M > MR && n + 2 * NR <= n1)  // rows of x pass over these weight rows again: fetch the next ones
+        if (m == 0 && n + 2 * NR <= n1)  // fetch the next weight rows while these are multiplied
           for (int j = 0; j < NR; ++j) _mm_prefetch(ahead[j].at(k), _MM_HINT_T0);
         if (k < kfull) {
           for (int j = 0; j < NR; ++j) wv[j] = wr[j].load(k);
