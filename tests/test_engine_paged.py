@@ -321,7 +321,8 @@ def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, un
     few rows reads the packed copies (q/k/v joined, o, gate/up joined, down: four calls in the scanned layer body;
     the LM head), while a prompt
     chunk of more rows than the kernel takes keeps XLA's dot over the float32 weights. Greedy tokens equal and
-    logprobs are within 1e-4 of the float32-only engine's: the same products, from fewer bytes."""
+    logprobs are within 1e-4 of the float32-only engine's: the same weights, from fewer bytes (the 4-bit kernel
+    sums each block as d * (x . q) + m * sum(x), so only the float32 sums' order differs)."""
     from raydeploy.model import native
 
     ps = engine.programs_set

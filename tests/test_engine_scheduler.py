@@ -868,7 +868,7 @@ def test_for_engine_picks_the_paged_form_for_a_paged_engine():
 
     eng = PagedTokenEngine()
     sched = Scheduler.for_engine(eng, Config())
-    assert sched.paging == Paging(4, 32, 2, 16, True, max_decode_slowdown=1.75, burst_wait=0.25) and len(sched.pools) == 2
+    assert sched.paging == Paging(4, 32, 2, 16, True, max_decode_slowdown=1.6, burst_wait=0.25) and len(sched.pools) == 2
     assert sched.max_prompt_len == 63
 
     class SlotEngine:  # the slot engine's figures: no pages
@@ -941,7 +941,7 @@ def test_real_model_second_request_with_the_same_system_prompt_reuses_its_pages(
     engine, tok, cfg = real_paged
     serving = Scheduler.for_engine(engine, cfg)  # what the gang and `raydeploy generate` build
     assert serving.paging == Paging(16, engine.pages_per_group, 1, 128, True, mixed_step_tokens=32,
-                                    max_decode_slowdown=1.75, burst_wait=0.25)
+                                    max_decode_slowdown=1.6, burst_wait=0.25)
     system = (SYSTEM * 5)[:1600]  # about 430 tokens
     a_ids = _chat(tok, system, "How much is an electric bike for two days?")
     b_ids = _chat(tok, system, "Can my 10 year old son ride alone?")
