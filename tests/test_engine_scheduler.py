@@ -455,19 +455,21 @@ def test_steps_with_decode_rows_cap_prompt_tokens_at_the_mixed_step_size():
 class TimedEngine(PagedTokenEngine):
     """A paged token engine whose steps take simulated time: `decode_s` per decode pass of a decode-only plan,
     `chunk_s` for a step that carries prompt tokens, and `plan_s` more for any plan (gathering its inputs, the
-    hosts' round trip, streaming its tokens)."""
+    hosts' round trip, streaming its tokens); after each plan a decode pass costs `pass_growth` times more for each
+    of its passes (the streams' keys grow)."""
 
     def __init__(self, clock: Clock, decode_s: float, chunk_s: float, growth_s: float = 0.0, plan_s: float = 0.0,
-                 **kw) -> None:
+                 pass_growth: float = 1.0, **kw) -> None:
         super().__init__(**kw)
         self.clock, self.decode_s, self.chunk_s, self.growth_s = clock, decode_s, chunk_s, growth_s
-        self.plan_s = plan_s
+        self.plan_s, self.pass_growth = plan_s, pass_growth
 
     def step(self, plan: StepPlan) -> StepResult:
         out = super().step(plan)
         chunk = any(len(q.tokens) for q in plan.seqs)
         self.clock.t += self.plan_s + (self.chunk_s if chunk else self.decode_s * plan.decode_steps)
         self.chunk_s += self.growth_s if chunk else 0.0  # later chunks attend to more keys
+        self.decode_s *= self.pass_growth ** plan.decode_steps
         return out
 
 
@@ -550,14 +552,8 @@ def test_a_held_prompt_progresses_while_the_streams_passes_slow_past_the_limit()
     # takes the limit's 2x the pace measured before the prompt, so waiting for that pace would hold the prompt
     # until the stream ends. The pace follows the passes between chunks instead, and the prompt goes on.
     clock = Clock()
-
-    class Growing(TimedEngine):
-        def step(self, plan: StepPlan) -> StepResult:
-            out = super().step(plan)
-            self.decode_s *= 1.02 ** plan.decode_steps
-            return out
-
-    eng = Growing(clock, 1.0, 6.0, max_slots=3, groups=1, step_tokens=8, max_seq_len=1024, pages_per_group=300)
+    eng = TimedEngine(clock, 1.0, 6.0, pass_growth=1.02, max_slots=3, groups=1, step_tokens=8, max_seq_len=1024,
+                      pages_per_group=300)
     sched, runner = _limited(eng, clock, 2.0)
     a = runner.submit(req("a", prompt=prompt_of(3, 1), max_tokens=600))
     for _ in range(2):

@@ -557,7 +557,7 @@ class Scheduler:
         `max_decode_slowdown` decode passes for each token the streams get. Counting the whole episode's wall
         time, not one chunk step at a time, corrects itself when chunk steps grow (a prompt's later chunks attend
         to more keys), when a step ran before one was measured, and for the host's time between plans."""
-        limit = 0.0 if self.paging is None else self.paging.max_decode_slowdown
+        limit = self._slowdown_limit
         d, m = self._pace(limit), self.chunk_step_s
         if not limit or d is None or m is None or d <= 0:
             return 0
@@ -565,6 +565,11 @@ class Scheduler:
         m += self._chunk_growth_s  # a prompt's next chunk attends to more keys than its last: steps grow
         need = (elapsed + m) / (limit * d) - (self._episode_passes + 1)
         return min(MAX_HOLD_PASSES, max(0, int(np.ceil(need))))
+
+    @property
+    def _slowdown_limit(self) -> float:
+        """`max_decode_slowdown` (0 for the slot form: nothing is held)."""
+        return 0.0 if self.paging is None else self.paging.max_decode_slowdown
 
     def _pace(self, limit: float) -> float | None:
         """The decode pass time the limit is a factor of: the pace before the prompt (`decode_pass_s`), unless
@@ -586,7 +591,7 @@ class Scheduler:
         t0, kind, passes = planned
         dt = max(now - t0, 0.0)
         if kind == "held" and self.decode_pass_s is not None:
-            limit = 0.0 if self.paging is None else self.paging.max_decode_slowdown
+            limit = self._slowdown_limit
             pace = self._pace(limit)
             assert pace is not None
             if passes < self.decode_steps and dt / passes > (1 + limit) / 2 * pace:
