@@ -281,11 +281,12 @@ def q4_kernel(native_library):
     return native
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 32, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 32, 64, 72, 136, 256])
 def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m):
     """`native.matmul` / `matmuls` inside `rows_over(..., packed=)` read a `LayerSlice`'s packed copy (one kernel
     call for several weights of a layer): the float32 weight's products, within float32 rounding, for row counts
-    in one and several register groups, at a traced layer index inside a scan."""
+    in one and several register groups, with tiles converted once for many rows, in row chunks and (from 128 rows
+    on the suite's two threads) rows split over the threads, at a traced layer index inside a scan."""
     rng = np.random.default_rng(m)
     ws = {"a": _q4_weight(rng, 3, 576, 192), "b": _q4_weight(rng, 3, 576, 1536)}
     packed = {k: jnp.asarray(native.packing.pack_q4(v)) for k, v in ws.items()}
@@ -308,6 +309,38 @@ def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m):
         for got, name in ((ya, "a"), (ja, "a"), (yb, "b"), (jb, "b")):
             want = x.astype(np.float64) @ ws[name][layer].astype(np.float64)
             np.testing.assert_allclose(got[layer], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+Q4_ROW_SPLIT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from raydeploy.model import native
+assert native.unavailable() is None  # built and registered in this process
+rng = np.random.default_rng(0)
+layers, k, n = 2, 576, 1536
+d = rng.uniform(1e-3, 3e-2, (layers, k // 32, n)).astype(np.float16).astype(np.float32)
+m = (-rng.uniform(1, 8, (layers, k // 32, n)) * d).astype(np.float16).astype(np.float32)
+q = rng.integers(0, 16, (layers, k // 32, 32, n)).astype(np.float32)
+q[:, :, 3, :], q[:, :, 17, :] = 0, 15  # as a quantizer's min and max give them (else not exact blocks)
+w = (q * d[:, :, None] + m[:, :, None]).reshape(layers, k, n)
+p = jnp.asarray(native.packing.pack_q4(w))
+for rows in (128, 136, 256):
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    (y,) = native._call_q4(jnp.asarray(x), jnp.int32(1), p)
+    want = x.astype(np.float64) @ w[1].astype(np.float64)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+print("ok")
+"""
+
+
+def test_q4_kernel_splits_many_rows_over_two_threads(q4_kernel):
+    """With two CPU client threads and at least 64 rows a thread (a prompt step on one host of a two-core machine),
+    each thread multiplies its own rows by the whole packed weight: the products stay the float32 weight's."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_NPROC": "2"}
+    done = subprocess.run([sys.executable, "-c", Q4_ROW_SPLIT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
 def test_more_rows_than_the_packed_kernel_takes_go_to_xla(q4_kernel):

@@ -558,6 +558,10 @@ constexpr int64_t kQ4Tile = 2 * kQ4Block * 4 + kQ4Block * 16;
 // the demo's 211 matmuls, one thread, 4 rows: 22.9 ms prefetching one line of a tile, 18.5 all 12; 4 tiles ahead
 // and 16 no better than 8).
 constexpr int64_t kQ4PrefetchTiles = 8;
+// Above this many rows a tile's nibbles are converted to float32 once (`UnpackQ4`) for all the row groups.
+constexpr int64_t kQ4UnpackFromRows = kGroup;
+// At most this many rows pass over a weight row block at once: their outputs [rows, N] stay in L2.
+constexpr int64_t kQ4RowChunk = 64;
 
 // One tile into MR rows of y (32 columns): `sx[i]` is the sum of row i's 32 values of x in this block.
 template <int MR>
@@ -588,6 +592,60 @@ inline void TileQ4(const float* x, const float* sx, const uint8_t* tile, float* 
   }
 }
 
+// The same sums as `TileQ4` from a tile whose nibbles were converted once (`UnpackQ4`: `qf` [32 rows][32 columns]
+// float32, `s` the tile's d and m): with many rows every group of 8 rows of x passes over the tile, and the
+// conversion (five vector operations a weight row, on the ports the multiply-adds need) is done once for all of
+// them instead of once a group. Each row's multiply-adds are the same, in the same order: the same result.
+template <int MR>
+inline void TileQ4Unpacked(const float* x, const float* sx, const float* s, const float* qf, float* y, int64_t K,
+                           int64_t N, bool first) {
+  __m512 a[MR][2];
+  for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kQ4Block; ++k) {
+    const __m512 q0 = _mm512_load_ps(qf + 32 * k);
+    const __m512 q1 = _mm512_load_ps(qf + 32 * k + 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 b = _mm512_set1_ps(x[i * K + k]);
+      a[i][0] = _mm512_fmadd_ps(b, q0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(b, q1, a[i][1]);
+    }
+  }
+  const __m512 d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16);
+  const __m512 m0 = _mm512_loadu_ps(s + 32), m1 = _mm512_loadu_ps(s + 48);
+  for (int i = 0; i < MR; ++i) {
+    const __m512 b = _mm512_set1_ps(sx[i]);
+    const __m512 y0 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N);
+    const __m512 y1 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N + 16);
+    _mm512_storeu_ps(y + i * N, _mm512_fmadd_ps(a[i][0], d0, _mm512_fmadd_ps(b, m0, y0)));
+    _mm512_storeu_ps(y + i * N + 16, _mm512_fmadd_ps(a[i][1], d1, _mm512_fmadd_ps(b, m1, y1)));
+  }
+}
+
+// A tile's 32 x 32 nibbles as float32 into `qf` (64-byte aligned), row k's columns 0-15 then 16-31.
+inline void UnpackQ4(const uint8_t* tile, float* qf) {
+  const uint8_t* q = tile + 256;
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int64_t k = 0; k < kQ4Block; ++k) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * k)));
+    _mm512_store_ps(qf + 32 * k, _mm512_cvtepi32_ps(_mm512_and_si512(v, low)));
+    _mm512_store_ps(qf + 32 * k + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+  }
+}
+
+inline void GroupQ4Unpacked(const float* x, const float* sx, const float* s, const float* qf, float* y, int64_t mr,
+                            int64_t K, int64_t N, bool first) {
+  switch (mr) {
+    case 1: TileQ4Unpacked<1>(x, sx, s, qf, y, K, N, first); break;
+    case 2: TileQ4Unpacked<2>(x, sx, s, qf, y, K, N, first); break;
+    case 3: TileQ4Unpacked<3>(x, sx, s, qf, y, K, N, first); break;
+    case 4: TileQ4Unpacked<4>(x, sx, s, qf, y, K, N, first); break;
+    case 5: TileQ4Unpacked<5>(x, sx, s, qf, y, K, N, first); break;
+    case 6: TileQ4Unpacked<6>(x, sx, s, qf, y, K, N, first); break;
+    case 7: TileQ4Unpacked<7>(x, sx, s, qf, y, K, N, first); break;
+    default: TileQ4Unpacked<8>(x, sx, s, qf, y, K, N, first); break;
+  }
+}
+
 inline void GroupQ4(const float* x, const float* sx, const uint8_t* tile, float* y, int64_t mr, int64_t K, int64_t N,
                     bool first) {
   switch (mr) {
@@ -606,10 +664,16 @@ inline void GroupQ4(const float* x, const float* sx, const uint8_t* tile, float*
 // the tiles of those rows are one contiguous run, read once, in order; every group of up to 8 rows of x passes
 // over each tile while it is in L1. Each row's sum over a block of x is taken once for all the block's tiles.
 void RowsQ4(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1) {
+  if (M > kQ4RowChunk) {  // row chunks, each a pass over the weight rows
+    for (int64_t m = 0; m < M; m += kQ4RowChunk)
+      RowsQ4(x + m * K, w, y + m * N, M - m < kQ4RowChunk ? M - m : kQ4RowChunk, K, N, k0, k1);
+    return;
+  }
   const int64_t groups = N / kQ4Block;
   thread_local std::vector<float> sums;
   if (sums.size() < static_cast<size_t>(M)) sums.resize(static_cast<size_t>(M));
   float* sx = sums.data();
+  alignas(64) float qf[kQ4Block * kQ4Block];
   for (int64_t kb = k0 / kQ4Block; kb < k1 / kQ4Block; ++kb) {
     for (int64_t i = 0; i < M; ++i) {
       const float* xi = x + i * K + kb * kQ4Block;
@@ -620,9 +684,19 @@ void RowsQ4(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, in
       const uint8_t* tile = row + g * kQ4Tile;
       const char* ahead = reinterpret_cast<const char*>(tile + kQ4PrefetchTiles * kQ4Tile);
       for (int64_t line = 0; line < kQ4Tile; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      const bool first = kb * kQ4Block == k0;
+      if (M > kQ4UnpackFromRows) {
+        UnpackQ4(tile, qf);
+        const float* s = reinterpret_cast<const float*>(tile);
+        for (int64_t m = 0; m < M; m += kGroup) {
+          const int64_t mr = M - m < kGroup ? M - m : kGroup;
+          GroupQ4Unpacked(x + m * K + kb * kQ4Block, sx + m, s, qf, y + m * N + g * kQ4Block, mr, K, N, first);
+        }
+        continue;
+      }
       for (int64_t m = 0; m < M; m += kGroup) {
         const int64_t mr = M - m < kGroup ? M - m : kGroup;
-        GroupQ4(x + m * K + kb * kQ4Block, sx + m, tile, y + m * N + g * kQ4Block, mr, K, N, kb * kQ4Block == k0);
+        GroupQ4(x + m * K + kb * kQ4Block, sx + m, tile, y + m * N + g * kQ4Block, mr, K, N, first);
       }
     }
   }
@@ -660,6 +734,22 @@ ffi::Error MultiQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     cols[i + 1] = cols[i] + yd[1];
   }
   const float* xp = x.typed_data();
+  const int64_t threads = pool.num_threads();
+  if (threads > 1 && M >= threads * kQ4RowChunk) {
+    // Many rows (a prompt chunk): each thread its own rows over the whole weight, written straight into y. Split
+    // over the weight's rows instead, every thread sums into [M, N] partials that one thread adds at the end.
+    auto first = [&](int64_t p) { return p == threads ? M : M * p / threads / kGroup * kGroup; };
+    Split(pool, threads, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t m0 = first(p), m1 = first(p + 1);
+        for (size_t i = 0; i < n; ++i) {
+          const int64_t N = cols[i + 1] - cols[i];
+          RowsQ4(xp + m0 * K, wp[i], yp[i] + m0 * N, m1 - m0, K, N, 0, K);
+        }
+      }
+    });
+    return ffi::Error::Success();
+  }
   SplitRows<kQ4Block>(
       pool, K, M * cols[n],
       [&](int64_t k0, int64_t k1, float* scratch) {
