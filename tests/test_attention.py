@@ -91,6 +91,19 @@ def test_xla_matches_dense_reference(block_q, kv_block_pages, window, cap):
     assert not np.asarray(out[live_rows(args):]).any(), "padding tokens must get zeros"
 
 
+@pytest.mark.parametrize("window,cap", [(None, None), (6, 2.5)])
+def test_xla_short_and_long_chunks_in_one_step(window, cap):
+    """A step of more than a block of tokens whose chunks are short (at most half a block: their own loop in
+    half blocks) and long (whole blocks), beside decode rows, with the default blocks: the definition's result."""
+    args = make_step(q_lens=[1, 20, 40, 3, 1], kv_lens=[7, 25, 45, 3, 1], rows=6, tokens=72, pages_per_seq=12,
+                     num_pages=64)
+    out = jax.jit(lambda *a: xla.ragged_paged_attention(*a, sm_scale=SCALE, sliding_window=window,
+                                                        soft_cap=cap))(*args)
+    ref = xla.dense_reference(*args[:5], int(args[5][0]), sm_scale=SCALE, sliding_window=window, soft_cap=cap)
+    assert_matches(out, ref, args)
+    assert not np.asarray(out[live_rows(args):]).any(), "padding tokens must get zeros"
+
+
 def test_xla_decode_step_gqa_and_cut_page_table():
     """A decode step, 8 q heads over 2 kv heads; the page table cut to the pages in use, and smaller key
     blocks, give the same result."""

@@ -15,7 +15,8 @@ How it is computed, in two parts whose work follows the live tokens rather than 
   gather), and the scores and outputs are two batched matmuls over (row, kv head) (measured on 2 AVX2 cores,
   30 layers, 8 rows x 1024 tokens: 60 ms, against 85 ms for a broadcast-multiply-reduce over one gather of the
   interleaved pages);
-- sequences with more tokens (prefill chunks): a loop over their blocks of query rows, as many as there are,
+- sequences with more tokens (prefill chunks): a loop over their blocks of query rows (chunks of at most half a
+  block, as short prompts arriving together give, in a loop of their own over half blocks), as many as there are,
   each over only the key blocks its causal window reaches, with an online softmax and two small matmuls per
   block, so a chunk's keys are read once per block of rows and nothing is computed for padding.
 
@@ -35,6 +36,9 @@ from raydeploy.model import native
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as the TPU kernel's: a fully masked row stays finite
 CHUNK_BLOCK_Q = 64        # query rows of a multi-token sequence per step of the chunk loop
+SHORT_CHUNK_BLOCK_Q = 32  # query rows per step for chunks of at most this many tokens. Measured on this backend
+# alone (one thread, the demo's 30 layers): 8 chunks of 23 tokens 35.8 ms in blocks of 64, 22.7 in blocks of 32,
+# 25.7 split so; one chunk of 256 tokens over 1280 keys 271 ms in blocks of 64, 302 in blocks of 32
 KV_BLOCK_TOKENS = 64     # keys per step of the key-block loops (rounded to whole pages). Measured (2 AVX2
 # cores, 30 layers, benchmarks/attention_cpu.py): 64 against 256, 16 rows x 64 / 256 / 1024 cached tokens:
 # 9 / 30 / 122 ms against 73 / 67 / 200 ms; a block is computed whole, so big blocks pay for every row's
@@ -112,8 +116,19 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     out = jnp.take(out_single, seq_t, axis=0)
     if t > 1:  # a sequence with two or more tokens fits
         b = min(CHUNK_BLOCK_Q, t) if block_q is None else block_q
-        out_chunks = _chunked_sequences(q, kv_pages, lens, page_indices, starts, q_lens, b, pages, sm_scale,
-                                        sliding_window, soft_cap)
+        short = b // 2
+        if block_q is None and short >= SHORT_CHUNK_BLOCK_Q:
+            # chunks of at most half a block (short prompts arriving together) in blocks of half the rows, so
+            # a block computes fewer padding rows; longer ones in whole blocks (fewer blocks over their keys)
+            is_short = q_lens <= short
+            out_chunks = (_chunked_sequences(q, kv_pages, lens, page_indices, starts, jnp.where(is_short, q_lens, 0),
+                                             short, pages, sm_scale, sliding_window, soft_cap)
+                          + _chunked_sequences(q, kv_pages, lens, page_indices, starts,
+                                               jnp.where(is_short, 0, q_lens), b, pages, sm_scale, sliding_window,
+                                               soft_cap))
+        else:
+            out_chunks = _chunked_sequences(q, kv_pages, lens, page_indices, starts, q_lens, b, pages, sm_scale,
+                                            sliding_window, soft_cap)
         out = jnp.where(single[seq_t][:, None, None], out, out_chunks)
     return jnp.where((tid < total)[:, None, None], out, 0.0).astype(q.dtype)
 
