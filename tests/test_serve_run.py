@@ -61,3 +61,41 @@ def test_address_check_passes_a_free_port_and_names_a_bad_host():
     check_address_free("127.0.0.1", 0)
     with pytest.raises(AddressUnavailable, match=r"cannot listen on 192\.0\.2\.1:\d+: .*serving\.host"):
         check_address_free("192.0.2.1", _free_port())  # TEST-NET-1: not an address of this machine
+
+
+LOG_MONITOR_ENV = r"""
+import os, sys
+from pathlib import Path
+import ray
+from raydeploy.serve.run import connect_ray
+temp = sys.argv[1]
+assert connect_ray(None, temp_dir=temp, num_cpus=1)
+try:
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().decode().split("\0")
+            if any(a.endswith("/log_monitor.py") for a in args[:3]) and any(temp in a for a in args):
+                env = dict(e.split("=", 1) for e in (proc / "environ").read_bytes().decode().split("\0") if "=" in e)
+                print(env.get("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"), env.get("LOG_NAME_UPDATE_INTERVAL_S"))
+                break
+        except OSError:
+            continue
+    else:
+        print("no log monitor")
+finally:
+    ray.shutdown()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process environment from /proc")
+def test_a_local_ray_starts_its_log_monitor_rescanning_rarely(tmp_path):
+    """The local Ray that `connect_ray` starts (a real one) runs its log monitor with `LOCAL_RAY_ENV` (it rescans
+    the log directory every 5 s, not every 0.1 s), and a value the user set wins."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", *serve_run.LOCAL_RAY_ENV)}
+    env["LOG_NAME_UPDATE_INTERVAL_S"] = "2"
+    done = subprocess.run([sys.executable, "-c", LOG_MONITOR_ENV, f"/tmp/rdlm-{os.getpid()}"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "0 2", done.stdout[-2000:]
