@@ -37,8 +37,10 @@ def tokenizer_dir() -> Path:
 
 
 class FakeBackend:
-    def __init__(self, script_ids: list[int], eos_id: int, step_s: float = 0.002) -> None:
+    def __init__(self, script_ids: list[int], eos_id: int, step_s: float = 0.002, batch: int = 1) -> None:
         self.script_ids = list(script_ids)
+        self.batch = batch
+        """Tokens per list of events, as a gang plan of several decode passes sends them."""
         self.eos_id = eos_id
         self.step_s = step_s
         self.gang_state = "ready"
@@ -64,9 +66,11 @@ class FakeBackend:
         self.requests.append(req)
         self.active[req.request_id] = 0
         self.peak_active = max(self.peak_active, len(self.active))
+        pending: list[TokenEvent] = []
         try:
             for i in range(req.max_tokens):
-                await asyncio.sleep(self.step_s)
+                if not pending:
+                    await asyncio.sleep(self.step_s)
                 if req.request_id not in self.active:
                     return
                 if self.fail_after_tokens is not None and i >= self.fail_after_tokens:
@@ -80,7 +84,10 @@ class FakeBackend:
                     reason = "stop"
                 elif i + 1 == req.max_tokens:
                     reason = "length"
-                yield [TokenEvent(req.request_id, tok, logprob=-0.5, index=i, finish_reason=reason)]
+                pending.append(TokenEvent(req.request_id, tok, logprob=-0.5, index=i, finish_reason=reason))
+                if reason or len(pending) == self.batch:
+                    yield pending
+                    pending = []
                 if reason:
                     return
         finally:

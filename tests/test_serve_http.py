@@ -109,6 +109,49 @@ def test_openai_client_completion_and_chat(served, codec):
     assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
 
 
+def test_a_stream_writes_each_batch_of_tokens_in_one_message(codec, cfg):
+    """Tokens the gang sends together (a plan of several decode passes) leave in one HTTP body message, one SSE
+    event per token inside it: the proxy and the connection handle a message per plan, not per token. The app is
+    driven through its ASGI interface, so every message it sends is seen as sent."""
+    backend = FakeBackend(codec.encode(SCRIPT) + list(codec.eos_token_ids), codec.eos_token_ids[0], batch=4)
+    app = create_app(ServingCore(backend, codec, Limits.from_config(cfg, "smollm2-135m-instruct")),
+                     api_keys=ApiKeyCheck((KEY,)))
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True,
+                       "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+
+    async def call() -> list[dict]:
+        sent, got_body = [], False
+
+        async def receive() -> dict:
+            nonlocal got_body
+            if not got_body:
+                got_body = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)  # no disconnect
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+                 "root_path": "", "server": ("test", 80), "client": ("test", 1),
+                 "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode())]}
+        await asyncio.wait_for(app(scope, receive, send), 60)
+        return sent
+
+    sent = asyncio.run(call())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    bodies = [m["body"].decode() for m in sent[1:] if m["type"] == "http.response.body" and m.get("body")]
+    events = [[json.loads(line[6:]) for line in b.split("\n\n") if line.startswith("data: {")] for b in bodies]
+    with_tokens = [[e for e in evs if e["choices"]] for evs in events]
+    assert [len(evs) for evs in with_tokens if evs] == [4, 4, 2], bodies
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for evs in with_tokens for e in evs)
+    assert text == codec.decode(codec.encode(SCRIPT)[:10])
+    assert [e["usage"]["completion_tokens"] for evs in events for e in evs if e.get("usage")] == [10]
+    assert bodies[-1] == "data: [DONE]\n\n"
+
+
 def test_stream_sse_format_stop_strings_logprobs_and_n(served, codec):
     server, backend, _ = served
     body = {"prompt": "Say hi", "max_tokens": 40, "stream": True, "stop": ["small"], "n": 2, "logprobs": 0,

@@ -308,18 +308,20 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
     return app
 
 
-async def _sse_body(first: tuple[int, Piece], pieces: AsyncGenerator[tuple[int, Piece], None],
+async def _sse_body(first: tuple[int, list[Piece]], pieces: AsyncGenerator[tuple[int, list[Piece]], None],
                     builder: CompletionBuilder | ChatBuilder, prompt_tokens: int, include_usage: bool,
                     release: Callable[[], None]) -> AsyncIterator[str]:
+    """The SSE stream: one event per piece (a token), the events of a batch (the tokens a gang step gave a job at
+    once) in one body message, so the proxy and the connection handle one message per step, not per token."""
     n_tokens = 0
     try:
-        index, piece = first
-        n_tokens += piece.token_id is not None
-        yield sse(builder.chunk(index, piece, include_usage))
+        index, batch = first
+        n_tokens += sum(p.token_id is not None for p in batch)
+        yield "".join(sse(builder.chunk(index, p, include_usage)) for p in batch)
         try:
-            async for index, piece in pieces:
-                n_tokens += piece.token_id is not None
-                yield sse(builder.chunk(index, piece, include_usage))
+            async for index, batch in pieces:
+                n_tokens += sum(p.token_id is not None for p in batch)
+                yield "".join(sse(builder.chunk(index, p, include_usage)) for p in batch)
         except APIError as e:  # the status line is gone: the error travels as an SSE event
             yield sse(e.body())
             yield SSE_DONE

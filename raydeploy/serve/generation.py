@@ -180,7 +180,19 @@ class ServingCore:
 
     # -- running ---------------------------------------------------------------------------------------
     async def pieces(self, job: Job, arrived_s: float) -> AsyncGenerator[Piece, None]:
-        """Stream one job. Raises APIError subclasses only; always frees the gang slot if it ends early."""
+        """Stream one job, a piece at a time (`batches`, flattened)."""
+        batches = self.batches(job, arrived_s)
+        try:
+            async for batch in batches:
+                for piece in batch:
+                    yield piece
+        finally:
+            await batches.aclose()
+
+    async def batches(self, job: Job, arrived_s: float) -> AsyncGenerator[list[Piece], None]:
+        """Stream one job: the pieces of each batch of token events the gang sent at once (a plan's tokens), so a
+        stream writes them in one response message. Raises APIError subclasses only; always frees the gang slot
+        if it ends early."""
         req = GenerationRequest(request_id=job.request_id, prompt_token_ids=tuple(job.prompt_ids),
                                 max_tokens=job.max_tokens, sampling=job.sampling,
                                 stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos)
@@ -205,6 +217,7 @@ class ServingCore:
                     raise ServiceUnavailable("the model gang ended the stream early; retry shortly", 1.0) from None
                 except TimeoutError:
                     raise RequestTimeout(job.timeout_s) from None
+                out: list[Piece] = []
                 for ev in events:
                     if ev.finish_reason == "error":
                         done_in_gang = True
@@ -219,10 +232,11 @@ class ServingCore:
                         text = "" if is_end_token else stopper.feed(detok.add(ev.token_id))
                         if stopper.stopped:
                             finished = True
-                            yield Piece(text, ev.token_id, ev.logprob, "stop")
+                            out.append(Piece(text, ev.token_id, ev.logprob, "stop"))
+                            yield out
                             return
                         if ev.finish_reason is None:
-                            yield Piece(text, ev.token_id, ev.logprob)
+                            out.append(Piece(text, ev.token_id, ev.logprob))
                             continue
                     if ev.finish_reason is not None:
                         done_in_gang = finished = True
@@ -231,8 +245,11 @@ class ServingCore:
                         tail = stopper.feed(detok.flush())
                         tail += "" if stopper.stopped else stopper.finish()
                         reason = "stop" if (stopper.stopped or ev.finish_reason == "stop") else ev.finish_reason
-                        yield Piece(text + tail, ev.token_id, ev.logprob, reason)
+                        out.append(Piece(text + tail, ev.token_id, ev.logprob, reason))
+                        yield out
                         return
+                if out:
+                    yield out
         except APIError:
             raise
         except Exception as e:  # anything else from the gang: logged in full, answered as a generic 500
@@ -280,10 +297,10 @@ class ServingCore:
             raise _first_error(eg) from None
         return [t.result() for t in tasks]
 
-    async def merged(self, jobs: Sequence[Job], arrived_s: float) -> AsyncGenerator[tuple[int, Piece], None]:
-        """Pieces of several jobs as they come, tagged with the job's index."""
+    async def merged(self, jobs: Sequence[Job], arrived_s: float) -> AsyncGenerator[tuple[int, list[Piece]], None]:
+        """Batches of pieces (`batches`) of several jobs as they come, tagged with the job's index."""
         if len(jobs) == 1:
-            one = self.pieces(jobs[0], arrived_s)
+            one = self.batches(jobs[0], arrived_s)
             try:
                 async for p in one:
                     yield jobs[0].index, p
@@ -295,7 +312,7 @@ class ServingCore:
 
         async def pump(job: Job) -> None:
             try:
-                async for p in self.pieces(job, arrived_s):
+                async for p in self.batches(job, arrived_s):
                     await queue.put((job.index, p))
             except APIError as e:
                 await queue.put(e)
