@@ -563,6 +563,20 @@ constexpr int64_t kQ4UnpackFromRows = kGroup;
 // At most this many rows pass over a weight row block at once: their outputs [rows, N] stay in L2.
 constexpr int64_t kQ4RowChunk = 64;
 
+// y[i, 0:32] (+)= d * a[i] + m * sx[i] for a tile's MR rows: the block's sums x . q in `a`, its d and m at `s`.
+template <int MR>
+inline void AddBlockSums(const __m512 (&a)[MR][2], const float* s, const float* sx, float* y, int64_t N, bool first) {
+  const __m512 d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16);
+  const __m512 m0 = _mm512_loadu_ps(s + 32), m1 = _mm512_loadu_ps(s + 48);
+  for (int i = 0; i < MR; ++i) {
+    const __m512 b = _mm512_set1_ps(sx[i]);
+    const __m512 y0 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N);
+    const __m512 y1 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N + 16);
+    _mm512_storeu_ps(y + i * N, _mm512_fmadd_ps(a[i][0], d0, _mm512_fmadd_ps(b, m0, y0)));
+    _mm512_storeu_ps(y + i * N + 16, _mm512_fmadd_ps(a[i][1], d1, _mm512_fmadd_ps(b, m1, y1)));
+  }
+}
+
 // One tile into MR rows of y (32 columns): `sx[i]` is the sum of row i's 32 values of x in this block.
 template <int MR>
 inline void TileQ4(const float* x, const float* sx, const uint8_t* tile, float* y, int64_t K, int64_t N, bool first) {
@@ -581,15 +595,7 @@ inline void TileQ4(const float* x, const float* sx, const uint8_t* tile, float* 
       a[i][1] = _mm512_fmadd_ps(b, q1, a[i][1]);
     }
   }
-  const __m512 d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16);
-  const __m512 m0 = _mm512_loadu_ps(s + 32), m1 = _mm512_loadu_ps(s + 48);
-  for (int i = 0; i < MR; ++i) {
-    const __m512 b = _mm512_set1_ps(sx[i]);
-    const __m512 y0 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N);
-    const __m512 y1 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N + 16);
-    _mm512_storeu_ps(y + i * N, _mm512_fmadd_ps(a[i][0], d0, _mm512_fmadd_ps(b, m0, y0)));
-    _mm512_storeu_ps(y + i * N + 16, _mm512_fmadd_ps(a[i][1], d1, _mm512_fmadd_ps(b, m1, y1)));
-  }
+  AddBlockSums<MR>(a, s, sx, y, N, first);
 }
 
 // The same sums as `TileQ4` from a tile whose nibbles were converted once (`UnpackQ4`: `qf` [32 rows][32 columns]
@@ -610,15 +616,7 @@ inline void TileQ4Unpacked(const float* x, const float* sx, const float* s, cons
       a[i][1] = _mm512_fmadd_ps(b, q1, a[i][1]);
     }
   }
-  const __m512 d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16);
-  const __m512 m0 = _mm512_loadu_ps(s + 32), m1 = _mm512_loadu_ps(s + 48);
-  for (int i = 0; i < MR; ++i) {
-    const __m512 b = _mm512_set1_ps(sx[i]);
-    const __m512 y0 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N);
-    const __m512 y1 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N + 16);
-    _mm512_storeu_ps(y + i * N, _mm512_fmadd_ps(a[i][0], d0, _mm512_fmadd_ps(b, m0, y0)));
-    _mm512_storeu_ps(y + i * N + 16, _mm512_fmadd_ps(a[i][1], d1, _mm512_fmadd_ps(b, m1, y1)));
-  }
+  AddBlockSums<MR>(a, s, sx, y, N, first);
 }
 
 // A tile's 32 x 32 nibbles as float32 into `qf` (64-byte aligned), row k's columns 0-15 then 16-31.
