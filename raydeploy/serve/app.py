@@ -314,14 +314,17 @@ async def _sse_body(first: tuple[int, list[Piece]], pieces: AsyncGenerator[tuple
     """The SSE stream: one event per piece (a token), the events of a batch (the tokens a gang step gave a job at
     once) in one body message, so the proxy and the connection handle one message per step, not per token."""
     n_tokens = 0
-    try:
-        index, batch = first
+
+    def events(index: int, batch: list[Piece]) -> str:
+        nonlocal n_tokens
         n_tokens += sum(p.token_id is not None for p in batch)
-        yield "".join(sse(builder.chunk(index, p, include_usage)) for p in batch)
+        return "".join(sse(builder.chunk(index, p, include_usage)) for p in batch)
+
+    try:
+        yield events(*first)
         try:
             async for index, batch in pieces:
-                n_tokens += sum(p.token_id is not None for p in batch)
-                yield "".join(sse(builder.chunk(index, p, include_usage)) for p in batch)
+                yield events(index, batch)
         except APIError as e:  # the status line is gone: the error travels as an SSE event
             yield sse(e.body())
             yield SSE_DONE

@@ -116,19 +116,15 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     out = jnp.take(out_single, seq_t, axis=0)
     if t > 1:  # a sequence with two or more tokens fits
         b = min(CHUNK_BLOCK_Q, t) if block_q is None else block_q
-        short = b // 2
-        if block_q is None and short >= SHORT_CHUNK_BLOCK_Q:
+        parts = [(q_lens, b)]
+        if block_q is None and b // 2 >= SHORT_CHUNK_BLOCK_Q:
             # chunks of at most half a block (short prompts arriving together) in blocks of half the rows, so
-            # a block computes fewer padding rows; longer ones in whole blocks (fewer blocks over their keys)
-            is_short = q_lens <= short
-            out_chunks = (_chunked_sequences(q, kv_pages, lens, page_indices, starts, jnp.where(is_short, q_lens, 0),
-                                             short, pages, sm_scale, sliding_window, soft_cap)
-                          + _chunked_sequences(q, kv_pages, lens, page_indices, starts,
-                                               jnp.where(is_short, 0, q_lens), b, pages, sm_scale, sliding_window,
-                                               soft_cap))
-        else:
-            out_chunks = _chunked_sequences(q, kv_pages, lens, page_indices, starts, q_lens, b, pages, sm_scale,
-                                            sliding_window, soft_cap)
+            # a block computes fewer padding rows; longer ones in whole blocks (fewer blocks over their keys).
+            # Each loop leaves the other's rows zero.
+            is_short = q_lens <= b // 2
+            parts = [(jnp.where(is_short, q_lens, 0), b // 2), (jnp.where(is_short, 0, q_lens), b)]
+        out_chunks = sum(_chunked_sequences(q, kv_pages, lens, page_indices, starts, lens_q, rows, pages, sm_scale,
+                                            sliding_window, soft_cap) for lens_q, rows in parts)
         out = jnp.where(single[seq_t][:, None, None], out, out_chunks)
     return jnp.where((tid < total)[:, None, None], out, 0.0).astype(q.dtype)
 
