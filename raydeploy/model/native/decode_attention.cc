@@ -39,15 +39,16 @@ inline __m256 Exp(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-inline float Dot(const float* a, const float* b, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
+// Eight sums in one vector: lane i is the sum of a_i's lanes.
+inline __m256 Sum8(const __m256 (&a)[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The first `n` lanes set, for masked loads of a vector's last n < 8 floats.
+inline __m256i FirstLanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 struct Shape {
@@ -56,9 +57,46 @@ struct Shape {
   int64_t window;
 };
 
-// Row s, kv head h: its G = heads / kv_heads query heads against keys [lo, len) of the row's pages.
+// What one thread reuses from unit to unit: scores [G][n rounded up to 8], the keys' addresses.
+struct Scratch {
+  std::vector<float> scores, peak, total;
+  std::vector<const float*> keys;
+};
+
+// o[0:V*8] = sum_j p[j] * v_j[0:V*8] / total over the n tokens at `keys` (V at + D): the V*8 sums in registers.
+template <int V>
+inline void WeightedValues(const float* p, const float* const* keys, int64_t n, int64_t D, int64_t d, float inv,
+                           float* o) {
+  __m256 acc[V];
+  for (int c = 0; c < V; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pv = _mm256_broadcast_ss(p + j);
+    const float* v = keys[j] + D + d;
+    for (int c = 0; c < V; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  }
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int c = 0; c < V; ++c) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(acc[c], iv));
+}
+
+inline void WeightedChunk(int vecs, const float* p, const float* const* keys, int64_t n, int64_t D, int64_t d,
+                          float inv, float* o) {
+  switch (vecs) {
+    case 1: WeightedValues<1>(p, keys, n, D, d, inv, o); break;
+    case 2: WeightedValues<2>(p, keys, n, D, d, inv, o); break;
+    case 3: WeightedValues<3>(p, keys, n, D, d, inv, o); break;
+    case 4: WeightedValues<4>(p, keys, n, D, d, inv, o); break;
+    case 5: WeightedValues<5>(p, keys, n, D, d, inv, o); break;
+    case 6: WeightedValues<6>(p, keys, n, D, d, inv, o); break;
+    case 7: WeightedValues<7>(p, keys, n, D, d, inv, o); break;
+    default: WeightedValues<8>(p, keys, n, D, d, inv, o); break;
+  }
+}
+
+// Row s, kv head h: its G = heads / kv_heads query heads against keys [lo, len) of the row's pages. The keys'
+// addresses are found once, page by page; each query head scores eight keys at a time (eight dot products in
+// registers, reduced together), and sums the values a slice of up to 64 dims at a time in registers.
 void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* lens, const int32_t* table,
-             float* out, int64_t s, int64_t h, std::vector<float>& scores) {
+             float* out, int64_t s, int64_t h, Scratch& sc) {
   const int64_t G = sh.heads / sh.kv_heads, D = sh.dim;
   float* o = out + (s * sh.heads + h * G) * D;
   const int64_t len = lens[s] < 0 ? 0 : lens[s];
@@ -68,58 +106,78 @@ void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* 
   }
   const int64_t lo = sh.window > 0 && len > sh.window ? len - sh.window : 0;
   const int64_t n = len - lo, np = (n + 7) / 8 * 8;
-  scores.assign(G * np, 0.0f);
   const int64_t stride = 2 * sh.kv_heads * D;  // one token's K and V of every head
-  auto token = [&](int64_t j) {
-    int64_t page = table[s * sh.table_width + j / sh.page_size];
+  sc.keys.resize(np);
+  sc.scores.resize(G * np);
+  sc.peak.assign(G, -INFINITY);
+  sc.total.assign(G, 0.0f);
+  int64_t slot = lo / sh.page_size, off = lo % sh.page_size;
+  auto page_base = [&](int64_t i) {
+    int64_t page = table[s * sh.table_width + i];
     page = page < 0 ? 0 : page >= sh.num_pages ? sh.num_pages - 1 : page;
-    return pool + (page * sh.page_size + j % sh.page_size) * stride + 2 * h * D;  // K; V follows at + D
+    return pool + page * sh.page_size * stride + 2 * h * D;  // K of the page's first token; V follows at + D
   };
-  const float* qs = q + (s * sh.heads + h * G) * D;
-  std::vector<float> peak(G, -INFINITY), total(G, 0.0f);
+  const float* base = page_base(slot);
   for (int64_t j = 0; j < n; ++j) {
-    const float* k = token(lo + j);
-    for (int64_t g = 0; g < G; ++g) {
-      float x = Dot(qs + g * D, k, D) * sh.scale;
-      if (sh.soft_cap > 0) x = sh.soft_cap * std::tanh(x / sh.soft_cap);
-      scores[g * np + j] = x;
-      if (x > peak[g]) peak[g] = x;
+    sc.keys[j] = base + off * stride;
+    if (++off == sh.page_size && j + 1 < n) {
+      off = 0;
+      base = page_base(++slot);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {  // p = e^(x - max), zero past n
-    float* p = scores.data() + g * np;
-    const __m256 m = _mm256_set1_ps(peak[g]);
+  for (int64_t j = n; j < np; ++j) sc.keys[j] = sc.keys[0];  // padding: scored, then weighted by zero
+  const float* qs = q + (s * sh.heads + h * G) * D;
+  const int64_t d8 = D / 8 * 8;
+  const __m256i tail = FirstLanes(D - d8);
+  const __m256 scale = _mm256_set1_ps(sh.scale);
+  for (int64_t j0 = 0; j0 < np; j0 += 8) {  // eight keys at a time, every query head while they are in L1
+    const float* const* k = sc.keys.data() + j0;
+    if (j0 + 16 <= np)  // the next eight keys on their way while these are scored
+      for (int t = 8; t < 16; ++t)
+        for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(k[t] + d), _MM_HINT_T0);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs + g * D;
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < d8; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + d);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(k[t] + d), qv, acc[t]);
+      }
+      if (d8 < D) {
+        const __m256 qv = _mm256_maskload_ps(qg + d8, tail);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(_mm256_maskload_ps(k[t] + d8, tail), qv, acc[t]);
+      }
+      _mm256_storeu_ps(sc.scores.data() + g * np + j0, _mm256_mul_ps(Sum8(acc), scale));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* p = sc.scores.data() + g * np;
+    float& peak = sc.peak[g];
+    for (int64_t j = 0; j < n; ++j) {
+      if (sh.soft_cap > 0) p[j] = sh.soft_cap * std::tanh(p[j] / sh.soft_cap);
+      if (p[j] > peak) peak = p[j];
+    }
+    const __m256 m = _mm256_set1_ps(peak);  // p = e^(x - max), zero past n
     __m256 sum = _mm256_setzero_ps();
     for (int64_t j = 0; j < np; j += 8) {
       __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
-      if (j + 8 > n) {
-        alignas(32) float keep[8];
-        for (int i = 0; i < 8; ++i) keep[i] = j + i < n ? 1.0f : 0.0f;
-        e = _mm256_mul_ps(e, _mm256_load_ps(keep));
-      }
+      if (j + 8 > n) e = _mm256_and_ps(e, _mm256_castsi256_ps(FirstLanes(n - j)));
       _mm256_storeu_ps(p + j, e);
       sum = _mm256_add_ps(sum, e);
     }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, sum);
-    total[g] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
-  }
-  std::memset(o, 0, sizeof(float) * G * D);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* v = token(lo + j) + D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * np + j];
-      float* og = o + g * D;
-      int64_t i = 0;
-      const __m256 pv = _mm256_set1_ps(p);
-      for (; i + 8 <= D; i += 8)
-        _mm256_storeu_ps(og + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(og + i)));
-      for (; i < D; ++i) og[i] += p * v[i];
+    const float inv = 1.0f / (lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7]);
+    float* og = o + g * D;
+    for (int64_t d = 0; d < d8; d += 64) {
+      const int64_t vecs = (d8 - d) / 8 < 8 ? (d8 - d) / 8 : 8;
+      WeightedChunk(static_cast<int>(vecs), p, sc.keys.data(), n, D, d, inv, og);
     }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.0f / total[g];
-    for (int64_t i = 0; i < D; ++i) o[g * D + i] *= inv;
+    for (int64_t d = d8; d < D; ++d) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < n; ++j) acc += p[j] * sc.keys[j][D + d];
+      og[d] = acc * inv;
+    }
   }
 }
 
@@ -147,8 +205,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   float* op = out->typed_data();
   const int64_t units = sh.rows * sh.kv_heads;
   Split(pool, units, [&](int64_t u0, int64_t u1) {
-    std::vector<float> scores;
-    for (int64_t u = u0; u < u1; ++u) RowHead(sh, qp, kp, lp, tp, op, u / sh.kv_heads, u % sh.kv_heads, scores);
+    thread_local Scratch scratch;
+    for (int64_t u = u0; u < u1; ++u) RowHead(sh, qp, kp, lp, tp, op, u / sh.kv_heads, u % sh.kv_heads, scratch);
   });
   return ffi::Error::Success();
 }
