@@ -10,6 +10,8 @@ attention shapes (9 query heads, 3 kv heads, head_dim 64, 30 layers, float32) un
   to the window's page count (as the engine's page-count buckets do); the stacked pool of all layers is passed
   whole with page ids offset by layer (`--sliced` also times slicing each layer's pool out, which XLA copies).
 - `paged-mixed` (with --chunk): one prefill chunk of that many tokens in the same step as rows-1 decode rows.
+- `native`: the native decode-row kernel (`raydeploy.model.native.decode_attention`, what the engine's CPU decode
+  passes run in place of `paged`) over the same pool and tables, where it can be built.
 
     .venv/bin/python benchmarks/attention_cpu.py
     .venv/bin/python benchmarks/attention_cpu.py --rows 1,8,32 --contexts 256,1024 --chunk 256
@@ -64,6 +66,28 @@ def timed(calls: dict, iters: int) -> dict:  # type: ignore[type-arg]
             jax.block_until_ready(fn(*args))
             times[name].append((time.perf_counter() - t0) * 1e3)
     return {name: round(statistics.median(ts), 3) for name, ts in times.items()}
+
+
+def native_program(pool, scale: float, layers: int, args: tuple):  # type: ignore[no-untyped-def]
+    """The decode rows' native kernel (`raydeploy.model.native.decode_attention`, what the engine's CPU decode
+    passes run) over the same stacked pool, compiled as the engine compiles it; None where it cannot be built."""
+    import jax
+
+    from raydeploy.model import native
+
+    if native.unavailable() is not None:
+        return None
+
+    def decode(q, pool, lens, table):  # type: ignore[no-untyped-def]
+        flat = pool.reshape(-1, *pool.shape[2:])
+
+        def layer(i, q):  # type: ignore[no-untyped-def]
+            out = native.decode_attention(q, flat, lens, table + i * pool.shape[1], sm_scale=scale)
+            return q + 1e-3 * out
+        return jax.lax.fori_loop(0, layers, layer, q)
+
+    with native.rows_over(jax.make_mesh((1,), ("dp",)), ("dp",)):
+        return jax.jit(decode).lower(*args).compile()
 
 
 def run_case(rows: int, context: int, chunk: int, a: argparse.Namespace) -> dict:
@@ -123,6 +147,9 @@ def run_case(rows: int, context: int, chunk: int, a: argparse.Namespace) -> dict
     cu = jnp.arange(rows + 1, dtype=jnp.int32)
     n = jnp.asarray([rows], jnp.int32)
     calls["paged_ms"] = (paged_program(rows), (q0, pool, lens, table, cu, n))
+    native_decode = native_program(pool, scale, layers, (q0, pool, lens, table))
+    if native_decode is not None:
+        calls["native_ms"] = (native_decode, (q0, pool, lens, table))
     if a.sliced:
         calls["paged_sliced_ms"] = (paged_program(rows, slice_layer=True), (q0, pool, lens, table, cu, n))
     if chunk:
@@ -134,6 +161,8 @@ def run_case(rows: int, context: int, chunk: int, a: argparse.Namespace) -> dict
         calls["paged_mixed_ms"] = (paged_program(tokens), (q_mixed, pool, lens, table, cu_m, n))
     res.update(timed(calls, a.iters))
     res["paged_vs_contiguous"] = round(res["contiguous_ms"] / res["paged_ms"], 3)
+    if "native_ms" in res:
+        res["native_vs_paged"] = round(res["paged_ms"] / res["native_ms"], 3)
     return res
 
 
@@ -166,6 +195,8 @@ def main() -> None:
                     f"{r['paged_ms']:7.2f} ms  contiguous/paged x{r['paged_vs_contiguous']}")
             if "paged_sliced_ms" in r:
                 line += f"  (layer pool sliced: {r['paged_sliced_ms']:7.2f} ms)"
+            if "native_ms" in r:
+                line += f"  native {r['native_ms']:7.2f} ms (paged/native x{r['native_vs_paged']})"
             if "paged_mixed_ms" in r:
                 line += f"  mixed (+{a.chunk}-token chunk) {r['paged_mixed_ms']:7.2f} ms"
             print(line, flush=True)

@@ -48,6 +48,8 @@ def _xla_decode(q, pool, lens, table, **kw):
     ([7, 29, 2], 4, 4, 20, 4, 8, None, None),               # no grouping, a head dim past the 8-wide vectors
     ([50, 9, 1], 8, 2, 32, 8, 7, 7, None),                  # sliding window
     ([12, 31], 4, 1, 16, 4, 8, None, 30.0),                 # soft cap, one kv head for all
+    ([70, 130, 3], 8, 2, 128, 16, 9, None, None),           # values summed 64 dims at a time, twice; many key blocks
+    ([45, 8, 100], 6, 3, 80, 8, 13, 37, None),              # 64 + 16 dims, a window across pages of 8
 ])
 def test_kernel_equals_the_xla_decode_path(native_library, lens, hq, hkv, d, page_size, pps, window, cap):
     q, pool, lens_a, table = _case(sum(lens) + hq + d, lens, hq, hkv, d, page_size, pps)
