@@ -80,16 +80,7 @@ inline void WeightedValues(const float* p, const float* const* keys, int64_t n, 
 
 inline void WeightedChunk(int vecs, const float* p, const float* const* keys, int64_t n, int64_t D, int64_t d,
                           float inv, float* o) {
-  switch (vecs) {
-    case 1: WeightedValues<1>(p, keys, n, D, d, inv, o); break;
-    case 2: WeightedValues<2>(p, keys, n, D, d, inv, o); break;
-    case 3: WeightedValues<3>(p, keys, n, D, d, inv, o); break;
-    case 4: WeightedValues<4>(p, keys, n, D, d, inv, o); break;
-    case 5: WeightedValues<5>(p, keys, n, D, d, inv, o); break;
-    case 6: WeightedValues<6>(p, keys, n, D, d, inv, o); break;
-    case 7: WeightedValues<7>(p, keys, n, D, d, inv, o); break;
-    default: WeightedValues<8>(p, keys, n, D, d, inv, o); break;
-  }
+  UpTo8(vecs, [&](auto v) { WeightedValues<decltype(v)::value>(p, keys, n, D, d, inv, o); });
 }
 
 // Row s, kv head h: its G = heads / kv_heads query heads against keys [lo, len) of the row's pages. The keys'

@@ -190,16 +190,7 @@ inline void Strip512(const float* x, const W* w, float* y, int64_t K, int64_t N,
 template <int C, typename W, bool Ahead>
 inline void Group512(const float* x, const W* w, float* y, int64_t mr, int64_t K, int64_t N, int64_t n,
                      int64_t k0, int64_t kb, __mmask16 last) {
-  switch (mr) {
-    case 1: Strip512<1, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
-    case 2: Strip512<2, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
-    case 3: Strip512<3, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
-    case 4: Strip512<4, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
-    case 5: Strip512<5, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
-    case 6: Strip512<6, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
-    case 7: Strip512<7, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
-    default: Strip512<8, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); break;
-  }
+  UpTo8(mr, [&](auto r) { Strip512<decltype(r)::value, C, W, Ahead>(x, w, y, K, N, n, k0, kb, last); });
 }
 
 // A strip of 1 to 3 vectors.
@@ -632,30 +623,12 @@ inline void UnpackQ4(const uint8_t* tile, float* qf) {
 
 inline void GroupQ4Unpacked(const float* x, const float* sx, const float* s, const float* qf, float* y, int64_t mr,
                             int64_t K, int64_t N, bool first) {
-  switch (mr) {
-    case 1: TileQ4Unpacked<1>(x, sx, s, qf, y, K, N, first); break;
-    case 2: TileQ4Unpacked<2>(x, sx, s, qf, y, K, N, first); break;
-    case 3: TileQ4Unpacked<3>(x, sx, s, qf, y, K, N, first); break;
-    case 4: TileQ4Unpacked<4>(x, sx, s, qf, y, K, N, first); break;
-    case 5: TileQ4Unpacked<5>(x, sx, s, qf, y, K, N, first); break;
-    case 6: TileQ4Unpacked<6>(x, sx, s, qf, y, K, N, first); break;
-    case 7: TileQ4Unpacked<7>(x, sx, s, qf, y, K, N, first); break;
-    default: TileQ4Unpacked<8>(x, sx, s, qf, y, K, N, first); break;
-  }
+  UpTo8(mr, [&](auto r) { TileQ4Unpacked<decltype(r)::value>(x, sx, s, qf, y, K, N, first); });
 }
 
 inline void GroupQ4(const float* x, const float* sx, const uint8_t* tile, float* y, int64_t mr, int64_t K, int64_t N,
                     bool first) {
-  switch (mr) {
-    case 1: TileQ4<1>(x, sx, tile, y, K, N, first); break;
-    case 2: TileQ4<2>(x, sx, tile, y, K, N, first); break;
-    case 3: TileQ4<3>(x, sx, tile, y, K, N, first); break;
-    case 4: TileQ4<4>(x, sx, tile, y, K, N, first); break;
-    case 5: TileQ4<5>(x, sx, tile, y, K, N, first); break;
-    case 6: TileQ4<6>(x, sx, tile, y, K, N, first); break;
-    case 7: TileQ4<7>(x, sx, tile, y, K, N, first); break;
-    default: TileQ4<8>(x, sx, tile, y, K, N, first); break;
-  }
+  UpTo8(mr, [&](auto r) { TileQ4<decltype(r)::value>(x, sx, tile, y, K, N, first); });
 }
 
 // Weight rows [k0, k1) (multiples of 32) of a packed weight with N columns into y [M, N] (written, not added to):

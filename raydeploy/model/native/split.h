@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -62,6 +63,22 @@ void Split(ffi::ThreadPool& pool, int64_t units, F part) {
   if (st->done.load(std::memory_order_acquire) == st->parts) return;
   std::unique_lock<std::mutex> lock(st->mu);
   st->cv.wait(lock, [&] { return st->done.load() == st->parts; });
+}
+
+// f(std::integral_constant<int, n>{}) for n = count clamped to 1..8: a run-time row or vector count (at most 8 by
+// construction) as the template argument of a register-blocked kernel.
+template <typename F>
+inline void UpTo8(int64_t count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
 }
 
 }  // namespace
