@@ -39,13 +39,6 @@ inline __m256 Exp(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Eight sums in one vector: lane i is the sum of a_i's lanes.
-inline __m256 Sum8(const __m256 (&a)[8]) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 // The first `n` lanes set, for masked loads of a vector's last n < 8 floats.
 inline __m256i FirstLanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -59,7 +52,7 @@ struct Shape {
 
 // What one thread reuses from unit to unit: scores [G][n rounded up to 8], the keys' addresses.
 struct Scratch {
-  std::vector<float> scores, peak, total;
+  std::vector<float> scores;
   std::vector<const float*> keys;
 };
 
@@ -76,11 +69,6 @@ inline void WeightedValues(const float* p, const float* const* keys, int64_t n, 
   }
   const __m256 iv = _mm256_set1_ps(inv);
   for (int c = 0; c < V; ++c) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(acc[c], iv));
-}
-
-inline void WeightedChunk(int vecs, const float* p, const float* const* keys, int64_t n, int64_t D, int64_t d,
-                          float inv, float* o) {
-  UpTo8(vecs, [&](auto v) { WeightedValues<decltype(v)::value>(p, keys, n, D, d, inv, o); });
 }
 
 // Row s, kv head h: its G = heads / kv_heads query heads against keys [lo, len) of the row's pages. The keys'
@@ -100,8 +88,6 @@ void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* 
   const int64_t stride = 2 * sh.kv_heads * D;  // one token's K and V of every head
   sc.keys.resize(np);
   sc.scores.resize(G * np);
-  sc.peak.assign(G, -INFINITY);
-  sc.total.assign(G, 0.0f);
   int64_t slot = lo / sh.page_size, off = lo % sh.page_size;
   auto page_base = [&](int64_t i) {
     int64_t page = table[s * sh.table_width + i];
@@ -138,12 +124,13 @@ void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* 
         const __m256 qv = _mm256_maskload_ps(qg + d8, tail);
         for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(_mm256_maskload_ps(k[t] + d8, tail), qv, acc[t]);
       }
-      _mm256_storeu_ps(sc.scores.data() + g * np + j0, _mm256_mul_ps(Sum8(acc), scale));
+      const __m256 dots = Sum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
+      _mm256_storeu_ps(sc.scores.data() + g * np + j0, _mm256_mul_ps(dots, scale));
     }
   }
   for (int64_t g = 0; g < G; ++g) {
     float* p = sc.scores.data() + g * np;
-    float& peak = sc.peak[g];
+    float peak = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
       if (sh.soft_cap > 0) p[j] = sh.soft_cap * std::tanh(p[j] / sh.soft_cap);
       if (p[j] > peak) peak = p[j];
@@ -161,8 +148,9 @@ void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* 
     const float inv = 1.0f / (lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7]);
     float* og = o + g * D;
     for (int64_t d = 0; d < d8; d += 64) {
-      const int64_t vecs = (d8 - d) / 8 < 8 ? (d8 - d) / 8 : 8;
-      WeightedChunk(static_cast<int>(vecs), p, sc.keys.data(), n, D, d, inv, og);
+      UpTo8((d8 - d) / 8, [&](auto v) {  // up to 64 dims a call
+        WeightedValues<decltype(v)::value>(p, sc.keys.data(), n, D, d, inv, og);
+      });
     }
     for (int64_t d = d8; d < D; ++d) {
       float acc = 0.0f;

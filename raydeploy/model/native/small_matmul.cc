@@ -276,13 +276,7 @@ void Matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t
 }
 
 // Output-first weights (w [N, K], as a tied embedding table used as the LM head): y[m, n] = x[m] . w[n], four
-// weight rows at a time streamed once, two rows of x against them, eight dot products reduced at the end.
-inline __m256 Sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
+// weight rows at a time streamed once, two rows of x against them, eight dot products reduced at the end (`Sum8`).
 #if defined(__AVX512F__)
 // AVX-512: dot products of rows of x with weight rows in registers, K in vectors of 16 (the last masked); a group
 // of weight rows stays in L1 while every group of rows of x passes over it.

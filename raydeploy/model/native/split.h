@@ -65,6 +65,13 @@ void Split(ffi::ThreadPool& pool, int64_t units, F part) {
   st->cv.wait(lock, [&] { return st->done.load() == st->parts; });
 }
 
+// Eight sums in one vector: lane i is the sum of a_i's eight lanes.
+inline __m256 Sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // f(std::integral_constant<int, n>{}) for n = count clamped to 1..8: a run-time row or vector count (at most 8 by
 // construction) as the template argument of a register-blocked kernel.
 template <typename F>
