@@ -24,6 +24,15 @@ Our engine runs the serving configuration: max_slots 8 (a decode covers the occu
 batch 1 one row), 4 decode steps per plan, float32 activations, float32 weights unless --dtype says
 otherwise. Torch uses 2 threads (the machine's cores), float32; the `hf-bf16` backend runs transformers in
 bfloat16 (weights and activations), the peer of `--dtype bfloat16`.
+
+`--threads 1` runs every backend on one thread (ours: `PJRT_NPROC=1`, as a simulated gang host gets on this
+machine; torch: one thread; llama.cpp: one thread). Each backend's `scaling_b8_over_b1` (tok/s at batch 8
+over batch 1) is reported beside it: on one thread it is what 8 rows a host cost against one, which bounds
+the serving figure "16 streams against 1" of the 2-host default (16 streams put 8 rows on each host's core;
+one stream puts one row on one) at twice that (`stream_ceiling_16_vs_1`).
+
+    .venv/bin/python benchmarks/engine_decode.py --threads 1 --backends ours,hf --rounds 3 \
+        --out benchmarks/results/engine_decode_one_thread.json
 """
 
 from __future__ import annotations
@@ -181,11 +190,16 @@ def bench_ours(new_tokens: int, dtype: str, sampling: dict) -> dict:
             "greedy_tokens": None if sampling else outs1[0].token_ids}
 
 
+def _threads() -> int:
+    """The thread count the parent gave every backend (`--threads`)."""
+    return int(os.environ.get("RAYDEPLOY_BENCH_THREADS", "2"))
+
+
 def bench_hf(new_tokens: int, sampling: dict, dtype: str = "float32") -> dict:
     import torch
     from hf_reference import load_hf
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(_threads())
     t0 = time.perf_counter()
     model, tok = load_hf(dtype)
     load_s = time.perf_counter() - t0
@@ -218,7 +232,7 @@ def bench_hf(new_tokens: int, sampling: dict, dtype: str = "float32") -> dict:
     ttft8, _ = gen(8, 1)
     t8, _ = gen(8, new_tokens)
     how = f", sampling {sampling}" if sampling else ""
-    return {"backend": f"transformers PyTorch ({dtype}, 2 threads{how})", "ttft_s": ttft1,
+    return {"backend": f"transformers PyTorch ({dtype}, {_threads()} threads{how})", "ttft_s": ttft1,
             "decode_tok_s_b1": (new_tokens - 1) / (t1 - ttft1), "decode_tok_s_b8": 8 * (new_tokens - 1) / (t8 - ttft8),
             "ttft_b8_s": ttft8, "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "perplexity": ppl,
             "greedy_tokens": tokens, "greedy_trusted_steps": trusted_steps(gaps)}
@@ -233,7 +247,7 @@ def bench_llamacpp(new_tokens: int) -> dict:
     tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
     prompt = _tokenized(tok, 1)[0]
     t0 = time.perf_counter()
-    llm = Llama(model_path=str(p), n_threads=2, n_ctx=512, verbose=False)
+    llm = Llama(model_path=str(p), n_threads=_threads(), n_ctx=512, verbose=False)
     load_s = time.perf_counter() - t0
 
     def gen(n: int) -> float:
@@ -249,7 +263,7 @@ def bench_llamacpp(new_tokens: int) -> dict:
     gen(4)
     ttft = gen(1)
     t = gen(new_tokens)
-    return {"backend": "llama.cpp (llama-cpp-python, Q4_1 GGUF, 2 threads)", "ttft_s": ttft,
+    return {"backend": f"llama.cpp (llama-cpp-python, Q4_1 GGUF, {_threads()} threads)", "ttft_s": ttft,
             "decode_tok_s_b1": (new_tokens - 1) / (t - ttft), "decode_tok_s_b8": None, "load_s": load_s,
             "peak_rss_mb": _peak_rss_mb()}
 
@@ -268,12 +282,15 @@ def _child(backend: str, new_tokens: int, dtype: str, sampling: str | None) -> N
     print("RESULT " + json.dumps(res))
 
 
-def _run_child(backend: str, new_tokens: int, dtype: str, timeout_s: float, sampling: str | None) -> dict | None:
+def _run_child(backend: str, new_tokens: int, dtype: str, timeout_s: float, sampling: str | None,
+               threads: int) -> dict | None:
     cmd = [sys.executable, __file__, "--child", backend, "--new-tokens", str(new_tokens), "--dtype", dtype]
     if sampling:
         cmd += ["--sampling", sampling]
+    # PJRT_NPROC: the XLA CPU client's threads (our engine), as raydeploy.gang.host sets it for a simulated host
+    env = {**os.environ, "RAYDEPLOY_BENCH_THREADS": str(threads), "PJRT_NPROC": str(threads)}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         print(f"[{backend}] did not finish within {timeout_s} s; skipped", file=sys.stderr)
         return None
@@ -323,6 +340,8 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=1800)
     ap.add_argument("--sampling", default=None,
                     help="sample the timed decodes, e.g. temperature=0.7,top_p=0.95 (default: greedy)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="threads of every backend (default 2, the machine's cores; 1: one simulated host's share)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
@@ -333,6 +352,8 @@ def main() -> int:
         _parse_sampling(args.sampling)
     except ValueError as e:
         ap.error(str(e))
+    if args.threads < 1:
+        ap.error(f"--threads must be at least 1, got {args.threads}")
     dtypes = args.dtype.split(",")
     if any(d not in ("float32", "bfloat16") for d in dtypes):
         ap.error(f"--dtype takes float32 and/or bfloat16, got {args.dtype!r}")
@@ -353,13 +374,19 @@ def main() -> int:
                     continue
             for dtype in dtypes if b == "ours" else dtypes[:1]:
                 key = b if b != "ours" or dtype == dtypes[0] else f"ours-{dtype}"
-                r = _run_child(b, args.new_tokens, dtype, args.timeout_s, args.sampling)
+                r = _run_child(b, args.new_tokens, dtype, args.timeout_s, args.sampling, args.threads)
                 if r is not None:
                     runs.setdefault(key, []).append(r)
                     print(f"[{key} round {rnd + 1}] " + json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}),
                           flush=True)
+    from machine import cpu_flags  # benchmarks/, this script's directory
+
     results = {key: _median_result(rs) for key, rs in runs.items()}
+    for r in results.values():
+        if r.get("decode_tok_s_b8"):
+            r["scaling_b8_over_b1"] = r["decode_tok_s_b8"] / r["decode_tok_s_b1"]
     report = {"new_tokens": args.new_tokens, "prompts": "chat template, 30-40 tokens", "rounds": args.rounds,
+              "threads": args.threads, "cpu_flags": cpu_flags(),
               "sampling": _parse_sampling(args.sampling) or "greedy",
               "load_avg_1m": os.getloadavg()[0], "results": results}
     for key in [k for k in results if k.startswith("ours")]:
@@ -373,6 +400,8 @@ def main() -> int:
             report[f"greedy_matches_trusted_steps{sfx}"] = (
                 report[f"greedy_match_prefix{sfx}"] >= hf["greedy_trusted_steps"])
         report[f"perplexity_ratio_vs_hf{sfx}"] = ours["perplexity"] / hf["perplexity"]
+    if args.threads == 1 and results.get("ours", {}).get("scaling_b8_over_b1"):
+        report["stream_ceiling_16_vs_1"] = 2 * results["ours"]["scaling_b8_over_b1"]
     if "ours-bfloat16" in results and "hf-bf16" in results:  # both sides' weights in bfloat16
         ours, hf = results["ours-bfloat16"], results["hf-bf16"]
         report["speedup_vs_hf_bf16_b1-bfloat16"] = ours["decode_tok_s_b1"] / hf["decode_tok_s_b1"]
@@ -387,10 +416,13 @@ def main() -> int:
         print(f"reference greedy steps with top-1/top-2 gap >= 0.05 before the first smaller one: "
               f"{results['hf']['greedy_trusted_steps']} of {len(results['hf']['greedy_tokens'])}")
     for key, r in results.items():
+        if r.get("scaling_b8_over_b1"):
+            print(f"scaling b8/b1 [{key}]: {r['scaling_b8_over_b1']:.2f}")
+    for key, r in results.items():
         if "perplexity" in r:
             print(f"perplexity [{key}]: {r['perplexity']:.4f}")
     for k, v in report.items():
-        if k.startswith(("speedup_vs_hf", "greedy_match", "perplexity_ratio")):
+        if k.startswith(("speedup_vs_hf", "greedy_match", "perplexity_ratio", "stream_ceiling")):
             print(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}")
     print(f"load average during run: {report['load_avg_1m']:.1f}; written to {args.out}")
     return 0
