@@ -4,7 +4,9 @@ Brings up the embedded default gang (2 host processes, dp=2, the real demo model
 prefill, prefix cache; max_slots raised to 16) behind Ray Serve once, streams chat completions with the
 official `openai` client and measures, against that one gang:
 - output tokens/s, time to first token (TTFT) and time per output token (TPOT) at 1, 4 and 16 concurrent
-  streams, and the HTTP layer's overhead against the engine's own step clock;
+  streams, the levels interleaved over `--level-rounds` rounds (each round's 16-vs-1 ratio is kept: on a
+  2-core machine the single-stream rate moves by a third between runs), and the HTTP layer's overhead against
+  the engine's own step clock;
 - the TTFT of the last of 8 prompts sent at once;
 - prefix cache: TTFT of a ~400-token system prompt + a short user message, uncached (first use) and cached
   (same system prompt, another user message), median over distinct system prompts, and the cache counters
@@ -14,7 +16,8 @@ then, with the gang shut down, transformers `generate` (float32, 2 threads) at b
 aggregate tokens/s and batched prefill time. Writes OUT.json (figures, and under "targets" each figure with
 its peer, ratio, target and whether it is met) and OUT.png.
 
-    .venv/bin/python benchmarks/serve_load.py [--rounds 2] [--max-tokens 64] [--out docs/serve_load] [--no-hf]
+    .venv/bin/python benchmarks/serve_load.py [--rounds 2] [--level-rounds 4] [--max-tokens 64] [--out docs/serve_load]
+        [--no-hf]
 
 With `--replicas N` it compares gangs behind one endpoint instead, in one run: the same load (16 streams) on
 1 gang and on N gangs (each one host with one device), then, on the N gangs, a host of one gang killed while a
@@ -106,35 +109,50 @@ async def _round(url: str, key: str | None, model: str, concurrency: int, max_to
 
 
 def measure(serving, model: str, levels: list[int], rounds: int, max_tokens: int, temperature: float) -> dict:
+    """Each level's figures over `rounds` rounds, the levels interleaved (1, 4, 16, 1, 4, 16, ...): a spell of
+    machine load then falls on every level instead of on one, and each round gives its own top-vs-single ratio."""
     out: dict = {"levels": {}}
     asyncio.run(_round(serving.url, None, model, 2, 8, temperature, 0))  # warm the HTTP path
-    for c in levels:
-        reqs, tokens, wall = [], 0, 0.0
-        before = serving.gangs.ready_gang().status()["stats"]
-        for r in range(rounds):
+    acc = {c: {"reqs": [], "tokens": 0, "wall": 0.0, "step_s": 0.0, "steps": 0, "rates": []} for c in levels}
+    for r in range(rounds):
+        for c in levels:
+            a = acc[c]
+            before = serving.gangs.ready_gang().status()["stats"]
             res, w = asyncio.run(_round(serving.url, None, model, c, max_tokens, temperature, r * c))
-            reqs += res
-            wall += w
-            tokens += sum(x["tokens"] for x in res)
-        after = serving.gangs.ready_gang().status()["stats"]
-        step_ms, steps = _window_step_ms(before, after)
-        ttft = [x["ttft_s"] for x in reqs]
-        tpot = [x["tpot_s"] for x in reqs]
+            after = serving.gangs.ready_gang().status()["stats"]
+            step_ms, steps = _window_step_ms(before, after)
+            tokens = sum(x["tokens"] for x in res)
+            a["reqs"] += res
+            a["tokens"] += tokens
+            a["wall"] += w
+            a["rates"].append(tokens / w)
+            if steps:
+                a["step_s"] += step_ms * steps / 1e3
+                a["steps"] += steps
+    for c in levels:
+        a = acc[c]
+        ttft = [x["ttft_s"] for x in a["reqs"]]
+        tpot = [x["tpot_s"] for x in a["reqs"]]
+        steps = a["steps"]
         out["levels"][c] = {
-            "concurrency": c, "requests": len(reqs), "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 2),
+            "concurrency": c, "requests": len(a["reqs"]), "tokens": a["tokens"], "wall_s": round(a["wall"], 3),
+            "tokens_per_s": round(a["tokens"] / a["wall"], 2),
+            "tokens_per_s_rounds": [round(x, 1) for x in a["rates"]],
             "ttft_ms": {"p50": round(1e3 * statistics.median(ttft), 1), "p99": round(1e3 * _pct(ttft, 0.99), 1)},
             "tpot_ms": {"p50": round(1e3 * statistics.median(tpot), 2), "p99": round(1e3 * _pct(tpot, 0.99), 2)},
-            "engine_step_ms": round(step_ms, 2), "engine_steps": steps,
-            "tokens_per_step": round(tokens / steps, 2) if steps else None,
+            "engine_step_ms": round(1e3 * a["step_s"] / steps, 2) if steps else None, "engine_steps": steps,
+            "tokens_per_step": round(a["tokens"] / steps, 2) if steps else None,
             # the engine's own time per output token of a stream: its step clock over the window (prefill
             # included) over the tokens each stream received (a step is a plan of up to decode_steps tokens)
-            "engine_ms_per_token": round(step_ms * steps * c / tokens, 2) if steps else None,
+            "engine_ms_per_token": round(1e3 * a["step_s"] * c / a["tokens"], 2) if steps else None,
         }
         print(json.dumps(out["levels"][c]), flush=True)
     one = out["levels"][levels[0]]
     top = out["levels"][levels[-1]]
     out["speedup_top_vs_single"] = round(top["tokens_per_s"] / one["tokens_per_s"], 2)
+    # each round's own ratio (its top level against the single stream just before it): the spread is the noise
+    out["speedup_top_vs_single_rounds"] = [round(t / o, 2) for o, t in zip(acc[levels[0]]["rates"],
+                                                                           acc[levels[-1]]["rates"], strict=True)]
     out["http_overhead_single_stream"] = round(one["tpot_ms"]["p50"] / one["engine_ms_per_token"] - 1.0, 4)
     return out
 
@@ -443,6 +461,8 @@ def targets(res: dict) -> dict:
         top["tokens_per_s"], one["tokens_per_s"], top["tokens_per_s"] / one["tokens_per_s"], ">= 6",
         top["tokens_per_s"] / one["tokens_per_s"] >= 6,
         f"tok/s of {max(lv)} concurrent streams over HTTP; peer: 1 stream")}
+    if res.get("speedup_top_vs_single_rounds"):  # the interleaved rounds' own ratios: the spread is the noise
+        out["streams_vs_one"]["ratio_rounds"] = res["speedup_top_vs_single_rounds"]
     hf = res.get("hf")
     if hf:
         r = top["tokens_per_s"] / hf["tokens_per_s"]
@@ -642,7 +662,9 @@ def plot(results: dict, png: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="1,4,16")
-    p.add_argument("--rounds", type=int, default=2, help="rounds per concurrency level")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of each measurement (prompts at once, long prompt)")
+    p.add_argument("--level-rounds", type=int, default=4,
+                   help="rounds per concurrency level, the levels interleaved (each round gives a 16-vs-1 ratio)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--engine", choices=["real", "toy"], default="real")
@@ -699,7 +721,7 @@ def main() -> int:
         res["ready_s"] = round(time.perf_counter() - t0, 1)
         print(f"gang ready in {res['ready_s']}s", flush=True)
         model = cfg.model.name or "model"
-        res.update(measure(serving, model, levels, args.rounds, args.max_tokens, args.temperature))
+        res.update(measure(serving, model, levels, args.level_rounds, args.max_tokens, args.temperature))
         res["simultaneous"] = measure_simultaneous(serving, model, 8, args.rounds, args.max_tokens, args.temperature)
         res["prefix_cache"] = measure_prefix(serving, tok, model, args.prefix_prompts, 400, args.temperature)
         res["long_prompt"] = measure_long_arrival(serving, tok, model, 7, args.stream_tokens, args.long_tokens,
