@@ -25,7 +25,7 @@ widened to float32 (twice the bytes). The report gives each case's weight GB/s t
 With `--weights packed` the float32 weights are exactly 4-bit blocks (the layers, as a GGUF Q4_1 checkpoint's
 dequantization makes them) and 8-bit blocks (the head, Q8_0), as the demo model's are: xla and blas multiply the
 float32 values, native (each call chained on the last) and joined read the packed copies the engine holds (`engine.pack_weights: auto`;
-`raydeploy.model.native.packing`; AVX-512 build only), the head as the tied table's 8-bit rows.
+`raydeploy.model.native.packing`; both builds), the head as the tied table's 8-bit rows.
 
     .venv/bin/python benchmarks/small_matmul.py [--rows 1,2,4,8,16,32,64] [--weights float32|bfloat16|packed]
         [--backends xla,native,blas] [--out benchmarks/results/small_matmul.json]

@@ -219,9 +219,9 @@ class EngineConfig(_Section):
     bfloat16, dtype float32) from 1 to 128 rows per device. The decode rows' attention then runs in the native
     attention kernel too (2.5x faster than XLA's gathers). TPU and GPU: no effect. xla: always XLA."""
     pack_weights: Literal["auto", "off"] = "auto"
-    """auto: where the native CPU kernel runs (cpu_matmul auto, float32 weights, the AVX-512 build), each layer
-    projection whose float32 weights are exactly 4-bit blocks (32 weights down a column that are d * q + m, q in
-    0..15: a GGUF Q4_1 checkpoint, the demo model's, dequantized) is also held packed, 0.75 bytes a weight
+    """auto: where the native CPU kernel runs (cpu_matmul auto, float32 weights; its AVX-512 or AVX2 build), each
+    layer projection whose float32 weights are exactly 4-bit blocks (32 weights down a column that are d * q + m,
+    q in 0..15: a GGUF Q4_1 checkpoint, the demo model's, dequantized) is also held packed, 0.75 bytes a weight
     instead of 4, and a tied embedding table that is exactly 8-bit blocks (GGUF Q8_0: d * q along each row) is
     held packed too, 1.125 bytes a weight; steps of up to 256 rows per device read the packed copies: the same
     products from a fifth of the bytes. Longer prompt steps keep the float32 weights (about a fifth more memory for

@@ -317,9 +317,9 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
 
 def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, unpacked, prompt_ids):
     """The demo's projections are a Q4_1 GGUF's blocks dequantized to float32, its tied table Q8_0's: where the kernel
-    is built for AVX-512 the engine also holds them packed (`engine.pack_weights: auto`), and every step program of
-    few rows reads the packed copies (q/k/v joined, o, gate/up joined, down: four calls in the scanned layer body;
-    the LM head), while a prompt
+    runs (its AVX-512 or AVX2 build) the engine also holds them packed (`engine.pack_weights: auto`), and every
+    step program of few rows reads the packed copies (q/k/v joined, o, gate/up joined, down: four calls in
+    the scanned layer body; the LM head), while a prompt
     chunk of more rows than the kernel takes keeps XLA's dot over the float32 weights. Greedy tokens equal and
     logprobs are within 1e-4 of the float32-only engine's: the same weights, from fewer bytes (the 4-bit kernel
     sums each block as d * (x . q) + m * sum(x), so only the float32 sums' order differs)."""

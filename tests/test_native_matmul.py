@@ -83,14 +83,41 @@ for m, k, n in [(2, 576, 1536), (3, 7, 8), (8, 576, 192), (17, 64, 24), (33, 9, 
     np.testing.assert_allclose(y, x.astype(np.float64) @ w[1], rtol=1e-4, atol=1e-4 * np.sqrt(k))
     y = np.asarray(jax.jit(native._call_out_first)(jnp.asarray(x), jnp.asarray(w.transpose(0, 2, 1)), jnp.int32(1)))
     np.testing.assert_allclose(y, x.astype(np.float64) @ w[1], rtol=1e-4, atol=1e-4 * np.sqrt(k))
+# packed 4-bit layer weights: one row converts as it goes, more rows pass in groups of 3 over a converted tile
+assert native.packs_weights() is None
+d = rng.uniform(1e-3, 3e-2, (2, 576 // 32, 1536)).astype(np.float16).astype(np.float32)
+mq = (-rng.uniform(1, 8, d.shape) * d).astype(np.float16).astype(np.float32)
+q = rng.integers(0, 16, (2, 576 // 32, 32, 1536)).astype(np.float32)
+q[:, :, 3, :], q[:, :, 17, :] = 0, 15  # each block's min and max, as the quantizer gives them
+w = (q * d[:, :, None] + mq[:, :, None]).reshape(2, 576, 1536)
+wa, wb = w[:, :, :192], w[:, :, 192:]
+packed = [jnp.asarray(native.packing.pack_q4(np.ascontiguousarray(v))) for v in (wa, wb)]
+for m in (1, 2, 3, 4, 7, 8, 9, 72):
+    x = rng.standard_normal((m, 576), dtype=np.float32)
+    ya, yb = jax.jit(native._call_q4)(jnp.asarray(x), jnp.int32(1), *packed)
+    for y, v in ((ya, wa), (yb, wb)):
+        want = x.astype(np.float64) @ v[1]
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+# a packed 8-bit table (per row: 32-weight blocks d * q) read as the LM head: two rows against four table rows
+d = rng.uniform(1e-3, 3e-2, (1000, 576 // 32)).astype(np.float16).astype(np.float32)
+q = rng.integers(-127, 128, (1000, 576 // 32, 32)).astype(np.float32)
+q[:, :, 9] = 127  # each block's largest |q|, as the quantizer gives it
+table = (q * d[:, :, None]).reshape(1000, 576)
+q8 = jnp.asarray(native.packing.pack_q8(table))
+for m in (1, 2, 5, 8):
+    x = rng.standard_normal((m, 576), dtype=np.float32)
+    want = x.astype(np.float64) @ table.astype(np.float64).T
+    y = jax.jit(native._call_out_first_q8)(jnp.asarray(x), q8, jnp.int32(0))
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 print("ok")
 """
 
 
 def test_the_avx2_build_runs_beside_the_avx512_one(native_library, tmp_path):
-    """On an AVX-512 CPU the kernels build with AVX-512 (register-blocked strips, bfloat16 weights); the AVX2 build
-    the machines without it run (`RAYDEPLOY_NATIVE_ISA=avx2`) is a library of its own, checked here against numpy in
-    a process of its own (a process registers one library)."""
+    """On an AVX-512 CPU the kernels build with AVX-512 (register-blocked strips, bfloat16 weights, an 8-bit LM
+    head); the AVX2 build the machines without it run (`RAYDEPLOY_NATIVE_ISA=avx2`) is a library of its own, checked
+    here against numpy in a process of its own (a process registers one library): float32 weights, packed 4-bit
+    layer weights at one row and in row groups, and a packed 8-bit table as the LM head."""
     import subprocess
     import sys
 

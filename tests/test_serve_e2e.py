@@ -253,7 +253,7 @@ def test_input_limits_and_security(live):
     from raydeploy.model import native
 
     # dp only, float32: both hosts multiply few rows in the native CPU kernel (built on first use), reading the
-    # demo's Q4_1 projections and Q8_0 table packed where the kernel is built for AVX-512
+    # demo's Q4_1 projections and Q8_0 table packed (both builds of the kernel)
     want = "native" if native._cpu_problem() is None else f"xla ({native.unavailable()})"
     if native._cpu_problem() is None and native.packs_weights() is None:
         want = "native (8 weights packed)"

@@ -2,8 +2,8 @@
 float32 weights, and bfloat16 weights in the AVX-512 build) and the paged attention of decode rows
 (`decode_attention.cc`, `decode_attention`, which the XLA attention backend asks first: it reads each row's keys
 where they lie in the pool instead of gathering copies of them), both in one library, built for the CPU's vector
-unit (`isa`: AVX-512 where the CPU has AVX-512F, else AVX2). The AVX-512 build also multiplies float32 weights that
-are exactly 4-bit or 8-bit blocks from packed copies (`packing`; `rows_over(..., packed=)`).
+unit (`isa`: AVX-512 where the CPU has AVX-512F, else AVX2). Both builds also multiply float32 weights that are
+exactly 4-bit or 8-bit blocks from packed copies (`packing`; `rows_over(..., packed=)`).
 
 XLA CPU multiplies a handful of rows by a weight through a general matrix product made for many rows: on one
 thread (each host of the simulated gang) its 2- to 32-row dots take 1.3-2.2x the time of loops that stream
@@ -172,14 +172,14 @@ def _register() -> str | None:
     jax.ffi.register_ffi_target(TARGET_OUT_FIRST, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirst), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.RaydeployDecodeAttention), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_MULTI, jax.ffi.pycapsule(lib.RaydeploySmallMatmulMulti), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_Q4, jax.ffi.pycapsule(lib.RaydeploySmallMatmulQ4), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_OUT_FIRST_Q8, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstQ8),
+                                platform="cpu")
     if isa() == "avx512":
         jax.ffi.register_ffi_target(TARGET_MULTI_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulMultiBf16),
                                     platform="cpu")
         jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulBf16), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_OUT_FIRST_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstBf16),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_Q4, jax.ffi.pycapsule(lib.RaydeploySmallMatmulQ4), platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_OUT_FIRST_Q8, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstQ8),
                                     platform="cpu")
     return None
 
@@ -190,11 +190,9 @@ def unavailable() -> str | None:
 
 
 def packs_weights() -> str | None:
-    """None where the kernel multiplies packed 4-bit weights (`raydeploy.model.native.packing`; the AVX-512 build),
-    else why not."""
-    if (problem := unavailable()) is not None:
-        return problem
-    return None if isa() == "avx512" else "packed 4-bit weights need the AVX-512 build (this CPU's is AVX2)"
+    """None where the kernel multiplies packed 4-bit layer weights and 8-bit tables (`raydeploy.model.native.packing`;
+    both builds), else why not."""
+    return unavailable()
 
 
 def weight_dtypes() -> tuple[str, ...]:

@@ -379,6 +379,82 @@ void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, in
   OutFirstFrom(x, PlainRows<W>{w, K}, y, M, K, N, n0, n1);
 }
 
+#else
+// AVX2 row accessors of the out-first kernel: row(n).load(k) is the row's 8 weights from k as float32, at(k) one.
+struct PlainRows {
+  const float* w;
+  int64_t K;
+  struct Row {
+    const float* p;
+    __m256 load(int64_t k) const { return _mm256_loadu_ps(p + k); }
+    float at(int64_t k) const { return p[k]; }
+  };
+  Row row(int64_t n) const { return Row{w + n * K}; }
+};
+
+// Packed 8-bit rows (`raydeploy.model.native.packing.pack_q8`), as in the AVX-512 build: per row K/32 float32
+// scales, then K int8 weights; weight k is scale[k / 32] * q[k], exact in float32.
+struct Q8Rows {
+  const uint8_t* w;
+  int64_t K;
+  struct Row {
+    const float* s;
+    const int8_t* q;
+    __m256 load(int64_t k) const {
+      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s[k >> 5]));
+    }
+    float at(int64_t k) const { return s[k >> 5] * static_cast<float>(q[k]); }
+  };
+  Row row(int64_t n) const {
+    const uint8_t* r = w + n * (K + K / 8);
+    return Row{reinterpret_cast<const float*>(r), reinterpret_cast<const int8_t*>(r + K / 8)};
+  }
+};
+
+// Two rows of x against four weight rows at a time (eight dot products in registers).
+template <typename Rows>
+void OutFirstFrom(const float* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t kv = K / 8 * 8;
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int64_t nr = n1 - n < 4 ? n1 - n : 4;
+    typename Rows::Row wr[4];
+    for (int j = 0; j < 4; ++j) wr[j] = w.row(n + (j < nr ? j : 0));
+    for (int64_t m = 0; m < M; m += 2) {
+      const float* x0 = x + m * K;
+      const float* x1 = x + (m + 1 < M ? m + 1 : m) * K;
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < kv; k += 8) {
+        const __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 wv = wr[j].load(k);
+          a[j] = _mm256_fmadd_ps(xa, wv, a[j]);
+          a[4 + j] = _mm256_fmadd_ps(xb, wv, a[4 + j]);
+        }
+      }
+      alignas(32) float out[8];  // x0 . w[n..n+3], then x1 . w[n..n+3]
+      _mm256_store_ps(out, Sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+      for (int64_t k = kv; k < K; ++k)
+        for (int j = 0; j < 4; ++j) {
+          out[j] += x0[k] * wr[j].at(k);
+          out[4 + j] += x1[k] * wr[j].at(k);
+        }
+      for (int j = 0; j < nr; ++j) {
+        y[m * N + n + j] = out[j];
+        if (m + 1 < M) y[(m + 1) * N + n + j] = out[4 + j];
+      }
+    }
+  }
+}
+
+template <typename W>
+void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  OutFirstFrom(x, PlainRows{w, K}, y, M, K, N, n0, n1);
+}
+
+#endif
+
 // x [M, K] float32, w [L, N, K + K/8] packed 8-bit rows (`Q8Rows`), the layer index; y [M, N] float32.
 ffi::Error OutFirstQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
@@ -401,44 +477,6 @@ ffi::Error OutFirstQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   });
   return ffi::Error::Success();
 }
-#else
-template <typename W>
-void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t kv = K / 8 * 8;
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int64_t nr = n1 - n < 4 ? n1 - n : 4;
-    const float* wr[4];
-    for (int j = 0; j < 4; ++j) wr[j] = w + (n + (j < nr ? j : 0)) * K;
-    for (int64_t m = 0; m < M; m += 2) {
-      const float* x0 = x + m * K;
-      const float* x1 = x + (m + 1 < M ? m + 1 : m) * K;
-      __m256 a[8];
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < kv; k += 8) {
-        const __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
-        for (int j = 0; j < 4; ++j) {
-          const __m256 wv = _mm256_loadu_ps(wr[j] + k);
-          a[j] = _mm256_fmadd_ps(xa, wv, a[j]);
-          a[4 + j] = _mm256_fmadd_ps(xb, wv, a[4 + j]);
-        }
-      }
-      alignas(32) float out[8];  // x0 . w[n..n+3], then x1 . w[n..n+3]
-      _mm256_store_ps(out, Sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
-      for (int64_t k = kv; k < K; ++k)
-        for (int j = 0; j < 4; ++j) {
-          out[j] += x0[k] * wr[j][k];
-          out[4 + j] += x1[k] * wr[j][k];
-        }
-      for (int j = 0; j < nr; ++j) {
-        y[m * N + n + j] = out[j];
-        if (m + 1 < M) y[(m + 1) * N + n + j] = out[4 + j];
-      }
-    }
-  }
-}
-
-#endif
-
 // x [M, K] float32, w [L, K, N] (or out-first [L, N, K]) float32 or bfloat16, the layer index; y [M, N] float32.
 template <ffi::DataType WT>
 ffi::Error OutFirstImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w, ffi::Buffer<ffi::S32> layer,
@@ -527,7 +565,6 @@ ffi::Error MultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-#if defined(__AVX512F__)
 // Packed 4-bit weights (`raydeploy.model.native.packing.pack_q4`): a weight [K, N] whose every block of 32 weights down a
 // column is d * q + m, q in 0..15 (a GGUF Q4_1 checkpoint dequantized to float32 is such a weight), stored as
 // tiles of 32 weight rows x 32 columns, one after another in row-block-major order, each 768 bytes: the 32
@@ -543,10 +580,19 @@ constexpr int64_t kQ4Tile = 2 * kQ4Block * 4 + kQ4Block * 16;
 // the demo's 211 matmuls, one thread, 4 rows: 22.9 ms prefetching one line of a tile, 18.5 all 12; 4 tiles ahead
 // and 16 no better than 8).
 constexpr int64_t kQ4PrefetchTiles = 8;
-// Above this many rows a tile's nibbles are converted to float32 once (`UnpackQ4`) for all the row groups.
-constexpr int64_t kQ4UnpackFromRows = kGroup;
 // At most this many rows pass over a weight row block at once: their outputs [rows, N] stay in L2.
 constexpr int64_t kQ4RowChunk = 64;
+
+#if defined(__AVX512F__)
+// Rows of x a tile's sums are held for at once (2 x 16 columns a row in registers).
+constexpr int64_t kQ4Group = kGroup;
+// Above this many rows a tile's nibbles are converted to float32 once (`UnpackQ4`) for all the row groups.
+constexpr int64_t kQ4UnpackFromRows = kGroup;
+
+// The sum of a block's 32 values of x.
+inline float BlockSum(const float* x) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
+}
 
 // y[i, 0:32] (+)= d * a[i] + m * sx[i] for a tile's MR rows: the block's sums x . q in `a`, its d and m at `s`.
 template <int MR>
@@ -615,6 +661,91 @@ inline void UnpackQ4(const uint8_t* tile, float* qf) {
   }
 }
 
+#else
+// AVX2: sixteen 256-bit registers hold the sums of a tile's 32 columns (four vectors of 8) for at most three rows,
+// so a tile's nibbles are converted to float32 once (`UnpackQ4`) whenever more than one row passes over it, and
+// the rows pass in groups of three reading the converted tile from L1. The products and their order per row are
+// those of the AVX-512 build; the block sums of x are added in another order.
+constexpr int64_t kQ4Group = 3;
+constexpr int64_t kQ4UnpackFromRows = 1;
+
+inline float BlockSum(const float* x) {
+  const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// A tile's weight row k as float32, columns 0-7, 8-15 (the low nibbles of bytes 0-7, 8-15), 16-23, 24-31 (their
+// high nibbles).
+inline void Q4Row(const uint8_t* q, __m256 (&v)[4]) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+  const __m256i low = _mm256_set1_epi32(0xF);
+  v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, low));
+  v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, low));
+  v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+  v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+}
+
+// y[i, 0:32] (+)= d * a[i] + m * sx[i] for a tile's MR rows: the block's sums x . q in `a`, its d and m at `s`.
+template <int MR>
+inline void AddBlockSums(const __m256 (&a)[MR][4], const float* s, const float* sx, float* y, int64_t N, bool first) {
+  for (int c = 0; c < 4; ++c) {
+    const __m256 d = _mm256_loadu_ps(s + 8 * c), m = _mm256_loadu_ps(s + 32 + 8 * c);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + i * N + 8 * c);
+      _mm256_storeu_ps(y + i * N + 8 * c, _mm256_fmadd_ps(a[i][c], d, _mm256_fmadd_ps(_mm256_set1_ps(sx[i]), m, y0)));
+    }
+  }
+}
+
+// One tile into MR rows of y (32 columns), converting each weight row's nibbles as it goes (one row of x).
+template <int MR>
+inline void TileQ4(const float* x, const float* sx, const uint8_t* tile, float* y, int64_t K, int64_t N, bool first) {
+  const float* s = reinterpret_cast<const float*>(tile);
+  const uint8_t* q = tile + 256;
+  __m256 a[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kQ4Block; ++k) {
+    __m256 v[4];
+    Q4Row(q + 16 * k, v);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 b = _mm256_set1_ps(x[i * K + k]);
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(b, v[c], a[i][c]);
+    }
+  }
+  AddBlockSums<MR>(a, s, sx, y, N, first);
+}
+
+// The same sums from a tile converted once (`qf` [32 rows][32 columns] float32).
+template <int MR>
+inline void TileQ4Unpacked(const float* x, const float* sx, const float* s, const float* qf, float* y, int64_t K,
+                           int64_t N, bool first) {
+  __m256 a[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kQ4Block; ++k) {
+    for (int i = 0; i < MR; ++i) {
+      const __m256 b = _mm256_set1_ps(x[i * K + k]);
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(b, _mm256_load_ps(qf + 32 * k + 8 * c), a[i][c]);
+    }
+  }
+  AddBlockSums<MR>(a, s, sx, y, N, first);
+}
+
+inline void UnpackQ4(const uint8_t* tile, float* qf) {
+  const uint8_t* q = tile + 256;
+  for (int64_t k = 0; k < kQ4Block; ++k) {
+    __m256 v[4];
+    Q4Row(q + 16 * k, v);
+    for (int c = 0; c < 4; ++c) _mm256_store_ps(qf + 32 * k + 8 * c, v[c]);
+  }
+}
+#endif
+
 inline void GroupQ4Unpacked(const float* x, const float* sx, const float* s, const float* qf, float* y, int64_t mr,
                             int64_t K, int64_t N, bool first) {
   UpTo8(mr, [&](auto r) { TileQ4Unpacked<decltype(r)::value>(x, sx, s, qf, y, K, N, first); });
@@ -642,7 +773,7 @@ void RowsQ4(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, in
   for (int64_t kb = k0 / kQ4Block; kb < k1 / kQ4Block; ++kb) {
     for (int64_t i = 0; i < M; ++i) {
       const float* xi = x + i * K + kb * kQ4Block;
-      sx[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xi), _mm512_loadu_ps(xi + 16)));
+      sx[i] = BlockSum(xi);
     }
     const uint8_t* row = w + kb * groups * kQ4Tile;
     for (int64_t g = 0; g < groups; ++g) {
@@ -653,14 +784,14 @@ void RowsQ4(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, in
       if (M > kQ4UnpackFromRows) {
         UnpackQ4(tile, qf);
         const float* s = reinterpret_cast<const float*>(tile);
-        for (int64_t m = 0; m < M; m += kGroup) {
-          const int64_t mr = M - m < kGroup ? M - m : kGroup;
+        for (int64_t m = 0; m < M; m += kQ4Group) {
+          const int64_t mr = M - m < kQ4Group ? M - m : kQ4Group;
           GroupQ4Unpacked(x + m * K + kb * kQ4Block, sx + m, s, qf, y + m * N + g * kQ4Block, mr, K, N, first);
         }
         continue;
       }
-      for (int64_t m = 0; m < M; m += kGroup) {
-        const int64_t mr = M - m < kGroup ? M - m : kGroup;
+      for (int64_t m = 0; m < M; m += kQ4Group) {
+        const int64_t mr = M - m < kQ4Group ? M - m : kQ4Group;
         GroupQ4(x + m * K + kb * kQ4Block, sx + m, tile, y + m * N + g * kQ4Block, mr, K, N, first);
       }
     }
@@ -703,7 +834,7 @@ ffi::Error MultiQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (threads > 1 && M >= threads * kQ4RowChunk) {
     // Many rows (a prompt chunk): each thread its own rows over the whole weight, written straight into y. Split
     // over the weight's rows instead, every thread sums into [M, N] partials that one thread adds at the end.
-    auto first = [&](int64_t p) { return p == threads ? M : M * p / threads / kGroup * kGroup; };
+    auto first = [&](int64_t p) { return p == threads ? M : M * p / threads / kQ4Group * kQ4Group; };
     Split(pool, threads, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t m0 = first(p), m1 = first(p + 1);
@@ -728,7 +859,6 @@ ffi::Error MultiQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       });
   return ffi::Error::Success();
 }
-#endif
 
 template <ffi::DataType WT>
 auto MultiBinding() {
@@ -759,6 +889,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirst, OutFirstImpl<ffi::F3
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulMulti, MultiImpl<ffi::F32>, MultiBinding<ffi::F32>());
 
+// packed 4-bit layer weights and 8-bit tables (float32 rows of x and y): both builds.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulQ4, MultiQ4Impl, MultiBinding<ffi::U8>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirstQ8, OutFirstQ8Impl, Binding<ffi::U8>());
+
 #if defined(__AVX512F__)
 // bfloat16 weights (float32 rows of x and y): the AVX-512 build only.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulBf16, SmallMatmulImpl<ffi::BF16>, Binding<ffi::BF16>());
@@ -766,9 +901,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulBf16, SmallMatmulImpl<ffi::BF1
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirstBf16, OutFirstImpl<ffi::BF16>, Binding<ffi::BF16>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulMultiBf16, MultiImpl<ffi::BF16>, MultiBinding<ffi::BF16>());
-
-// packed 4-bit weights (float32 rows of x and y): the AVX-512 build only.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulQ4, MultiQ4Impl, MultiBinding<ffi::U8>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirstQ8, OutFirstQ8Impl, Binding<ffi::U8>());
 #endif
