@@ -275,6 +275,56 @@ void Matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t
       [&](const float* scratch) { AddInto(y, scratch, M * N); });
 }
 
+// A weight's rows as the output-first kernel reads them: row(n).load(k) is the row's weights from k as float32, a
+// vector of the build's width (16 or 8; the AVX2 build: float32 weights only).
+template <typename W>
+struct PlainRows {
+  const W* w;
+  int64_t K;
+  struct Row {
+    const W* p;
+#if defined(__AVX512F__)
+    __m512 load(int64_t k) const { return Load16(p + k); }
+    __m512 load(int64_t k, __mmask16 m) const { return Load16(p + k, m); }
+    const char* at(int64_t k) const { return reinterpret_cast<const char*>(p + k); }
+#else
+    __m256 load(int64_t k) const { return _mm256_loadu_ps(p + k); }
+    float value(int64_t k) const { return p[k]; }
+#endif
+  };
+  Row row(int64_t n) const { return Row{w + n * K}; }
+};
+
+// Packed 8-bit rows (`raydeploy.model.native.packing.pack_q8`: a GGUF Q8_0 table dequantized to float32): per row, K/32
+// float32 scales, then K int8 weights; weight k is scale[k / 32] * q[k], exact in float32. K is a multiple of 32.
+// row(n).load(k) is the row's weights from k as float32, a vector of the build's width.
+struct Q8Rows {
+  const uint8_t* w;
+  int64_t K;
+  struct Row {
+    const float* s;
+    const int8_t* q;
+#if defined(__AVX512F__)
+    __m512 load(int64_t k) const {
+      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k)));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[k >> 5]));
+    }
+    __m512 load(int64_t k, __mmask16) const { return load(k); }  // K is a multiple of 32: no partial vector
+    const char* at(int64_t k) const { return reinterpret_cast<const char*>(q + k); }
+#else
+    __m256 load(int64_t k) const {
+      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s[k >> 5]));
+    }
+    float value(int64_t k) const { return s[k >> 5] * static_cast<float>(q[k]); }
+#endif
+  };
+  Row row(int64_t n) const {
+    const uint8_t* r = w + n * (K + K / 8);
+    return Row{reinterpret_cast<const float*>(r), reinterpret_cast<const int8_t*>(r + K / 8)};
+  }
+};
+
 // Output-first weights (w [N, K], as a tied embedding table used as the LM head): y[m, n] = x[m] . w[n], four
 // weight rows at a time streamed once, two rows of x against them, eight dot products reduced at the end (`Sum8`).
 #if defined(__AVX512F__)
@@ -283,41 +333,6 @@ void Matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t
 inline __m256 Half(__m512 a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
-
-// A weight's rows as the output-first kernel reads them: row(n).load(k) is the row's 16 weights from k as float32.
-template <typename W>
-struct PlainRows {
-  const W* w;
-  int64_t K;
-  struct Row {
-    const W* p;
-    __m512 load(int64_t k) const { return Load16(p + k); }
-    __m512 load(int64_t k, __mmask16 m) const { return Load16(p + k, m); }
-    const char* at(int64_t k) const { return reinterpret_cast<const char*>(p + k); }
-  };
-  Row row(int64_t n) const { return Row{w + n * K}; }
-};
-
-// Packed 8-bit rows (`raydeploy.model.native.packing.pack_q8`: a GGUF Q8_0 table dequantized to float32): per row, K/32
-// float32 scales, then K int8 weights; weight k is scale[k / 32] * q[k], exact in float32. K is a multiple of 32.
-struct Q8Rows {
-  const uint8_t* w;
-  int64_t K;
-  struct Row {
-    const float* s;
-    const int8_t* q;
-    __m512 load(int64_t k) const {
-      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k)));
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[k >> 5]));
-    }
-    __m512 load(int64_t k, __mmask16) const { return load(k); }  // K is a multiple of 32: no partial vector
-    const char* at(int64_t k) const { return reinterpret_cast<const char*>(q + k); }
-  };
-  Row row(int64_t n) const {
-    const uint8_t* r = w + n * (K + K / 8);
-    return Row{reinterpret_cast<const float*>(r), reinterpret_cast<const int8_t*>(r + K / 8)};
-  }
-};
 
 // MR rows of x against NR weight rows at a time (MR * NR = 8 or 16 dot products in registers).
 template <int MR, int NR, typename Rows>
@@ -380,39 +395,8 @@ void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, in
 }
 
 #else
-// AVX2 row accessors of the out-first kernel: row(n).load(k) is the row's 8 weights from k as float32, at(k) one.
-struct PlainRows {
-  const float* w;
-  int64_t K;
-  struct Row {
-    const float* p;
-    __m256 load(int64_t k) const { return _mm256_loadu_ps(p + k); }
-    float at(int64_t k) const { return p[k]; }
-  };
-  Row row(int64_t n) const { return Row{w + n * K}; }
-};
-
-// Packed 8-bit rows (`raydeploy.model.native.packing.pack_q8`), as in the AVX-512 build: per row K/32 float32
-// scales, then K int8 weights; weight k is scale[k / 32] * q[k], exact in float32.
-struct Q8Rows {
-  const uint8_t* w;
-  int64_t K;
-  struct Row {
-    const float* s;
-    const int8_t* q;
-    __m256 load(int64_t k) const {
-      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s[k >> 5]));
-    }
-    float at(int64_t k) const { return s[k >> 5] * static_cast<float>(q[k]); }
-  };
-  Row row(int64_t n) const {
-    const uint8_t* r = w + n * (K + K / 8);
-    return Row{reinterpret_cast<const float*>(r), reinterpret_cast<const int8_t*>(r + K / 8)};
-  }
-};
-
-// Two rows of x against four weight rows at a time (eight dot products in registers).
+// AVX2: two rows of x against four weight rows at a time (eight dot products in registers); value(k) of a row
+// accessor is one weight, for the last K % 8.
 template <typename Rows>
 void OutFirstFrom(const float* x, const Rows& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t kv = K / 8 * 8;
@@ -437,8 +421,8 @@ void OutFirstFrom(const float* x, const Rows& w, float* y, int64_t M, int64_t K,
       _mm256_store_ps(out, Sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
       for (int64_t k = kv; k < K; ++k)
         for (int j = 0; j < 4; ++j) {
-          out[j] += x0[k] * wr[j].at(k);
-          out[4 + j] += x1[k] * wr[j].at(k);
+          out[j] += x0[k] * wr[j].value(k);
+          out[4 + j] += x1[k] * wr[j].value(k);
         }
       for (int j = 0; j < nr; ++j) {
         y[m * N + n + j] = out[j];
@@ -450,7 +434,7 @@ void OutFirstFrom(const float* x, const Rows& w, float* y, int64_t M, int64_t K,
 
 template <typename W>
 void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  OutFirstFrom(x, PlainRows{w, K}, y, M, K, N, n0, n1);
+  OutFirstFrom(x, PlainRows<W>{w, K}, y, M, K, N, n0, n1);
 }
 
 #endif
