@@ -741,7 +741,7 @@ inline void GroupQ4(const float* x, const float* sx, const uint8_t* tile, float*
 }
 
 // Weight rows [k0, k1) (multiples of 32) of a packed weight with N columns into y [M, N] (written, not added to):
-// the tiles of those rows are one contiguous run, read once, in order; every group of up to 8 rows of x passes
+// the tiles of those rows are one contiguous run, read once, in order; every group of `kQ4Group` rows of x passes
 // over each tile while it is in L1. Each row's sum over a block of x is taken once for all the block's tiles.
 void RowsQ4(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1) {
   if (M > kQ4RowChunk) {  // row chunks, each a pass over the weight rows
