@@ -150,6 +150,7 @@ def child(backend: str, rows: int, weights: str = "float32") -> float:
         if backend not in ("native", "joined"):
             raise SystemExit("packed weights: backends xla, blas, native, joined")
         native.PACKED_MAX_ROWS = max(native.PACKED_MAX_ROWS, rows)  # time every row count asked for
+        native.PACKED_MAX_ROWS_AVX2 = max(native.PACKED_MAX_ROWS_AVX2, rows)
         copies = {str(i): jnp.asarray(packing.pack_q4(w[None])) for i, w in enumerate(ws[:-1])}
         copies[str(len(ws) - 1)] = jnp.asarray(packing.pack_q8(np.ascontiguousarray(ws[-1].T)))
         dws = [jnp.asarray(w).reshape(1, *w.shape) for w in ws[:-1]] + [jnp.asarray(ws[-1].T)[None]]

@@ -223,8 +223,8 @@ class EngineConfig(_Section):
     layer projection whose float32 weights are exactly 4-bit blocks (32 weights down a column that are d * q + m,
     q in 0..15: a GGUF Q4_1 checkpoint, the demo model's, dequantized) is also held packed, 0.75 bytes a weight
     instead of 4, and a tied embedding table that is exactly 8-bit blocks (GGUF Q8_0: d * q along each row) is
-    held packed too, 1.125 bytes a weight; steps of up to 256 rows per device read the packed copies: the same
-    products from a fifth of the bytes. Longer prompt steps keep the float32 weights (about a fifth more memory for
+    held packed too, 1.125 bytes a weight; steps of up to 256 rows per device (64 in the AVX2 build) read the
+    packed copies: the same products from a fifth of the bytes. Longer prompt steps keep the float32 weights (about a fifth more memory for
     the packed copies). Checked bit for bit at load; a weight that is not such blocks stays float32 only. off:
     never."""
     gpu_matmul: Literal["auto", "xla", "pallas"] = "auto"

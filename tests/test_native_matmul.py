@@ -309,11 +309,13 @@ def q4_kernel(native_library):
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 32, 64, 72, 136, 256])
-def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m):
+def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m, monkeypatch):
     """`native.matmul` / `matmuls` inside `rows_over(..., packed=)` read a `LayerSlice`'s packed copy (one kernel
     call for several weights of a layer): the float32 weight's products, within float32 rounding, for row counts
     in one and several register groups, with tiles converted once for many rows, in row chunks and (from 128 rows
-    on the suite's two threads) rows split over the threads, at a traced layer index inside a scan."""
+    on the suite's two threads) rows split over the threads, at a traced layer index inside a scan. (The AVX2
+    build's limit is raised here so that its kernel is checked at every row count too.)"""
+    monkeypatch.setattr(native, "PACKED_MAX_ROWS_AVX2", native.PACKED_MAX_ROWS)
     rng = np.random.default_rng(m)
     ws = {"a": _q4_weight(rng, 3, 576, 192), "b": _q4_weight(rng, 3, 576, 1536)}
     packed = {k: jnp.asarray(native.packing.pack_q4(v)) for k, v in ws.items()}
@@ -371,8 +373,8 @@ def test_q4_kernel_splits_many_rows_over_two_threads(q4_kernel):
 
 
 def test_more_rows_than_the_packed_kernel_takes_go_to_xla(q4_kernel):
-    """Past `PACKED_MAX_ROWS` rows per device (and past the float32 kernel's own limit) `matmul` returns None: the
-    model multiplies in XLA over the float32 weight."""
+    """Past `packed_max_rows()` rows per device (`PACKED_MAX_ROWS`, `PACKED_MAX_ROWS_AVX2` in the AVX2 build; and
+    past the float32 kernel's own limit) `matmul` returns None: the model multiplies in XLA over the float32 weight."""
     w = _q4_weight(np.random.default_rng(1), 1, 64, 32)
     mesh = jax.make_mesh((1,), ("dp",))
     seen = {}
@@ -382,9 +384,11 @@ def test_more_rows_than_the_packed_kernel_takes_go_to_xla(q4_kernel):
             seen[x.shape[0]] = native.matmul(x, native.LayerSlice(w, jnp.int32(0), name="w"))
         return x
 
-    for m in (native.PACKED_MAX_ROWS, native.PACKED_MAX_ROWS + 1):
+    top = native.packed_max_rows()
+    assert top == (native.PACKED_MAX_ROWS if native.isa() == "avx512" else native.PACKED_MAX_ROWS_AVX2)
+    for m in (top, top + 1):
         jax.jit(run).lower(np.zeros((m, 64), np.float32), w, native.packing.pack_q4(w))
-    assert seen[native.PACKED_MAX_ROWS] is not None and seen[native.PACKED_MAX_ROWS + 1] is None
+    assert seen[top] is not None and seen[top + 1] is None
 
 
 def test_q4_kernel_names_wrong_shapes(q4_kernel):

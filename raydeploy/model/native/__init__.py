@@ -82,6 +82,15 @@ rather than the weight. A layer scan's XLA dot also copies each layer's weight s
 read in place). The demo engine's prompt step on one thread (the simulated gang's hosts): 96 / 128 / 192 / 256
 tokens 234 / 276 / 386 / 484 ms through XLA against 179 / 224 / 336 / 446 packed; on two threads 163 / 254 / 335
 against 132-146 / 249 / 303."""
+PACKED_MAX_ROWS_AVX2 = 64
+"""The same in the AVX2 build, whose rows pass a converted tile in groups of 3: on one thread its 211 packed matmuls
+take 121 / 239 / 493 ms at 32 / 64 / 128 rows against XLA's dot at 123 / 218 / 371 (`benchmarks/small_matmul.py`,
+XLA without the scan's slice copies), so from 64 rows XLA's dot is as fast or faster."""
+
+
+def packed_max_rows() -> int:
+    """The most rows per device this CPU's build multiplies by packed weights."""
+    return PACKED_MAX_ROWS if isa() == "avx512" else PACKED_MAX_ROWS_AVX2
 
 
 def cache_dir() -> Path:
@@ -304,7 +313,8 @@ def _call_out_first_q8(x: jax.Array, table: jax.Array, layer: jax.Array) -> jax.
 
 def _packed(x: jax.Array, w: Any, rows: _Rows | None, out_first: bool = False) -> jax.Array | None:
     """The packed copy the kernel reads for x @ w (w a `LayerSlice` named in `rows.packed`: a layer kernel's
-    4-bit tiles, or with out_first a table's 8-bit rows; rows per device within [1, `PACKED_MAX_ROWS`]), else None."""
+    4-bit tiles, or with out_first a table's 8-bit rows; rows per device within [1, `packed_max_rows()`]), else
+    None."""
     if rows is None or not isinstance(w, LayerSlice) or w.name is None or w.name not in rows.packed or len(w.shape) != 2:
         return None
     p = rows.packed[w.name]
@@ -312,7 +322,7 @@ def _packed(x: jax.Array, w: Any, rows: _Rows | None, out_first: bool = False) -
     fits = (tuple(p.shape[1:]) == (n, k + k // 8) if out_first
             else tuple(p.shape[1:3]) == (k // packing.BLOCK, n // packing.BLOCK))
     if (not fits or x.ndim != 2 or x.dtype != jnp.float32 or x.shape[0] % rows.groups
-            or not 1 <= x.shape[0] // rows.groups <= PACKED_MAX_ROWS):
+            or not 1 <= x.shape[0] // rows.groups <= packed_max_rows()):
         return None
     return p
 
