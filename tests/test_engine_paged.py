@@ -312,7 +312,8 @@ def test_cpu_steps_of_few_rows_multiply_in_the_native_kernel_over_the_stacked_we
     ours, theirs = PlanDriver(engine).run(prompts), PlanDriver(xla).run(prompts)
     for name in ("r0", "r1"):
         assert ours[name]["out"] == theirs[name]["out"]
-        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"], atol=1e-4)
+        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"],
+                                   atol=5e-3 if native.isa() == "avx512" else 1e-4)
 
 
 def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, unpacked, prompt_ids):
@@ -320,9 +321,11 @@ def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, un
     runs (its AVX-512 or AVX2 build) the engine also holds them packed (`engine.pack_weights: auto`), and every
     step program of few rows reads the packed copies (q/k/v joined, o, gate/up joined, down: four calls in
     the scanned layer body; the LM head), while a prompt
-    chunk of more rows than the kernel takes keeps XLA's dot over the float32 weights. Greedy tokens equal and
-    logprobs are within 1e-4 of the float32-only engine's: the same weights, from fewer bytes (the 4-bit kernel
-    sums each block as d * (x . q) + m * sum(x), so only the float32 sums' order differs)."""
+    chunk of more rows than the kernel takes keeps XLA's dot over the float32 weights. Greedy tokens equal the
+    float32-only engine's: the same weights, from fewer bytes. Logprobs are within 1e-4 of its where the
+    products are float32 (the AVX2 build: only the sums' order differs) and within 5e-3 where each block of x is
+    rounded to 16 bits (the AVX-512 build, `packing.rounded_rows`; measured: at most 1.7e-3 over these 48
+    tokens)."""
     from raydeploy.model import native
 
     ps = engine.programs_set
@@ -340,13 +343,14 @@ def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, un
         hlo = engine.step_hlo(tokens, pages)
         assert hlo.count('custom_call_target="raydeploy_small_matmul_q4"') == 4, tokens
         assert hlo.count('custom_call_target="raydeploy_small_matmul"') == 0, tokens
-        assert hlo.count('custom_call_target="raydeploy_small_matmul_out_first_q8"') == 1, tokens  # the tied head
+        assert hlo.count('custom_call_target="raydeploy_small_matmul_q8"') == 1, tokens  # the tied head
         assert 'custom_call_target="raydeploy_small_matmul_out_first"' not in hlo, tokens
     prompts = [(f"r{i}", ids, 24, None) for i, ids in enumerate(prompt_ids[:2])]
     ours, theirs = PlanDriver(engine).run(prompts), PlanDriver(unpacked).run(prompts)
     for name in ("r0", "r1"):
         assert ours[name]["out"] == theirs[name]["out"]
-        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"], atol=1e-4)
+        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"],
+                                   atol=5e-3 if native.isa() == "avx512" else 1e-4)
 
 
 def test_bfloat16_weights_on_an_avx512_cpu_multiply_in_the_native_kernel(demo_checkpoint, prompt_ids, native_library):
@@ -384,7 +388,8 @@ def test_bfloat16_weights_on_an_avx512_cpu_multiply_in_the_native_kernel(demo_ch
     ours, theirs = PlanDriver(bf16).run(prompts), PlanDriver(rounded).run(prompts)
     for name in ("r0", "r1"):
         assert ours[name]["out"] == theirs[name]["out"]
-        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"], atol=1e-4)
+        np.testing.assert_allclose(ours[name]["logprobs"], theirs[name]["logprobs"],
+                                   atol=5e-3 if native.isa() == "avx512" else 1e-4)
 
 
 def test_the_native_kernel_stays_off_where_weights_are_split_or_not_float32(demo_checkpoint):

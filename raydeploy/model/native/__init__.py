@@ -52,7 +52,7 @@ TARGET_BF16 = "raydeploy_small_matmul_bf16"
 TARGET_MULTI_BF16 = "raydeploy_small_matmul_multi_bf16"
 TARGET_OUT_FIRST_BF16 = "raydeploy_small_matmul_out_first_bf16"
 TARGET_Q4 = "raydeploy_small_matmul_q4"
-TARGET_OUT_FIRST_Q8 = "raydeploy_small_matmul_out_first_q8"
+TARGET_Q8 = "raydeploy_small_matmul_q8"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
 
@@ -116,20 +116,28 @@ def _cpu_problem() -> str | None:
 
 @functools.cache
 def isa() -> str:
-    """The vector extension the kernels are built for on this CPU: "avx512" where it has AVX-512F (the matmul's
+    """The vector extension the kernels are built for on this CPU: "avx512" where it has AVX-512 F and BW (the matmul's
     register-blocked strips, `small_matmul.cc`), else "avx2"; `RAYDEPLOY_NATIVE_ISA=avx2` keeps the AVX2 build
     on an AVX-512 CPU."""
     if os.environ.get("RAYDEPLOY_NATIVE_ISA", "").lower() == "avx2":
         return "avx2"
     try:
-        return "avx512" if "avx512f" in _cpu_flags() else "avx2"
+        have = _cpu_flags()
+        return "avx512" if "avx512f" in have and "avx512bw" in have else "avx2"
     except OSError:
         return "avx2"
 
 
 def flags() -> tuple[str, ...]:
-    """The compiler flags of this CPU's build."""
-    return FLAGS + (("-mavx512f",) if isa() == "avx512" else ())
+    """The compiler flags of this CPU's build: AVX-512 F and BW, and VNNI where the CPU has it (`vpdpwssd` for the
+    packed weights' integer sums; without it `vpmaddwd` and `vpaddd`, the same sums)."""
+    if isa() != "avx512":
+        return FLAGS
+    try:
+        vnni = "avx512_vnni" in _cpu_flags()
+    except OSError:
+        vnni = False
+    return FLAGS + ("-mavx512f", "-mavx512bw") + (("-mavx512vnni",) if vnni else ())
 
 
 def _compiler() -> str | None:
@@ -182,8 +190,7 @@ def _register() -> str | None:
     jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.RaydeployDecodeAttention), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_MULTI, jax.ffi.pycapsule(lib.RaydeploySmallMatmulMulti), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_Q4, jax.ffi.pycapsule(lib.RaydeploySmallMatmulQ4), platform="cpu")
-    jax.ffi.register_ffi_target(TARGET_OUT_FIRST_Q8, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirstQ8),
-                                platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.RaydeploySmallMatmulQ8), platform="cpu")
     if isa() == "avx512":
         jax.ffi.register_ffi_target(TARGET_MULTI_BF16, jax.ffi.pycapsule(lib.RaydeploySmallMatmulMultiBf16),
                                     platform="cpu")
@@ -273,7 +280,7 @@ def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str],
     `row_axes`, every weight replicated (the caller checks the mesh: each other axis of size 1). `packed`: packed
     copies of weights by name, read for a `LayerSlice` of that name: stacked layer kernels' 4-bit tiles
     (`packing.pack_q4`, [L, K/32, N/32, 768], by path in the layer module) and a tied embedding table's 8-bit rows
-    (`packing.pack_q8`, [1, V, D + D/8], "embed.embedding")."""
+    (`packing.pack_q8`, [1, D/32, V/32, 1152], "embed.embedding")."""
     groups = 1
     for a in row_axes:
         groups *= int(mesh.shape[a])
@@ -306,21 +313,21 @@ def _call_q4(x: jax.Array, layer: jax.Array, *packed: jax.Array) -> list[jax.Arr
     return list(jax.ffi.ffi_call(TARGET_Q4, outs)(x, layer, *packed))
 
 
-def _call_out_first_q8(x: jax.Array, table: jax.Array, layer: jax.Array) -> jax.Array:
-    out = jax.ShapeDtypeStruct((x.shape[0], table.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_OUT_FIRST_Q8, out)(x, table, layer)
+def _call_q8(x: jax.Array, table: jax.Array, layer: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], table.shape[2] * packing.BLOCK), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_Q8, out)(x, table, layer)
 
 
 def _packed(x: jax.Array, w: Any, rows: _Rows | None, out_first: bool = False) -> jax.Array | None:
     """The packed copy the kernel reads for x @ w (w a `LayerSlice` named in `rows.packed`: a layer kernel's
-    4-bit tiles, or with out_first a table's 8-bit rows; rows per device within [1, `packed_max_rows()`]), else
+    4-bit tiles, or with out_first a table's 8-bit tiles; rows per device within [1, `packed_max_rows()`]), else
     None."""
     if rows is None or not isinstance(w, LayerSlice) or w.name is None or w.name not in rows.packed or len(w.shape) != 2:
         return None
     p = rows.packed[w.name]
     n, k = w.shape if out_first else w.shape[::-1]
-    fits = (tuple(p.shape[1:]) == (n, k + k // 8) if out_first
-            else tuple(p.shape[1:3]) == (k // packing.BLOCK, n // packing.BLOCK))
+    fits = (tuple(p.shape[1:3]) == (k // packing.BLOCK, n // packing.BLOCK)
+            and p.shape[3] == (packing.Q8_TILE if out_first else packing.TILE))
     if (not fits or x.ndim != 2 or x.dtype != jnp.float32 or x.shape[0] % rows.groups
             or not 1 <= x.shape[0] // rows.groups <= packed_max_rows()):
         return None
@@ -360,7 +367,7 @@ def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
     if (p := _packed(x, w, rows, out_first)) is not None:
         layer = jnp.asarray(w.layer, jnp.int32)
         if out_first:
-            return _per_group(rows, _call_out_first_q8, x, p, layer)  # type: ignore[arg-type,no-any-return]
+            return _per_group(rows, _call_q8, x, p, layer)  # type: ignore[arg-type,no-any-return]
         return _per_group(rows, _call_q4, x, layer, p, outs=1)[0]  # type: ignore[arg-type,no-any-return]
     if rows is None or not _applies(x, w, out_first, rows):
         return None

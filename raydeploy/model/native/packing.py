@@ -1,5 +1,5 @@
 """Float32 weights that are exactly 4-bit or 8-bit blocks, held packed for the native matmul (`small_matmul.cc`:
-`MultiQ4Impl` for layer kernels, `OutFirstQ8Impl` for a tied embedding table read as the LM head).
+`MultiQ4Impl` for layer kernels, `Q8Impl` for a tied embedding table read as the LM head).
 
 A GGUF Q4_1 checkpoint (the demo model's projections) dequantized to float32 holds, down each column of a kernel
 [K, N], blocks of 32 weights that are `d * q + m` with q in 0..15 and d, m float16 values: 16 distinct values a
@@ -24,7 +24,9 @@ import numpy as np
 BLOCK = 32
 """Weights a block down a column (Q4_1's block)."""
 TILE = 2 * BLOCK * 4 + BLOCK * 16
-"""Bytes a packed tile of BLOCK weight rows x BLOCK columns."""
+"""Bytes a packed 4-bit tile of BLOCK weight rows x BLOCK columns."""
+Q8_TILE = BLOCK * 4 + BLOCK * BLOCK
+"""Bytes a packed 8-bit tile of BLOCK rows x BLOCK columns."""
 
 
 def pack_q4(w: np.ndarray) -> np.ndarray | None:
@@ -77,9 +79,11 @@ def unpack_q4(packed: np.ndarray) -> np.ndarray:
 
 def pack_q8(w: np.ndarray) -> np.ndarray | None:
     """w [N, K] float32 (an output-first weight: a tied embedding table as the LM head) -> packed uint8
-    [1, N, K + K/8] (per row: K/32 float32 scales, then K int8 weights), or None when K is not a multiple of 32 or
-    any block of 32 along a row is not exactly d * q (float16 d, q in -127..127)."""
-    if w.ndim != 2 or w.dtype != np.float32 or w.shape[1] % BLOCK or not w.size:
+    [1, K/32, N/32, 1152]: the transposed table [K, N] as `Q8_TILE`-byte tiles of 32 rows x 32 columns (per tile the
+    32 columns' d as float32, then 16 row pairs of 64 bytes, column j's two int8 values at bytes 2j, 2j + 1), or
+    None when K or N is not a multiple of 32 or any block of 32 along a row of w is not exactly d * q (float16 d,
+    q in -127..127)."""
+    if w.ndim != 2 or w.dtype != np.float32 or w.shape[1] % BLOCK or w.shape[0] % BLOCK or not w.size:
         return None
     n, k = w.shape
     blocks = w.reshape(n, k // BLOCK, BLOCK)
@@ -95,14 +99,55 @@ def pack_q8(w: np.ndarray) -> np.ndarray | None:
     q = q.astype(np.int8)
     if not np.array_equal((q.astype(np.float32) * d[:, :, None]).view(np.uint32), blocks.view(np.uint32)):
         return None
-    out = np.concatenate([d.view(np.uint8).reshape(n, k // 8), q.view(np.uint8).reshape(n, k)], axis=1)
+    groups = n // BLOCK
+    # q [N, K/32, 32] -> [K/32, N/32, 16 pairs, 32 columns, 2]
+    qt = q.reshape(groups, BLOCK, k // BLOCK, BLOCK // 2, 2).transpose(2, 0, 3, 1, 4)
+    values = qt.reshape(k // BLOCK, groups, BLOCK * BLOCK).view(np.uint8)
+    scales = d.reshape(groups, BLOCK, k // BLOCK).transpose(2, 0, 1)
+    out = np.concatenate([np.ascontiguousarray(scales).view(np.uint8), values], axis=-1)
     return np.ascontiguousarray(out[None])
 
 
 def unpack_q8(packed: np.ndarray) -> np.ndarray:
     """The float32 weight [N, K] a `pack_q8` packing holds."""
-    _, n, row = packed.shape
-    k = row * 8 // 9
-    d = np.ascontiguousarray(packed[0, :, :k // 8]).view(np.float32)
-    q = packed[0, :, k // 8:].view(np.int8).astype(np.float32).reshape(n, k // BLOCK, BLOCK)
-    return (q * d[:, :, None]).reshape(n, k)
+    _, kb, groups, tile = packed.shape
+    if tile != Q8_TILE:
+        raise ValueError(f"packed tables have tiles of {tile} bytes, expected {Q8_TILE}")
+    d = np.ascontiguousarray(packed[0, ..., :BLOCK * 4]).view(np.float32)  # [K/32, N/32, 32 columns]
+    q = packed[0, ..., BLOCK * 4:].view(np.int8).reshape(kb, groups, BLOCK // 2, BLOCK, 2)
+    w = q.astype(np.float32) * d[:, :, None, :, None]  # [K/32, N/32, pair, column, 2]
+    return w.transpose(1, 3, 0, 2, 4).reshape(groups * BLOCK, kb * BLOCK)
+
+
+X_MAX = 32767
+"""The AVX-512 build rounds each row's block of 32 values of x to int16 with the block's largest |x| at this."""
+
+
+def rounded_rows(x: np.ndarray) -> np.ndarray:
+    """x [M, K] float32 as the AVX-512 build's packed kernels multiply it (`small_matmul.cc`, `BlockX`), float64:
+    per row and block of 32, c * xq with c = max|x| / 32767 and xq = x * (32767 / max|x|) rounded to the nearest
+    integer (ties to even), all in float32 as the kernel computes them."""
+    m, k = x.shape
+    blocks = x.astype(np.float32).reshape(m, k // BLOCK, BLOCK)
+    top = np.abs(blocks).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        f = np.where(top > 0, np.float32(X_MAX) / top, np.float32(0)).astype(np.float32)
+    xq = np.clip(np.rint(blocks * f), -X_MAX - 1, X_MAX)
+    c = (top / np.float32(X_MAX)).astype(np.float32)
+    return (xq.astype(np.float64) * c.astype(np.float64)).reshape(m, k)
+
+
+def packed_product(x: np.ndarray, w: np.ndarray, rounded: bool, q4: bool = True) -> np.ndarray:
+    """What a packed kernel computes for x [M, K] @ w [K, N], in float64: w exactly 4-bit blocks (`pack_q4`) or,
+    with q4 False, 8-bit ones (`pack_q8`'s table, transposed). With `rounded` (the AVX-512 build) each block's
+    x . (d * q) is taken from `rounded_rows` and a 4-bit block's m * sum(x) from x as it is; else x @ w."""
+    x64 = x.astype(np.float64)
+    if not rounded:
+        return x64 @ w.astype(np.float64)
+    xr = rounded_rows(x)
+    out = xr @ w.astype(np.float64)
+    if q4:
+        k, n = w.shape
+        mins = w.reshape(k // BLOCK, BLOCK, n).min(axis=1).astype(np.float64)  # each block's m (q = 0 present)
+        out += (x64 - xr).reshape(x.shape[0], k // BLOCK, BLOCK).sum(axis=2) @ mins
+    return out

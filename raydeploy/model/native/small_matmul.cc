@@ -295,36 +295,6 @@ struct PlainRows {
   Row row(int64_t n) const { return Row{w + n * K}; }
 };
 
-// Packed 8-bit rows (`raydeploy.model.native.packing.pack_q8`: a GGUF Q8_0 table dequantized to float32): per row, K/32
-// float32 scales, then K int8 weights; weight k is scale[k / 32] * q[k], exact in float32. K is a multiple of 32.
-// row(n).load(k) is the row's weights from k as float32, a vector of the build's width.
-struct Q8Rows {
-  const uint8_t* w;
-  int64_t K;
-  struct Row {
-    const float* s;
-    const int8_t* q;
-#if defined(__AVX512F__)
-    __m512 load(int64_t k) const {
-      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k)));
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[k >> 5]));
-    }
-    __m512 load(int64_t k, __mmask16) const { return load(k); }  // K is a multiple of 32: no partial vector
-    const char* at(int64_t k) const { return reinterpret_cast<const char*>(q + k); }
-#else
-    __m256 load(int64_t k) const {
-      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s[k >> 5]));
-    }
-    float value(int64_t k) const { return s[k >> 5] * static_cast<float>(q[k]); }
-#endif
-  };
-  Row row(int64_t n) const {
-    const uint8_t* r = w + n * (K + K / 8);
-    return Row{reinterpret_cast<const float*>(r), reinterpret_cast<const int8_t*>(r + K / 8)};
-  }
-};
-
 // Output-first weights (w [N, K], as a tied embedding table used as the LM head): y[m, n] = x[m] . w[n], four
 // weight rows at a time streamed once, two rows of x against them, eight dot products reduced at the end (`Sum8`).
 #if defined(__AVX512F__)
@@ -439,28 +409,6 @@ void OutFirstRows(const float* x, const W* w, float* y, int64_t M, int64_t K, in
 
 #endif
 
-// x [M, K] float32, w [L, N, K + K/8] packed 8-bit rows (`Q8Rows`), the layer index; y [M, N] float32.
-ffi::Error OutFirstQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] % 32 != 0 || wd[2] != xd[1] + xd[1] / 8 ||
-      wd[1] != yd[1] || xd[0] != yd[0])
-    return ffi::Error::InvalidArgument(
-        "raydeploy small_matmul_out_first_q8: expected x [M, K] (K a multiple of 32), w [L, N, K + K/8], y [M, N]");
-  const int64_t L = wd[0], N = wd[1], K = xd[1], M = xd[0];
-  const int32_t l = *layer.typed_data();
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("raydeploy small_matmul: layer index out of range");
-  const Q8Rows rows{w.typed_data() + static_cast<int64_t>(l) * N * wd[2], K};
-  const float* xp = x.typed_data();
-  float* yp = y->typed_data();
-  const int64_t groups = (N + 255) / 256;
-  Split(pool, groups, [&](int64_t g0, int64_t g1) {
-    OutFirstFrom(xp, rows, yp, M, K, N, g0 * 256, g1 * 256 < N ? g1 * 256 : N);
-  });
-  return ffi::Error::Success();
-}
 // x [M, K] float32, w [L, K, N] (or out-first [L, N, K]) float32 or bfloat16, the layer index; y [M, N] float32.
 template <ffi::DataType WT>
 ffi::Error OutFirstImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w, ffi::Buffer<ffi::S32> layer,
@@ -549,17 +497,20 @@ ffi::Error MultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// Packed 4-bit weights (`raydeploy.model.native.packing.pack_q4`): a weight [K, N] whose every block of 32 weights down a
-// column is d * q + m, q in 0..15 (a GGUF Q4_1 checkpoint dequantized to float32 is such a weight), stored as
-// tiles of 32 weight rows x 32 columns, one after another in row-block-major order, each 768 bytes: the 32
-// columns' d (float32), their m (float32), then 32 rows of 16 bytes, byte j of a row holding column j in its low
-// nibble and column 16 + j in its high one. Per block the sum x . w = d * (x . q) + m * sum(x): the kernel
-// accumulates x . q from the nibbles converted to float32 (exact) and applies d and m once per block, 0.75 bytes
-// a weight instead of 4 and no per-weight rebuild. The weights are the float32 weights exactly; only the sums'
-// order differs from multiplying them (on the demo: perplexity and greedy tokens unchanged, logprobs within the
-// engine test's 1e-4 of the float32 kernel's).
+// Packed weights (`raydeploy.model.native.packing`), both stored as tiles of 32 weight rows x 32 columns, one after
+// another in row-block-major order ([K/32, N/32] tiles), a tile the 32 columns' scales then their values:
+// - 4-bit layer kernels (`pack_q4`; a GGUF Q4_1 checkpoint dequantized to float32): every block of 32 weights
+//   down a column is d * q + m, q in 0..15. A tile is 768 bytes: the columns' d (float32), their m (float32), then
+//   32 rows of 16 bytes, byte j of a row holding column j in its low nibble and column 16 + j in its high one.
+// - 8-bit tables (`pack_q8`; a GGUF Q8_0 table, the tied embedding read as the LM head, transposed to [K, N]):
+//   every block of 32 weights down a column is d * q, q in -127..127. A tile is 1152 bytes: the columns' d
+//   (float32), then 16 row pairs of 64 bytes, pair p holding rows 2p and 2p + 1 of column j at bytes 2j and
+//   2j + 1.
+// Per block the sum x . w = d * (x . q) (+ m * sum(x)): the kernel sums x . q over the block and applies d (and m)
+// once per block, 0.75 or 1.125 bytes a weight instead of 4 and no per-weight rebuild.
 constexpr int64_t kQ4Block = 32;
 constexpr int64_t kQ4Tile = 2 * kQ4Block * 4 + kQ4Block * 16;
+constexpr int64_t kQ8Tile = kQ4Block * 4 + kQ4Block * kQ4Block;
 // Every line of the tile this many tiles ahead is prefetched (one thread streams the weight alone: measured on
 // the demo's 211 matmuls, one thread, 4 rows: 22.9 ms prefetching one line of a tile, 18.5 all 12; 4 tiles ahead
 // and 16 no better than 8).
@@ -570,213 +521,318 @@ constexpr int64_t kQ4RowChunk = 64;
 #if defined(__AVX512F__)
 // Rows of x a tile's sums are held for at once (2 x 16 columns a row in registers).
 constexpr int64_t kQ4Group = kGroup;
-// Above this many rows a tile's nibbles are converted to float32 once (`UnpackQ4`) for all the row groups.
-constexpr int64_t kQ4UnpackFromRows = kGroup;
 
-// The sum of a block's 32 values of x.
-inline float BlockSum(const float* x) {
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
+// The AVX-512 build multiplies 16-bit integers: each row's block of 32 values of x is rounded to x ~ c * xq, xq
+// int16 with the block's largest |x| at 32767 (a step of 1/65534 of it), and x . q is c * (xq . q) summed exactly
+// in int32 (`vpdpwssd`, or `vpmaddwd` + `vpaddd` without AVX512-VNNI: the same sums): two products an
+// instruction where a float32 multiply-add does one. sum(x) stays float32. A row's result depends on that row
+// alone, in any batch, and the integer sums on no order. What it costs in accuracy: see `packing`.
+constexpr float kXMax = 32767.0f;
+
+// One block of 32 values of M rows of x, prepared once for all the block's tiles.
+struct BlockX {
+  const float* x;  // row 0's block
+  int64_t K;
+  float* sum;      // [M] sum(x)
+  float* scale;    // [M] c
+  int32_t* pairs;  // [M][16] xq[2p], xq[2p+1] as one int32
+};
+
+inline void PrepareBlockX(const BlockX& b, int64_t M) {
+  for (int64_t i = 0; i < M; ++i) {
+    const __m512 v0 = _mm512_loadu_ps(b.x + i * b.K), v1 = _mm512_loadu_ps(b.x + i * b.K + 16);
+    b.sum[i] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 f = _mm512_set1_ps(top > 0.0f ? kXMax / top : 0.0f);
+    b.scale[i] = top / kXMax;
+    const __m256i q0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, f)));
+    const __m256i q1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, f)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.pairs + 16 * i), q0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.pairs + 16 * i + 8), q1);
+  }
 }
 
-// y[i, 0:32] (+)= d * a[i] + m * sx[i] for a tile's MR rows: the block's sums x . q in `a`, its d and m at `s`.
-template <int MR>
-inline void AddBlockSums(const __m512 (&a)[MR][2], const float* s, const float* sx, float* y, int64_t N, bool first) {
+// acc += the pairwise products of w and x (int16) summed into int32.
+inline __m512i DotPairs(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+// The two kinds of tile: where their values start, whether they have an m, and their row pair p as int16 pairs
+// (`w0` columns 0-15, `w1` 16-31, column j's rows 2p and 2p + 1 in int32 j).
+struct Q4Tiles {
+  static constexpr int64_t kBytes = kQ4Tile, kValues = 256;
+  static constexpr bool kMin = true;
+  static void Pair(const uint8_t* q, int64_t p, __m512i& w0, __m512i& w1) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i v = _mm512_permutexvar_epi16(
+        order, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p))));
+    w0 = _mm512_and_si512(v, _mm512_set1_epi16(0xF));
+    w1 = _mm512_srli_epi16(v, 4);
+  }
+};
+
+struct Q8Tiles {
+  static constexpr int64_t kBytes = kQ8Tile, kValues = 128;
+  static constexpr bool kMin = false;
+  static void Pair(const uint8_t* q, int64_t p, __m512i& w0, __m512i& w1) {
+    w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * p)));
+    w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * p + 32)));
+  }
+};
+
+// Above this many rows a tile's values are converted once (`Unpack`) for all the row groups.
+template <typename T>
+constexpr int64_t kUnpackFromRows = kGroup;
+
+// y[i, 0:32] (+)= d * c[i] * a[i] (+ m * sum[i]) for a tile's MR rows: the block's integer sums xq . q in `a`.
+template <typename T, int MR>
+inline void AddBlockSums(const __m512i (&a)[MR][2], const float* s, const BlockX& b, int64_t m, float* y, int64_t N,
+                         bool first) {
   const __m512 d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16);
-  const __m512 m0 = _mm512_loadu_ps(s + 32), m1 = _mm512_loadu_ps(s + 48);
   for (int i = 0; i < MR; ++i) {
-    const __m512 b = _mm512_set1_ps(sx[i]);
-    const __m512 y0 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N);
-    const __m512 y1 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N + 16);
-    _mm512_storeu_ps(y + i * N, _mm512_fmadd_ps(a[i][0], d0, _mm512_fmadd_ps(b, m0, y0)));
-    _mm512_storeu_ps(y + i * N + 16, _mm512_fmadd_ps(a[i][1], d1, _mm512_fmadd_ps(b, m1, y1)));
+    const __m512 c = _mm512_set1_ps(b.scale[m + i]);
+    __m512 y0 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N);
+    __m512 y1 = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N + 16);
+    if constexpr (T::kMin) {
+      const __m512 t = _mm512_set1_ps(b.sum[m + i]);
+      y0 = _mm512_fmadd_ps(t, _mm512_loadu_ps(s + 32), y0);
+      y1 = _mm512_fmadd_ps(t, _mm512_loadu_ps(s + 48), y1);
+    }
+    _mm512_storeu_ps(y + i * N, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][0]), _mm512_mul_ps(d0, c), y0));
+    _mm512_storeu_ps(y + i * N + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][1]), _mm512_mul_ps(d1, c), y1));
   }
 }
 
-// One tile into MR rows of y (32 columns): `sx[i]` is the sum of row i's 32 values of x in this block.
-template <int MR>
-inline void TileQ4(const float* x, const float* sx, const uint8_t* tile, float* y, int64_t K, int64_t N, bool first) {
-  const float* s = reinterpret_cast<const float*>(tile);
-  const uint8_t* q = tile + 256;
-  const __m512i low = _mm512_set1_epi32(0xF);
-  __m512 a[MR][2];
-  for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kQ4Block; ++k) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * k)));
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+// One tile into rows m .. m + MR of y (32 columns), converting its values as it goes.
+template <typename T, int MR>
+inline void Tile(const BlockX& b, int64_t m, const uint8_t* tile, float* y, int64_t N, bool first) {
+  const int32_t* x = b.pairs + 16 * m;
+  __m512i a[MR][2];
+  for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < kQ4Block / 2; ++p) {
+    __m512i w0, w1;
+    T::Pair(tile + T::kValues, p, w0, w1);
     for (int i = 0; i < MR; ++i) {
-      const __m512 b = _mm512_set1_ps(x[i * K + k]);
-      a[i][0] = _mm512_fmadd_ps(b, q0, a[i][0]);
-      a[i][1] = _mm512_fmadd_ps(b, q1, a[i][1]);
+      const __m512i v = _mm512_set1_epi32(x[16 * i + p]);
+      a[i][0] = DotPairs(a[i][0], w0, v);
+      a[i][1] = DotPairs(a[i][1], w1, v);
     }
   }
-  AddBlockSums<MR>(a, s, sx, y, N, first);
+  AddBlockSums<T, MR>(a, reinterpret_cast<const float*>(tile), b, m, y, N, first);
 }
 
-// The same sums as `TileQ4` from a tile whose nibbles were converted once (`UnpackQ4`: `qf` [32 rows][32 columns]
-// float32, `s` the tile's d and m): with many rows every group of 8 rows of x passes over the tile, and the
-// conversion (five vector operations a weight row, on the ports the multiply-adds need) is done once for all of
-// them instead of once a group. Each row's multiply-adds are the same, in the same order: the same result.
-template <int MR>
-inline void TileQ4Unpacked(const float* x, const float* sx, const float* s, const float* qf, float* y, int64_t K,
-                           int64_t N, bool first) {
-  __m512 a[MR][2];
-  for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kQ4Block; ++k) {
-    const __m512 q0 = _mm512_load_ps(qf + 32 * k);
-    const __m512 q1 = _mm512_load_ps(qf + 32 * k + 16);
+// The same sums from a tile converted once (`Unpack`: `qw` [16 pairs][2][32] int16).
+template <typename T, int MR>
+inline void TileUnpacked(const BlockX& b, int64_t m, const uint8_t* tile, const int16_t* qw, float* y, int64_t N,
+                         bool first) {
+  const int32_t* x = b.pairs + 16 * m;
+  __m512i a[MR][2];
+  for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < kQ4Block / 2; ++p) {
+    const __m512i w0 = _mm512_load_si512(qw + 64 * p), w1 = _mm512_load_si512(qw + 64 * p + 32);
     for (int i = 0; i < MR; ++i) {
-      const __m512 b = _mm512_set1_ps(x[i * K + k]);
-      a[i][0] = _mm512_fmadd_ps(b, q0, a[i][0]);
-      a[i][1] = _mm512_fmadd_ps(b, q1, a[i][1]);
+      const __m512i v = _mm512_set1_epi32(x[16 * i + p]);
+      a[i][0] = DotPairs(a[i][0], w0, v);
+      a[i][1] = DotPairs(a[i][1], w1, v);
     }
   }
-  AddBlockSums<MR>(a, s, sx, y, N, first);
+  AddBlockSums<T, MR>(a, reinterpret_cast<const float*>(tile), b, m, y, N, first);
 }
 
-// A tile's 32 x 32 nibbles as float32 into `qf` (64-byte aligned), row k's columns 0-15 then 16-31.
-inline void UnpackQ4(const uint8_t* tile, float* qf) {
-  const uint8_t* q = tile + 256;
-  const __m512i low = _mm512_set1_epi32(0xF);
-  for (int64_t k = 0; k < kQ4Block; ++k) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * k)));
-    _mm512_store_ps(qf + 32 * k, _mm512_cvtepi32_ps(_mm512_and_si512(v, low)));
-    _mm512_store_ps(qf + 32 * k + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+// A tile's 32 x 32 values as int16 pairs into `qw` (64-byte aligned).
+template <typename T>
+inline void Unpack(const uint8_t* tile, int16_t* qw) {
+  for (int64_t p = 0; p < kQ4Block / 2; ++p) {
+    __m512i w0, w1;
+    T::Pair(tile + T::kValues, p, w0, w1);
+    _mm512_store_si512(qw + 64 * p, w0);
+    _mm512_store_si512(qw + 64 * p + 32, w1);
   }
 }
+using Unpacked = int16_t;
 
 #else
 // AVX2: sixteen 256-bit registers hold the sums of a tile's 32 columns (four vectors of 8) for at most three rows,
-// so a tile's nibbles are converted to float32 once (`UnpackQ4`) whenever more than one row passes over it, and
-// the rows pass in groups of three reading the converted tile from L1. The products and their order per row are
-// those of the AVX-512 build; the block sums of x are added in another order.
+// so a tile's values are converted to float32 once (`Unpack`) whenever more than one row passes over it, and the
+// rows pass in groups of three reading the converted tile from L1. The products are float32 (x as it is, the
+// values converted exactly).
 constexpr int64_t kQ4Group = 3;
-constexpr int64_t kQ4UnpackFromRows = 1;
 
-inline float BlockSum(const float* x) {
-  const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+// One block of 32 values of M rows of x: the rows themselves, and each one's sum.
+struct BlockX {
+  const float* x;  // row 0's block
+  int64_t K;
+  float* sum;  // [M]
+};
+
+inline void PrepareBlockX(const BlockX& b, int64_t M) {
+  for (int64_t i = 0; i < M; ++i) {
+    const float* x = b.x + i * b.K;
+    const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    b.sum[i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
 }
 
-// A tile's weight row k as float32, columns 0-7, 8-15 (the low nibbles of bytes 0-7, 8-15), 16-23, 24-31 (their
-// high nibbles).
-inline void Q4Row(const uint8_t* q, __m256 (&v)[4]) {
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
-  const __m256i low = _mm256_set1_epi32(0xF);
-  v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, low));
-  v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, low));
-  v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-  v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
-}
+// The two kinds of tile (as in the AVX-512 build) and their weight row k as float32, columns 0-7, 8-15, 16-23,
+// 24-31 (`Row`; 4-bit: the low nibbles of bytes 0-7, 8-15, then their high nibbles).
+struct Q4Tiles {
+  static constexpr int64_t kBytes = kQ4Tile, kValues = 256;
+  static constexpr bool kMin = true;
+  static void Row(const uint8_t* q, int64_t k, __m256 (&v)[4]) {
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * k)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * k + 8)));
+    const __m256i low = _mm256_set1_epi32(0xF);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, low));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, low));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+  }
+};
 
-// y[i, 0:32] (+)= d * a[i] + m * sx[i] for a tile's MR rows: the block's sums x . q in `a`, its d and m at `s`.
-template <int MR>
-inline void AddBlockSums(const __m256 (&a)[MR][4], const float* s, const float* sx, float* y, int64_t N, bool first) {
+struct Q8Tiles {
+  static constexpr int64_t kBytes = kQ8Tile, kValues = 128;
+  static constexpr bool kMin = false;
+  // Rows 2p and 2p + 1 at once: each 16 bytes of a pair (8 columns, both rows) split into the two rows' bytes.
+  static void Pair(const uint8_t* q, int64_t p, __m256 (&even)[4], __m256 (&odd)[4]) {
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int c = 0; c < 4; ++c) {
+      const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 64 * p + 16 * c)), split);
+      even[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+      odd[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    }
+  }
+};
+
+// Above this many rows a tile's values are converted once (`Unpack`): 4-bit from two rows, 8-bit always.
+template <typename T>
+constexpr int64_t kUnpackFromRows = T::kMin ? 1 : 0;
+
+// y[i, 0:32] (+)= d * a[i] (+ m * sum[i]) for a tile's MR rows: the block's sums x . q in `a`.
+template <typename T, int MR>
+inline void AddBlockSums(const __m256 (&a)[MR][4], const float* s, const BlockX& b, int64_t m0, float* y, int64_t N,
+                         bool first) {
   for (int c = 0; c < 4; ++c) {
-    const __m256 d = _mm256_loadu_ps(s + 8 * c), m = _mm256_loadu_ps(s + 32 + 8 * c);
+    const __m256 d = _mm256_loadu_ps(s + 8 * c);
     for (int i = 0; i < MR; ++i) {
-      const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + i * N + 8 * c);
-      _mm256_storeu_ps(y + i * N + 8 * c, _mm256_fmadd_ps(a[i][c], d, _mm256_fmadd_ps(_mm256_set1_ps(sx[i]), m, y0)));
+      __m256 y0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + i * N + 8 * c);
+      if constexpr (T::kMin) y0 = _mm256_fmadd_ps(_mm256_set1_ps(b.sum[m0 + i]), _mm256_loadu_ps(s + 32 + 8 * c), y0);
+      _mm256_storeu_ps(y + i * N + 8 * c, _mm256_fmadd_ps(a[i][c], d, y0));
     }
   }
 }
 
-// One tile into MR rows of y (32 columns), converting each weight row's nibbles as it goes (one row of x).
-template <int MR>
-inline void TileQ4(const float* x, const float* sx, const uint8_t* tile, float* y, int64_t K, int64_t N, bool first) {
-  const float* s = reinterpret_cast<const float*>(tile);
-  const uint8_t* q = tile + 256;
-  __m256 a[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kQ4Block; ++k) {
-    __m256 v[4];
-    Q4Row(q + 16 * k, v);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 b = _mm256_set1_ps(x[i * K + k]);
-      for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(b, v[c], a[i][c]);
+// One tile into MR rows of y (32 columns), converting each weight row as it goes (4-bit, one row of x).
+template <typename T, int MR>
+inline void Tile(const BlockX& b, int64_t m0, const uint8_t* tile, float* y, int64_t N, bool first) {
+  if constexpr (T::kMin) {
+    const float* x = b.x + m0 * b.K;
+    __m256 a[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kQ4Block; ++k) {
+      __m256 v[4];
+      T::Row(tile + T::kValues, k, v);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xk = _mm256_set1_ps(x[i * b.K + k]);
+        for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(xk, v[c], a[i][c]);
+      }
     }
+    AddBlockSums<T, MR>(a, reinterpret_cast<const float*>(tile), b, m0, y, N, first);
   }
-  AddBlockSums<MR>(a, s, sx, y, N, first);
 }
 
 // The same sums from a tile converted once (`qf` [32 rows][32 columns] float32).
-template <int MR>
-inline void TileQ4Unpacked(const float* x, const float* sx, const float* s, const float* qf, float* y, int64_t K,
-                           int64_t N, bool first) {
+template <typename T, int MR>
+inline void TileUnpacked(const BlockX& b, int64_t m0, const uint8_t* tile, const float* qf, float* y, int64_t N,
+                         bool first) {
+  const float* x = b.x + m0 * b.K;
   __m256 a[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kQ4Block; ++k) {
     for (int i = 0; i < MR; ++i) {
-      const __m256 b = _mm256_set1_ps(x[i * K + k]);
-      for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(b, _mm256_load_ps(qf + 32 * k + 8 * c), a[i][c]);
+      const __m256 xk = _mm256_set1_ps(x[i * b.K + k]);
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(xk, _mm256_load_ps(qf + 32 * k + 8 * c), a[i][c]);
     }
   }
-  AddBlockSums<MR>(a, s, sx, y, N, first);
+  AddBlockSums<T, MR>(a, reinterpret_cast<const float*>(tile), b, m0, y, N, first);
 }
 
-inline void UnpackQ4(const uint8_t* tile, float* qf) {
-  const uint8_t* q = tile + 256;
-  for (int64_t k = 0; k < kQ4Block; ++k) {
-    __m256 v[4];
-    Q4Row(q + 16 * k, v);
-    for (int c = 0; c < 4; ++c) _mm256_store_ps(qf + 32 * k + 8 * c, v[c]);
+template <typename T>
+inline void Unpack(const uint8_t* tile, float* qf) {
+  const uint8_t* q = tile + T::kValues;
+  if constexpr (T::kMin) {
+    for (int64_t k = 0; k < kQ4Block; ++k) {
+      __m256 v[4];
+      T::Row(q, k, v);
+      for (int c = 0; c < 4; ++c) _mm256_store_ps(qf + 32 * k + 8 * c, v[c]);
+    }
+  } else {
+    for (int64_t p = 0; p < kQ4Block / 2; ++p) {
+      __m256 even[4], odd[4];
+      T::Pair(q, p, even, odd);
+      for (int c = 0; c < 4; ++c) {
+        _mm256_store_ps(qf + 64 * p + 8 * c, even[c]);
+        _mm256_store_ps(qf + 64 * p + 32 + 8 * c, odd[c]);
+      }
+    }
   }
 }
+using Unpacked = float;
 #endif
 
-inline void GroupQ4Unpacked(const float* x, const float* sx, const float* s, const float* qf, float* y, int64_t mr,
-                            int64_t K, int64_t N, bool first) {
-  UpTo8(mr, [&](auto r) { TileQ4Unpacked<decltype(r)::value>(x, sx, s, qf, y, K, N, first); });
-}
-
-inline void GroupQ4(const float* x, const float* sx, const uint8_t* tile, float* y, int64_t mr, int64_t K, int64_t N,
-                    bool first) {
-  UpTo8(mr, [&](auto r) { TileQ4<decltype(r)::value>(x, sx, tile, y, K, N, first); });
-}
-
-// Weight rows [k0, k1) (multiples of 32) of a packed weight with N columns into y [M, N] (written, not added to):
-// the tiles of those rows are one contiguous run, read once, in order; every group of `kQ4Group` rows of x passes
-// over each tile while it is in L1. Each row's sum over a block of x is taken once for all the block's tiles.
-void RowsQ4(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1) {
+// Weight rows [k0, k1) (multiples of 32) and tile columns [g0, g1) of a packed weight with N columns (`T` its
+// tiles) into y [M, N] (written, not added to): the tiles of each row block are one contiguous run, read once, in
+// order; every group of `kQ4Group` rows of x passes over each tile while it is in L1. Each row's block of x is
+// prepared once for all the block's tiles (`BlockX`).
+template <typename T>
+void RowsOf(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1,
+            int64_t g0, int64_t g1) {
   if (M > kQ4RowChunk) {  // row chunks, each a pass over the weight rows
     for (int64_t m = 0; m < M; m += kQ4RowChunk)
-      RowsQ4(x + m * K, w, y + m * N, M - m < kQ4RowChunk ? M - m : kQ4RowChunk, K, N, k0, k1);
+      RowsOf<T>(x + m * K, w, y + m * N, M - m < kQ4RowChunk ? M - m : kQ4RowChunk, K, N, k0, k1, g0, g1);
     return;
   }
   const int64_t groups = N / kQ4Block;
-  thread_local std::vector<float> sums;
-  if (sums.size() < static_cast<size_t>(M)) sums.resize(static_cast<size_t>(M));
-  float* sx = sums.data();
-  alignas(64) float qf[kQ4Block * kQ4Block];
+  thread_local std::vector<float> sums(2 * kQ4RowChunk);
+#if defined(__AVX512F__)
+  alignas(64) int32_t pairs[kQ4RowChunk * kQ4Block / 2];
+  const BlockX base{x, K, sums.data(), sums.data() + kQ4RowChunk, pairs};
+#else
+  const BlockX base{x, K, sums.data()};
+#endif
+  alignas(64) Unpacked qu[kQ4Block * kQ4Block];
   for (int64_t kb = k0 / kQ4Block; kb < k1 / kQ4Block; ++kb) {
-    for (int64_t i = 0; i < M; ++i) {
-      const float* xi = x + i * K + kb * kQ4Block;
-      sx[i] = BlockSum(xi);
-    }
-    const uint8_t* row = w + kb * groups * kQ4Tile;
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* tile = row + g * kQ4Tile;
-      const char* ahead = reinterpret_cast<const char*>(tile + kQ4PrefetchTiles * kQ4Tile);
-      for (int64_t line = 0; line < kQ4Tile; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      const bool first = kb * kQ4Block == k0;
-      if (M > kQ4UnpackFromRows) {
-        UnpackQ4(tile, qf);
-        const float* s = reinterpret_cast<const float*>(tile);
+    BlockX b = base;
+    b.x = x + kb * kQ4Block;
+    PrepareBlockX(b, M);
+    const uint8_t* row = w + kb * groups * T::kBytes;
+    const bool first = kb * kQ4Block == k0;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* tile = row + g * T::kBytes;
+      const char* ahead = reinterpret_cast<const char*>(tile + kQ4PrefetchTiles * T::kBytes);
+      for (int64_t line = 0; line < T::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      if (M > kUnpackFromRows<T>) {
+        Unpack<T>(tile, qu);
         for (int64_t m = 0; m < M; m += kQ4Group) {
           const int64_t mr = M - m < kQ4Group ? M - m : kQ4Group;
-          GroupQ4Unpacked(x + m * K + kb * kQ4Block, sx + m, s, qf, y + m * N + g * kQ4Block, mr, K, N, first);
+          UpTo8(mr, [&](auto r) {
+            TileUnpacked<T, decltype(r)::value>(b, m, tile, qu, y + m * N + g * kQ4Block, N, first);
+          });
         }
         continue;
       }
       for (int64_t m = 0; m < M; m += kQ4Group) {
         const int64_t mr = M - m < kQ4Group ? M - m : kQ4Group;
-        GroupQ4(x + m * K + kb * kQ4Block, sx + m, tile, y + m * N + g * kQ4Block, mr, K, N, first);
+        UpTo8(mr, [&](auto r) { Tile<T, decltype(r)::value>(b, m, tile, y + m * N + g * kQ4Block, N, first); });
       }
     }
   }
@@ -824,7 +880,7 @@ ffi::Error MultiQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
         const int64_t m0 = first(p), m1 = first(p + 1);
         for (size_t i = 0; i < n; ++i) {
           const int64_t N = cols[i + 1] - cols[i];
-          RowsQ4(xp + m0 * K, wp[i], yp[i] + m0 * N, m1 - m0, K, N, 0, K);
+          RowsOf<Q4Tiles>(xp + m0 * K, wp[i], yp[i] + m0 * N, m1 - m0, K, N, 0, K, 0, N / kQ4Block);
         }
       }
     });
@@ -835,12 +891,43 @@ ffi::Error MultiQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       [&](int64_t k0, int64_t k1, float* scratch) {
         for (size_t i = 0; i < n; ++i) {
           const int64_t N = cols[i + 1] - cols[i];
-          RowsQ4(xp, wp[i], scratch ? scratch + M * cols[i] : yp[i], M, K, N, k0, k1);
+          RowsOf<Q4Tiles>(xp, wp[i], scratch ? scratch + M * cols[i] : yp[i], M, K, N, k0, k1, 0, N / kQ4Block);
         }
       },
       [&](const float* scratch) {
         for (size_t i = 0; i < n; ++i) AddInto(yp[i], scratch + M * cols[i], M * (cols[i + 1] - cols[i]));
       });
+  return ffi::Error::Success();
+}
+
+// Tile columns a thread's share of an 8-bit table is cut into: each chunk's outputs [M, 32 * chunk] stay in L2
+// while every row block of the table passes over them.
+constexpr int64_t kQ8ChunkTiles = 64;
+
+// y = x @ w[layer] for a packed 8-bit table w [L, K/32, N/32, 1152] (uint8; the tied embedding table, transposed,
+// as the LM head): the columns split over the threads, each thread's in chunks (`kQ8ChunkTiles`).
+ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || xd[1] % kQ4Block != 0 || wd[1] * kQ4Block != xd[1] ||
+      wd[3] != kQ8Tile || yd[0] != xd[0] || yd[1] != wd[2] * kQ4Block)
+    return ffi::Error::InvalidArgument(
+        "raydeploy small_matmul_q8: expected x [M, K] (K a multiple of 32), w [L, K/32, N/32, 1152], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("raydeploy small_matmul: layer index out of range");
+  const uint8_t* wp = w.typed_data() + static_cast<int64_t>(l) * wd[1] * wd[2] * kQ8Tile;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const int64_t groups = N / kQ4Block, chunks = (groups + kQ8ChunkTiles - 1) / kQ8ChunkTiles;
+  Split(pool, chunks, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t g0 = c * kQ8ChunkTiles, g1 = g0 + kQ8ChunkTiles < groups ? g0 + kQ8ChunkTiles : groups;
+      RowsOf<Q8Tiles>(xp, wp, yp, M, K, N, 0, K, g0, g1);
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -876,7 +963,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulMulti, MultiImpl<ffi::F32>, Mu
 // packed 4-bit layer weights and 8-bit tables (float32 rows of x and y): both builds.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulQ4, MultiQ4Impl, MultiBinding<ffi::U8>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulOutFirstQ8, OutFirstQ8Impl, Binding<ffi::U8>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeploySmallMatmulQ8, Q8Impl, Binding<ffi::U8>());
 
 #if defined(__AVX512F__)
 // bfloat16 weights (float32 rows of x and y): the AVX-512 build only.
