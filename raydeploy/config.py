@@ -224,9 +224,12 @@ class EngineConfig(_Section):
     q in 0..15: a GGUF Q4_1 checkpoint, the demo model's, dequantized) is also held packed, 0.75 bytes a weight
     instead of 4, and a tied embedding table that is exactly 8-bit blocks (GGUF Q8_0: d * q along each row) is
     held packed too, 1.125 bytes a weight; steps of up to 256 rows per device (64 in the AVX2 build) read the
-    packed copies: the same products from a fifth of the bytes. Longer prompt steps keep the float32 weights (about a fifth more memory for
+    packed copies, a fifth of the bytes. The AVX2 build multiplies them by x as it is (the float32 products); the
+    AVX-512 build rounds each row's block of 32 values of x to 16-bit integers (a step of 1/65534 of the block's
+    largest) and sums integer products, two an instruction (demo: greedy tokens unchanged, logprobs within
+    ~3e-3 of the float32 products'). Longer prompt steps keep the float32 weights (about a fifth more memory for
     the packed copies). Checked bit for bit at load; a weight that is not such blocks stays float32 only. off:
-    never."""
+    never (float32 products everywhere)."""
     gpu_matmul: Literal["auto", "xla", "pallas"] = "auto"
     """auto: on a GPU, projections of up to 64 rows per dp group by bfloat16 weights run in a Pallas kernel that
     reads the layer's weight inside the stacked one (XLA GPU copies every layer's weight out of the stack before

@@ -2,7 +2,7 @@
 float32 weights, and bfloat16 weights in the AVX-512 build) and the paged attention of decode rows
 (`decode_attention.cc`, `decode_attention`, which the XLA attention backend asks first: it reads each row's keys
 where they lie in the pool instead of gathering copies of them), both in one library, built for the CPU's vector
-unit (`isa`: AVX-512 where the CPU has AVX-512F, else AVX2). Both builds also multiply float32 weights that are
+unit (`isa`: AVX-512 where the CPU has AVX-512 F and BW, else AVX2). Both builds also multiply float32 weights that are
 exactly 4-bit or 8-bit blocks from packed copies (`packing`; `rows_over(..., packed=)`).
 
 XLA CPU multiplies a handful of rows by a weight through a general matrix product made for many rows: on one

@@ -5,16 +5,25 @@ A GGUF Q4_1 checkpoint (the demo model's projections) dequantized to float32 hol
 [K, N], blocks of 32 weights that are `d * q + m` with q in 0..15 and d, m float16 values: 16 distinct values a
 block, 4 bytes each. `pack_q4(w)` finds d, m and q for every block and checks that they rebuild every weight bit
 for bit; then the kernel reads 0.75 bytes a weight instead of 4 and computes each block's share of a dot product
-as `d * (x . q) + m * sum(x)` (q converted to float32 exactly). The weights are the float32 weights exactly; only
-the order of the float32 sums differs from multiplying the float32 weight (measured on the demo model: perplexity
-28.9214 either way, greedy tokens equal). A weight that is not such blocks, bit for bit, is not packed
-(`pack_q4` returns None). A GGUF Q8_0 table (the demo's
-embedding) holds, along each row, blocks of 32 weights that are `d * q` with q in -127..127 (`pack_q8`: 1.125
-bytes a weight).
+as `d * (x . q) + m * sum(x)`. A GGUF Q8_0 table (the demo's embedding) holds, along each row, blocks of 32
+weights that are `d * q` with q in -127..127 (`pack_q8`: 1.125 bytes a weight, read as the tied LM head). A
+weight that is not such blocks, bit for bit, is not packed (None).
 
-Layout of `pack_q4` (`TILE` bytes a tile of 32 weight rows x 32 columns, tiles in row-block-major order):
-[L, K/32, N/32, 768], uint8; a tile is the 32 columns' d (float32), their m (float32), then 32 rows of 16 bytes,
-byte j of a row holding column j in its low nibble and column 16 + j in its high one.
+The weights are the float32 weights exactly; what x is multiplied by them depends on the build:
+- AVX2: x as it is, the values converted to float32 exactly: only the order of the float32 sums differs from
+  multiplying the float32 weight (the demo engine's logprobs within 2.1e-5 of the float32 kernel's over 8
+  prompts x 64 greedy tokens, every token equal).
+- AVX-512: each row's block of 32 values of x is rounded to 16-bit integers (`rounded_rows`; a step of 1/65534
+  of the block's largest |x|) and x . q summed exactly in int32, two products an instruction (`vpdpwssd`;
+  figures in docs/performance.md). The demo engine's logprobs are within 3.4e-3 of the float32 kernel's
+  (mean 3.4e-4) over the same 8 x 64 tokens, every token equal; `packed_product` gives what each build computes.
+
+Layouts, tiles of 32 weight rows x 32 columns in row-block-major order ([K/32, N/32] tiles):
+- `pack_q4`: [L, K/32, N/32, 768] uint8 (`TILE` bytes); a tile is the 32 columns' d (float32), their m
+  (float32), then 32 rows of 16 bytes, byte j of a row holding column j in its low nibble and column 16 + j in
+  its high one.
+- `pack_q8`: [1, K/32, N/32, 1152] uint8 (`Q8_TILE` bytes) of the transposed table [K, N]; a tile is the 32
+  columns' d (float32), then 16 row pairs of 64 bytes, column j's two values at bytes 2j and 2j + 1.
 """
 
 from __future__ import annotations
