@@ -52,11 +52,15 @@ class Serving:
             serve.shutdown()
 
 
-LOCAL_RAY_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"}
-"""Set (unless already set) before a local Ray starts: its log monitor, which only forwards worker output to
-drivers (this one asks for none), then rescans the log directory for new files every 5 s instead of every 0.1 s.
-Measured on the 2-core machine serving 16 streams: the monitor's share of a core 7.6% -> 3.4%, CPU the hosts'
-steps get back."""
+LOCAL_RAY_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5",
+                 "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+"""Set (unless already set) before a local Ray starts:
+- its log monitor, which only forwards worker output to drivers (this one asks for none), then rescans the log
+  directory for new files every 5 s instead of every 0.1 s. Measured on the 2-core machine serving 16 streams: the
+  monitor's share of a core 7.6% -> 3.4%, CPU the hosts' steps get back;
+- Serve's handles (the ingress's token streams from the gang replicas) over gRPC between the replicas instead of
+  Ray's object transfers: on the same machine one stream 78.9 -> 89.2 tok/s and 16 streams 428.2 -> 451.8 tok/s
+  (`benchmarks/serve_load.py`, one run each; docs/performance.md)."""
 
 
 def connect_ray(address: str | None, *, temp_dir: str | None = None, num_cpus: int | None = None) -> bool:
