@@ -26,7 +26,15 @@ from raydeploy.gang.placement import head_bundle, host_bundles, placement_strate
 from raydeploy.gang.preflight import cache_dir_problem
 from raydeploy.model.registry import Family, family_for, from_hf_config
 from raydeploy.model.sharding import check_divisible, logical_to_mesh_axes, merge_rules
-from raydeploy.model.spec import POOL_RULES, TensorSpec, page_table_spec, resolve_num_pages
+from raydeploy.model.spec import (
+    POOL_RULES,
+    TensorSpec,
+    is_kernel,
+    kernel_input_dims,
+    page_table_spec,
+    resolve_num_pages,
+    split_layer_name,
+)
 
 GIB = 1024**3
 
@@ -86,6 +94,8 @@ class Plan:
     """Pages of each slot's ring for the sliding-window layers (`engine.window_pages: ring`); 0 = none."""
     window_layers: int = 0
     """Layers whose pages are rings (they are not in the main pool)."""
+    packed_bytes_per_device: int = 0
+    """CPU: the most the packed copies of weights that are exactly 4- or 8-bit blocks add (`packed_bytes_max`)."""
 
     @property
     def ok(self) -> bool:
@@ -219,6 +229,33 @@ def _heads_problems(model: Any, rules: dict, mesh: dict[str, int]) -> list[str]:
 # -- the plan ------------------------------------------------------------------------------------------
 
 
+PACK_BLOCK = 32
+"""Rows and columns of a packed tile (`raydeploy.model.native.packing`); a weight packs only in whole tiles."""
+
+
+def packed_bytes_max(cfg: Config, specs: dict[str, TensorSpec]) -> int:
+    """The most bytes per device that the packed copies of a CPU engine add beside its float32 weights
+    (`engine.pack_weights: auto`, the native kernel on, float32 weights replicated over a dp-only mesh): 0.75
+    bytes a weight for each layer projection whose K and N are multiples of 32, 1.125 for a tied embedding table
+    (`raydeploy.model.native.packing`). Which of them pack is known only at load, from their values (exactly 4-
+    or 8-bit blocks, as a dequantized GGUF's are); a checkpoint from safetensors packs none. 0 where nothing may
+    pack."""
+    e, m, mesh = cfg.engine, cfg.model, cfg.mesh_shape
+    if (cfg.cluster.platform != "cpu" or e.pack_weights != "auto" or e.cpu_matmul != "auto"
+            or m.param_dtype != "float32" or m.dtype != "float32" or any(n > 1 for a, n in mesh.items() if a != "dp")):
+        return 0
+    total = 0
+    for name, spec in specs.items():
+        if split_layer_name(name) is not None and is_kernel(name) and "expert" not in spec.logical_axes:
+            n_in = kernel_input_dims(name)
+            k, n = math.prod(spec.shape[:n_in]), math.prod(spec.shape[n_in:])
+            total += k * n * 3 // 4 if k % PACK_BLOCK == 0 and n % PACK_BLOCK == 0 else 0
+        elif name == "embed.embedding" and "lm_head.kernel" not in specs:
+            v, d = spec.shape
+            total += v * d * 9 // 8 if v % PACK_BLOCK == 0 and d % PACK_BLOCK == 0 else 0
+    return total
+
+
 def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> Plan:
     """Work out what `cfg` needs. Raises ConfigError only when the model's shape or memory is unknown;
     every other impossibility is listed in `Plan.problems`. `model` (a family's parsed config; its family from
@@ -270,9 +307,15 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
     kv_total = sum(spec.numel for spec in kv_specs) * kv_item
     kv_dev = sum(_shard_numel(spec, pool_rules, mesh) for spec in kv_specs) * kv_item
 
+    packed_dev = packed_bytes_max(cfg, specs)
+
     mem, mem_from = device_memory(cfg)
     usable = int(mem * USABLE_FRACTION[c.platform])
     need = p_dev + kv_dev
+    if packed_dev and need <= usable < need + packed_dev:
+        warnings.append(f"per device: parameters + KV cache {_gib(need)} fit the usable {_gib(usable)}, but with "
+                        f"packed copies of 4-/8-bit-block weights (up to {_gib(packed_dev)}) they would not; "
+                        f"set engine.pack_weights: off if the checkpoint is a dequantized GGUF")
     if need > usable:
         problems.append(
             f"per device: parameters {_gib(p_dev)} + KV cache {_gib(kv_dev)} = {_gib(need)} exceeds the usable "
@@ -320,6 +363,7 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
         slice_head_bundle=head_bundle(c), active_param_count=family.active_param_count(model),
         kv_bytes_per_token=family.kv_bytes_per_token(model, kv_item),
         window_ring_pages=layout.ring_pages, window_layers=len(layout.window_layers),
+        packed_bytes_per_device=packed_dev,
     )
 
 
@@ -351,6 +395,9 @@ def format_plan(plan: Plan) -> str:
         f"group); {plan.kv_bytes_per_token / 1024:.1f} KiB per token"
         + (f"; {plan.window_layers} sliding-window layers keep a ring of {plan.window_ring_pages} pages per slot "
            f"instead (no prefix caching)" if plan.window_ring_pages else ""),
+        *([f"packed copies up to {_gib(plan.packed_bytes_per_device)} per device beside the float32 weights "
+           f"(engine.pack_weights: auto; only weights that are exactly 4- or 8-bit blocks, known at load)"]
+          if plan.packed_bytes_per_device else []),
         f"device memory {_gib(plan.device_memory_bytes)} ({plan.device_memory_from}); usable "
         f"{_gib(plan.usable_bytes_per_device)}; free after params + KV {_gib(plan.free_bytes_per_device)}",
     ]

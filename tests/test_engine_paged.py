@@ -14,6 +14,8 @@ plans.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hf_reference import REFERENCE_TOKENS
@@ -336,6 +338,12 @@ def test_packed_4bit_weights_serve_few_rows_with_the_float32_products(engine, un
                "embed.embedding", "mlp.down_proj.kernel", "mlp.gate_proj.kernel", "mlp.up_proj.kernel"]
     assert engine.packed_weights == kernels  # the seven Q4_1 projections and the Q8_0 table (the tied head)
     assert engine.matmul == "native (8 weights packed)"
+    # every packable weight of the demo packs, so the copies are the most `raydeploy plan` counts for a CPU config
+    from raydeploy.config import load_config
+    from raydeploy.plan import packed_bytes_max
+
+    local = load_config(Path(__file__).resolve().parents[1] / "configs" / "local.yaml")
+    assert sum(p.nbytes for p in engine._packed.values()) == packed_bytes_max(local, ps.family.param_specs(ps.cfg))
     assert unpacked.packed_weights == [] and unpacked.programs_set.pack_weights == "engine.pack_weights is off"
     assert ps.unrolled_tokens == frozenset()
     pages = ps.page_buckets[0]

@@ -10,7 +10,7 @@ import pytest
 from raydeploy.cli import main
 from raydeploy.config import ConfigError, load_config
 from raydeploy.model.spec import LlamaConfig
-from raydeploy.plan import GIB, axis_span, make_plan
+from raydeploy.plan import GIB, axis_span, format_plan, make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -240,3 +240,23 @@ def test_sliding_window_rings_shrink_the_planned_kv_cache(capsys: pytest.Capture
     assert "KV cache 15.50 GiB" in full.problems[0] and "exceeds the usable 14.40 GiB" in full.problems[0]
     assert main(["plan", str(path), "--set", "engine.window_pages=all"]) != 0
     assert "15.50 GiB" in capsys.readouterr().err
+
+
+def test_a_cpu_plan_counts_the_packed_copies_weights_may_add(tmp_path: Path) -> None:
+    """On CPU with `engine.pack_weights: auto` a layer projection that is exactly 4-bit blocks is also held packed
+    (0.75 bytes a weight) and a tied table of 8-bit blocks too (1.125): the plan shows the most they add and warns
+    when only they would not fit; off, another dtype or a split mesh packs nothing."""
+    d, f, q, kv, layers, vocab = 576, 1536, 9 * 64, 3 * 64, 30, 49152
+    per_layer = d * q + d * kv * 2 + q * d + d * f * 2 + f * d  # q, k, v, o, gate, up, down
+    want = layers * per_layer * 3 // 4 + vocab * d * 9 // 8
+    plan = make_plan(load_config(CONFIGS / "local.yaml"), model=SMOLLM2)
+    assert plan.packed_bytes_per_device == want and plan.ok and not plan.warnings
+    for text in ("engine: {pack_weights: 'off'}", "model: {param_dtype: bfloat16}"):
+        assert make_plan(load_config(_write(tmp_path, "local.yaml", text)), model=SMOLLM2).packed_bytes_per_device == 0
+    assert make_plan(load_config(CONFIGS / "cpu-fsdp.yaml"), model=SMOLLM2).packed_bytes_per_device == 0
+    # 0.9 GiB usable: the float32 weights and the KV pool fit, the packed copies would not
+    tight = make_plan(load_config(_write(tmp_path, "local.yaml", "cluster: {device_memory_gib: 1.125}")), model=SMOLLM2)
+    assert tight.ok
+    assert any("with packed copies of 4-/8-bit-block weights (up to 0.10 GiB) they would not" in w
+               and "engine.pack_weights: off" in w for w in tight.warnings), tight.warnings
+    assert "packed copies up to 0.10 GiB per device" in format_plan(plan)
