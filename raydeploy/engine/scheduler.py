@@ -126,6 +126,12 @@ class _Running:
     """Its first chunk was planned (the engine has its sampling parameters)."""
 
 
+def _halfway(limit: float) -> float:
+    """The slowdown factor halfway from none (1) to `limit`: a held pass slower than this pace times it makes the
+    next held plan longer, and held passes' median over it becomes the pace (`Scheduler._pace`)."""
+    return (1 + limit) / 2
+
+
 class Scheduler:
     """Queue + slot table (+ page pools in the paged form). Thread-safe; the step loop itself
     (next_plan/on_result) runs in one thread."""
@@ -581,7 +587,7 @@ class Scheduler:
         d = self.decode_pass_s
         if d is None or not self._held_passes or limit <= 1:
             return d
-        return max(d, float(np.median(self._held_passes)) * 2 / (1 + limit))
+        return max(d, float(np.median(self._held_passes)) / _halfway(limit))
 
     def _timed(self, step_id: int, now: float) -> None:
         """Fold a finished plan's duration into the decode pass average or the last chunk step."""
@@ -594,7 +600,7 @@ class Scheduler:
             limit = self._slowdown_limit
             pace = self._pace(limit)
             assert pace is not None
-            if passes < self.decode_steps and dt / passes > (1 + limit) / 2 * pace:
+            if passes < self.decode_steps and dt / passes > _halfway(limit) * pace:
                 self.held_floor = max(self.held_floor, min(passes + 1, self.decode_steps))
             elif passes == self.decode_steps:
                 self._held_passes.append(dt / passes)
