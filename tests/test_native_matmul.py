@@ -131,6 +131,52 @@ def test_the_avx2_build_runs_beside_the_avx512_one(native_library, tmp_path):
     assert len(list(native.cache_dir().glob("kernels-*.so"))) >= 2  # each build under its own key
 
 
+AVX512_WITHOUT_VNNI = r"""
+import jax, jax.numpy as jnp, numpy as np
+from raydeploy.model import native
+from raydeploy.model.native import packing
+assert native.isa() == "avx512" and "-mavx512bw" in native.flags() and "-mavx512vnni" not in native.flags()
+assert native.unavailable() is None
+rng = np.random.default_rng(3)
+d = rng.uniform(1e-3, 3e-2, (2, 576 // 32, 192)).astype(np.float16).astype(np.float32)
+mq = (-rng.uniform(1, 8, d.shape) * d).astype(np.float16).astype(np.float32)
+q = rng.integers(0, 16, (2, 576 // 32, 32, 192)).astype(np.float32)
+q[:, :, 3, :], q[:, :, 17, :] = 0, 15
+w = (q * d[:, :, None] + mq[:, :, None]).reshape(2, 576, 192)
+p4 = jnp.asarray(packing.pack_q4(w))
+dt = rng.uniform(1e-3, 3e-2, (1024, 576 // 32)).astype(np.float16).astype(np.float32)
+qt = rng.integers(-127, 128, (1024, 576 // 32, 32)).astype(np.float32)
+qt[:, :, 9] = 127
+table = (qt * dt[:, :, None]).reshape(1024, 576)
+p8 = jnp.asarray(packing.pack_q8(table))
+for m in (1, 3, 8, 9, 72):
+    x = rng.standard_normal((m, 576), dtype=np.float32)
+    (y,) = jax.jit(native._call_q4)(jnp.asarray(x), jnp.int32(1), p4)
+    want = packing.packed_product(x, w[1], True)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    y = jax.jit(native._call_q8)(jnp.asarray(x), p8, jnp.int32(0))
+    want = packing.packed_product(x, table.T, True, q4=False)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+print("ok")
+"""
+
+
+def test_the_avx512_build_without_vnni_sums_the_same(native_library):
+    """A CPU with AVX-512 but no VNNI (`RAYDEPLOY_NATIVE_ISA=avx512` builds that on this one) sums the packed weights'
+    16-bit products with `vpmaddwd` and `vpaddd` instead of `vpdpwssd`: what `packing.packed_product` says, for the
+    4-bit layer kernel and the 8-bit head, in one and several row groups and over converted tiles."""
+    import subprocess
+    import sys
+
+    if native.isa() != "avx512":
+        pytest.skip("this CPU runs the AVX2 build")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RAYDEPLOY_NATIVE_ISA": "avx512",
+           "RAYDEPLOY_NATIVE_CACHE": str(native.cache_dir())}
+    done = subprocess.run([sys.executable, "-c", AVX512_WITHOUT_VNNI], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_joined_matmuls_equal_separate_ones(native_library, dtype):
     """`matmuls`: several weights by the same rows in one call (a layer's q, k, v), each result as its own matmul

@@ -118,7 +118,7 @@ def _cpu_problem() -> str | None:
 def isa() -> str:
     """The vector extension the kernels are built for on this CPU: "avx512" where it has AVX-512 F and BW (the matmul's
     register-blocked strips, `small_matmul.cc`), else "avx2"; `RAYDEPLOY_NATIVE_ISA=avx2` keeps the AVX2 build
-    on an AVX-512 CPU."""
+    on an AVX-512 CPU (and `avx512` the AVX-512 build without VNNI: `flags`)."""
     if os.environ.get("RAYDEPLOY_NATIVE_ISA", "").lower() == "avx2":
         return "avx2"
     try:
@@ -130,11 +130,12 @@ def isa() -> str:
 
 def flags() -> tuple[str, ...]:
     """The compiler flags of this CPU's build: AVX-512 F and BW, and VNNI where the CPU has it (`vpdpwssd` for the
-    packed weights' integer sums; without it `vpmaddwd` and `vpaddd`, the same sums)."""
+    packed weights' integer sums; without it, or with `RAYDEPLOY_NATIVE_ISA=avx512`, `vpmaddwd` and `vpaddd`: the
+    same sums)."""
     if isa() != "avx512":
         return FLAGS
     try:
-        vnni = "avx512_vnni" in _cpu_flags()
+        vnni = "avx512_vnni" in _cpu_flags() and os.environ.get("RAYDEPLOY_NATIVE_ISA", "").lower() != "avx512"
     except OSError:
         vnni = False
     return FLAGS + ("-mavx512f", "-mavx512bw") + (("-mavx512vnni",) if vnni else ())
