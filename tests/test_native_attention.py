@@ -50,6 +50,7 @@ def _xla_decode(q, pool, lens, table, **kw):
     ([12, 31], 4, 1, 16, 4, 8, None, 30.0),                 # soft cap, one kv head for all
     ([70, 130, 3], 8, 2, 128, 16, 9, None, None),           # values summed 64 dims at a time, twice; many key blocks
     ([45, 8, 100], 6, 3, 80, 8, 13, 37, None),              # 64 + 16 dims, a window across pages of 8
+    ([33, 17, 90], 10, 2, 48, 16, 6, None, None),           # G = 5: three query heads at once, then two; 48 dims
 ])
 def test_kernel_equals_the_xla_decode_path(native_library, lens, hq, hkv, d, page_size, pps, window, cap):
     q, pool, lens_a, table = _case(sum(lens) + hq + d, lens, hq, hkv, d, page_size, pps)
