@@ -229,10 +229,6 @@ def _heads_problems(model: Any, rules: dict, mesh: dict[str, int]) -> list[str]:
 # -- the plan ------------------------------------------------------------------------------------------
 
 
-PACK_BLOCK = 32
-"""Rows and columns of a packed tile (`raydeploy.model.native.packing`); a weight packs only in whole tiles."""
-
-
 def packed_bytes_max(cfg: Config, specs: dict[str, TensorSpec]) -> int:
     """The most bytes per device that the packed copies of a CPU engine add beside its float32 weights
     (`engine.pack_weights: auto`, the native kernel on, float32 weights replicated over a dp-only mesh): 0.75
@@ -244,15 +240,19 @@ def packed_bytes_max(cfg: Config, specs: dict[str, TensorSpec]) -> int:
     if (cfg.cluster.platform != "cpu" or e.pack_weights != "auto" or e.cpu_matmul != "auto"
             or m.param_dtype != "float32" or m.dtype != "float32" or any(n > 1 for a, n in mesh.items() if a != "dp")):
         return 0
+    from raydeploy.model.native.packing import BLOCK, Q8_TILE, TILE  # numpy only
+
+    def tiles(k: int, n: int, tile_bytes: int) -> int:  # a weight packs only in whole tiles of BLOCK x BLOCK
+        return k // BLOCK * (n // BLOCK) * tile_bytes if k % BLOCK == 0 and n % BLOCK == 0 else 0
+
     total = 0
     for name, spec in specs.items():
         if split_layer_name(name) is not None and is_kernel(name) and "expert" not in spec.logical_axes:
             n_in = kernel_input_dims(name)
-            k, n = math.prod(spec.shape[:n_in]), math.prod(spec.shape[n_in:])
-            total += k * n * 3 // 4 if k % PACK_BLOCK == 0 and n % PACK_BLOCK == 0 else 0
+            total += tiles(math.prod(spec.shape[:n_in]), math.prod(spec.shape[n_in:]), TILE)
         elif name == "embed.embedding" and "lm_head.kernel" not in specs:
-            v, d = spec.shape
-            total += v * d * 9 // 8 if v % PACK_BLOCK == 0 and d % PACK_BLOCK == 0 else 0
+            vocab, embed = spec.shape
+            total += tiles(vocab, embed, Q8_TILE)
     return total
 
 

@@ -114,12 +114,17 @@ def _cpu_problem() -> str | None:
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
+def _requested_isa() -> str:
+    """`RAYDEPLOY_NATIVE_ISA`: "avx2", "avx512" (without VNNI), or "" for everything the CPU has."""
+    return os.environ.get("RAYDEPLOY_NATIVE_ISA", "").lower()
+
+
 @functools.cache
 def isa() -> str:
     """The vector extension the kernels are built for on this CPU: "avx512" where it has AVX-512 F and BW (the matmul's
     register-blocked strips, `small_matmul.cc`), else "avx2"; `RAYDEPLOY_NATIVE_ISA=avx2` keeps the AVX2 build
     on an AVX-512 CPU (and `avx512` the AVX-512 build without VNNI: `flags`)."""
-    if os.environ.get("RAYDEPLOY_NATIVE_ISA", "").lower() == "avx2":
+    if _requested_isa() == "avx2":
         return "avx2"
     try:
         have = _cpu_flags()
@@ -135,7 +140,7 @@ def flags() -> tuple[str, ...]:
     if isa() != "avx512":
         return FLAGS
     try:
-        vnni = "avx512_vnni" in _cpu_flags() and os.environ.get("RAYDEPLOY_NATIVE_ISA", "").lower() != "avx512"
+        vnni = "avx512_vnni" in _cpu_flags() and _requested_isa() != "avx512"
     except OSError:
         vnni = False
     return FLAGS + ("-mavx512f", "-mavx512bw") + (("-mavx512vnni",) if vnni else ())

@@ -508,19 +508,19 @@ ffi::Error MultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 //   2j + 1.
 // Per block the sum x . w = d * (x . q) (+ m * sum(x)): the kernel sums x . q over the block and applies d (and m)
 // once per block, 0.75 or 1.125 bytes a weight instead of 4 and no per-weight rebuild.
-constexpr int64_t kQ4Block = 32;
-constexpr int64_t kQ4Tile = 2 * kQ4Block * 4 + kQ4Block * 16;
-constexpr int64_t kQ8Tile = kQ4Block * 4 + kQ4Block * kQ4Block;
+constexpr int64_t kPackBlock = 32;
+constexpr int64_t kQ4Tile = 2 * kPackBlock * 4 + kPackBlock * 16;
+constexpr int64_t kQ8Tile = kPackBlock * 4 + kPackBlock * kPackBlock;
 // Every line of the tile this many tiles ahead is prefetched (one thread streams the weight alone: measured on
 // the demo's 211 matmuls, one thread, 4 rows: 22.9 ms prefetching one line of a tile, 18.5 all 12; 4 tiles ahead
 // and 16 no better than 8).
-constexpr int64_t kQ4PrefetchTiles = 8;
+constexpr int64_t kPackPrefetchTiles = 8;
 // At most this many rows pass over a weight row block at once: their outputs [rows, N] stay in L2.
-constexpr int64_t kQ4RowChunk = 64;
+constexpr int64_t kPackRowChunk = 64;
 
 #if defined(__AVX512F__)
 // Rows of x a tile's sums are held for at once (2 x 16 columns a row in registers).
-constexpr int64_t kQ4Group = kGroup;
+constexpr int64_t kPackGroup = kGroup;
 
 // The AVX-512 build multiplies 16-bit integers: each row's block of 32 values of x is rounded to x ~ c * xq, xq
 // int16 with the block's largest |x| at 32767 (a step of 1/65534 of it), and x . q is c * (xq . q) summed exactly
@@ -614,7 +614,7 @@ inline void Tile(const BlockX& b, int64_t m, const uint8_t* tile, float* y, int6
   const int32_t* x = b.pairs + 16 * m;
   __m512i a[MR][2];
   for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm512_setzero_si512();
-  for (int64_t p = 0; p < kQ4Block / 2; ++p) {
+  for (int64_t p = 0; p < kPackBlock / 2; ++p) {
     __m512i w0, w1;
     T::Pair(tile + T::kValues, p, w0, w1);
     for (int i = 0; i < MR; ++i) {
@@ -633,7 +633,7 @@ inline void TileUnpacked(const BlockX& b, int64_t m, const uint8_t* tile, const 
   const int32_t* x = b.pairs + 16 * m;
   __m512i a[MR][2];
   for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm512_setzero_si512();
-  for (int64_t p = 0; p < kQ4Block / 2; ++p) {
+  for (int64_t p = 0; p < kPackBlock / 2; ++p) {
     const __m512i w0 = _mm512_load_si512(qw + 64 * p), w1 = _mm512_load_si512(qw + 64 * p + 32);
     for (int i = 0; i < MR; ++i) {
       const __m512i v = _mm512_set1_epi32(x[16 * i + p]);
@@ -647,7 +647,7 @@ inline void TileUnpacked(const BlockX& b, int64_t m, const uint8_t* tile, const 
 // A tile's 32 x 32 values as int16 pairs into `qw` (64-byte aligned).
 template <typename T>
 inline void Unpack(const uint8_t* tile, int16_t* qw) {
-  for (int64_t p = 0; p < kQ4Block / 2; ++p) {
+  for (int64_t p = 0; p < kPackBlock / 2; ++p) {
     __m512i w0, w1;
     T::Pair(tile + T::kValues, p, w0, w1);
     _mm512_store_si512(qw + 64 * p, w0);
@@ -661,7 +661,7 @@ using Unpacked = int16_t;
 // so a tile's values are converted to float32 once (`Unpack`) whenever more than one row passes over it, and the
 // rows pass in groups of three reading the converted tile from L1. The products are float32 (x as it is, the
 // values converted exactly).
-constexpr int64_t kQ4Group = 3;
+constexpr int64_t kPackGroup = 3;
 
 // One block of 32 values of M rows of x: the rows themselves, and each one's sum.
 struct BlockX {
@@ -737,7 +737,7 @@ inline void Tile(const BlockX& b, int64_t m0, const uint8_t* tile, float* y, int
     __m256 a[MR][4];
     for (int i = 0; i < MR; ++i)
       for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < kQ4Block; ++k) {
+    for (int64_t k = 0; k < kPackBlock; ++k) {
       __m256 v[4];
       T::Row(tile + T::kValues, k, v);
       for (int i = 0; i < MR; ++i) {
@@ -757,7 +757,7 @@ inline void TileUnpacked(const BlockX& b, int64_t m0, const uint8_t* tile, const
   __m256 a[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kQ4Block; ++k) {
+  for (int64_t k = 0; k < kPackBlock; ++k) {
     for (int i = 0; i < MR; ++i) {
       const __m256 xk = _mm256_set1_ps(x[i * b.K + k]);
       for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(xk, _mm256_load_ps(qf + 32 * k + 8 * c), a[i][c]);
@@ -770,13 +770,13 @@ template <typename T>
 inline void Unpack(const uint8_t* tile, float* qf) {
   const uint8_t* q = tile + T::kValues;
   if constexpr (T::kMin) {
-    for (int64_t k = 0; k < kQ4Block; ++k) {
+    for (int64_t k = 0; k < kPackBlock; ++k) {
       __m256 v[4];
       T::Row(q, k, v);
       for (int c = 0; c < 4; ++c) _mm256_store_ps(qf + 32 * k + 8 * c, v[c]);
     }
   } else {
-    for (int64_t p = 0; p < kQ4Block / 2; ++p) {
+    for (int64_t p = 0; p < kPackBlock / 2; ++p) {
       __m256 even[4], odd[4];
       T::Pair(q, p, even, odd);
       for (int c = 0; c < 4; ++c) {
@@ -791,48 +791,48 @@ using Unpacked = float;
 
 // Weight rows [k0, k1) (multiples of 32) and tile columns [g0, g1) of a packed weight with N columns (`T` its
 // tiles) into y [M, N] (written, not added to): the tiles of each row block are one contiguous run, read once, in
-// order; every group of `kQ4Group` rows of x passes over each tile while it is in L1. Each row's block of x is
+// order; every group of `kPackGroup` rows of x passes over each tile while it is in L1. Each row's block of x is
 // prepared once for all the block's tiles (`BlockX`).
 template <typename T>
 void RowsOf(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1,
             int64_t g0, int64_t g1) {
-  if (M > kQ4RowChunk) {  // row chunks, each a pass over the weight rows
-    for (int64_t m = 0; m < M; m += kQ4RowChunk)
-      RowsOf<T>(x + m * K, w, y + m * N, M - m < kQ4RowChunk ? M - m : kQ4RowChunk, K, N, k0, k1, g0, g1);
+  if (M > kPackRowChunk) {  // row chunks, each a pass over the weight rows
+    for (int64_t m = 0; m < M; m += kPackRowChunk)
+      RowsOf<T>(x + m * K, w, y + m * N, M - m < kPackRowChunk ? M - m : kPackRowChunk, K, N, k0, k1, g0, g1);
     return;
   }
-  const int64_t groups = N / kQ4Block;
-  thread_local std::vector<float> sums(2 * kQ4RowChunk);
+  const int64_t groups = N / kPackBlock;
+  thread_local std::vector<float> sums(2 * kPackRowChunk);
 #if defined(__AVX512F__)
-  alignas(64) int32_t pairs[kQ4RowChunk * kQ4Block / 2];
-  const BlockX base{x, K, sums.data(), sums.data() + kQ4RowChunk, pairs};
+  alignas(64) int32_t pairs[kPackRowChunk * kPackBlock / 2];
+  const BlockX base{x, K, sums.data(), sums.data() + kPackRowChunk, pairs};
 #else
   const BlockX base{x, K, sums.data()};
 #endif
-  alignas(64) Unpacked qu[kQ4Block * kQ4Block];
-  for (int64_t kb = k0 / kQ4Block; kb < k1 / kQ4Block; ++kb) {
+  alignas(64) Unpacked qu[kPackBlock * kPackBlock];
+  for (int64_t kb = k0 / kPackBlock; kb < k1 / kPackBlock; ++kb) {
     BlockX b = base;
-    b.x = x + kb * kQ4Block;
+    b.x = x + kb * kPackBlock;
     PrepareBlockX(b, M);
     const uint8_t* row = w + kb * groups * T::kBytes;
-    const bool first = kb * kQ4Block == k0;
+    const bool first = kb * kPackBlock == k0;
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tile = row + g * T::kBytes;
-      const char* ahead = reinterpret_cast<const char*>(tile + kQ4PrefetchTiles * T::kBytes);
+      const char* ahead = reinterpret_cast<const char*>(tile + kPackPrefetchTiles * T::kBytes);
       for (int64_t line = 0; line < T::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       if (M > kUnpackFromRows<T>) {
         Unpack<T>(tile, qu);
-        for (int64_t m = 0; m < M; m += kQ4Group) {
-          const int64_t mr = M - m < kQ4Group ? M - m : kQ4Group;
+        for (int64_t m = 0; m < M; m += kPackGroup) {
+          const int64_t mr = M - m < kPackGroup ? M - m : kPackGroup;
           UpTo8(mr, [&](auto r) {
-            TileUnpacked<T, decltype(r)::value>(b, m, tile, qu, y + m * N + g * kQ4Block, N, first);
+            TileUnpacked<T, decltype(r)::value>(b, m, tile, qu, y + m * N + g * kPackBlock, N, first);
           });
         }
         continue;
       }
-      for (int64_t m = 0; m < M; m += kQ4Group) {
-        const int64_t mr = M - m < kQ4Group ? M - m : kQ4Group;
-        UpTo8(mr, [&](auto r) { Tile<T, decltype(r)::value>(b, m, tile, y + m * N + g * kQ4Block, N, first); });
+      for (int64_t m = 0; m < M; m += kPackGroup) {
+        const int64_t mr = M - m < kPackGroup ? M - m : kPackGroup;
+        UpTo8(mr, [&](auto r) { Tile<T, decltype(r)::value>(b, m, tile, y + m * N + g * kPackBlock, N, first); });
       }
     }
   }
@@ -846,7 +846,7 @@ ffi::Error MultiQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (n == 0 || n > kMaxWeights || ys.size() != n)
     return ffi::Error::InvalidArgument("raydeploy small_matmul_q4: expected 1 to 8 weights and one result each");
   const auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[1] % kQ4Block != 0)
+  if (xd.size() != 2 || xd[1] % kPackBlock != 0)
     return ffi::Error::InvalidArgument("raydeploy small_matmul_q4: expected x [M, K], K a multiple of 32");
   const int64_t M = xd[0], K = xd[1];
   const int32_t l = *layer.typed_data();
@@ -860,8 +860,8 @@ ffi::Error MultiQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       return ffi::Error::InvalidArgument("raydeploy small_matmul_q4: a weight or result of the wrong type");
     const auto wd = w->dimensions();
     const auto yd = (*y)->dimensions();
-    if (wd.size() != 4 || yd.size() != 2 || wd[1] * kQ4Block != K || wd[3] != kQ4Tile || yd[0] != M ||
-        yd[1] != wd[2] * kQ4Block)
+    if (wd.size() != 4 || yd.size() != 2 || wd[1] * kPackBlock != K || wd[3] != kQ4Tile || yd[0] != M ||
+        yd[1] != wd[2] * kPackBlock)
       return ffi::Error::InvalidArgument(
           "raydeploy small_matmul_q4: expected w_i [L, K/32, N_i/32, 768], y_i [M, N_i]");
     if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("raydeploy small_matmul: layer index out of range");
@@ -871,27 +871,27 @@ ffi::Error MultiQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   }
   const float* xp = x.typed_data();
   const int64_t threads = pool.num_threads();
-  if (threads > 1 && M >= threads * kQ4RowChunk) {
+  if (threads > 1 && M >= threads * kPackRowChunk) {
     // Many rows (a prompt chunk): each thread its own rows over the whole weight, written straight into y. Split
     // over the weight's rows instead, every thread sums into [M, N] partials that one thread adds at the end.
-    auto first = [&](int64_t p) { return p == threads ? M : M * p / threads / kQ4Group * kQ4Group; };
+    auto first = [&](int64_t p) { return p == threads ? M : M * p / threads / kPackGroup * kPackGroup; };
     Split(pool, threads, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t m0 = first(p), m1 = first(p + 1);
         for (size_t i = 0; i < n; ++i) {
           const int64_t N = cols[i + 1] - cols[i];
-          RowsOf<Q4Tiles>(xp + m0 * K, wp[i], yp[i] + m0 * N, m1 - m0, K, N, 0, K, 0, N / kQ4Block);
+          RowsOf<Q4Tiles>(xp + m0 * K, wp[i], yp[i] + m0 * N, m1 - m0, K, N, 0, K, 0, N / kPackBlock);
         }
       }
     });
     return ffi::Error::Success();
   }
-  SplitRows<kQ4Block>(
+  SplitRows<kPackBlock>(
       pool, K, M * cols[n],
       [&](int64_t k0, int64_t k1, float* scratch) {
         for (size_t i = 0; i < n; ++i) {
           const int64_t N = cols[i + 1] - cols[i];
-          RowsOf<Q4Tiles>(xp, wp[i], scratch ? scratch + M * cols[i] : yp[i], M, K, N, k0, k1, 0, N / kQ4Block);
+          RowsOf<Q4Tiles>(xp, wp[i], scratch ? scratch + M * cols[i] : yp[i], M, K, N, k0, k1, 0, N / kPackBlock);
         }
       },
       [&](const float* scratch) {
@@ -911,8 +911,8 @@ ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || xd[1] % kQ4Block != 0 || wd[1] * kQ4Block != xd[1] ||
-      wd[3] != kQ8Tile || yd[0] != xd[0] || yd[1] != wd[2] * kQ4Block)
+  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || xd[1] % kPackBlock != 0 || wd[1] * kPackBlock != xd[1] ||
+      wd[3] != kQ8Tile || yd[0] != xd[0] || yd[1] != wd[2] * kPackBlock)
     return ffi::Error::InvalidArgument(
         "raydeploy small_matmul_q8: expected x [M, K] (K a multiple of 32), w [L, K/32, N/32, 1152], y [M, N]");
   const int64_t M = xd[0], K = xd[1], N = yd[1];
@@ -921,7 +921,7 @@ ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const uint8_t* wp = w.typed_data() + static_cast<int64_t>(l) * wd[1] * wd[2] * kQ8Tile;
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  const int64_t groups = N / kQ4Block, chunks = (groups + kQ8ChunkTiles - 1) / kQ8ChunkTiles;
+  const int64_t groups = N / kPackBlock, chunks = (groups + kQ8ChunkTiles - 1) / kQ8ChunkTiles;
   Split(pool, chunks, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t g0 = c * kQ8ChunkTiles, g1 = g0 + kQ8ChunkTiles < groups ? g0 + kQ8ChunkTiles : groups;
