@@ -129,7 +129,7 @@ def gang_run(coord: object, args: argparse.Namespace, tag: str) -> tuple[float, 
 
     import ray
 
-    from raydeploy.gang.gang import stream_events
+    from raydeploy.gang.feed import stream_events
 
     async def run_all() -> None:
         async def one(req) -> None:

@@ -162,16 +162,18 @@ def make_request(ex: Example, temperature: float, cfg: Config, attempt: int = 0)
                              max_tokens=ex.max_tokens, sampling=sampling)
 
 
-async def _generate_one(gang: Any, req: GenerationRequest) -> Outcome:
-    from raydeploy.gang.gang import stream_events
-
+async def _generate_one(gang: Any, feeds: Any, req: GenerationRequest) -> Outcome:
     out = Outcome()
-    async for batch in stream_events(gang.coordinator(), req):
-        for ev in batch:
-            if ev.token_id is not None:
-                out.token_ids.append(int(ev.token_id))
-            if ev.finish_reason is not None:
-                out.finish_reason, out.error, out.retriable = ev.finish_reason, ev.error, ev.retriable
+    stream = feeds.stream(gang.coordinator(), req)
+    try:
+        async for batch in stream:
+            for ev in batch:
+                if ev.token_id is not None:
+                    out.token_ids.append(int(ev.token_id))
+                if ev.finish_reason is not None:
+                    out.finish_reason, out.error, out.retriable = ev.finish_reason, ev.error, ev.retriable
+    finally:
+        await stream.aclose()  # a request timed out here is aborted at rank 0 now
     return out
 
 
@@ -179,6 +181,9 @@ async def generate_all(gang: Any, examples: list[Example], temperature: float, c
                        write: Any, in_flight: int, progress: Any = None) -> None:
     """Generate every example with at most `in_flight` requests at once; call `write(ex, outcome)` in input
     order. Retriable gang failures are retried after the gang is ready again."""
+    from raydeploy.gang.feed import Feeds
+
+    feeds = Feeds()  # one token stream from rank 0 for all the requests in flight
     sem = asyncio.Semaphore(in_flight)
     timeout_s = cfg.serving.request_timeout_s
     max_attempts = cfg.cluster.max_restarts + 1
@@ -193,7 +198,7 @@ async def generate_all(gang: Any, examples: list[Example], temperature: float, c
             for attempt in range(max_attempts):
                 sent_to = seen["generation"]
                 try:
-                    out = await asyncio.wait_for(_generate_one(gang, make_request(ex, temperature, cfg, attempt)),
+                    out = await asyncio.wait_for(_generate_one(gang, feeds, make_request(ex, temperature, cfg, attempt)),
                                                  timeout_s)
                 except TimeoutError:
                     raise PredictInputError(f"input line {ex.index}: no result within serving.request_timeout_s="
@@ -221,6 +226,7 @@ async def generate_all(gang: Any, examples: list[Example], temperature: float, c
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await feeds.close()
 
 
 def _codec_for(cfg: Config, checkpoint_path: str) -> Any:

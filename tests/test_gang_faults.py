@@ -19,7 +19,8 @@ import pytest
 
 from raydeploy.config import load_config
 from raydeploy.engine.request import GenerationRequest
-from raydeploy.gang.gang import start_gang, stream_events
+from raydeploy.gang.feed import stream_events
+from raydeploy.gang.gang import start_gang
 from raydeploy.testing.toy import toy_expected_tokens
 
 pytestmark = pytest.mark.ray

@@ -24,7 +24,8 @@ import pytest
 
 from raydeploy.config import load_config
 from raydeploy.engine.request import GenerationRequest
-from raydeploy.gang.gang import start_gang, stream_events
+from raydeploy.gang.feed import stream_events
+from raydeploy.gang.gang import start_gang
 
 pytestmark = [pytest.mark.ray, pytest.mark.model, pytest.mark.slow]
 

@@ -3,8 +3,13 @@
 One thread runs the step loop (raydeploy.engine.local.StepLoop, the same loop as the in-process runner) with
 `run` = the dispatcher, which broadcasts each plan so every host runs the same step.
 Requests arrive on the host actor's event loop (`submit`/`abort`), never blocking the loop thread; token
-events go back through a thread-safe sink into an asyncio queue per request. The scheduler is only ever
-touched under one lock. If the loop thread dies, or the supervisor declares the gang failed, every
+events go back through a thread-safe sink. Two ways out:
+- a feed (`submit` + `feed`): one stream per caller carries the events of every request that caller submitted
+  to it, a step's events of all of them in one message (raydeploy.gang.feed is the caller's side). Each Ray
+  stream item costs both ends CPU, and rank 0's is the gang's critical path: 16 streams would pay it 16 times
+  a step;
+- `generate`: one stream per request (tests and tools that want one request's events alone).
+The scheduler is only ever touched under one lock. If the loop thread dies, or the supervisor declares the gang failed, every
 in-flight request gets a final TokenEvent with finish_reason "error" (retriable for gang failures) and
 new requests are refused with :class:`GangUnavailableError`.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,6 +40,38 @@ class GangUnavailableError(RuntimeError):
         return (GangUnavailableError, (str(self), self.retriable))
 
 
+class _Feed:
+    """The events of the requests one caller submitted, held until its `feed` stream takes them: `put` from any
+    thread, `take` on the actor's event loop. A step's events wake the stream once, not once per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.events: deque[TokenEvent] = deque()
+        self.wake = asyncio.Event()
+        self.waking = False
+        self.requests: set[str] = set()
+        """Requests submitted to this feed whose last event it has not yet sent."""
+        self.closed = False
+
+    def put(self, ev: TokenEvent) -> None:
+        self.events.append(ev)
+        if not self.waking:
+            self.waking = True
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self.waking = False  # before the stream takes: an event put after this schedules another wake
+        self.wake.set()
+
+    async def take(self) -> list[TokenEvent]:
+        await self.wake.wait()
+        self.wake.clear()
+        out: list[TokenEvent] = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+
 class Coordinator:
     """Owns the scheduler and drives the dispatcher from one thread."""
 
@@ -51,7 +89,8 @@ class Coordinator:
         self.requests_done = 0
         self.requests_submitted = 0
         self.open_streams = 0
-        """`generate` calls not yet finished (fail_all waits for them to deliver their last event)."""
+        """Requests whose last event is not yet sent (fail_all waits for them to deliver it)."""
+        self._feeds: dict[str, _Feed] = {}
 
     # -- the loop thread ------------------------------------------------------------------------------
     def _step(self, plan: StepPlan) -> StepResult:
@@ -115,6 +154,56 @@ class Coordinator:
             if not finished:  # the caller went away (disconnect, cancel): free the slot
                 with self._lock:
                     self.scheduler.abort(req.request_id)
+
+    def _feed(self, name: str) -> _Feed:
+        feed = self._feeds.get(name)
+        if feed is None:
+            feed = self._feeds[name] = _Feed(asyncio.get_running_loop())
+        return feed
+
+    async def submit(self, req: GenerationRequest, feed: str) -> None:
+        """Start `req`; its events go out on the stream `feed(feed)` (opened before or after this call). Raises
+        QueueFullError when the queue is full, GangUnavailableError when the gang cannot take requests."""
+        if self.error is not None:
+            raise GangUnavailableError(f"gang is unavailable: {self.error}")
+        f = self._feed(feed)
+        with self._lock:
+            self.scheduler.submit(req, f.put)  # QueueFullError propagates to the caller
+            self.requests_submitted += 1
+        f.requests.add(req.request_id)
+        self.open_streams += 1
+
+    async def feed(self, name: str) -> AsyncIterator[list[TokenEvent]]:
+        """The events of every request submitted to feed `name`, as the steps produce them: one list a wake-up
+        (a step's events of all those requests). When the caller goes away, its unfinished requests are aborted."""
+        f = self._feed(name)
+        try:
+            while not f.closed:
+                batch = await f.take()
+                if not batch:
+                    continue
+                for ev in batch:
+                    if ev.token_id is not None:
+                        self.tokens_generated += 1
+                    if ev.finish_reason is not None and ev.request_id in f.requests:
+                        f.requests.discard(ev.request_id)
+                        self.open_streams -= 1
+                        self.requests_done += 1
+                yield batch
+        finally:
+            self._feeds.pop(name, None)
+            if f.requests:
+                with self._lock:
+                    for rid in f.requests:
+                        self.scheduler.abort(rid)
+                self.open_streams -= len(f.requests)
+
+    def close_feed(self, name: str) -> None:
+        """End feed `name`'s stream (its caller is done with it); its unfinished requests are aborted."""
+        f = self._feeds.get(name)
+        if f is not None:
+            f.closed = True
+            f.wake.set()
 
     def abort(self, request_id: str) -> bool:
         with self._lock:

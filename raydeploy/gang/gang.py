@@ -1,20 +1,19 @@
 """The plain-Python entry to a gang, for the CLI driver, the Serve app and tests.
 
 `start_gang(cfg)` starts (or replaces) the named GangSupervisor actor and returns a :class:`Gang` handle;
-`Gang.wait_ready()` waits (bounded) until the state is `ready` or `failed`. `stream_events` is how any
-caller should consume a coordinator's streaming `generate`: a coordinator that dies mid-stream becomes a
-final retriable error event, so callers handle one failure shape. Requires `ray.init` to have run.
+`Gang.wait_ready()` waits (bounded) until the state is `ready` or `failed`. Callers read a coordinator's token
+streams through raydeploy.gang.feed. Requires `ray.init` to have run.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from raydeploy.config import Config
 from raydeploy.engine.request import GenerationRequest, TokenEvent
 from raydeploy.gang.bringup import GangError
+from raydeploy.gang.feed import stream_events
 from raydeploy.gang.supervisor import NAMESPACE, SUPERVISOR_NAME, GangSupervisor
 
 
@@ -91,22 +90,6 @@ class Gang:
             ray.get(self.supervisor.shutdown.remote(), timeout=timeout_s)
         finally:
             ray.kill(self.supervisor, no_restart=True)
-
-
-async def stream_events(coordinator: Any, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
-    """Yield lists of TokenEvents from rank 0; a dead coordinator becomes one final retriable error event."""
-    import ray
-
-    last_index = -1
-    try:
-        async for ref in coordinator.generate.remote(req):
-            batch = await ref
-            if batch:
-                last_index = batch[-1].index
-            yield batch
-    except ray.exceptions.RayActorError as e:
-        yield [TokenEvent(req.request_id, None, index=last_index + 1, finish_reason="error", retriable=True,
-                          error=f"gang failure, retry: the coordinator host died ({type(e).__name__})")]
 
 
 def create_supervisor(cfg: Config, *, name: str, engine: str = "real", checkpoint_path: str | None = None,

@@ -308,6 +308,18 @@ class HostActor:
         async for batch in self._coordinator().generate(req):
             yield batch
 
+    async def submit(self, req: GenerationRequest, feed: str) -> None:
+        """Start `req`; its events go out on the stream `feed(feed)` (raydeploy.gang.feed)."""
+        await self._coordinator().submit(req, feed)
+
+    async def feed(self, name: str) -> AsyncIterator[list[TokenEvent]]:
+        """Stream the events of every request submitted to feed `name` (call as a Ray streaming generator)."""
+        async for batch in self._coordinator().feed(name):
+            yield batch
+
+    async def close_feed(self, name: str) -> None:
+        self._coordinator().close_feed(name)
+
     async def abort(self, request_id: str) -> bool:
         return self._coordinator().abort(request_id)
 

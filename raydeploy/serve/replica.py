@@ -64,6 +64,9 @@ class GangReplica:
         self._state_at = -1e9
         self._coordinator: Any = None
         self._coordinator_generation: int | None = None
+        from raydeploy.gang.feed import Feeds
+
+        self._feeds = Feeds()  # one token stream from rank 0 for all of this replica's requests
         log.info("gang replica %s started (placement group %s)", self.name, "Serve's" if pg else "its own")
         if ready_timeout_s is not None:  # RayService: the application turns RUNNING only with a ready gang
             await self._wait_ready(ready_timeout_s)
@@ -101,17 +104,16 @@ class GangReplica:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
         """Token events of `req` from this replica's gang (a streaming call); a gang failure ends the stream
         with one retriable error event (without tokens when the gang never started the request)."""
-        from raydeploy.gang.gang import stream_events
         from raydeploy.serve.backend import is_gang_failure, is_queue_full
 
         coord = await self._coordinator_handle()
         if coord is None:
             yield [_refusal(req, f"gang {self.name} is {self._state.get('state')}")]
             return
-        finished, n_tokens = False, 0
+        n_tokens = 0
+        stream = self._feeds.stream(coord, req)
         try:
-            async for batch in stream_events(coord, req):
-                finished = any(ev.finish_reason is not None for ev in batch)
+            async for batch in stream:
                 n_tokens += sum(ev.token_id is not None for ev in batch)
                 yield batch
         except Exception as e:
@@ -120,14 +122,9 @@ class GangReplica:
             if not is_gang_failure(e):
                 raise
             self._state_at = -1e9  # read the state afresh: the gang is breaking
-            finished = True
             yield [_refusal(req, f"gang {self.name} failed: {type(_cause(e)).__name__}", index=n_tokens)]
         finally:
-            if not finished:  # the caller went away (client gone, timeout): free the slot now
-                try:
-                    coord.abort.remote(req.request_id)
-                except Exception as e:  # noqa: BLE001 - the gang may be gone; its slots with it
-                    log.warning("abort of %s failed: %s", req.request_id, type(e).__name__)
+            await stream.aclose()  # now: a request the caller left (client gone, timeout) is aborted at rank 0
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the router reads: whether this replica's gang can take requests now."""
