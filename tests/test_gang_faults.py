@@ -2,7 +2,7 @@
 processes (2 virtual CPU devices each), using the stand-in engine so each bring-up takes seconds.
 
 Covered: a host killed mid-generation (rank 1, then rank 0) fails the request with a retriable error
-event within the heartbeat timeout and the gang restarts and serves again, its new processes started
+event within the heartbeat timeout (on a stream of its own, and on a feed with every request beside it) and the gang restarts and serves again, its new processes started
 only after every old one had exited; a rank that never joins;
 a fingerprint mismatch; a host stuck in a step (watchdog); no leaked processes or ports after shutdown.
 """
@@ -19,7 +19,7 @@ import pytest
 
 from raydeploy.config import load_config
 from raydeploy.engine.request import GenerationRequest
-from raydeploy.gang.feed import stream_events
+from raydeploy.gang.feed import Feeds, stream_events
 from raydeploy.gang.gang import start_gang
 from raydeploy.testing.toy import toy_expected_tokens
 
@@ -62,17 +62,45 @@ def _long_request(rid: str) -> GenerationRequest:
     return GenerationRequest(rid, (5, 6, 7), max_tokens=1_000_000, ignore_eos=True)
 
 
-def _stream_until_end(gang, req, started: threading.Event, out: dict) -> None:
-    async def run() -> None:
+def _stream_until_end(gang, req, started: threading.Event, out: dict, feed: bool = False) -> None:
+    """Stream `req` to its end, on a stream of its own or (`feed`) on a feed beside a second request, whose
+    events go to out["beside"]."""
+
+    async def one(stream, key: str) -> None:
         events = []
-        async for batch in stream_events(gang.coordinator(), req):
+        async for batch in stream:
             events.extend(batch)
             if len(events) >= 5:
                 started.set()
-        out["events"] = events
+        out[key] = events
         out["ended_s"] = time.monotonic()
 
+    async def run() -> None:
+        if not feed:
+            await one(stream_events(gang.coordinator(), req), "events")
+            return
+        feeds = Feeds()
+        coord = gang.coordinator()
+        try:
+            await asyncio.gather(one(feeds.stream(coord, req), "events"),
+                                 one(feeds.stream(coord, _long_request(req.request_id + "-beside")), "beside"))
+        finally:
+            await feeds.close()
+
     asyncio.run(run())
+
+
+def _check_feed_generation(gang, rid: str, n: int = 6) -> None:
+    async def run() -> list:
+        feeds = Feeds()
+        try:
+            return [e async for batch in feeds.stream(gang.coordinator(), GenerationRequest(
+                rid, (5, 6, 7), max_tokens=n, ignore_eos=True)) for e in batch]
+        finally:
+            await feeds.close()
+
+    events = asyncio.run(asyncio.wait_for(run(), 60))
+    assert [e.token_id for e in events] == toy_expected_tokens((5, 6, 7), n, eos_token_ids=())
 
 
 def _check_generation(gang, rid: str, n: int = 6) -> None:
@@ -89,15 +117,15 @@ def _wait_restarts(gang, n: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster, victim):
+@pytest.mark.parametrize("victim,feed", [(1, False), (0, False), (1, True), (0, True)])
+def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster, victim, feed):
     gang = start_gang(_cfg(), engine="toy")
     try:
         gang.wait_ready(120)
         _check_generation(gang, "before")
         pids = _pids(gang)
         started, out = threading.Event(), {}
-        t = threading.Thread(target=_stream_until_end, args=(gang, _long_request("long"), started, out))
+        t = threading.Thread(target=_stream_until_end, args=(gang, _long_request("long"), started, out, feed))
         t.start()
         assert started.wait(60), "the long request produced no tokens"
         killed_s = time.monotonic()
@@ -108,11 +136,16 @@ def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster,
         assert last.finish_reason == "error" and last.retriable, last
         assert "gang failure" in last.error
         assert out["ended_s"] - killed_s < HEARTBEAT_S + 5
+        if feed:  # every request on the feed ends so, the one beside it too
+            beside = out["beside"][-1]
+            assert beside.finish_reason == "error" and beside.retriable and "gang failure" in beside.error, beside
         # the stream can learn of the death before the supervisor does: until then the gang still reads ready
         _wait_restarts(gang, 1, HEARTBEAT_S + 30)
         st = gang.wait_ready(120)
         assert st["restarts"] == 1 and f"host {victim}" in (st["last_error"] or "") or st["history"], st
         _check_generation(gang, "after")
+        if feed:  # a feed on the new coordinator
+            _check_feed_generation(gang, "after-feed")
         assert not any(_pid_alive(p) for p in pids), "old host processes still alive"
         # the restart waited until every old process had exited (checked on its node) before starting new ones
         exits = st["history"][-1]["exits"]

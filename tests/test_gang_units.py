@@ -269,6 +269,66 @@ def test_coordinator_streams_events_and_fail_all_ends_requests():
     coord.join(10)
 
 
+def test_coordinator_feed_carries_every_request_closing_it_aborts_the_rest_and_fail_all_ends_them():
+    from raydeploy.gang.coordinator import Coordinator, GangUnavailableError
+    from raydeploy.testing.toy import ToyScheduler
+
+    class Engine:
+        """Every prefill and decode token is 9; 4 decode steps a plan."""
+
+        def step(self, plan: StepPlan) -> StepResult:
+            n = 4
+            return StepResult(plan.step_id, np.full(len(plan.prefills), 9, np.int32),
+                              np.zeros(len(plan.prefills), np.float32), np.full((4, n), 9, np.int32),
+                              np.zeros((4, n), np.float32))
+
+    coord = Coordinator(ToyScheduler(4), Dispatcher(Engine(), MemoryKV(), 1, num_followers=0))
+    coord.start()
+
+    async def run() -> None:
+        feed = coord.feed("f")
+        # two requests submitted together: their events come on the one stream, a step's in one list
+        await coord.submit(GenerationRequest("a", (1, 2), 9, ignore_eos=True), "f")
+        await coord.submit(GenerationRequest("b", (1, 2), 9, ignore_eos=True), "f")
+        got: dict[str, list] = {"a": [], "b": []}
+        mixed = 0
+        while not all(evs and evs[-1].finish_reason for evs in got.values()):
+            batch = await asyncio.wait_for(anext(feed), 10)
+            mixed += len({ev.request_id for ev in batch}) == 2
+            for ev in batch:
+                got[ev.request_id].append(ev)
+        for evs in got.values():
+            assert [ev.token_id for ev in evs] == [9] * 9 and evs[-1].finish_reason == "length"
+            assert [ev.index for ev in evs] == list(range(9))
+        assert mixed, "no list carried both requests' events"
+        assert coord.open_streams == 0 and coord.stats()["requests_done"] == 2
+
+        # a request still running when its caller closes the feed is aborted, and the stream ends
+        await coord.submit(GenerationRequest("c", (1, 2), 10_000, ignore_eos=True), "f")
+        assert (await asyncio.wait_for(anext(feed), 10))[0].request_id == "c"
+        coord.close_feed("f")
+        with pytest.raises(StopAsyncIteration):
+            while True:
+                await asyncio.wait_for(anext(feed), 10)
+        assert coord.open_streams == 0 and not coord.abort("c"), "c still runs after its feed closed"
+
+        # the gang fails: requests on a feed end with a retriable error event, new ones are refused
+        feed = coord.feed("g")
+        await coord.submit(GenerationRequest("d", (1, 2), 10_000, ignore_eos=True), "g")
+        await asyncio.wait_for(anext(feed), 10)
+        coord.fail_all("gang failure, retry: host 1 died", retriable=True)
+        last = None
+        while last is None or last.finish_reason is None:
+            last = (await asyncio.wait_for(anext(feed), 10))[-1]
+        assert last.finish_reason == "error" and last.retriable and "host 1 died" in last.error
+        with pytest.raises(GangUnavailableError, match="host 1 died"):
+            await coord.submit(GenerationRequest("e", (1,), 3), "g")
+        await feed.aclose()
+
+    asyncio.run(run())
+    coord.join(10)
+
+
 def test_gang_errors_cross_ray_intact():
     import pickle
 
