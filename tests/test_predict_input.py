@@ -98,30 +98,50 @@ def test_resume_refuses_foreign_output(tmp_path: Path) -> None:
         load_done(out)
 
 
+class _Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
 class _FakeCoordinator:
-    """Streams each request's tokens like the rank-0 coordinator: prompt's last id + 1, + 2, ... (fast stand-in)."""
+    """Rank 0's feed calls (submit / feed / abort / close_feed) as a fast stand-in: each request's tokens are the
+    prompt's last id + 1, + 2, ..., one list each."""
 
     def __init__(self, fail_first: set[int]) -> None:
-        self.fail_first = fail_first
-        self.generate = self
+        import types
 
-    def remote(self, req):
+        self.fail_first = fail_first
+        self._actor_id = types.SimpleNamespace(hex=lambda: "fake-coordinator")
+        self.feeds: dict = {}
+        self.submit, self.feed = _Method(self._submit), _Method(self._feed)
+        self.abort, self.close_feed = _Method(lambda request_id: None), _Method(self._close)
+
+    def _queue(self, name: str):
+        import asyncio
+
+        return self.feeds.setdefault(name, asyncio.Queue())
+
+    async def _submit(self, req, name: str) -> None:
         from raydeploy.engine.request import TokenEvent
 
-        index = int(req.request_id.split("-")[1])
+        q = self._queue(name)
+        if int(req.request_id.split("-")[1]) in self.fail_first and req.request_id.endswith("-0"):
+            q.put_nowait([TokenEvent(req.request_id, None, finish_reason="error", error="host died", retriable=True)])
+            return
+        for i in range(req.max_tokens):
+            done = "length" if i + 1 == req.max_tokens else None
+            q.put_nowait([TokenEvent(req.request_id, req.prompt_token_ids[-1] + i + 1, 0.0, i, done)])
 
-        async def one(ev):
-            return [ev]
+    async def _feed(self, name: str):
+        async def ready(batch):
+            return batch
 
-        async def stream():
-            if index in self.fail_first and req.request_id.endswith("-0"):
-                yield one(TokenEvent(req.request_id, None, finish_reason="error", error="host died", retriable=True))
-                return
-            for i in range(req.max_tokens):
-                done = "length" if i + 1 == req.max_tokens else None
-                yield one(TokenEvent(req.request_id, req.prompt_token_ids[-1] + i + 1, 0.0, i, done))
+        q = self._queue(name)
+        while (batch := await q.get()) is not None:
+            yield ready(batch)
 
-        return stream()
+    async def _close(self, name: str) -> None:
+        self._queue(name).put_nowait(None)
 
 
 class _FakeGang:
