@@ -19,6 +19,9 @@ How the replica tells Serve about its gang:
 
 A request the gang could not start (the gang is not ready, or failed before the first token) ends with one
 retriable error event without tokens, and the ingress sends it again, to another replica.
+
+Every request the replica sends its gang travels on one feed (raydeploy.gang.feed): rank 0 sends each step's tokens
+of all of them as one stream item, and the replica hands them to each request's Serve stream.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class GangReplica:
         from ray.util import get_current_placement_group
 
         from raydeploy.gang.directory import gang_name
+        from raydeploy.gang.feed import Feeds
         from raydeploy.gang.gang import create_supervisor
         from raydeploy.gang.placement import pins_tpu_slice
 
@@ -64,8 +68,6 @@ class GangReplica:
         self._state_at = -1e9
         self._coordinator: Any = None
         self._coordinator_generation: int | None = None
-        from raydeploy.gang.feed import Feeds
-
         self._feeds = Feeds()  # one token stream from rank 0 for all of this replica's requests
         log.info("gang replica %s started (placement group %s)", self.name, "Serve's" if pg else "its own")
         if ready_timeout_s is not None:  # RayService: the application turns RUNNING only with a ready gang
