@@ -329,6 +329,74 @@ def test_coordinator_feed_carries_every_request_closing_it_aborts_the_rest_and_f
     coord.join(10)
 
 
+class _FeedCoordinator:
+    """Rank 0's feed calls as a caller sees them (each `.remote` a coroutine or an async generator of awaitables):
+    every submitted request gets one token a list, forever, until aborted; records aborts and closes."""
+
+    class _Method:
+        def __init__(self, fn) -> None:
+            self.remote = fn
+
+    def __init__(self, refuse: Exception | None = None) -> None:
+        self.refuse = refuse
+        self.aborted: list[str] = []
+        self.closed: list[str] = []
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.submit, self.feed = self._Method(self._submit), self._Method(self._feed)
+        self.abort, self.close_feed = self._Method(self.aborted.append), self._Method(self._close)
+
+    async def _submit(self, req, name: str) -> None:
+        from raydeploy.engine.request import TokenEvent
+
+        if self.refuse is not None:
+            raise self.refuse
+        for i in range(3):
+            self.queue.put_nowait([TokenEvent(req.request_id, 7, 0.0, i)])
+
+    async def _feed(self, name: str):
+        async def ready(batch):
+            return batch
+
+        while (batch := await self.queue.get()) is not None:
+            yield ready(batch)
+
+    async def _close(self, name: str) -> None:
+        self.closed.append(name)
+        self.queue.put_nowait(None)
+
+
+def test_feed_aborts_a_request_its_caller_leaves_but_not_one_refused_and_ends_open_ones_when_it_closes():
+    from raydeploy.engine.scheduler import QueueFullError
+    from raydeploy.gang.feed import Feed
+
+    async def run() -> None:
+        coord = _FeedCoordinator()
+        feed = Feed(coord)
+        stream = feed.stream(GenerationRequest("left", (1,), 100))
+        first = await anext(stream)  # what has arrived, in one list
+        assert [ev.token_id for ev in first] == [7] * len(first) and [ev.index for ev in first] == [0, 1, 2][:len(first)]
+        await stream.aclose()  # the caller stops reading mid-request: rank 0 is told at once
+        assert coord.aborted == ["left"] and "left" not in feed.queues
+
+        open_one = feed.stream(GenerationRequest("open", (1,), 100))
+        await anext(open_one)
+        await feed.close()  # the stream ends: the request still open gets a final retriable error event
+        assert coord.closed == [feed.name]
+        rest = [ev async for batch in open_one for ev in batch]
+        assert rest[-1].finish_reason == "error" and rest[-1].retriable and "gang failure" in rest[-1].error, rest
+        assert coord.aborted == ["left"], "a request whose feed ended needs no abort"
+
+        refusing = _FeedCoordinator(refuse=QueueFullError(4, 4))
+        feed = Feed(refusing)
+        with pytest.raises(QueueFullError):
+            async for _ in feed.stream(GenerationRequest("refused", (1,), 5)):
+                pass
+        assert refusing.aborted == [] and not feed.queues  # never started: nothing to abort
+        await feed.close()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
 def test_gang_errors_cross_ray_intact():
     import pickle
 
