@@ -8,7 +8,7 @@ events go back through a thread-safe sink. Two ways out:
   to it, a step's events of all of them in one message (raydeploy.gang.feed is the caller's side). Each Ray
   stream item costs both ends CPU, and rank 0's is the gang's critical path: 16 streams would pay it 16 times
   a step;
-- `generate`: one stream per request (tests and tools that want one request's events alone).
+- `generate`: one stream per request (tests and tools that want one request's events alone), a feed of one.
 The scheduler is only ever touched under one lock. If the loop thread dies, or the supervisor declares the gang failed, every
 in-flight request gets a final TokenEvent with finish_reason "error" (retriable for gang failures) and
 new requests are refused with :class:`GangUnavailableError`.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from raydeploy.engine.interfaces import StepScheduler
@@ -126,34 +126,18 @@ class Coordinator:
 
     # -- the actor's event loop -------------------------------------------------------------------------
     async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
-        """Submit and yield lists of TokenEvents as steps produce them, ending with the finishing event."""
-        if self.error is not None:
-            raise GangUnavailableError(f"gang is unavailable: {self.error}")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def sink(ev: TokenEvent) -> None:  # called from the loop thread
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
-
-        with self._lock:
-            self.scheduler.submit(req, sink)  # QueueFullError propagates to the caller
-            self.requests_submitted += 1
-        finished = False
-        self.open_streams += 1
+        """Submit and yield lists of TokenEvents as steps produce them, ending with the finishing event: a feed of
+        this one request."""
+        name = f"request-{req.request_id}"
+        await self.submit(req, name)
+        events = self.feed(name)
         try:
-            while not finished:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                finished = any(ev.finish_reason is not None for ev in batch)
-                self.tokens_generated += sum(1 for ev in batch if ev.token_id is not None)
+            async for batch in events:
                 yield batch
-            self.requests_done += 1
+                if any(ev.finish_reason is not None for ev in batch):
+                    return
         finally:
-            self.open_streams -= 1
-            if not finished:  # the caller went away (disconnect, cancel): free the slot
-                with self._lock:
-                    self.scheduler.abort(req.request_id)
+            await events.aclose()  # a caller gone before the end (disconnect, cancel) frees the slot here
 
     def _feed(self, name: str) -> _Feed:
         feed = self._feeds.get(name)
@@ -166,14 +150,15 @@ class Coordinator:
         QueueFullError when the queue is full, GangUnavailableError when the gang cannot take requests."""
         if self.error is not None:
             raise GangUnavailableError(f"gang is unavailable: {self.error}")
-        f = self._feed(feed)
+        f = self._feeds.get(feed) or _Feed(asyncio.get_running_loop())
         with self._lock:
             self.scheduler.submit(req, f.put)  # QueueFullError propagates to the caller
             self.requests_submitted += 1
+        self._feeds[feed] = f  # only now: a refused request leaves no feed behind
         f.requests.add(req.request_id)
         self.open_streams += 1
 
-    async def feed(self, name: str) -> AsyncIterator[list[TokenEvent]]:
+    async def feed(self, name: str) -> AsyncGenerator[list[TokenEvent], None]:
         """The events of every request submitted to feed `name`, as the steps produce them: one list a wake-up
         (a step's events of all those requests). When the caller goes away, its unfinished requests are aborted."""
         f = self._feed(name)
