@@ -250,11 +250,12 @@ class EngineConfig(_Section):
     long prompt's first token; 0 = never wait (a chunk in every step). Prompts that fit one step never wait. The
     engine keeps its own clock within it; clients over HTTP see more (1.75 read 1.97-2.08x at the engine's 1.82x
     on the 2-host CPU default)."""
-    burst_wait: float = 0.25
+    burst_wait: float = 1.0
     """A request that finds the engine idle waits until this fraction of a decode pass (measured) has gone by with
-    no other arrival (each arrival starts the wait again; at most one decode pass after the first request), so
-    requests that arrive with it (a burst sent at once reaches rank 0 over tens of milliseconds) share that step
-    instead of waiting a whole step behind it. 0 = start at once; at most 1."""
+    no other arrival (each arrival starts the wait again; at most 8 decode passes after the first request), so
+    requests that arrive with it (a burst sent at once reaches rank 0 over tens to hundreds of milliseconds) share
+    that step instead of waiting a whole step behind it. A lone request pays this much of a pass in its time to
+    first token. 0 = start at once; at most 1."""
 
 
 @dataclass(frozen=True)

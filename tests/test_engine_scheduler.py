@@ -864,7 +864,7 @@ def test_for_engine_picks_the_paged_form_for_a_paged_engine():
 
     eng = PagedTokenEngine()
     sched = Scheduler.for_engine(eng, Config())
-    assert sched.paging == Paging(4, 32, 2, 16, True, max_decode_slowdown=1.6, burst_wait=0.25) and len(sched.pools) == 2
+    assert sched.paging == Paging(4, 32, 2, 16, True, max_decode_slowdown=1.6, burst_wait=1.0) and len(sched.pools) == 2
     assert sched.max_prompt_len == 63
 
     class SlotEngine:  # the slot engine's figures: no pages
@@ -937,7 +937,7 @@ def test_real_model_second_request_with_the_same_system_prompt_reuses_its_pages(
     engine, tok, cfg = real_paged
     serving = Scheduler.for_engine(engine, cfg)  # what the gang and `raydeploy generate` build
     assert serving.paging == Paging(16, engine.pages_per_group, 1, 128, True, mixed_step_tokens=32,
-                                    max_decode_slowdown=1.6, burst_wait=0.25)
+                                    max_decode_slowdown=1.6, burst_wait=1.0)
     system = (SYSTEM * 5)[:1600]  # about 430 tokens
     a_ids = _chat(tok, system, "How much is an electric bike for two days?")
     b_ids = _chat(tok, system, "Can my 10 year old son ride alone?")
@@ -1030,11 +1030,53 @@ def test_a_burst_reaching_an_idle_engine_over_some_milliseconds_starts_in_one_st
     _burst_shares_the_first_step([0.05, 0.0, 0.0])
 
 
-def test_a_burst_that_keeps_arriving_keeps_the_idle_engine_waiting_up_to_a_pass():
+def test_a_burst_that_keeps_arriving_keeps_the_idle_engine_waiting():
     """Arrivals 1.2 s apart, with a burst wait of 2 s (a quarter of an 8 s pass): each arrival starts the wait
     again, so all four share the first step although the last comes 3.6 s after the first (a wait fixed from
     the first arrival would have started the step with two)."""
     _burst_shares_the_first_step([1.2, 1.2, 1.2])
+
+
+def test_a_burst_that_never_stops_arriving_waits_at_most_burst_max_passes(monkeypatch):
+    """Arrivals every half pass, each within the burst wait (a whole pass) of the last, at an idle engine with
+    a slot for each of them: the wait still ends BURST_MAX_PASSES passes after the first request. The clock
+    is the test's: each wait moves it on by its timeout, at most half a pass, and a request arrives."""
+    from raydeploy.engine import scheduler as scheduler_mod
+
+    pass_s, now = 0.01, [1000.0]
+    monkeypatch.setattr(scheduler_mod.time, "monotonic", lambda: now[0])
+    eng = PagedTokenEngine(max_slots=64, groups=2, step_tokens=64, pages_per_group=256)
+    sched = _burst_scheduler(eng, 1.0)
+    sched.max_queue = 64
+    sched.decode_pass_s = pass_s
+    sched.clock = lambda: now[0]
+    arrivals = iter(range(1, 64))
+
+    class Arriving:
+        def __init__(self, cond) -> None:
+            self.cond, self.timeouts = cond, []
+
+        def wait(self, timeout=None) -> bool:
+            self.timeouts.append(timeout)
+            assert timeout <= pass_s + 1e-9, f"waited {timeout} s past the burst wait of one pass ({pass_s} s)"
+            now[0] += min(timeout, pass_s / 2)
+            i = next(arrivals)
+            self.cond.release()  # submit takes the lock, as a request arriving from another thread does
+            try:
+                sched.submit(req(f"r{i}", prompt=prompt_of(5, i), max_tokens=3), lambda ev: None)
+            finally:
+                self.cond.acquire()
+            return True
+
+        def __getattr__(self, name):
+            return getattr(self.cond, name)
+
+    sched._work = rec = Arriving(sched._work)
+    sched.submit(req("r0", prompt=prompt_of(5, 0), max_tokens=3), lambda ev: None)
+    assert sched.wait_for_work(1.0)
+    waited_passes = (now[0] - 1000.0) / pass_s
+    assert waited_passes == pytest.approx(scheduler_mod.BURST_MAX_PASSES), (waited_passes, rec.timeouts)
+    assert 2 * scheduler_mod.BURST_MAX_PASSES <= sched.queue_depth < eng.max_slots
 
 
 class _RecordingCondition:

@@ -49,9 +49,12 @@ if TYPE_CHECKING:
 
 Sink = Callable[[TokenEvent], None]
 
-BURST_MAX_PASSES = 1.0
-"""Longest burst wait, in decode passes after the first request: a request that misses the first step waits
-a whole step (several passes on CPU), so gathering a burst for up to a pass costs less than splitting it."""
+BURST_MAX_PASSES = 8.0
+"""Longest burst wait, in decode passes after the first request, while arrivals keep coming within the burst
+wait of each other. A request that misses the first step waits a whole step behind it, and then holds up the
+step after it; a burst cut in two ends its last stream a step or more later (each arrival costs the serving
+path some CPU beside the hosts, so 16 chat streams sent at once by one client reached rank 0 over ~100-300 ms
+on the 2-core default: 8-20 one-stream passes)."""
 MAX_HOLD_PASSES = 64
 """Most decode passes one decision holds prompt chunks back beside running streams (`Paging.max_decode_slowdown`)."""
 DECODE_PASS_WINDOW = 16
