@@ -691,6 +691,30 @@ def test_a_burst_spreads_over_the_groups_when_the_cached_prefix_is_worth_less_th
     assert all(q.start == 20 for q in eng.plans[n_plans].seqs)
 
 
+def test_streams_whose_prompts_one_group_cached_still_split_evenly_over_the_groups():
+    # 4 prompts run one at a time first: each lands in group 0 and caches its 2 full pages there. Sent again
+    # together as streams of 24 tokens, each costs 1 token on group 0 and 9 on group 1 this step, but a third
+    # or fourth row in group 0 would add a row to each of the 23 passes after it: two go to each group.
+    eng = PagedTokenEngine(max_slots=8, groups=2, step_tokens=16)
+    sched = paged(eng)
+    runner = LocalRunner(eng, sched)
+    prompts = [prompt_of(9, 40 + i) for i in range(4)]
+    for i, prompt in enumerate(prompts):
+        n_plans = len(eng.plans)
+        collect(runner, req(f"warm{i}", prompt=prompt, max_tokens=1))
+        assert eng.plans[n_plans].seqs[0].slot // 4 == 0
+    n_plans = len(eng.plans)
+    streams = [req(f"s{i}", prompt=prompt, max_tokens=24) for i, prompt in enumerate(prompts)]
+    outs = collect(runner, *streams)
+    first = eng.plans[n_plans]
+    assert sorted(q.slot // 4 for q in first.seqs) == [0, 0, 1, 1], [q.slot for q in first.seqs]
+    assert all(q.start == 8 for q in first.seqs if q.slot // 4 == 0)  # group 0's reuse their cached pages
+    most = max(max(sum(q.slot // 4 == g for q in pl.seqs) for g in (0, 1)) for pl in eng.plans[n_plans:])
+    assert most == 2  # no plan after it runs more than 2 rows in a group
+    for r in streams:
+        assert outs[r.request_id].token_ids == alone(r.prompt_token_ids, 24)
+
+
 def test_prefix_cache_reuses_full_pages_and_starts_after_them():
     eng = PagedTokenEngine(max_slots=2, groups=1)
     sched = paged(eng)

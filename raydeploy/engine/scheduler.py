@@ -243,6 +243,9 @@ class Scheduler:
                 for pool in self.pools:
                     for k, v in pool.stats().items():
                         out[k] = out.get(k, 0) + v
+            per_group = self.max_slots // self.paging.groups
+            out["slots_in_use_per_group"] = [sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group])
+                                             for g in range(self.paging.groups)]
             out["prefill_tokens"] = self.prefill_tokens
             out["prefix_hit_tokens"] = self.prefix_hit_tokens
             # the step times the chunk hold-back (max_decode_slowdown) works from
@@ -507,18 +510,27 @@ class Scheduler:
 
     def _place(self, q: _Queued, p: Paging, budget: list[int]) -> tuple[int, SequencePages] | None:
         """A slot and pages for a queued request, or None if no dp group has both now. Among the groups with a
-        free slot and room for its pages: the one where this step ends soonest with the prompt in it (a step
-        costs its largest group's tokens: the most token budget left after the tokens the prompt computes
-        there, its cached prefix pages excluded), then the fewest running requests. A cached prefix draws a
-        prompt to its group only while that group's step stays shorter than computing the prefix elsewhere:
-        a burst does not pile into the one group that served the last request while the others idle."""
+        free slot and room for its pages, the one where it costs least, in tokens of a step (a decode row counts
+        one): how much longer it makes this step (a step costs its largest group's tokens; the prompt computes
+        its tokens here, its cached prefix pages excluded) plus how much longer every decode pass after it, for
+        as many passes as its max_tokens allows (the groups run in lockstep, so a pass costs its largest
+        group's rows: a request that makes its group hold more rows than any group holds now adds a row to
+        each). Ties go to the group with the most step budget left, then the fewest running requests. So a
+        cached prefix draws a prompt to its group only while computing it elsewhere costs more than the
+        step and the passes it unbalances: a burst does not pile into the one group that served the last
+        request while the others idle; streams whose short prompts were cached in one group split evenly
+        (7 chat streams of 1536 tokens went 5 / 2 when only this step counted); a long shared system prompt
+        keeps short requests on the group that caches it."""
         req = q.req
         per_group = self.max_slots // p.groups
         if q.keys is None:
             q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size) if p.prefix_caching else []
         cap = self._reserve_for(len(req.prompt_token_ids), req.max_tokens)
         n = len(req.prompt_token_ids)
-        best: tuple[tuple[int, int, int], int, int] | None = None
+        rows = [sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group]) for g in range(p.groups)]
+        most_rows, least_budget = max(rows), min(budget)
+        passes = max(0, min(req.max_tokens, self.max_seq_len - n) - 1)  # after the pass of its first token
+        best: tuple[tuple[int, int, int, int], int, int] | None = None
         for slot in self.slot_order:
             g = slot // per_group
             if self._slots[slot] is not None or (best is not None and best[1] == g):
@@ -526,8 +538,10 @@ class Scheduler:
             hit, fits = SequencePages.fits(self.pools[g], q.keys, cap)
             if not fits:
                 continue
-            running = sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group])
-            rank = (budget[g] - (n - hit * p.page_size), -running, -self.slot_order.index(slot))
+            tokens = min(n - hit * p.page_size, max(budget[g], 0))  # what it computes here this step
+            # how much longer this step gets (its largest group's tokens) and every pass after it
+            cost = (max(0, tokens - (budget[g] - least_budget)) + max(0, rows[g] + 1 - most_rows) * passes)
+            rank = (-cost, budget[g] - tokens, -rows[g], -self.slot_order.index(slot))
             if best is None or rank > best[0]:
                 best = (rank, g, slot)
         if best is None:
