@@ -705,7 +705,11 @@ def test_streams_whose_prompts_one_group_cached_still_split_evenly_over_the_grou
         assert eng.plans[n_plans].seqs[0].slot // 4 == 0
     n_plans = len(eng.plans)
     streams = [req(f"s{i}", prompt=prompt, max_tokens=24) for i, prompt in enumerate(prompts)]
-    outs = collect(runner, *streams)
+    running = [runner.submit(r) for r in streams]
+    runner.step_once()
+    assert sched.stats()["slots_in_use_per_group"] == [2, 2]  # what /status shows
+    runner.run_until_idle()
+    outs = {r.request_id: s.result(5) for r, s in zip(streams, running, strict=True)}
     first = eng.plans[n_plans]
     assert sorted(q.slot // 4 for q in first.seqs) == [0, 0, 1, 1], [q.slot for q in first.seqs]
     assert all(q.start == 8 for q in first.seqs if q.slot // 4 == 0)  # group 0's reuse their cached pages
