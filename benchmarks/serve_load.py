@@ -11,7 +11,9 @@ official `openai` client and measures, against that one gang:
 - prefix cache: TTFT of a ~400-token system prompt + a short user message, uncached (first use) and cached
   (same system prompt, another user message), median over distinct system prompts, and the cache counters
   the deployment publishes on /status and /metrics;
-- a ~1500-token prompt arriving while 7 streams decode: their TPOT while it prefills against their TPOT before;
+- a ~1500-token prompt arriving while 7 streams decode: their TPOT while it prefills against their TPOT before,
+  and a control without the prompt (the streams' own slowdown as their contexts grow, and the prompt's cost
+  over it);
 then, with the gang shut down, transformers `generate` (float32, 2 threads) at batch 8 on the same prompts:
 aggregate tokens/s and batched prefill time. Writes OUT.json (figures, and under "targets" each figure with
 its peer, ratio, target and whether it is met) and OUT.png.
@@ -338,27 +340,48 @@ AFTER_MARGIN_S = 5.0
 check that it ran through the prefill) before the streams are cancelled."""
 
 
+async def _decoding(client, model: str, streams: int, stream_tokens: int, temperature: float) -> list[_Stream]:
+    """`streams` chat streams (PROMPTS[8:]), returned once every one has shown a token and a second more has gone
+    by (every stream decoding)."""
+    running = [_Stream(client, model, [{"role": "user", "content": p}], stream_tokens, temperature)
+               for p in PROMPTS[8:8 + streams]]
+    deadline = time.perf_counter() + 600
+    while not all(s.arrivals for s in running):
+        for s in running:
+            if s.task.done() and not s.arrivals:
+                await s.task  # raises what failed
+                raise RuntimeError("long-prompt test: a running stream ended without a token")
+        if time.perf_counter() > deadline:
+            raise RuntimeError("long-prompt test: the running streams did not all start within 600 s")
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(1.0)  # settle: every stream decoding
+    return running
+
+
+async def _cancel(running: list[_Stream]) -> None:
+    for s in running:
+        s.task.cancel()
+    ended = await asyncio.gather(*[s.task for s in running], return_exceptions=True)
+    failed = [e for e in ended if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
+    if failed:
+        raise RuntimeError(f"long-prompt test: a running stream failed: {failed[0]!r}")
+
+
 def measure_long_arrival(serving, tok, model: str, streams: int, stream_tokens: int, long_tokens: int,
                          before_s: float, rounds: int, temperature: float) -> dict:
     """`streams` streams decode; over `before_s` their time per output token is measured, then a prompt of
-    ~`long_tokens` tokens arrives and their TPOT is measured again while it prefills (until its first token)."""
+    ~`long_tokens` tokens arrives and their TPOT is measured again while it prefills (until its first token).
+
+    Then a control: the same streams started again the same way, with no prompt, timed over the same `before_s`
+    and then over as many tokens as they got during the prefill. Their passes slow as their contexts grow
+    whatever arrives, so the control's second TPOT over its first is the streams' own growth, and the TPOT during
+    the prefill over the control's second is what the prompt itself cost them."""
 
     async def one(r: int) -> dict:
         text = _prose(tok, long_tokens, 5 * r + 2, f"Chronicle {r} of the valley, told in full.")
         msgs = [{"role": "user", "content": text + " Give this chronicle a title."}]
         client = _client(serving.url)
-        running = [_Stream(client, model, [{"role": "user", "content": p}], stream_tokens, temperature)
-                   for p in PROMPTS[8:8 + streams]]
-        deadline = time.perf_counter() + 600
-        while not all(s.arrivals for s in running):
-            for s in running:
-                if s.task.done() and not s.arrivals:
-                    await s.task  # raises what failed
-                    raise RuntimeError("long-prompt test: a running stream ended without a token")
-            if time.perf_counter() > deadline:
-                raise RuntimeError("long-prompt test: the running streams did not all start within 600 s")
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(1.0)  # settle: every stream decoding
+        running = await _decoding(client, model, streams, stream_tokens, temperature)
         s0 = await asyncio.to_thread(_engine_stats, serving)
         b0 = time.perf_counter()
         await asyncio.sleep(before_s)
@@ -378,22 +401,31 @@ def measure_long_arrival(serving, tok, model: str, streams: int, stream_tokens: 
         deadline = time.perf_counter() + AFTER_MARGIN_S
         while time.perf_counter() < deadline and not all(s.arrivals[-1] > d1 or s.task.done() for s in running):
             await asyncio.sleep(0.02)
-        for s in running:
-            s.task.cancel()
-        ended = await asyncio.gather(*[s.task for s in running], return_exceptions=True)
-        failed = [e for e in ended if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
-        if failed:
-            raise RuntimeError(f"long-prompt test: a running stream failed: {failed[0]!r}")
-        await client.close()
+        await _cancel(running)
         n_before = sum(s.tokens_in(b0, b1) for s in running)
         n_during = sum(s.tokens_in(b1, d1) for s in running)
         through = all(s.arrivals[-1] > d1 for s in running)
         tpot_b = streams * (b1 - b0) / max(1, n_before)
         tpot_d = streams * (d1 - b1) / max(1, n_during)
+        # the control: no prompt; the same window before, then until the streams have as many tokens again
+        control = await _decoding(client, model, streams, stream_tokens, temperature)
+        c0 = time.perf_counter()
+        await asyncio.sleep(before_s)
+        c1 = time.perf_counter()
+        deadline = c1 + max(60.0, 4 * (d1 - b1))
+        while sum(s.tokens_in(c1, float("inf")) for s in control) < n_during and time.perf_counter() < deadline:
+            await asyncio.sleep(0.005)
+        c2 = time.perf_counter()
+        await _cancel(control)
+        await client.close()
+        tpot_cb = streams * (c1 - c0) / max(1, sum(s.tokens_in(c0, c1) for s in control))
+        tpot_cd = streams * (c2 - c1) / max(1, sum(s.tokens_in(c1, c2) for s in control))
         return {"long_prompt_tokens": len(_chat_ids(tok, msgs)), "long_ttft_ms": round(1e3 * (d1 - b1), 1),
                 "before_window_s": round(b1 - b0, 2), "tokens_before": n_before, "tokens_during": n_during,
                 "tpot_before_ms": round(1e3 * tpot_b, 2), "tpot_during_ms": round(1e3 * tpot_d, 2),
                 "ratio": round(tpot_d / tpot_b, 3), "streams_ran_through": through,
+                "control_tpot_before_ms": round(1e3 * tpot_cb, 2), "control_tpot_after_ms": round(1e3 * tpot_cd, 2),
+                "control_growth": round(tpot_cd / tpot_cb, 3), "ratio_vs_control": round(tpot_d / tpot_cd, 3),
                 # the engine's step clock (rank 0, a step = one plan) over each window: where the time goes
                 "engine_before": _clock(s0, s1),
                 "engine_during": _clock(s1, s2)}
@@ -406,6 +438,8 @@ def measure_long_arrival(serving, tok, model: str, streams: int, stream_tokens: 
             "tpot_before_ms": statistics.median(x["tpot_before_ms"] for x in runs),
             "tpot_during_ms": statistics.median(x["tpot_during_ms"] for x in runs),
             "ratio": statistics.median(x["ratio"] for x in runs),
+            "control_growth": statistics.median(x["control_growth"] for x in runs),
+            "ratio_vs_control": statistics.median(x["ratio_vs_control"] for x in runs),
             "streams_ran_through": all(x["streams_ran_through"] for x in runs)}
 
 
