@@ -416,16 +416,18 @@ def measure_long_arrival(serving, tok, model: str, streams: int, stream_tokens: 
         while sum(s.tokens_in(c1, float("inf")) for s in control) < n_during and time.perf_counter() < deadline:
             await asyncio.sleep(0.005)
         c2 = time.perf_counter()
+        control_tokens = sum(s.tokens_in(c1, c2) for s in control)
         await _cancel(control)
         await client.close()
         tpot_cb = streams * (c1 - c0) / max(1, sum(s.tokens_in(c0, c1) for s in control))
-        tpot_cd = streams * (c2 - c1) / max(1, sum(s.tokens_in(c1, c2) for s in control))
+        tpot_cd = streams * (c2 - c1) / max(1, control_tokens)
         return {"long_prompt_tokens": len(_chat_ids(tok, msgs)), "long_ttft_ms": round(1e3 * (d1 - b1), 1),
                 "before_window_s": round(b1 - b0, 2), "tokens_before": n_before, "tokens_during": n_during,
                 "tpot_before_ms": round(1e3 * tpot_b, 2), "tpot_during_ms": round(1e3 * tpot_d, 2),
                 "ratio": round(tpot_d / tpot_b, 3), "streams_ran_through": through,
                 "control_tpot_before_ms": round(1e3 * tpot_cb, 2), "control_tpot_after_ms": round(1e3 * tpot_cd, 2),
                 "control_growth": round(tpot_cd / tpot_cb, 3), "ratio_vs_control": round(tpot_d / tpot_cd, 3),
+                "control_complete": control_tokens >= n_during,  # False: its deadline came first
                 # the engine's step clock (rank 0, a step = one plan) over each window: where the time goes
                 "engine_before": _clock(s0, s1),
                 "engine_during": _clock(s1, s2)}
