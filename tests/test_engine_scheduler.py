@@ -1080,10 +1080,7 @@ def test_a_burst_that_never_stops_arriving_waits_at_most_burst_max_passes(monkey
     sched.clock = lambda: now[0]
     arrivals = iter(range(1, 64))
 
-    class Arriving:
-        def __init__(self, cond) -> None:
-            self.cond, self.timeouts = cond, []
-
+    class Arriving(_RecordingCondition):
         def wait(self, timeout=None) -> bool:
             self.timeouts.append(timeout)
             assert timeout <= pass_s + 1e-9, f"waited {timeout} s past the burst wait of one pass ({pass_s} s)"
@@ -1095,9 +1092,6 @@ def test_a_burst_that_never_stops_arriving_waits_at_most_burst_max_passes(monkey
             finally:
                 self.cond.acquire()
             return True
-
-        def __getattr__(self, name):
-            return getattr(self.cond, name)
 
     sched._work = rec = Arriving(sched._work)
     sched.submit(req("r0", prompt=prompt_of(5, 0), max_tokens=3), lambda ev: None)

@@ -243,9 +243,7 @@ class Scheduler:
                 for pool in self.pools:
                     for k, v in pool.stats().items():
                         out[k] = out.get(k, 0) + v
-            per_group = self.max_slots // self.paging.groups
-            out["slots_in_use_per_group"] = [sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group])
-                                             for g in range(self.paging.groups)]
+            out["slots_in_use_per_group"] = self._rows_per_group(self.paging.groups)
             out["prefill_tokens"] = self.prefill_tokens
             out["prefix_hit_tokens"] = self.prefix_hit_tokens
             # the step times the chunk hold-back (max_decode_slowdown) works from
@@ -262,6 +260,11 @@ class Scheduler:
     @property
     def slots_in_use(self) -> int:
         return sum(r is not None for r in self._slots)
+
+    def _rows_per_group(self, groups: int) -> list[int]:
+        """Running requests in each dp group's slots."""
+        per_group = self.max_slots // groups
+        return [sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group]) for g in range(groups)]
 
     def idle(self) -> bool:
         with self._lock:
@@ -527,7 +530,7 @@ class Scheduler:
             q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size) if p.prefix_caching else []
         cap = self._reserve_for(len(req.prompt_token_ids), req.max_tokens)
         n = len(req.prompt_token_ids)
-        rows = [sum(r is not None for r in self._slots[g * per_group:(g + 1) * per_group]) for g in range(p.groups)]
+        rows = self._rows_per_group(p.groups)
         most_rows, least_budget = max(rows), min(budget)
         passes = max(0, min(req.max_tokens, self.max_seq_len - n) - 1)  # after the pass of its first token
         best: tuple[tuple[int, int, int, int], int, int] | None = None
