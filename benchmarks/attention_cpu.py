@@ -12,9 +12,12 @@ attention shapes (9 query heads, 3 kv heads, head_dim 64, 30 layers, float32) un
 - `paged-mixed` (with --chunk): one prefill chunk of that many tokens in the same step as rows-1 decode rows.
 - `native`: the native decode-row kernel (`raydeploy.model.native.decode_attention`, what the engine's CPU decode
   passes run in place of `paged`) over the same pool and tables, where it can be built.
+- with `--kv-dtypes float32,bfloat16,float16`: `native`, `paged` and `paged-mixed` again over the pool stored in
+  each 16-bit dtype (`engine.kv_dtype`): half the bytes to read, widened to float32 as they are read.
 
     .venv/bin/python benchmarks/attention_cpu.py
     .venv/bin/python benchmarks/attention_cpu.py --rows 1,8,32 --contexts 256,1024 --chunk 256
+    .venv/bin/python benchmarks/attention_cpu.py --rows 4 --contexts 384,768 --kv-dtypes float32,bfloat16,float16
 
 Prints the CPU's vector flags and writes benchmarks/results/attention_cpu.json.
 """
@@ -159,6 +162,14 @@ def run_case(rows: int, context: int, chunk: int, a: argparse.Namespace) -> dict
         cu_m = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
         res["chunk"] = chunk
         calls["paged_mixed_ms"] = (paged_program(tokens), (q_mixed, pool, lens, table, cu_m, n))
+    for dtype in (x for x in a.kv_dtypes.split(",") if x != "float32"):  # the same pool in 16 bits
+        half = pool.astype(dtype)
+        calls[f"paged_{dtype}_ms"] = (paged_program(rows), (q0, half, lens, table, cu, n))
+        native_half = native_program(half, scale, layers, (q0, half, lens, table))
+        if native_half is not None:
+            calls[f"native_{dtype}_ms"] = (native_half, (q0, half, lens, table))
+        if chunk:
+            calls[f"paged_mixed_{dtype}_ms"] = (paged_program(tokens), (q_mixed, half, lens, table, cu_m, n))
     res.update(timed(calls, a.iters))
     res["paged_vs_contiguous"] = round(res["contiguous_ms"] / res["paged_ms"], 3)
     if "native_ms" in res:
@@ -177,6 +188,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--kv-dtypes", default="float32",
+                   help="pool dtypes, comma-separated (float32, bfloat16, float16): each 16-bit one timed beside float32")
     p.add_argument("--sliced", action="store_true",
                    help="also time the paged step with each layer's pool sliced out of the stacked cache")
     p.add_argument("--out", default=str(RESULTS))
@@ -199,6 +212,12 @@ def main() -> None:
                 line += f"  native {r['native_ms']:7.2f} ms (paged/native x{r['native_vs_paged']})"
             if "paged_mixed_ms" in r:
                 line += f"  mixed (+{a.chunk}-token chunk) {r['paged_mixed_ms']:7.2f} ms"
+            for dtype in (x for x in a.kv_dtypes.split(",") if x != "float32"):
+                line += f"\n    {dtype} pool: paged {r[f'paged_{dtype}_ms']:7.2f} ms"
+                if f"native_{dtype}_ms" in r:
+                    line += f"  native {r[f'native_{dtype}_ms']:7.2f} ms"
+                if f"paged_mixed_{dtype}_ms" in r:
+                    line += f"  mixed {r[f'paged_mixed_{dtype}_ms']:7.2f} ms"
             print(line, flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

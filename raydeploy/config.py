@@ -198,6 +198,13 @@ class EngineConfig(_Section):
     num_pages: int = 0
     """Pages in each dp group's pool; 0 = auto: enough for every slot of the group at max_seq_len (the memory of
     a slot cache of the same size), so requests never wait for pages while a slot is free."""
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the KV cache pages: auto = model.dtype. float16 halves a float32 model's cache, and the bytes every
+    decode pass reads from it: the attention widens each key and value to float32 as it reads it and sums in
+    float32, so only the stored K/V are rounded (a relative error of ~5e-4; values past float16's 65504 saturate
+    there). On CPU the decode rows' attention waits on those reads (the demo model: 1.4x faster with float16 at
+    400-800 cached tokens, where it is a third of a decode pass); bfloat16 (~4e-3) is slower than float32 on XLA
+    CPU. A dtype other than model.dtype needs the xla attention backend: the pallas kernels read the model's."""
     prefill_chunk: int = 256
     """Most tokens one engine step computes per dp group (prompt chunks plus decode rows): a longer prompt is
     prefilled over several steps, between which running streams keep decoding."""

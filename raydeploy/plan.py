@@ -46,7 +46,7 @@ DEVICE_MEMORY_GIB: dict[str, float] = {
 # Fraction of device memory the plan lets parameters + KV cache use; the rest is for activations,
 # compiled programs and the runtime (on GPU set XLA_PYTHON_CLIENT_MEM_FRACTION accordingly).
 USABLE_FRACTION: dict[str, float] = {"tpu": 0.9, "gpu": 0.85, "cpu": 0.8}
-ITEMSIZE = {"float32": 4, "bfloat16": 2}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,17 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
     groups = math.prod(mesh.get(a, 1) for a in _axes(rules.get("cache_batch")))
     slots_per_group = max(eng.max_slots // groups, 1)
     pages_per_group = resolve_num_pages(eng.num_pages, slots_per_group, cfg.model.max_seq_len, eng.page_size)
-    from raydeploy.engine.kv_cache import PoolLayout, pool_specs  # imports jax: only when planning
+    from raydeploy.engine.kv_cache import (  # imports jax: only when planning
+        PoolLayout,
+        pool_specs,
+        resolve_kv_dtype,
+    )
+
+    try:
+        kv_dtype = resolve_kv_dtype(eng.kv_dtype, cfg.model.dtype, eng.attention, c.platform)
+    except ValueError as err:
+        problems.append(str(err))
+        kv_dtype = cfg.model.dtype
 
     layout = PoolLayout.for_engine(family, model, eng, cfg.model.max_seq_len, groups)
     kv_specs = pool_specs(family, model, layout, pages_per_group * groups, eng.page_size, eng.max_slots)
@@ -301,7 +311,7 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
     if eng.max_slots % dp:
         problems.append(f"engine.max_slots {eng.max_slots} is not divisible by mesh dp={dp}")
 
-    p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[cfg.model.dtype]
+    p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[kv_dtype]
     param_count = family.param_count(model)
     p_dev = sum(_shard_numel(s, rules, mesh) for s in specs.values()) * p_item
     kv_total = sum(spec.numel for spec in kv_specs) * kv_item
@@ -353,7 +363,7 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
         platform=c.platform, accelerator_type=c.accelerator_type, num_hosts=c.num_hosts,
         devices_per_host=c.devices_per_host, total_devices=cfg.total_devices, mesh=mesh,
         mesh_axis_span=axis_span(mesh, c.devices_per_host), placement_strategy=placement_strategy(c),
-        bundles=host_bundles(c), param_dtype=cfg.model.param_dtype, kv_dtype=cfg.model.dtype,
+        bundles=host_bundles(c), param_dtype=cfg.model.param_dtype, kv_dtype=kv_dtype,
         param_count=param_count, param_bytes_total=param_count * p_item, param_bytes_per_device=p_dev,
         param_bytes_per_host=p_dev * c.devices_per_host, kv_bytes_total=kv_total, kv_bytes_per_device=kv_dev,
         kv_bytes_per_host=kv_dev * c.devices_per_host, slots_per_dp_group=eng.max_slots // dp if dp else 0,

@@ -161,5 +161,6 @@ def test_kill_rank1_mid_generation_then_restart_and_generate_again(gang):
     # this mesh splits the weights, so the hosts keep XLA's dot for few rows and say why
     why = "xla (the mesh splits weights over {'fsdp': 2, 'tp': 2} (the kernel needs them replicated))"
     assert [h["matmul"] for h in rows] == [why, why], rows
+    assert [h["kv_dtype"] for h in rows] == ["float16", "float16"], rows  # the embedded default's KV cache
     after = [e.token_id for e in gang.generate(_greedy("after", PROMPTS[0]), timeout_s=300)]
     assert after == before

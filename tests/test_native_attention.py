@@ -1,8 +1,9 @@
 """The native CPU attention of decode rows (`raydeploy.model.native.decode_attention`): one query token per row
 against the keys of its pages, read straight from the pool, equal to the XLA backend's decode path over shapes
 that exercise every remainder (grouped query heads, a head dim past the 8-wide vectors, rows of 0, 1 and a page
-plus one keys, page tables in any order, a sliding window, a soft cap); used by the XLA backend only inside a
-program that runs the native kernels; a row longer than its page table is an error that says so."""
+plus one keys, page tables in any order, a sliding window, a soft cap), over float32, bfloat16 and float16 pools
+(`engine.kv_dtype`); used by the XLA backend only inside a program that runs the native kernels; a row longer
+than its page table is an error that says so, and so is a pool of another dtype."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from raydeploy.engine.attention import xla
 from raydeploy.model import native
 
 
-def _case(seed: int, lens: list[int], hq: int, hkv: int, d: int, page_size: int, pages_per_seq: int):
+def _case(seed: int, lens: list[int], hq: int, hkv: int, d: int, page_size: int, pages_per_seq: int,
+          kv_dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     s = len(lens)
     num_pages = s * pages_per_seq + 3
     pool = rng.standard_normal((num_pages, page_size, 2 * hkv, d), dtype=np.float32)
     table = rng.permutation(num_pages)[: s * pages_per_seq].reshape(s, pages_per_seq).astype(np.int32)
     q = rng.standard_normal((s, hq, d), dtype=np.float32)
-    return jnp.asarray(q), jnp.asarray(pool), jnp.asarray(lens, jnp.int32), jnp.asarray(table)
+    return jnp.asarray(q), jnp.asarray(pool, kv_dtype), jnp.asarray(lens, jnp.int32), jnp.asarray(table)
 
 
 def _native(fn, *args):
@@ -52,8 +54,10 @@ def _xla_decode(q, pool, lens, table, **kw):
     ([45, 8, 100], 6, 3, 80, 8, 13, 37, None),              # 64 + 16 dims, a window across pages of 8
     ([33, 17, 90], 10, 2, 48, 16, 6, None, None),           # G = 5: three query heads at once, then two; 48 dims
 ])
-def test_kernel_equals_the_xla_decode_path(native_library, lens, hq, hkv, d, page_size, pps, window, cap):
-    q, pool, lens_a, table = _case(sum(lens) + hq + d, lens, hq, hkv, d, page_size, pps)
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
+def test_kernel_equals_the_xla_decode_path(native_library, lens, hq, hkv, d, page_size, pps, window, cap, kv_dtype):
+    """The XLA path widens a 16-bit pool to float32 as it reads it, as the kernel does: the same values."""
+    q, pool, lens_a, table = _case(sum(lens) + hq + d, lens, hq, hkv, d, page_size, pps, jnp.dtype(kv_dtype))
     kw = dict(sm_scale=1.0 / np.sqrt(d), sliding_window=window, soft_cap=cap)
     got = _native(lambda *a: native.decode_attention(*a, **kw), q, pool, lens_a, table)
     want = _xla_decode(q, pool, lens_a, table, **kw)
@@ -76,10 +80,12 @@ def test_the_xla_backend_uses_it_only_inside_a_native_program(native_library):
     assert native.TARGET_ATTENTION in lowered.as_text()
     np.testing.assert_allclose(np.asarray(lowered.compile()(q, pool, lens, table, cu, n)),
                                np.asarray(plain.compile()(q, pool, lens, table, cu, n)), rtol=2e-5, atol=2e-5)
-    # bfloat16 caches stay with XLA
+    # a bfloat16 query (a bfloat16 model) stays with XLA; a bfloat16 pool beside a float32 query does not
     with native.rows_over(mesh, ("dp",)):
         bf = attend().lower(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), lens, table, cu, n)
+        half_pool = attend().lower(q, pool.astype(jnp.bfloat16), lens, table, cu, n)
     assert native.TARGET_ATTENTION not in bf.as_text()
+    assert native.TARGET_ATTENTION in half_pool.as_text()
 
 
 def test_a_row_longer_than_its_page_table_is_refused(native_library):
@@ -87,3 +93,15 @@ def test_a_row_longer_than_its_page_table_is_refused(native_library):
     with pytest.raises(Exception, match="decode_attention: a row's length exceeds its page table"):
         np.asarray(_native(lambda *a: native.decode_attention(*a, sm_scale=1.0), q, pool,
                            jnp.asarray([4, 9], jnp.int32), table))
+
+
+def test_a_pool_of_another_dtype_is_refused_by_the_kernel(native_library):
+    """The Python side sends only the dtypes the kernel reads; the kernel itself names them if called otherwise."""
+    q, pool, lens, table = _case(6, [4, 4], 2, 1, 8, 4, 2)
+    call = jax.ffi.ffi_call(native.TARGET_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    with pytest.raises(Exception, match="the pool must be float32, bfloat16 or float16"):
+        np.asarray(_native(lambda *a: call(*a, sm_scale=np.float32(1.0), soft_cap=np.float32(0.0),
+                                           sliding_window=np.int64(0)), q, pool.astype(jnp.int8), lens, table))
+    with native.rows_over(jax.make_mesh((1,), ("dp",)), ("dp",)):
+        assert native.decode_attention(q, pool, lens, table, sm_scale=1.0) is not None
+        assert native.decode_attention(q, pool.astype(jnp.int8), lens, table, sm_scale=1.0) is None

@@ -254,9 +254,33 @@ def test_a_cpu_plan_counts_the_packed_copies_weights_may_add(tmp_path: Path) -> 
     for text in ("engine: {pack_weights: 'off'}", "model: {param_dtype: bfloat16}"):
         assert make_plan(load_config(_write(tmp_path, "local.yaml", text)), model=SMOLLM2).packed_bytes_per_device == 0
     assert make_plan(load_config(CONFIGS / "cpu-fsdp.yaml"), model=SMOLLM2).packed_bytes_per_device == 0
-    # 0.9 GiB usable: the float32 weights and the KV pool fit, the packed copies would not
-    tight = make_plan(load_config(_write(tmp_path, "local.yaml", "cluster: {device_memory_gib: 1.125}")), model=SMOLLM2)
+    # 0.72 GiB usable: the float32 weights (0.50 GiB) and the float16 KV pool (0.18) fit, the packed copies would not
+    tight = make_plan(load_config(_write(tmp_path, "local.yaml", "cluster: {device_memory_gib: 0.9}")), model=SMOLLM2)
     assert tight.ok
     assert any("with packed copies of 4-/8-bit-block weights (up to 0.10 GiB) they would not" in w
                and "engine.pack_weights: off" in w for w in tight.warnings), tight.warnings
     assert "packed copies up to 0.10 GiB per device" in format_plan(plan)
+
+
+def test_the_kv_cache_dtype_sets_the_planned_pool_and_pallas_needs_the_models(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture) -> None:
+    """`engine.kv_dtype` float16 halves a float32 model's planned pool and `plan` prints its dtype; auto is the
+    model's dtype. On a TPU the pallas kernels read the model's dtype, so another one is a problem that names the
+    settings, unless the attention backend is xla."""
+    f32 = make_plan(load_config(_write(tmp_path, "local.yaml", "engine: {kv_dtype: float32}")), model=SMOLLM2)
+    f16 = make_plan(load_config(_write(tmp_path, "local.yaml", "engine: {kv_dtype: float16}")), model=SMOLLM2)
+    auto = make_plan(load_config(_write(tmp_path, "local.yaml", "engine: {kv_dtype: auto}")), model=SMOLLM2)
+    assert (f32.kv_dtype, f16.kv_dtype, auto.kv_dtype) == ("float32", "float16", "float32")
+    assert f16.kv_bytes_per_device * 2 == f32.kv_bytes_per_device == auto.kv_bytes_per_device > 0
+    assert f16.kv_bytes_per_token * 2 == f32.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
+    assert f16.ok and "KV cache      float16:" in format_plan(f16)
+    tpu = make_plan(load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {kv_dtype: float16}")))
+    assert not tpu.ok
+    assert any("engine.kv_dtype float16 differs from model.dtype bfloat16, but the pallas attention kernels on tpu "
+               "read the KV cache in the model's dtype" in p for p in tpu.problems), tpu.problems
+    assert main(["plan", str(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {kv_dtype: float16}"))]) != 0
+    assert "set engine.kv_dtype auto, or engine.attention xla" in capsys.readouterr().err
+    xla = make_plan(load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {kv_dtype: float16, attention: xla}")))
+    assert xla.ok and xla.kv_dtype == "float16", xla.problems
+    same = make_plan(load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {kv_dtype: bfloat16}")))
+    assert same.ok and same.kv_bytes_per_device == tpu.kv_bytes_per_device

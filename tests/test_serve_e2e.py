@@ -258,6 +258,8 @@ def test_input_limits_and_security(live):
     if native._cpu_problem() is None and native.packs_weights() is None:
         want = "native (8 weights packed)"
     assert [h["matmul"] for h in gang["host_status"]] == [want, want], gang["host_status"]
+    # the embedded default holds its KV cache in float16 (`engine.kv_dtype`)
+    assert [h["kv_dtype"] for h in gang["host_status"]] == ["float16", "float16"], gang["host_status"]
 
 
 def test_timeout_and_disconnect_free_the_slot(live):

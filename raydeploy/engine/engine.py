@@ -123,7 +123,7 @@ class Engine:
         self._layer_views = ps.layer_views(self._param_leaves)
         if self._layer_views is None:
             ps.scan_everywhere()
-        self.pool = allocate_pool(family, cfg, ps.layout, ps.total_pages, ps.page_size, ps.max_slots, ps.dtype, mesh,
+        self.pool = allocate_pool(family, cfg, ps.layout, ps.total_pages, ps.page_size, ps.max_slots, ps.kv_dtype, mesh,
                                   ps.rules)
         vocab = cfg.vocab_size
         self.presence = jax.jit(lambda: jnp.zeros((ps.max_slots, vocab), bool),
@@ -196,6 +196,11 @@ class Engine:
         if ps.stacked_matmul is None:
             return "pallas"
         return f"xla ({ps.stacked_matmul if ps.platform == 'gpu' else ps.native_matmul})"
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pools' dtype (`engine.kv_dtype` resolved); hosts report it in their status."""
+        return self.programs_set.kv_dtype.name
 
     @property
     def mixed_step_tokens(self) -> int | None:

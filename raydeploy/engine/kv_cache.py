@@ -74,6 +74,34 @@ class PoolLayout:
         return max_slots * self.ring_pages
 
 
+F16_MAX = 65504.0  # float16's largest finite value
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: str, attention: str, platform: str) -> str:
+    """The pools' dtype name for `engine.kv_dtype` (auto = model.dtype). Another dtype than the model's only with
+    the xla attention backend, which widens what it reads to float32; ValueError naming the settings otherwise."""
+    if kv_dtype in ("auto", model_dtype):
+        return model_dtype
+    from raydeploy.engine.attention import resolve
+
+    backend, plat = resolve(attention, platform)
+    if backend != "xla":
+        raise ValueError(f"engine.kv_dtype {kv_dtype} differs from model.dtype {model_dtype}, but the {backend} "
+                         f"attention kernels on {plat} read the KV cache in the model's dtype: set engine.kv_dtype "
+                         f"auto, or engine.attention xla")
+    return kv_dtype
+
+
+def to_pool_dtype(kv: jax.Array, dtype: Any) -> jax.Array:
+    """New keys and values in the pools' dtype; into float16 they saturate at +-65504 (a key past it would be inf,
+    and every score it meets NaN)."""
+    import jax.numpy as jnp
+
+    if jnp.dtype(dtype) == jnp.float16 and kv.dtype != jnp.float16:
+        kv = jnp.clip(kv, -F16_MAX, F16_MAX)
+    return kv.astype(dtype)
+
+
 def step_tokens(engine_cfg: Any, groups: int) -> int:
     """Most tokens one step computes per dp group: the prefill chunk, or one per slot of the group if more."""
     return max(engine_cfg.prefill_chunk, engine_cfg.max_slots // groups)

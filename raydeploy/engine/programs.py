@@ -52,7 +52,9 @@ from raydeploy.engine.kv_cache import (
     abstract_inputs,
     pool_sharding,
     pool_specs,
+    resolve_kv_dtype,
     step_tokens,
+    to_pool_dtype,
 )
 from raydeploy.engine.sampling import chunks_for_shards, sample
 from raydeploy.model import native, stacked_matmul
@@ -315,6 +317,8 @@ class ProgramSet:
         from raydeploy.engine.attention import for_device, work_follows_table
 
         attention_name = for_device(engine_cfg.attention, mesh.devices.flat[0])
+        self.kv_dtype = jnp.dtype(resolve_kv_dtype(engine_cfg.kv_dtype, model_cfg.dtype, attention_name, platform))
+        """The KV pools' dtype (`engine.kv_dtype`)."""
         self.page_buckets = (default_page_buckets(self.max_pages_per_seq, self.page_size)
                              if work_follows_table(attention_name, platform) else [self.max_pages_per_seq])
         if attention is None:
@@ -437,7 +441,7 @@ class ProgramSet:
 
     def abstract_state(self) -> tuple[Any, ...]:
         """((params, packed weights), pools, presence, last tokens) as ShapeDtypeStructs."""
-        pool = tuple(jax.ShapeDtypeStruct(shape, self.dtype, sharding=sh)
+        pool = tuple(jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=sh)
                      for shape, sh in zip(self.pool_shapes, self.pool_sharding, strict=True))
         presence = jax.ShapeDtypeStruct((self.max_slots, self.cfg.vocab_size), jnp.bool_,
                                         sharding=self.presence_sharding)
@@ -584,7 +588,7 @@ class ProgramSet:
             window = int(sliding_window) if sliding_window else None
             cap = float(soft_cap) if soft_cap else None
             main, ring_pool = pools
-            kv = _interleave(k, v).astype(main.dtype)
+            kv = to_pool_dtype(_interleave(k, v), main.dtype)
             if local is not None and window is not None:
                 return attend_either(layer, q, kv, main, ring_pool, local, window, cap)
             if ring and window:  # a sliding-window layer: its ring in the window pool (PoolLayout)

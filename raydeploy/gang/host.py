@@ -283,6 +283,8 @@ class HostActor:
         matmul = getattr(self.engine, "matmul", None)  # the real engine: "native" or "xla (why)"
         if isinstance(matmul, str):
             out["matmul"] = matmul
+        if isinstance(kv_dtype := getattr(self.engine, "kv_dtype", None), str):
+            out["kv_dtype"] = kv_dtype
         if self.programs is not None:
             out["programs_loaded"] = self.programs.get("loaded", 0)
             out["programs_compiled"] = self.programs.get("compiled", 0)

@@ -53,7 +53,7 @@ TARGET_MULTI_BF16 = "raydeploy_small_matmul_multi_bf16"
 TARGET_OUT_FIRST_BF16 = "raydeploy_small_matmul_out_first_bf16"
 TARGET_Q4 = "raydeploy_small_matmul_q4"
 TARGET_Q8 = "raydeploy_small_matmul_q8"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
 
 
@@ -105,12 +105,12 @@ def _cpu_flags() -> list[str]:
 
 def _cpu_problem() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the CPU is {platform.machine()}, the kernel is written for x86-64 (AVX2, FMA)"
+        return f"the CPU is {platform.machine()}, the kernel is written for x86-64 (AVX2, FMA, F16C)"
     try:
         have = _cpu_flags()
     except OSError as e:
         return f"cannot read /proc/cpuinfo for the CPU's flags: {e}"
-    missing = [f for f in ("avx2", "fma") if f not in have]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in have]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
@@ -406,6 +406,9 @@ def active() -> bool:
     return _ROWS.get() is not None
 
 
+KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # pools the kernel reads
+
+
 def decode_attention(q_rows: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array, *,
                      sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
                      ) -> jax.Array | None:
@@ -413,9 +416,9 @@ def decode_attention(q_rows: jax.Array, kv_pages: jax.Array, lens: jax.Array, pa
     (`decode_attention.cc`): q_rows [S, Hq, D], kv_pages [P, page_size, 2*Hkv, D] (K head h at 2h, V at 2h+1),
     lens i32[S] (the row attends to positions [0, lens), or the last `sliding_window` of them; 0 = zeros),
     page_indices i32[S, pages]. Called per shard (the attention backends run inside the engine's shard_map).
-    None unless this trace is inside `rows_over` and q and the pool are float32: the caller then computes it in
-    XLA."""
-    if (not active() or q_rows.dtype != jnp.float32 or kv_pages.dtype != jnp.float32
+    None unless this trace is inside `rows_over`, q is float32 and the pool float32, bfloat16 or float16
+    (`engine.kv_dtype`; widened to float32 as it is read): the caller then computes it in XLA."""
+    if (not active() or q_rows.dtype != jnp.float32 or kv_pages.dtype not in KV_DTYPES
             or unavailable() is not None):
         return None
     out = jax.ShapeDtypeStruct(q_rows.shape, jnp.float32)

@@ -1,4 +1,4 @@
-// Paged attention of decode rows (one query token per sequence) in float32, as an XLA FFI handler: the part of
+// Paged attention of decode rows (one query token per sequence), summed in float32, as an XLA FFI handler: the part of
 // raydeploy/engine/attention/xla.py that decode passes spend their attention time in, read straight from the
 // page pool. Built and registered by raydeploy/model/native/__init__.py.
 //
@@ -7,7 +7,9 @@
 // 0.5 ms of a 2 ms layer). Here each (row, kv head) reads its keys and values once from the pool where they
 // lie, scores its query heads against them, and writes the softmax-weighted sum.
 //
-// Inputs: q [S, Hq, D] (each row's query token), pool [P, page_size, 2*Hkv, D] (K head h at 2h, V at 2h+1),
+// Inputs: q [S, Hq, D] float32 (each row's query token), pool [P, page_size, 2*Hkv, D] (K head h at 2h, V at 2h+1)
+// in float32, bfloat16 or float16 (`engine.kv_dtype`: a 16-bit pool is half the bytes each pass reads, and the
+// decode rows' attention waits on those reads; each key and value is widened to float32 as it is loaded),
 // lens i32[S] (keys the row attends: positions [0, lens); 0 = no output, zeros), page_indices i32[S, pages];
 // attributes sm_scale, soft_cap (0 = none), sliding_window (0 = none). Output [S, Hq, D].
 #include <immintrin.h>
@@ -15,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "split.h"
@@ -44,6 +47,50 @@ inline __m256i FirstLanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// Eight consecutive elements of a K or V row as float32, and the first n < 8 of them (the rest zero).
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p, std::integral_constant<int, 0>) {  // bfloat16: the high half of a float32
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 Load8(const uint16_t* p, std::integral_constant<int, 1>) {  // float16 (F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t x, std::integral_constant<int, 0>) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float Widen(uint16_t x, std::integral_constant<int, 1>) { return _cvtsh_ss(x); }
+
+// The pool's element: float32, or 16 bits stored as bfloat16 (Kind 0) or float16 (Kind 1).
+template <typename T, int Kind = 0>
+struct Elem {
+  using Type = T;
+  static __m256 Load(const T* p) {
+    if constexpr (std::is_same_v<T, float>) return Load8(p);
+    else return Load8(p, std::integral_constant<int, Kind>{});
+  }
+  static __m256 LoadFirst(const T* p, int64_t n, __m256i lanes) {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm256_maskload_ps(p, lanes);
+    } else {
+      alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t i = 0; i < n; ++i) tmp[i] = Widen(p[i], std::integral_constant<int, Kind>{});
+      return _mm256_load_ps(tmp);
+    }
+  }
+  static float One(T x) {
+    if constexpr (std::is_same_v<T, float>) return x;
+    else return Widen(x, std::integral_constant<int, Kind>{});
+  }
+};
+using F32 = Elem<float>;
+using BF16 = Elem<uint16_t, 0>;
+using F16 = Elem<uint16_t, 1>;
+
 struct Shape {
   int64_t rows, heads, kv_heads, dim, num_pages, page_size, table_width;
   float scale, soft_cap;
@@ -53,19 +100,19 @@ struct Shape {
 // What one thread reuses from unit to unit: scores [G][n rounded up to 8], the keys' addresses.
 struct Scratch {
   std::vector<float> scores;
-  std::vector<const float*> keys;
+  std::vector<const void*> keys;
 };
 
 // o[0:V*8] = sum_j p[j] * v_j[0:V*8] / total over the n tokens at `keys` (V at + D): the V*8 sums in registers.
-template <int V>
-inline void WeightedValues(const float* p, const float* const* keys, int64_t n, int64_t D, int64_t d, float inv,
-                           float* o) {
+template <typename E, int V>
+inline void WeightedValues(const float* p, const typename E::Type* const* keys, int64_t n, int64_t D, int64_t d,
+                           float inv, float* o) {
   __m256 acc[V];
   for (int c = 0; c < V; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 pv = _mm256_broadcast_ss(p + j);
-    const float* v = keys[j] + D + d;
-    for (int c = 0; c < V; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    const typename E::Type* v = keys[j] + D + d;
+    for (int c = 0; c < V; ++c) acc[c] = _mm256_fmadd_ps(pv, E::Load(v + 8 * c), acc[c]);
   }
   const __m256 iv = _mm256_set1_ps(inv);
   for (int c = 0; c < V; ++c) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(acc[c], iv));
@@ -74,8 +121,10 @@ inline void WeightedValues(const float* p, const float* const* keys, int64_t n, 
 // Row s, kv head h: its G = heads / kv_heads query heads against keys [lo, len) of the row's pages. The keys'
 // addresses are found once, page by page; each query head scores eight keys at a time (eight dot products in
 // registers, reduced together), and sums the values a slice of up to 64 dims at a time in registers.
-void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* lens, const int32_t* table,
-             float* out, int64_t s, int64_t h, Scratch& sc) {
+template <typename E>
+void RowHead(const Shape& sh, const float* q, const typename E::Type* pool, const int32_t* lens,
+             const int32_t* table, float* out, int64_t s, int64_t h, Scratch& sc) {
+  using T = typename E::Type;
   const int64_t G = sh.heads / sh.kv_heads, D = sh.dim;
   float* o = out + (s * sh.heads + h * G) * D;
   const int64_t len = lens[s] < 0 ? 0 : lens[s];
@@ -94,21 +143,22 @@ void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* 
     page = page < 0 ? 0 : page >= sh.num_pages ? sh.num_pages - 1 : page;
     return pool + page * sh.page_size * stride + 2 * h * D;  // K of the page's first token; V follows at + D
   };
-  const float* base = page_base(slot);
+  const T* base = page_base(slot);
+  const T** keys = reinterpret_cast<const T**>(sc.keys.data());
   for (int64_t j = 0; j < n; ++j) {
-    sc.keys[j] = base + off * stride;
+    keys[j] = base + off * stride;
     if (++off == sh.page_size && j + 1 < n) {
       off = 0;
       base = page_base(++slot);
     }
   }
-  for (int64_t j = n; j < np; ++j) sc.keys[j] = sc.keys[0];  // padding: scored, then weighted by zero
+  for (int64_t j = n; j < np; ++j) keys[j] = keys[0];  // padding: scored, then weighted by zero
   const float* qs = q + (s * sh.heads + h * G) * D;
   const int64_t d8 = D / 8 * 8;
   const __m256i tail = FirstLanes(D - d8);
   const __m256 scale = _mm256_set1_ps(sh.scale);
   for (int64_t j0 = 0; j0 < np; j0 += 8) {  // eight keys at a time, every query head while they are in L1
-    const float* const* k = sc.keys.data() + j0;
+    const T* const* k = keys + j0;
     if (j0 + 16 <= np)  // the next eight keys on their way while these are scored
       for (int t = 8; t < 16; ++t)
         for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(k[t] + d), _MM_HINT_T0);
@@ -118,11 +168,11 @@ void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* 
       for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
       for (int64_t d = 0; d < d8; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(k[t] + d), qv, acc[t]);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(E::Load(k[t] + d), qv, acc[t]);
       }
       if (d8 < D) {
         const __m256 qv = _mm256_maskload_ps(qg + d8, tail);
-        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(_mm256_maskload_ps(k[t] + d8, tail), qv, acc[t]);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(E::LoadFirst(k[t] + d8, D - d8, tail), qv, acc[t]);
       }
       const __m256 dots = Sum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
       _mm256_storeu_ps(sc.scores.data() + g * np + j0, _mm256_mul_ps(dots, scale));
@@ -149,18 +199,18 @@ void RowHead(const Shape& sh, const float* q, const float* pool, const int32_t* 
     float* og = o + g * D;
     for (int64_t d = 0; d < d8; d += 64) {
       UpTo8((d8 - d) / 8, [&](auto v) {  // up to 64 dims a call
-        WeightedValues<decltype(v)::value>(p, sc.keys.data(), n, D, d, inv, og);
+        WeightedValues<E, decltype(v)::value>(p, keys, n, D, d, inv, og);
       });
     }
     for (int64_t d = d8; d < D; ++d) {
       float acc = 0.0f;
-      for (int64_t j = 0; j < n; ++j) acc += p[j] * sc.keys[j][D + d];
+      for (int64_t j = 0; j < n; ++j) acc += p[j] * E::One(keys[j][D + d]);
       og[d] = acc * inv;
     }
   }
 }
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                                ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> table, float sm_scale,
                                float soft_cap, int64_t sliding_window, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = kv.dimensions(), ld = lens.dimensions(), td = table.dimensions();
@@ -170,6 +220,9 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return ffi::Error::InvalidArgument(
         "raydeploy decode_attention: expected q [S, Hq, D], pool [P, page_size, 2*Hkv, D], lens [S], "
         "page_indices [S, pages], out [S, Hq, D]");
+  const ffi::DataType kv_type = kv.element_type();
+  if (kv_type != ffi::DataType::F32 && kv_type != ffi::DataType::BF16 && kv_type != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("raydeploy decode_attention: the pool must be float32, bfloat16 or float16");
   const int64_t kv_heads = kd[2] / 2;
   if (kv_heads == 0 || qd[1] % kv_heads)
     return ffi::Error::InvalidArgument("raydeploy decode_attention: query heads must be a multiple of kv heads");
@@ -179,14 +232,22 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     if (lp[s] > sh.page_size * sh.table_width)
       return ffi::Error::InvalidArgument("raydeploy decode_attention: a row's length exceeds its page table");
   const float* qp = q.typed_data();
-  const float* kp = kv.typed_data();
+  const void* kp = kv.untyped_data();
   const int32_t* tp = table.typed_data();
   float* op = out->typed_data();
   const int64_t units = sh.rows * sh.kv_heads;
-  Split(pool, units, [&](int64_t u0, int64_t u1) {
-    thread_local Scratch scratch;
-    for (int64_t u = u0; u < u1; ++u) RowHead(sh, qp, kp, lp, tp, op, u / sh.kv_heads, u % sh.kv_heads, scratch);
-  });
+  auto run = [&](auto elem) {
+    using E = decltype(elem);
+    const auto* pool_data = static_cast<const typename E::Type*>(kp);
+    Split(pool, units, [&](int64_t u0, int64_t u1) {
+      thread_local Scratch scratch;
+      for (int64_t u = u0; u < u1; ++u)
+        RowHead<E>(sh, qp, pool_data, lp, tp, op, u / sh.kv_heads, u % sh.kv_heads, scratch);
+    });
+  };
+  if (kv_type == ffi::DataType::F32) run(F32{});
+  else if (kv_type == ffi::DataType::BF16) run(BF16{});
+  else run(F16{});
   return ffi::Error::Success();
 }
 
@@ -196,7 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaydeployDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("sm_scale")
