@@ -47,7 +47,7 @@ inline __m256i FirstLanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// Eight consecutive elements of a K or V row as float32, and the first n < 8 of them (the rest zero).
+// Eight consecutive elements of a K or V row as float32 (16-bit ones widened exactly), and one alone.
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 Load8(const uint16_t* p, std::integral_constant<int, 0>) {  // bfloat16: the high half of a float32
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -56,7 +56,6 @@ inline __m256 Load8(const uint16_t* p, std::integral_constant<int, 0>) {  // bfl
 inline __m256 Load8(const uint16_t* p, std::integral_constant<int, 1>) {  // float16 (F16C)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline float Widen(float x) { return x; }
 inline float Widen(uint16_t x, std::integral_constant<int, 0>) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
