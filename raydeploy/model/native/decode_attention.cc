@@ -47,48 +47,45 @@ inline __m256i FirstLanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// Eight consecutive elements of a K or V row as float32 (16-bit ones widened exactly), and one alone.
-inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 Load8(const uint16_t* p, std::integral_constant<int, 0>) {  // bfloat16: the high half of a float32
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-inline __m256 Load8(const uint16_t* p, std::integral_constant<int, 1>) {  // float16 (F16C)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline float Widen(uint16_t x, std::integral_constant<int, 0>) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float Widen(uint16_t x, std::integral_constant<int, 1>) { return _cvtsh_ss(x); }
-
-// The pool's element: float32, or 16 bits stored as bfloat16 (Kind 0) or float16 (Kind 1).
-template <typename T, int Kind = 0>
-struct Elem {
-  using Type = T;
-  static __m256 Load(const T* p) {
-    if constexpr (std::is_same_v<T, float>) return Load8(p);
-    else return Load8(p, std::integral_constant<int, Kind>{});
+// The pool's element types: each reads eight consecutive elements of a K or V row as float32 (`Load`; 16-bit ones
+// widened exactly) and one alone (`One`).
+struct F32 {
+  using Type = float;
+  static __m256 Load(const float* p) { return _mm256_loadu_ps(p); }
+  static float One(float x) { return x; }
+};
+struct BF16 {  // the high half of a float32
+  using Type = uint16_t;
+  static __m256 Load(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  static __m256 LoadFirst(const T* p, int64_t n, __m256i lanes) {
-    if constexpr (std::is_same_v<T, float>) {
-      return _mm256_maskload_ps(p, lanes);
-    } else {
-      alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t i = 0; i < n; ++i) tmp[i] = Widen(p[i], std::integral_constant<int, Kind>{});
-      return _mm256_load_ps(tmp);
-    }
-  }
-  static float One(T x) {
-    if constexpr (std::is_same_v<T, float>) return x;
-    else return Widen(x, std::integral_constant<int, Kind>{});
+  static float One(uint16_t x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
   }
 };
-using F32 = Elem<float>;
-using BF16 = Elem<uint16_t, 0>;
-using F16 = Elem<uint16_t, 1>;
+struct F16 {  // F16C
+  using Type = uint16_t;
+  static __m256 Load(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static float One(uint16_t x) { return _cvtsh_ss(x); }
+};
+
+// The first n < 8 elements at p as float32, the rest zero (`lanes`: the first n set, for float32's masked load).
+template <typename E>
+inline __m256 LoadFirst(const typename E::Type* p, int64_t n, __m256i lanes) {
+  if constexpr (std::is_same_v<E, F32>) {
+    return _mm256_maskload_ps(p, lanes);
+  } else {
+    alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < n; ++i) tmp[i] = E::One(p[i]);
+    return _mm256_load_ps(tmp);
+  }
+}
 
 struct Shape {
   int64_t rows, heads, kv_heads, dim, num_pages, page_size, table_width;
@@ -171,7 +168,7 @@ void RowHead(const Shape& sh, const float* q, const typename E::Type* pool, cons
       }
       if (d8 < D) {
         const __m256 qv = _mm256_maskload_ps(qg + d8, tail);
-        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(E::LoadFirst(k[t] + d8, D - d8, tail), qv, acc[t]);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(LoadFirst<E>(k[t] + d8, D - d8, tail), qv, acc[t]);
       }
       const __m256 dots = Sum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
       _mm256_storeu_ps(sc.scores.data() + g * np + j0, _mm256_mul_ps(dots, scale));
