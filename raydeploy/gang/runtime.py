@@ -51,6 +51,13 @@ def engine_factory(name: str) -> Callable[[Config, Any, str | None], LoadedEngin
     return fn
 
 
+def coordinator_bind(rank: int, coordinator_address: str) -> str | None:
+    """What rank 0's coordination service listens on: exactly the `ip:port` it advertises to the other hosts
+    (cluster.coordinator_bind_address, else its node IP: the pod IP on KubeRay), never every interface, so the
+    port is reachable only where the gang itself dials it. None on the other ranks (they run no service)."""
+    return coordinator_address if rank == 0 else None
+
+
 def join_distributed(cfg: Config, rank: int, coordinator_address: str) -> dict[str, Any]:
     """`jax.distributed.initialize` (every rank concurrently), then check the gang and build the mesh."""
     import jax
@@ -63,16 +70,12 @@ def join_distributed(cfg: Config, rank: int, coordinator_address: str) -> dict[s
     # program's binary to the other processes; on XLA:CPU keys differ per process, so each writes its own.
     on_cpu = jax_platform_of(os.environ) == "cpu"
     compile_cache.enable(cfg.engine.compilation_cache_dir, share_between_hosts=not on_cpu, every_process_writes=on_cpu)
-    bind = None
-    if rank == 0:
-        port = coordinator_address.rsplit(":", 1)[1]
-        bind = f"{c.coordinator_bind_address or '0.0.0.0'}:{port}"
     # On GPU Ray narrows CUDA_VISIBLE_DEVICES to the host's GPUs, which JAX then numbers 0..n-1.
     local_ids = list(range(c.devices_per_host)) if c.platform == "gpu" and not c.simulated else None
     t0 = time.perf_counter()
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=c.num_hosts, process_id=rank,
-        local_device_ids=local_ids, coordinator_bind_address=bind,
+        local_device_ids=local_ids, coordinator_bind_address=coordinator_bind(rank, coordinator_address),
         initialization_timeout=max(1, math.ceil(c.init_timeout_s)),
         heartbeat_timeout_seconds=max(1, math.ceil(c.heartbeat_timeout_s)))
     init_s = time.perf_counter() - t0
