@@ -5,8 +5,8 @@ concatenation of msgpack-packed pairs `(key, value)`, where `key` is a parameter
 (`flax.traverse_util.flatten_dict` of the params, e.g. ['params', 'model', 'layers', '0', 'self_attn',
 'q_proj', 'kernel']) and `value` is `flax.serialization.to_bytes(array)` (msgpack with flax's ndarray ext
 type, or flax's chunked form for arrays over 1 GiB). Flax kernels are already [in, out]; names map with
-`layout.EASYDEL_NAMES`, with or without the leading 'params'. The file carries no config or tokenizer:
-`--hf-config` gives config.json, and tokenizer files beside it are copied.
+`raydeploy.model.names.EASYDEL_NAMES`, with or without the leading 'params'. The file carries no config or
+tokenizer: `--hf-config` gives config.json, and tokenizer files beside it are copied.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from raydeploy.checkpoint.format import CheckpointError
-from raydeploy.checkpoint.layout import EASYDEL_NAMES, NameMap, TensorSink, cast, check_against_specs, to_ours
+from raydeploy.checkpoint.layout import NameMap, TensorSink, cast, check_against_specs, to_ours
 from raydeploy.checkpoint.writer import CheckpointWriter
+from raydeploy.model.names import EASYDEL_NAMES
 from raydeploy.model.registry import family_for
 from raydeploy.model.spec import LlamaConfig
 

@@ -31,13 +31,8 @@ from raydeploy.checkpoint.layout import (
     to_ours,
 )
 from raydeploy.checkpoint.writer import CheckpointWriter
-from raydeploy.model.registry import (
-    GGUF_NORM_PLUS_ONE,
-    GGUF_STACKED_EXPERTS_OI,
-    Family,
-    UnknownModelType,
-    family_for,
-)
+from raydeploy.model.names import GGUF_NORM_PLUS_ONE, GGUF_STACKED_EXPERTS_OI
+from raydeploy.model.registry import Family, UnknownModelType, family_for
 
 # GGUF general.architecture -> the Hugging Face model_type it is served as ("llama" with experts: "mixtral").
 GGUF_ARCHITECTURES: dict[str, str] = {

@@ -13,13 +13,14 @@ A checkpoint is a directory (specified in docs/checkpoint-format.md):
     tokenizer files       tokenizer.json, tokenizer_config.json (chat template), special tokens, ...
 
 The writer (writer.py) produces it, the reader (reader.py) validates it here before reading any tensor
-byte. Everything a user can get wrong raises `CheckpointError` naming the file, key or tensor.
+byte; both read a tensor's stored bytes back with `pread_tensor_bytes`. Everything a user can get wrong raises `CheckpointError` naming the file, key or tensor.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -397,3 +398,23 @@ def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     off = (-raw.ctypes.data) % alignment
     return raw[off: off + nbytes]
+
+
+def pread_tensor_bytes(fd: int, e: TensorEntry, start: int, out: memoryview, ckpt: Path) -> None:
+    """Fill `out` with the tensor's raw bytes [start, start+len(out)), following its file segments."""
+    try:
+        spans = tensor_spans(e, start, len(out))
+    except CheckpointError as err:
+        raise CheckpointError(err.message, str(ckpt / e.file), tensor=e.name) from None
+    for off, at, take in spans:
+        pread_exact(fd, out[at: at + take], off, ckpt / e.file, e.name)
+
+
+def pread_exact(fd: int, out: memoryview, offset: int, path: Path, tensor: str) -> None:
+    """Fill `out` from byte `offset` of an open file; a short file is a CheckpointError naming it and the tensor."""
+    got = 0
+    while got < len(out):
+        n = os.preadv(fd, [out[got:]], offset + got)
+        if n == 0:
+            raise CheckpointError(f"unexpected end of file at byte {offset + got}", str(path), tensor=tensor)
+        got += n

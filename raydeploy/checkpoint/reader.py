@@ -54,9 +54,10 @@ from raydeploy.checkpoint.format import (
     aligned_empty,
     join_pieces,
     numpy_dtype,
+    pread_tensor_bytes,
     read_index,
-    tensor_spans,
 )
+from raydeploy.compat import batched_device_put
 from raydeploy.model.spec import TensorSpec, split_layer_name
 
 if TYPE_CHECKING:
@@ -332,7 +333,7 @@ class CheckpointReader:
         fd = os.open(self.path / e.file, os.O_RDONLY)
         try:
             # numpy's stubs declare the buffer protocol for Python >= 3.12 only
-            _pread_tensor_bytes(fd, e, 0, memoryview(cast("Buffer", buf)), self.path)
+            pread_tensor_bytes(fd, e, 0, memoryview(cast("Buffer", buf)), self.path)
         finally:
             os.close(fd)
         if verify:
@@ -368,7 +369,7 @@ class _Load:
         self.ready: list[_TensorPlan] = []  # tensors read in full, not yet handed to jax
         self.failed = False
         self.templates: dict[Any, _Template] = {}
-        self.put = _batched_device_put() if target.itemsize < 8 else None
+        self.put = batched_device_put() if target.itemsize < 8 else None
 
     def __enter__(self) -> _Load:
         try:
@@ -444,9 +445,7 @@ class _Load:
         devices = list(p.keys)
         aval = None
         if self.put is not None:
-            from jax._src.core import ShapedArray, update_aval_with_sharding
-
-            aval = update_aval_with_sharding(ShapedArray(e.shape, self.target), p.sharding)
+            aval = self.put.aval(e.shape, self.target, p.sharding)
         return _Template(spans, tuple(views), tuple(fills), tuple(pieces), devices,
                          tuple(p.keys[d] for d in devices), aval)
 
@@ -506,7 +505,7 @@ class _Load:
             b1 = b0 + bb if b0 + bb < stop else stop
             block = buf[b0 - base: b1 - base]
             if not mapped:
-                _pread_tensor_bytes(self.fds[e.file], e, b0, block, self.path)
+                pread_tensor_bytes(self.fds[e.file], e, b0, block, self.path)
             if verify:
                 if check(block) != crcs[b0 // bb]:
                     self._corrupt(e, b0 // bb)
@@ -538,7 +537,7 @@ class _Load:
         e, hosts, t = p.entry, p.hosts, p.template
         assert t is not None
         if self.put is not None:
-            self.out[e.name] = self.put(t.aval, p.sharding, [hosts[k] for k in t.device_keys], t.devices)
+            self.out[e.name] = self.put.put(t.aval, p.sharding, [hosts[k] for k in t.device_keys], t.devices)
         else:
             import jax
 
@@ -550,24 +549,6 @@ class _Load:
 def _interval(p: _TensorPlan, q: _Part) -> int:
     """Which of the plan's merged intervals holds part q."""
     return next(i for i, (a, b) in enumerate(p.intervals) if a <= q.r0 and q.r1 <= b)
-
-
-@lru_cache(maxsize=1)
-def _batched_device_put() -> Callable[..., Any] | None:
-    """jax's own last step of `make_array_from_callback` (jax-internal: None if this jax lacks it, and the
-    public call is used): (aval, sharding, host arrays, their devices) -> the global array. Called directly
-    it costs a fraction of the public call, which on a host reading a few hundred MB of small tensors was a
-    third of the load."""
-    try:
-        from jax._src.lib import xla_client as xc
-
-        put = xc.batched_device_put
-    except (ImportError, AttributeError):  # pragma: no cover - depends on the jax version
-        return None
-
-    def call(aval: Any, sharding: Any, xs: list[np.ndarray], devices: list[Any]) -> Any:
-        return put(aval, sharding, xs, devices, True)  # committed, as make_array_from_callback's arrays
-    return call
 
 
 @lru_cache(maxsize=1)
@@ -586,22 +567,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _pread_tensor_bytes(fd: int, e: TensorEntry, start: int, out: memoryview, ckpt: Path) -> None:
-    """Fill `out` with the tensor's raw bytes [start, start+len(out)), following its file segments."""
-    try:
-        spans = tensor_spans(e, start, len(out))
-    except CheckpointError as err:
-        raise CheckpointError(err.message, str(ckpt / e.file), tensor=e.name) from None
-    for off, at, take in spans:
-        _pread_exact(fd, out[at: at + take], off, ckpt / e.file, e.name)
-
-
-def _pread_exact(fd: int, out: memoryview, offset: int, path: Path, tensor: str) -> None:
-    got = 0
-    while got < len(out):
-        n = os.preadv(fd, [out[got:]], offset + got)
-        if n == 0:
-            raise CheckpointError(f"unexpected end of file at byte {offset + got}", str(path), tensor=tensor)
-        got += n

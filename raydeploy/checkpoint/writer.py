@@ -53,6 +53,7 @@ from raydeploy.checkpoint.format import (
     ext32_header,
     map32_header,
     numpy_dtype,
+    pread_tensor_bytes,
     split_pieces,
     tensor_spans,
 )
@@ -290,13 +291,11 @@ class CheckpointWriter:
         """Every row of a reserved tensor is in: checksum its bytes (read back) and enter it in the index."""
         e = self._reserved.pop(name).entry
         fd = self._put_fd(e.file)
-        from raydeploy.checkpoint.reader import _pread_tensor_bytes
-
         crcs, check, bb = [], CHECKSUMS[self.checksum], self.block_bytes
         buf = bytearray(min(bb, max(e.length, 1)))
         for start in range(0, e.length, bb):
             view = memoryview(buf)[: min(bb, e.length - start)]
-            _pread_tensor_bytes(fd, e, start, view, self.dst)
+            pread_tensor_bytes(fd, e, start, view, self.dst)
             crcs.append(check(view))
         self._entries[name] = TensorEntry(name=e.name, dtype=e.dtype, shape=e.shape, file=e.file, offset=e.offset,
                                           length=e.length, segments=e.segments, crc32=tuple(crcs), splits=e.splits)

@@ -32,7 +32,6 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from raydeploy.checkpoint.layout import COPY, KV_BIAS, KV_OI, LINEAR_OI, O_OI, Q_BIAS, Q_OI
 from raydeploy.model.llama import (
     DTYPES,
     KERNEL_LAYOUTS,
@@ -49,7 +48,8 @@ from raydeploy.model.llama import (
     rope_inv_freq,
     scan_layers,
 )
-from raydeploy.model.registry import GGUF_NORM_PLUS_ONE, Family
+from raydeploy.model.names import COPY, GGUF_NORM_PLUS_ONE, KV_BIAS, KV_OI, LINEAR_OI, O_OI, Q_BIAS, Q_OI
+from raydeploy.model.registry import Family
 from raydeploy.model.spec import TensorSpec, param_specs, with_layer_tensors
 
 LAYER_TYPES = ("sliding_attention", "full_attention")

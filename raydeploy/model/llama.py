@@ -3,8 +3,8 @@
 The module's NNX state paths are exactly the names of `raydeploy.model.spec.param_specs` (for example
 `layers.3.attn.q_proj.kernel`), in the same "input dims first" layouts, so a flat {name: jax.Array} dict from
 the checkpoint reader goes straight in: build the module abstractly (`abstract_model`, no allocation), then
-`params_to_state` fills it with the loaded (already sharded) arrays. The engine keeps `(graphdef, state)` and
-merges them inside its jitted programs, so no Python runs per layer at serving time.
+`raydeploy.model.state.params_to_state` fills it with the loaded (already sharded) arrays. The engine keeps
+`(graphdef, state)` and merges them inside its jitted programs, so no Python runs per layer at serving time.
 
 Two forward paths, both pure and jittable:
 - `Llama.ragged(tokens_n, positions_n, attend)`: the engine's path. A flat batch of tokens of many sequences at
@@ -35,6 +35,7 @@ from raydeploy.model.spec import (
     TensorSpec,
     stacked_param_specs,
 )
+from raydeploy.model.state import path_name
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -591,63 +592,10 @@ def _llama() -> Any:
     return LLAMA
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in path)
-
-
-def check_params(params: Mapping[str, Any], specs: Mapping[str, Any], what: str = "params") -> None:
-    """Every name of `specs` present once with its shape; extra names are an error (they mean the checkpoint
-    and the config disagree)."""
-    missing = sorted(set(specs) - set(params))
-    extra = sorted(set(params) - set(specs))
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
-        if extra:
-            parts.append(f"unexpected {len(extra)} tensor(s), e.g. {', '.join(extra[:3])}")
-        raise ValueError(f"{what} do not match the model: " + "; ".join(parts))
-    for name, spec in specs.items():
-        if tuple(params[name].shape) != tuple(spec.shape):
-            raise ValueError(f"{what}: tensor {name} has shape {tuple(params[name].shape)}, the model expects "
-                             f"{tuple(spec.shape)}")
-
-
-def params_to_state(params: Mapping[str, jax.Array], abstract_state: nnx.State, what: str = "params"
-                    ) -> nnx.State:
-    """Fill the abstract state with arrays named like its paths (`stacked_param_specs`)."""
-    flat = nnx.to_flat_state(abstract_state)
-    check_params(params, {_path_name(p): v for p, v in flat}, what)
-    items = []
-    for path, var in flat:
-        arr = params[_path_name(path)]
-        if arr.dtype != var.dtype:
-            arr = arr.astype(var.dtype)
-        items.append((path, var.replace(arr)))
-    return nnx.from_flat_state(items)
-
-
-def state_to_params(state: nnx.State) -> dict[str, jax.Array]:
-    """The inverse of `params_to_state`: {name: array} with stacked layer names."""
-    return {_path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
-
-
-def unstack_layers(cfg: LlamaConfig, stacked: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Stacked names -> checkpoint names (`layers.attn.q_proj.kernel`[i] -> `layers.{i}.attn.q_proj.kernel`)."""
-    out: dict[str, jax.Array] = {}
-    for name, arr in stacked.items():
-        if name.startswith("layers."):
-            for i in range(cfg.num_layers):
-                out[f"layers.{i}.{name[len('layers.'):]}"] = arr[i]
-        else:
-            out[name] = arr
-    return out
-
-
 def check_state_names(cfg: LlamaConfig) -> None:
     """Assert that the NNX state paths are exactly `stacked_param_specs(cfg)` with the same shapes."""
     _, abstract = abstract_model(cfg)
-    got = {_path_name(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
+    got = {path_name(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)}
     want = {n: s.shape for n, s in stacked_param_specs(cfg).items()}
     if got != want:
         diff = sorted(set(got.items()) ^ set(want.items()))[:5]

@@ -23,10 +23,18 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from raydeploy.checkpoint.layout import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES, LINEAR_OI
 from raydeploy.model.llama import DTYPES, Attention, DecoderLayer, Dense, Llama, RMSNorm, _param
+from raydeploy.model.names import (
+    COPY,
+    GGUF_IGNORED,
+    GGUF_NAMES,
+    GGUF_STACKED_EXPERTS_OI,
+    HF_IGNORED,
+    HF_NAMES,
+    LINEAR_OI,
+)
 from raydeploy.model.qwen3 import Qwen3Attention
-from raydeploy.model.registry import GGUF_STACKED_EXPERTS_OI, Family, expert_split
+from raydeploy.model.registry import Family, expert_split
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
 
 MAX_TILE_ROWS = 64

@@ -14,8 +14,8 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 
-from raydeploy.checkpoint.layout import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
 from raydeploy.model.llama import MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope, project
+from raydeploy.model.names import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
 from raydeploy.model.registry import Family
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs, with_layer_tensors
 

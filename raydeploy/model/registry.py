@@ -6,9 +6,9 @@ A `Family` supplies everything the rest of the system needs to know about one ar
 - `module(cfg, dtype, param_dtype, rngs, kernel_layout)`: the Flax NNX decoder;
 - `kv_heads(cfg)` / `head_dim`: the KV spec (the paged pool's shape, `kv_pool_spec`);
 - `hf_names` / `hf_ignored`: the foreign-name table of the safetensors converter (regex, our name, layout kind;
-  see `raydeploy.checkpoint.layout`);
+  see `raydeploy.model.names`);
 - `gguf_names` / `gguf_ignored`: the same for llama.cpp's GGUF names (None: no GGUF converter for the family);
-  besides layout's kinds they may use `GGUF_NORM_PLUS_ONE` and `GGUF_STACKED_EXPERTS_OI` (below).
+  besides the common layout kinds they may use `GGUF_NORM_PLUS_ONE` and `GGUF_STACKED_EXPERTS_OI` (names).
 
 The registry itself is a table of model_type -> "module:attribute" strings; a family module is imported only
 when that model_type is asked for. An unknown model_type is an error listing the supported ones.
@@ -22,7 +22,19 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raydeploy.model.spec import LAYER_AXIS, TensorSpec, split_layer_name, stack_layer_specs
+from raydeploy.model.names import GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
+from raydeploy.model.spec import (
+    KERNEL_LAYOUTS,
+    LAYER_AXIS,
+    LlamaConfig,
+    TensorSpec,
+    is_kernel,
+    kernel_input_dims,
+    out_in_spec,
+    param_specs,
+    split_layer_name,
+    stack_layer_specs,
+)
 
 # model_type -> "python.module:ATTRIBUTE" holding that family's `Family`.
 _ENTRIES: dict[str, str] = {
@@ -34,11 +46,6 @@ _ENTRIES: dict[str, str] = {
     "qwen3_moe": "raydeploy.model.moe:QWEN3_MOE",
     "mixtral": "raydeploy.model.moe:MIXTRAL",
 }
-
-
-# GGUF-only layout kinds (raydeploy.checkpoint.convert_gguf applies them):
-GGUF_NORM_PLUS_ONE = "gguf_norm_plus_one"  # llama.cpp stores Gemma's (1 + w) norm weights; we keep w
-GGUF_STACKED_EXPERTS_OI = "gguf_stacked_experts_oi"  # llama.cpp's stacked experts [E, out, in] -> [E, in, out]
 
 
 class UnknownModelType(ValueError):
@@ -133,8 +140,6 @@ class Family:
         """The module's graphdef and abstract state (ShapeDtypeStructs); nothing is allocated."""
         import flax.nnx as nnx
 
-        from raydeploy.model.spec import KERNEL_LAYOUTS
-
         if kernel_layout not in KERNEL_LAYOUTS:
             raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
         model = nnx.eval_shape(lambda: self.module(cfg, dtype, param_dtype, kernel_layout=kernel_layout))
@@ -142,8 +147,6 @@ class Family:
 
     def engine_param_specs(self, cfg: Any, kernel_layout: str = "in_out") -> dict[str, TensorSpec]:
         """The parameters as an engine holds them: stacked over the layers, kernels in `kernel_layout`."""
-        from raydeploy.model.spec import KERNEL_LAYOUTS, out_in_spec
-
         if kernel_layout not in KERNEL_LAYOUTS:
             raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
         specs = self.stacked_param_specs(cfg)
@@ -168,8 +171,7 @@ class Family:
         import jax
         import jax.numpy as jnp
 
-        from raydeploy.model.llama import check_params
-        from raydeploy.model.spec import is_kernel, kernel_input_dims
+        from raydeploy.model.state import check_params  # imports flax: only when stacking
 
         stacked_in = not any(split_layer_name(n) for n in params)
         check_params(params, self.stacked_param_specs(cfg) if stacked_in else self.param_specs(cfg))
@@ -213,7 +215,7 @@ class Family:
                     param_dtype: str = "float32", kernel_layout: str = "in_out") -> tuple[Any, Any]:
         """(graphdef, state) of the family's module holding `params`: checkpoint-named arrays (per layer,
         in_out; stacked here) or arrays already stacked in `kernel_layout` (`stack_layers`; kept as they are)."""
-        from raydeploy.model.llama import params_to_state
+        from raydeploy.model.state import params_to_state  # imports flax: only when building
 
         if any(split_layer_name(n) for n in params):
             params = self.stack_layers(cfg, params, kernel_layout)
@@ -271,9 +273,6 @@ def expert_split(num_experts: int, ep: int) -> int:
 
 
 def _llama_family() -> Family:
-    from raydeploy.checkpoint.layout import GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
-    from raydeploy.model.spec import LlamaConfig, param_specs
-
     return Family("llama", LlamaConfig.from_hf_dict, param_specs, "raydeploy.model.llama:Llama", HF_NAMES,
                   HF_IGNORED, GGUF_NAMES, GGUF_IGNORED)
 

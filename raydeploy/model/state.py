@@ -1,0 +1,70 @@
+"""A model's NNX state <-> a flat {name: array} dict named like the state's paths (`stacked_param_specs`).
+
+`Family.build_model` fills a family module's abstract state with loaded arrays through `params_to_state`;
+`check_params` is the one shape check of a set of named arrays against specs. Imports flax: the JAX-free
+registry imports this module only inside the functions that build a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+
+from raydeploy.model.spec import LlamaConfig
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    """An NNX state path as our parameter name (`("layers", "attn", "q_proj", "kernel")` -> `layers.attn....`)."""
+    return ".".join(str(p) for p in path)
+
+
+def check_params(params: Mapping[str, Any], specs: Mapping[str, Any], what: str = "params") -> None:
+    """Every name of `specs` present once with its shape; extra names are an error (they mean the checkpoint
+    and the config disagree)."""
+    missing = sorted(set(specs) - set(params))
+    extra = sorted(set(params) - set(specs))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+        if extra:
+            parts.append(f"unexpected {len(extra)} tensor(s), e.g. {', '.join(extra[:3])}")
+        raise ValueError(f"{what} do not match the model: " + "; ".join(parts))
+    for name, spec in specs.items():
+        if tuple(params[name].shape) != tuple(spec.shape):
+            raise ValueError(f"{what}: tensor {name} has shape {tuple(params[name].shape)}, the model expects "
+                             f"{tuple(spec.shape)}")
+
+
+def params_to_state(params: Mapping[str, jax.Array], abstract_state: nnx.State, what: str = "params"
+                    ) -> nnx.State:
+    """Fill the abstract state with arrays named like its paths (`stacked_param_specs`)."""
+    flat = nnx.to_flat_state(abstract_state)
+    check_params(params, {path_name(p): v for p, v in flat}, what)
+    items = []
+    for path, var in flat:
+        arr = params[path_name(path)]
+        if arr.dtype != var.dtype:
+            arr = arr.astype(var.dtype)
+        items.append((path, var.replace(arr)))
+    return nnx.from_flat_state(items)
+
+
+def state_to_params(state: nnx.State) -> dict[str, jax.Array]:
+    """The inverse of `params_to_state`: {name: array} with stacked layer names."""
+    return {path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
+
+
+def unstack_layers(cfg: LlamaConfig, stacked: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Stacked names -> checkpoint names (`layers.attn.q_proj.kernel`[i] -> `layers.{i}.attn.q_proj.kernel`)."""
+    out: dict[str, jax.Array] = {}
+    for name, arr in stacked.items():
+        if name.startswith("layers."):
+            for i in range(cfg.num_layers):
+                out[f"layers.{i}.{name[len('layers.'):]}"] = arr[i]
+        else:
+            out[name] = arr
+    return out
