@@ -38,7 +38,7 @@ class MemoryKV:
     def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
         with self.cond:
             if not self.cond.wait_for(lambda: key in self.data, timeout_in_ms / 1e3):
-                raise RuntimeError(f"DEADLINE_EXCEEDED: key {key} not found")
+                raise TimeoutError(f"no value for key {key}")  # as raydeploy.compat.CoordinationKV raises
             return self.data[key]
 
     def key_value_delete(self, key: str) -> None:

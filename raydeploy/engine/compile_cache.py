@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 
@@ -120,31 +118,7 @@ def enable(cache_dir: str | None, share_between_hosts: bool = True, every_proces
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.config.update("jax_share_binary_between_hosts", share_between_hosts)
     if every_process_writes:
-        _write_from_every_process()
+        # jax writes entries from process 0 only and no config flag changes that: a private hook, kept in compat
+        from raydeploy.compat import write_cache_from_every_process
 
-
-def _write_from_every_process() -> None:
-    """Let processes other than 0 write their cache entries too (JAX writes from process 0 only, to avoid
-    contention on shared storage; on XLA:CPU each process has its own keys, so there is none)."""
-    from jax._src import compilation_cache, compiler, distributed
-    from jax._src import config as jax_config
-
-    original = compiler._cache_write
-    if getattr(original, "_every_process", False):
-        return
-
-    def write(cache_key: str, compile_time_secs: float, module_name: str, backend: Any, executable: Any,
-              host_callbacks: Any) -> None:
-        if (distributed.global_state.process_id == 0 or host_callbacks
-                or compile_time_secs < jax_config.persistent_cache_min_compile_time_secs.value):
-            original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
-            return
-        try:
-            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                                      int(compile_time_secs))
-        except Exception as ex:  # noqa: BLE001 - a cache that cannot be written only costs a compile next time
-            warnings.warn(f"Error writing persistent compilation cache entry for '{module_name}': "
-                          f"{type(ex).__name__}: {ex}", stacklevel=2)
-
-    write._every_process = True  # type: ignore[attr-defined]
-    compiler._cache_write = write
+        write_cache_from_every_process()

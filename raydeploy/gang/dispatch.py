@@ -34,7 +34,9 @@ class KeyValueClient(Protocol):
     """The subset of jax's DistributedRuntimeClient the dispatcher uses."""
 
     def key_value_set_bytes(self, key: str, value: bytes) -> None: ...
-    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes: ...
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
+        """The value of `key`; TimeoutError when none came within `timeout_in_ms`."""
+        ...
     def key_value_delete(self, key: str) -> None: ...
     def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None: ...
     def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
@@ -45,13 +47,11 @@ class StepRunner(Protocol):
 
 
 def jax_kv_client() -> KeyValueClient:
-    """The coordination-service client of this process (after jax.distributed.initialize)."""
-    from jax._src import distributed
+    """The coordination-service client of this process (after jax.distributed.initialize); its blocking get
+    raises TimeoutError when no value came in time."""
+    from raydeploy.compat import coordination_kv_client
 
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("jax.distributed is not initialised in this process; no key-value client")
-    return client
+    return coordination_kv_client()
 
 
 def plan_key(generation: int, step_id: int) -> str:
@@ -170,9 +170,8 @@ class FollowerLoop:
         while not self._stop.is_set():
             try:
                 return self.client.blocking_key_value_get_bytes(key, self.poll_ms)
-            except Exception as e:  # the client raises a generic error on timeout; anything else is real
-                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-                    raise
+            except TimeoutError:  # no plan yet: re-check the stop flag; any other error is real
+                continue
         return None
 
     def run(self, first_step: int = 0) -> int:

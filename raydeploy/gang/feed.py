@@ -149,10 +149,10 @@ class Feeds:
     """A caller's feeds, one per coordinator: a gang that restarts has a new coordinator, and gets a new feed."""
 
     def __init__(self) -> None:
-        self._feeds: dict[str, Feed] = {}
+        self._feeds: dict[Any, Feed] = {}
 
     def get(self, coordinator: Any) -> Feed:
-        key = coordinator._actor_id.hex()
+        key = coordinator  # actor handles of one actor are equal and hash alike
         feed = self._feeds.get(key)
         if feed is None or feed.ended is not None:
             self._feeds = {k: f for k, f in self._feeds.items() if f.ended is None}  # forget the dead

@@ -81,8 +81,7 @@ class ServeIngress:
 def gang_deployment_options(cfg: Config) -> dict[str, Any]:
     """Serve options of the gang deployment, from the config: placement, replica count or autoscaling,
     admission (slots per replica, the router's queue), health checks and routing."""
-    from ray.serve.config import RequestRouterConfig
-
+    from raydeploy.compat import serve_request_router
     from raydeploy.gang.placement import host_bundles, pins_tpu_slice, placement_strategy
     from raydeploy.serve.routing import ReadyGangRouter
 
@@ -99,8 +98,7 @@ def gang_deployment_options(cfg: Config) -> dict[str, Any]:
         "graceful_shutdown_wait_loop_s": 1.0,
         "health_check_period_s": r.health_check_period_s,
         "health_check_timeout_s": max(30.0, r.health_check_period_s),
-        # pydantic's constructor: Ray's stubs type its fields loosely
-        "request_router_config": cast(Any, RequestRouterConfig)(
+        "request_router_config": serve_request_router().RequestRouterConfig(
             request_router_class=ReadyGangRouter, request_routing_stats_period_s=r.routing_stats_period_s,
             request_routing_stats_timeout_s=max(10.0, 2 * r.routing_stats_period_s)),
     }

@@ -14,13 +14,18 @@ also answers 503 at once when the gangs' own states say that none is ready.
 from __future__ import annotations
 
 import random
+from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from raydeploy.compat import serve_request_router
+
+_serve = serve_request_router()  # Serve's alpha router API, checked for this Ray version
+_FIFOMixin: Any = _serve.FIFOMixin
+_RequestRouter: Any = _serve.RequestRouter
 
 
-class ReadyGangRouter(FIFOMixin, RequestRouter):
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+class ReadyGangRouter(_FIFOMixin, _RequestRouter):
+    async def choose_replicas(self, candidate_replicas: list[Any],
+                              pending_request: Any | None = None) -> list[list[Any]]:
         ready = [r for r in candidate_replicas if ready_for_requests(r.routing_stats)]
         # No replica says its gang is ready (all starting or rebuilding, or their reports are late): try them all
         # rather than hold the request; a replica whose gang cannot take it refuses at once and the ingress resends
