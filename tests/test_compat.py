@@ -245,6 +245,49 @@ def test_kv_adapter_passes_other_errors_through() -> None:
     assert not isinstance(e.value, TimeoutError)
 
 
+
+_CACHE_PROBE = textwrap.dedent("""
+    import json, os, sys
+    rank, port, cache, every = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    import jax, jax.numpy as jnp
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, rank, coordinator_bind_address=f"127.0.0.1:{port}",
+                               initialization_timeout=60)
+    from raydeploy.engine import compile_cache
+    compile_cache.enable(cache, share_between_hosts=False, every_process_writes=every)
+    with compile_cache.track() as count:
+        jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()
+    print("RESULT " + json.dumps({"requests": count.requests, "entries": len(os.listdir(cache))}))
+    jax.distributed.shutdown()
+""")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("every", [True, False])
+def test_rank_1_writes_cache_entries_only_with_the_hook(tmp_path: Path, every: bool) -> None:
+    """Two real jax.distributed processes, each with its own cache folder: with the hook, rank 1 writes its
+    entries; without it (jax's own behaviour, which is why the hook exists) rank 1 writes none."""
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _CACHE_PROBE, str(rank), port, str(tmp_path / f"r{rank}"),
+                               "1" if every else "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_cpu_env()) for rank in (0, 1)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, out + err
+        results.append(json.loads(lines[0][len("RESULT "):]))
+    rank0, rank1 = results
+    assert rank0["requests"] > 0 and rank0["entries"] == rank0["requests"]
+    assert rank1["requests"] == rank0["requests"]
+    assert rank1["entries"] == (rank1["requests"] if every else 0)
+
 # -- nothing outside compat uses the private APIs ---------------------------------------------------------------
 
 _PRIVATE = re.compile(r"jax\._src|jaxlib\._|\._actor_id\b|\._ray_actor_id\b|ray\.serve\._private|"
