@@ -54,23 +54,37 @@ def convert(args: argparse.Namespace) -> int:
 
 @_user_errors
 def plan(args: argparse.Namespace) -> int:
-    from raydeploy.plan import run_plan
+    from raydeploy.plan import make_plan, model_family, report_plan
 
     cfg = load_config(args.config, args.overrides)
-    if args.compile:
-        from raydeploy.compile import prepare_environment
+    if not getattr(args, "compile", False):
+        return report_plan(make_plan(cfg), args)
+    # --compile: the same memory figures as `raydeploy compile`, every program compiled for the target
+    from raydeploy.compile import CompileError, compile_config, prepare_environment
 
-        prepare_environment(cfg)  # before anything imports jax
-    return run_plan(cfg, args)
+    prepare_environment(cfg)  # before anything imports jax
+    the_plan = make_plan(cfg)
+    if not the_plan.ok:
+        return report_plan(the_plan, args)
+    family, model, _ = model_family(cfg)
+    try:
+        programs = compile_config(cfg, the_plan, family, model)
+    except CompileError as e:
+        raise ConfigError(str(e)) from e
+    return report_plan(the_plan, args, programs)
 
 
 @_user_errors
 def compile_programs(args: argparse.Namespace) -> int:
-    from raydeploy.compile import prepare_environment, run_compile
+    from raydeploy.compile import only_kinds, prepare_environment, run_compile
+    from raydeploy.plan import make_plan, model_family
 
     cfg = load_config(args.config, args.overrides)
     prepare_environment(cfg)  # before anything imports jax
-    return run_compile(cfg, args)
+    only = only_kinds(args.only)
+    the_plan = make_plan(cfg)
+    family, model, _ = model_family(cfg)
+    return run_compile(cfg, the_plan, family, model, args, only)
 
 
 compile = compile_programs  # noqa: A001 - `raydeploy compile` dispatches by command name

@@ -246,29 +246,28 @@ def chip_for(cfg: Config) -> Chip | None:
     return CHIPS.get(kind)
 
 
-def compile_config(cfg: Config, out_dir: str | None = None, only: list[str] | None = None,
-                   progress: Any = None) -> CompileReport:
-    """Compile every program of `cfg` for its target; see the module docstring."""
+def compile_config(cfg: Config, plan: Any, family: Any, model: Any, out_dir: str | None = None,
+                   only: list[str] | None = None, progress: Any = None) -> CompileReport:
+    """Compile every program of `cfg` for its target; see the module docstring. `plan` is the config's
+    `raydeploy.plan.Plan` and (`family`, `model`) its model (`raydeploy.plan.model_family`): the command layer
+    (`raydeploy.commands`) makes them, so this module and the planner do not import each other."""
     import jax
 
     from raydeploy.engine import compile_cache
     from raydeploy.engine.engine import checkpoint_packing
     from raydeploy.engine.programs import ProgramSet
     from raydeploy.model.sharding import build_mesh, merge_rules
-    from raydeploy.plan import device_memory, make_plan, model_family
 
-    plan = make_plan(cfg)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         compile_cache.enable(out_dir)
     devices = target_devices(cfg)
-    family, model, _ = model_family(cfg)
     mesh = build_mesh(plan.mesh, devices)
     ps = ProgramSet(family, model, mesh, merge_rules(cfg.mesh.rules), cfg.model, cfg.engine)
     # a CPU engine over weights that pack takes the packed copies: the programs bring-up runs (reads the weights)
     ps.use_packed(checkpoint_packing(cfg, ps))
     chip = chip_for(cfg)
-    memory, _ = device_memory(cfg)
+    memory = plan.device_memory_bytes
     reports, problems = [], []
     t_all = time.perf_counter()
     for shape in ps.shapes():
@@ -321,14 +320,22 @@ def format_report(r: CompileReport) -> str:
     return "\n".join(lines)
 
 
-def run_compile(cfg: Config, args: argparse.Namespace) -> int:
+def only_kinds(only: str | None) -> list[str] | None:
+    """`--only step,decode` as program kinds (None: every program); an unknown kind is a ConfigError naming it."""
+    kinds = [k.strip() for k in only.split(",")] if only else None
+    bad = sorted(set(kinds or ()) - set(PROGRAM_KINDS))
+    if bad:
+        raise ConfigError(f"--only {only!r}: unknown program kind(s) {', '.join(bad)} "
+                          f"(kinds: {', '.join(PROGRAM_KINDS)})")
+    return kinds
+
+
+def run_compile(cfg: Config, plan: Any, family: Any, model: Any, args: argparse.Namespace,
+                only: list[str] | None) -> int:
+    """`raydeploy compile`: compile `only` these program kinds (None: all; `only_kinds`), print the report (text
+    or --json); exit 1 when a program does not fit."""
     try:
-        only = [k.strip() for k in args.only.split(",")] if args.only else None
-        bad = sorted(set(only or ()) - set(PROGRAM_KINDS))
-        if bad:
-            raise CompileError(f"--only {args.only!r}: unknown program kind(s) {', '.join(bad)} "
-                               f"(kinds: {', '.join(PROGRAM_KINDS)})")
-        report = compile_config(cfg, args.out, only, progress=None if args.json else
+        report = compile_config(cfg, plan, family, model, args.out, only, progress=None if args.json else
                                 (lambda p: print(f"  compiled {p.name} in {p.compile_s:.2f} s", file=sys.stderr)))
     except CompileError as e:
         raise ConfigError(str(e)) from e

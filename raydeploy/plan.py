@@ -417,18 +417,11 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def run_plan(cfg: Config, args: argparse.Namespace) -> int:
-    """`raydeploy plan`: print the plan (text or --json); exit 1 when it is impossible."""
-    plan = make_plan(cfg)
-    programs = None
-    if getattr(args, "compile", False) and plan.ok:
-        # the same memory figures as `raydeploy compile`: every program compiled for the target
-        from raydeploy.compile import CompileError, compile_config
-
-        try:
-            programs = compile_config(cfg)
-        except CompileError as e:
-            raise ConfigError(str(e)) from e
+def report_plan(plan: Plan, args: argparse.Namespace, programs: Any = None) -> int:
+    """`raydeploy plan`: print the plan (text or --json); exit 1 when it is impossible. `programs` is the
+    `raydeploy.compile.CompileReport` of `plan --compile` (the command layer compiles; a program that does not
+    fit is one more problem of the plan)."""
+    if programs is not None:
         plan = dataclasses.replace(plan, problems=[*plan.problems, *programs.problems])
     if getattr(args, "json", False):
         d = plan.to_dict()
