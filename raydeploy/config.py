@@ -287,6 +287,14 @@ class ServingConfig(_Section):
     """Serve replicas of the HTTP ingress (light, no JAX)."""
     cors_origins: list[str] = field(default_factory=list)
     """Origins allowed by CORS; empty disables CORS headers."""
+    body_read_timeout_s: float = 10.0
+    """Seconds a client has, from its request's arrival, to send the whole body; 408 and the connection closed after."""
+    max_ingress_requests: int | None = None
+    """Requests one ingress replica holds at once (reading, waiting, streaming; not /health, /ready, /metrics); 503 with Retry-After beyond; null means max(256, 4 x (engine.max_slots x replicas.max + max_queue))."""
+    max_concurrent_per_key: int | None = None
+    """Requests one API key may have in one ingress replica at once (429 with Retry-After beyond); null or 0 is no limit; needs API keys."""
+    metrics_refresh_s: float = 5.0
+    """Seconds between refreshes of the gang figures /metrics and /status show (a scrape reads the last ones and never waits on a gang)."""
 
 
 @dataclass(frozen=True)
@@ -524,8 +532,14 @@ def validate(cfg: Config) -> None:
         "engine.max_new_tokens": e.max_new_tokens, "engine.decode_steps": e.decode_steps,
         "model.max_seq_len": m.max_seq_len, "model.load_threads": m.load_threads, "serving.max_queue": s.max_queue,
         "serving.request_timeout_s": s.request_timeout_s, "serving.max_body_bytes": s.max_body_bytes,
-        "serving.ingress_replicas": s.ingress_replicas,
+        "serving.ingress_replicas": s.ingress_replicas, "serving.body_read_timeout_s": s.body_read_timeout_s,
+        "serving.metrics_refresh_s": s.metrics_refresh_s,
     }
+    if s.max_ingress_requests is not None:
+        positive["serving.max_ingress_requests"] = s.max_ingress_requests
+    if s.max_concurrent_per_key is not None and s.max_concurrent_per_key < 0:
+        raise ConfigError(f"must be >= 0 (0 or null: no limit), found {s.max_concurrent_per_key}", file=src,
+                          key="serving.max_concurrent_per_key")
     for key, val in positive.items():
         if val <= 0:
             raise ConfigError(f"must be > 0, found {val}", file=src, key=key)

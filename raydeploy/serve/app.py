@@ -19,6 +19,7 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raydeploy.serve.auth import ApiKeyCheck
@@ -32,6 +33,8 @@ from raydeploy.serve.errors import (
     pydantic_error,
 )
 from raydeploy.serve.generation import Job, Piece, ServingCore, new_id
+from raydeploy.serve.limits import Admission, FrontDoor, FrontDoorLimits
+from raydeploy.serve.metrics import GangFigures
 from raydeploy.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,12 +59,22 @@ class ServerInfo:
 
 
 def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_body_bytes: int = 1_048_576,
-               info: ServerInfo | None = None, cors_origins: list[str] | None = None) -> FastAPI:
+               info: ServerInfo | None = None, cors_origins: list[str] | None = None,
+               front_door: FrontDoorLimits | None = None, metrics_refresh_s: float = 5.0) -> FastAPI:
     app = FastAPI(title="raydeploy", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     keys = api_keys or ApiKeyCheck(())
     info = info or ServerInfo()
     codec, limits, metrics = core.codec, core.limits, core.metrics
     vocab_size = len(codec.tokenizer)
+    figures = GangFigures(core.backend, metrics_refresh_s)
+    app.state.front_door = None  # the middleware instance, built by Starlette when the app first runs
+
+    def front_door_app(inner: Any) -> FrontDoor:
+        app.state.front_door = FrontDoor(inner, front_door or FrontDoorLimits(), keys)
+        return app.state.front_door
+
+    # innermost of the middlewares: the counts below see its refusals; every request's admissions end with it
+    app.add_middleware(front_door_app)
 
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -144,23 +157,23 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
 
     async def respond(jobs: list[Job], builder: CompletionBuilder | ChatBuilder, prompt_tokens: int,
                       stream: bool, include_usage: bool, arrived: float) -> Response:
-        await core.admit(len(jobs))
+        ticket = await core.admit(len(jobs))
         if not stream:
             try:
                 choices = await core.run_all(jobs, arrived)
             finally:
-                core.release(len(jobs))
+                ticket.release()
             return JSONResponse(builder.whole(choices, prompt_tokens))
         pieces = core.merged(jobs, arrived)
         try:
             first = await anext(pieces)  # errors before the first token still get their HTTP status
         except BaseException:
-            core.release(len(jobs))
+            ticket.release()
             await pieces.aclose()
             raise
-        return StreamingResponse(_sse_body(first, pieces, builder, prompt_tokens, include_usage,
-                                           lambda: core.release(len(jobs))),
-                                 media_type="text/event-stream",
+        # released by the body's end, or (if the client left before the body started) by the response's close
+        return StreamingResponse(_sse_body(first, pieces, builder, prompt_tokens, include_usage, ticket.release),
+                                 media_type="text/event-stream", background=BackgroundTask(_close, ticket, pieces),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- OpenAI API ------------------------------------------------------------------------------------
@@ -225,11 +238,11 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         jobs = make_jobs([ids], 1, max_tokens=body.max_new_tokens, prompt_param=prompt_param,
                          max_param="max_new_tokens", default_max=None, sampling_args=sampling_args, stop=None,
                          stop_token_ids=None, ignore_eos=False, timeout_s=None, request_id=new_id("legacy"))
-        await core.admit(1)
+        ticket = await core.admit(1)
         try:
             (choice,) = await core.run_all(jobs, arrived)
         finally:
-            core.release(1)
+            ticket.release()
         return JSONResponse({"input": text, "response": choice.text, "tokens_used": len(choice.token_ids)})
 
     @app.post("/chat", openapi_extra=_json_body(LegacyChatRequest))
@@ -281,7 +294,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         authorize(request)
         st = await core.backend.state()
         gang = await core.backend.status()
-        stats = await core.backend.stats() if st.get("state") == "ready" else {}
+        _, stats, age_s = await figures.get()  # the coordinators' figures as /metrics has them
         served = metrics.requests_served
         return JSONResponse({
             "status": "Ready" if st.get("state") == "ready" else str(st.get("state", "unknown")).capitalize(),
@@ -292,14 +305,14 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
             "uptime_s": round(time.time() - info.started_at, 3),
             "number_of_served_request_until_last_up_time": served, "requests_served": served,
             "serving": metrics.snapshot() | {"queue_capacity": limits.max_queue, "admitted": core.in_flight},
-            "engine": stats, "gang": gang,
+            "front_door": app.state.front_door.snapshot() if app.state.front_door else None,
+            "engine": stats if st.get("state") == "ready" else {}, "engine_age_s": age_s, "gang": gang,
         })
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        st = await core.backend.state()
-        stats = await core.backend.stats() if st.get("state") == "ready" else {}
-        return PlainTextResponse(metrics.render(st, stats), media_type="text/plain; version=0.0.4")
+        st, stats, age_s = await figures.get()  # cached: a scrape never waits on a gang or takes its locks
+        return PlainTextResponse(metrics.render(st, stats, age_s), media_type="text/plain; version=0.0.4")
 
     @app.get("/")
     async def page() -> Response:
@@ -335,6 +348,12 @@ async def _sse_body(first: tuple[int, list[Piece]], pieces: AsyncGenerator[tuple
     finally:
         release()
         await pieces.aclose()
+
+
+async def _close(ticket: Admission, pieces: AsyncGenerator) -> None:
+    """A stream's response is done, however it ended: its capacity back, its jobs closed (aborting any left)."""
+    ticket.release()
+    await pieces.aclose()
 
 
 def _validation_error(e: ValidationError) -> InvalidRequest:

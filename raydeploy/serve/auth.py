@@ -48,17 +48,21 @@ class ApiKeyCheck:
         return bool(self._keys)
 
     def allows(self, authorization: str | None, x_api_key: str | None) -> bool:
-        if not self._keys:
-            return True
+        return not self._keys or self.key_index(authorization, x_api_key) is not None
+
+    def key_index(self, authorization: str | None, x_api_key: str | None) -> int | None:
+        """Which configured key the request carries (its position in the list), or None: an identity for
+        per-key limits that is never the key itself."""
         candidate = x_api_key
         if authorization:
             scheme, _, value = authorization.partition(" ")
             if scheme.lower() == "bearer":
                 candidate = value.strip()
-        if not candidate:
-            return False
+        if not candidate or not self._keys:
+            return None
         given = candidate.encode()
-        ok = False
-        for k in self._keys:  # no early exit: time does not depend on which key matched
-            ok |= hmac.compare_digest(given, k)
-        return ok
+        found = None
+        for i, k in enumerate(self._keys):  # no early exit: time does not depend on which key matched
+            if hmac.compare_digest(given, k):
+                found = i
+        return found

@@ -7,7 +7,9 @@
   so the admitted requests beyond the free slots wait in Serve's router for the first free slot of any gang
   (admission itself is the ingress's `ServingCore`, from `Limits`); its custom part (raydeploy.serve.routing)
   sends requests only to gangs that are ready.
-- `raydeploy-ingress` (no JAX, num_cpus=0) serves `create_app`: each replica loads the tokenizer saved in the
+- `raydeploy-ingress` (no JAX, num_cpus=0) serves `create_app` behind the front door of
+  raydeploy.serve.limits (body-read deadline, a bound on the requests it holds, the per-key limit; Serve's
+  `max_ongoing_requests` for it is that bound plus room for probes): each replica loads the tokenizer saved in the
   checkpoint directory, holds a DeploymentHandle to the gangs and a directory of their supervisors
   (raydeploy.gang.directory), and builds the FastAPI app at replica start (`__serve_build_asgi_app__`).
 
@@ -31,6 +33,7 @@ from raydeploy.serve.app import ServerInfo, create_app
 from raydeploy.serve.auth import ApiKeyCheck, load_api_keys
 from raydeploy.serve.backend import ReplicaBackend
 from raydeploy.serve.generation import Limits, ServingCore
+from raydeploy.serve.limits import PROBE_HEADROOM, FrontDoorLimits, ingress_bound
 from raydeploy.serve.metrics import ServingMetrics
 from raydeploy.serve.text import TextCodec
 
@@ -71,7 +74,8 @@ class ServeIngress:
         info = ServerInfo(config=public_config(cfg), devices=cfg.total_devices, process_count=cfg.cluster.num_hosts,
                           mesh=cfg.mesh_shape)
         self._fastapi = create_app(self.core, api_keys=keys, max_body_bytes=cfg.serving.max_body_bytes, info=info,
-                                   cors_origins=cfg.serving.cors_origins)
+                                   cors_origins=cfg.serving.cors_origins, front_door=FrontDoorLimits.from_config(cfg),
+                                   metrics_refresh_s=cfg.serving.metrics_refresh_s)
         log.info("raydeploy ingress ready: model %s, API keys %s", name, "on" if keys.enabled else "off")
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -134,7 +138,10 @@ def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s:
 
     `ready_timeout_s`: each gang replica starts serving only once its gang is ready (waiting at most that long).
     engine "toy" runs the gangs' stand-in engine (no weights; the checkpoint still gives the tokenizer)."""
-    load_api_keys(cfg.serving)  # fail in the driver, with the config key named, before any replica starts
+    keys = load_api_keys(cfg.serving)  # fail in the driver, with the config key named, before any replica starts
+    if cfg.serving.max_concurrent_per_key and not keys:
+        raise ConfigError("a per-key limit needs API keys: set serving.api_keys_env or serving.api_keys_file",
+                          file=cfg.source, key="serving.max_concurrent_per_key")
     from raydeploy.gang.gang import check_engine
     from raydeploy.serve.replica import GangReplica
 
@@ -144,4 +151,8 @@ def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s:
         cfg, str(checkpoint_dir) if engine == "real" else None, engine, ready_timeout_s)
     # the decorators made the class a Deployment; mypy keeps the type of a decorated class
     ingress = cast(serve.Deployment, ServeIngress)
-    return ingress.options(num_replicas=cfg.serving.ingress_replicas).bind(cfg, str(checkpoint_dir), gangs)
+    # the front door refuses beyond ingress_bound at once (503); Serve's own cap is above it, so probes and the
+    # refusals themselves are never queued in the proxy
+    return ingress.options(num_replicas=cfg.serving.ingress_replicas,
+                           max_ongoing_requests=ingress_bound(cfg) + PROBE_HEADROOM).bind(
+        cfg, str(checkpoint_dir), gangs)

@@ -36,6 +36,7 @@ from raydeploy.serve.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
+from raydeploy.serve.limits import Admission
 from raydeploy.serve.metrics import ServingMetrics
 from raydeploy.serve.text import StopMatcher, TextCodec
 
@@ -156,9 +157,11 @@ class ServingCore:
         return t if timeout_s is None else min(t, float(timeout_s))
 
     # -- admission -----------------------------------------------------------------------------------
-    async def admit(self, n_jobs: int) -> None:
+    async def admit(self, n_jobs: int) -> Admission:
         """Reserve room for `n_jobs`: `max_slots` per ready gang plus `max_queue`, or answer 503 with
-        Retry-After at once; a request that could never fit is a 400."""
+        Retry-After at once; a request that could never fit is a 400. The returned ticket gives the room back
+        once, whoever releases it first (the stream's end, the response's close, the request's scope in the
+        front door, or garbage collection as a last resort)."""
         lim = self.limits
         if n_jobs > lim.max_slots + lim.max_queue:  # could never be admitted: not a retriable 503
             raise InvalidRequest(f"the request asks for {n_jobs} sequences (n times the prompts); this server "
@@ -170,12 +173,18 @@ class ServingCore:
             raise Overloaded(f"the server is at capacity ({lim.max_slots} slots in each of {gangs} ready gang(s) "
                              f"busy and {lim.max_queue} requests queued); retry shortly", retry_after_s=1.0)
         self._in_flight += n_jobs
+        return Admission(n_jobs, self._give_back)
 
-    def release(self, n_jobs: int) -> None:
+    def release(self, ticket: Admission) -> None:
+        """Give a ticket's room back (idempotent: a released ticket counts once)."""
+        ticket.release()
+
+    def _give_back(self, n_jobs: int) -> None:
         self._in_flight -= n_jobs
 
     @property
     def in_flight(self) -> int:
+        """Sequences admitted and not yet released."""
         return self._in_flight
 
     # -- running ---------------------------------------------------------------------------------------

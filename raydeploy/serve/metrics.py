@@ -3,7 +3,9 @@
 Latency (time to first token, time per output token, request duration) is measured here, where the
 client's clock is, into `prometheus_client` histograms; request and token counts are its counters. Gang
 figures are read from every gang's supervisor and coordinator at scrape time and exported by a collector
-made for that scrape: the deployment's (`raydeploy_gang_ready` is 1 while any gang is ready,
+made for that scrape from `GangFigures`, the last figures a background refresh read (at most one refresh per
+`serving.metrics_refresh_s`, each bounded; a scrape never waits on a gang, and the figures' age is exported as
+`raydeploy_gang_figures_age_seconds`): the deployment's (`raydeploy_gang_ready` is 1 while any gang is ready,
 `raydeploy_gangs_ready`, `raydeploy_gangs`, restarts and the coordinators' figures summed over gangs), and
 each gang's own with a `gang` label (`raydeploy_gang_up`, `raydeploy_gang_restarts_by_gang`,
 `raydeploy_gang_slots_in_use`, ...). No label ever carries user input (gang labels are supervisor names).
@@ -22,12 +24,15 @@ probes, status polls or scrapes.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import re
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -38,6 +43,8 @@ GENERATION_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/c
 """The routes whose successful answers count as requests served."""
 PER_GANG_STATS = ("slots_in_use", "queue_depth", "tokens_generated", "requests_done", "steps_done")
 """Coordinator figures also exported per gang (labelled `gang`)."""
+log = logging.getLogger("raydeploy.serve")
+
 RECENT_SAMPLES = 4096
 """How many recent latencies /status keeps for its p50/p99 (the histograms keep every observation)."""
 
@@ -144,20 +151,26 @@ class ServingMetrics:
             "tpot_s": {"p50": self._recent_tpot.quantile(0.5), "p99": self._recent_tpot.quantile(0.99)},
         }
 
-    def render(self, gang_state: Mapping[str, Any], engine_stats: Mapping[str, Any]) -> str:
-        """The Prometheus text: this replica's registry, then the gang figures of this scrape."""
+    def render(self, gang_state: Mapping[str, Any], engine_stats: Mapping[str, Any],
+               figures_age_s: float | None = None) -> str:
+        """The Prometheus text: this replica's registry, then the gang figures (read `figures_age_s` ago)."""
         scrape = CollectorRegistry(auto_describe=False)
-        scrape.register(_GangFigures(gang_state, engine_stats))
+        scrape.register(_GangFigures(gang_state, engine_stats, figures_age_s))
         return (generate_latest(self.registry) + generate_latest(scrape)).decode("utf-8")
 
 
 class _GangFigures:
     """A one-scrape collector of the supervisor's state and the coordinator's stats, as gauges."""
 
-    def __init__(self, gang_state: Mapping[str, Any], engine_stats: Mapping[str, Any]) -> None:
-        self.gang_state, self.engine_stats = gang_state, engine_stats
+    def __init__(self, gang_state: Mapping[str, Any], engine_stats: Mapping[str, Any],
+                 age_s: float | None = None) -> None:
+        self.gang_state, self.engine_stats, self.age_s = gang_state, engine_stats, age_s
 
     def collect(self) -> Iterator[Metric]:
+        if self.age_s is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_gang_figures_age_seconds",
+                                    "Seconds since the gang figures below were read from the gangs.",
+                                    value=self.age_s)
         state = str(self.gang_state.get("state", "unknown"))
         yield GaugeMetricFamily(f"{PREFIX}_gang_ready", "1 when the gang is ready to serve.",
                                 value=int(state == "ready"))
@@ -206,6 +219,56 @@ class _GangFigures:
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     fam.add_metric([_name_part(str(name))], float(v))
             yield fam
+
+
+class _FigureSource(Protocol):
+    async def state(self) -> dict[str, Any]: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+
+class GangFigures:
+    """The gangs' state and coordinator figures as last read, for /metrics and /status.
+
+    `get()` never waits on a gang once figures exist: when they are older than `refresh_s` it starts one
+    background refresh (never two at once) and answers with what it has. Only the very first call waits, at
+    most `first_wait_s`, for the first figures. Each refresh is bounded by `timeout_s`; a failed one keeps the
+    old figures (their age says so). So the gangs are asked at most once per `refresh_s`, however often
+    Prometheus scrapes, and a scrape costs no gang lock."""
+
+    def __init__(self, source: _FigureSource, refresh_s: float, *, timeout_s: float = 10.0,
+                 first_wait_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.source = source
+        self.refresh_s, self.timeout_s, self.first_wait_s = refresh_s, timeout_s, first_wait_s
+        self.clock = clock
+        self.state: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {}
+        self.read_at: float | None = None
+        self.refreshes = 0
+        """Refreshes started (each asks every gang once)."""
+        self._task: asyncio.Task | None = None
+
+    async def get(self) -> tuple[dict[str, Any], dict[str, Any], float | None]:
+        """(state, stats, age in seconds or None before any figures)."""
+        now = self.clock()
+        if self._task is None and (self.read_at is None or now - self.read_at >= self.refresh_s):
+            self.refreshes += 1
+            self._task = asyncio.get_running_loop().create_task(self._refresh())
+        if self.read_at is None and self._task is not None:
+            await asyncio.wait({self._task}, timeout=self.first_wait_s)  # a bounded wait; never cancels it
+        age = None if self.read_at is None else max(0.0, self.clock() - self.read_at)
+        return self.state, self.stats, age
+
+    async def _refresh(self) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                state = await self.source.state()
+                stats = await self.source.stats() if state.get("state") == "ready" else {}
+            self.state, self.stats, self.read_at = dict(state), dict(stats), self.clock()
+        except Exception as e:  # the gangs did not answer: keep the old figures, their age grows
+            log.warning("reading the gang figures failed: %s", type(e).__name__)
+        finally:
+            self._task = None
 
 
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
