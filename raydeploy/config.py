@@ -578,6 +578,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"must be > 0, found {val}", file=src, key=key)
     if e.num_pages < 0:
         raise ConfigError(f"must be >= 0 (0 = auto), found {e.num_pages}", file=src, key="engine.num_pages")
+    one_seq = -(-m.max_seq_len // e.page_size)
+    if 0 < e.num_pages < one_seq:  # else a request near the context would never fit: a 500 at every submit
+        raise ConfigError(f"is {e.num_pages} pages, fewer than one sequence of model.max_seq_len {m.max_seq_len} "
+                          f"needs ({one_seq} pages of engine.page_size {e.page_size}); set it >= {one_seq} or 0 "
+                          f"(auto)", file=src, key="engine.num_pages")
     if e.max_slots % dp:
         raise ConfigError(f"max_slots {e.max_slots} is not divisible by mesh dp={dp}", file=src, key="engine.max_slots")
     sp = e.sampling
