@@ -9,18 +9,47 @@ default. Checks that need the tokenizer or the config (context length, max_token
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_N = 8
+MAX_PROMPTS = 1024
+"""Prompts in one /v1/completions body (each one is `n` sequences, and admission bounds their product)."""
+MAX_MESSAGES = 2048
+"""Messages in one /v1/chat/completions body."""
+MAX_TEXT_PARTS = 2048
+"""Text parts in one message's `content` list."""
+MAX_HISTORY_TURNS = 1024
+"""[user, assistant] turns in the `history` of one /chat body."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Ids in `stop_token_ids`."""
 MAX_TOP_K = 2**31 - 1
 """top_k travels to the engine as int32; any value above the vocabulary size already means 'all tokens'."""
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TooMany(ValueError):
+    """A list longer than this server takes (the field is the error's location). Checked before the list's items
+    are validated, so a huge list costs one len() and not a validation of each item."""
+
+    def __init__(self, limit: int, found: int, what: str) -> None:
+        super().__init__(f"holds {found} {what}; at most {limit} {what} are allowed")
+
+
+def _at_most(param: str, limit: int, what: str) -> Any:
+    """A before-validator bounding a list field's length."""
+
+    def check(v: Any) -> Any:
+        if isinstance(v, list) and len(v) > limit:
+            raise TooMany(limit, len(v), what)
+        return v
+
+    return field_validator(param, mode="before")(classmethod(lambda cls, v: check(v)))
 
 
 class StreamOptions(_Strict):
@@ -53,6 +82,9 @@ class _SamplingFields(_Strict):
     """Extension: extra token ids that end generation."""
     timeout_s: Annotated[float, Field(gt=0.0)] | None = None
     """Extension: a deadline shorter than serving.request_timeout_s for this request."""
+
+    _stop_count = _at_most("stop", MAX_STOP_STRINGS, "stop strings")
+    _stop_token_ids_count = _at_most("stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids")
 
     @field_validator("stop")
     @classmethod
@@ -97,6 +129,14 @@ class CompletionRequest(_SamplingFields):
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_count(cls, v: Any) -> Any:
+        # a list of token ids is one prompt (bounded by the context); a list of texts or id lists is many
+        if isinstance(v, list) and len(v) > MAX_PROMPTS and not isinstance(v[0], int):
+            raise TooMany(MAX_PROMPTS, len(v), "prompts")
+        return v
+
     @model_validator(mode="after")
     def _check_completion(self):
         if self.echo:
@@ -121,6 +161,8 @@ class ChatMessage(_Strict):
     content: str | list[TextPart]
     name: str | None = None
 
+    _content_count = _at_most("content", MAX_TEXT_PARTS, "text parts")
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -129,6 +171,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
+    _messages_count = _at_most("messages", MAX_MESSAGES, "messages")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -159,6 +202,7 @@ class LegacyChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     prompt: str
     history: list[Annotated[list[str], Field(min_length=2, max_length=2)]] = Field(default_factory=list)
+    _history_count = _at_most("history", MAX_HISTORY_TURNS, "turns")
     greedy: bool = False
     system: str | None = None
     max_new_tokens: Annotated[int, Field(ge=1)] | None = None

@@ -4,28 +4,47 @@ detokenization for streaming, and stop strings.
 The tokenizer is the one saved in the checkpoint directory (loaded with transformers' AutoTokenizer, never
 from a model hub). Streaming decodes token by token without re-decoding the whole output, holds back
 bytes that do not yet form a whole character, and holds back text that could still become a stop string.
+
+`vocab_size` is what a client's token ids are checked against: the model's own vocabulary (the rows of its
+embedding, from the checkpoint's config.json) where known, since an id past it reads past the embedding.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("raydeploy.serve")
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the messages (Gemma's and Mistral's raise on an unexpected role order);
+    the message is the template's own."""
 
 
 class TextCodec:
     """Encode prompts (raw or chat) and decode generated ids with the model's own tokenizer."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, model_vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = () if eos is None else (int(eos),)
+        self.model_vocab_size = model_vocab_size
+        """Rows of the model's embedding (config.json's vocab_size), if known."""
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TextCodec:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True), model_vocab_size(path))
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may hold are below this: the model's vocabulary where known, else the tokenizer's."""
+        return self.model_vocab_size if self.model_vocab_size is not None else len(self.tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
@@ -41,8 +60,13 @@ class TextCodec:
             # A model without a template: plain "role: content" lines, then the assistant's turn.
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:  # the template's own raise_exception(...), or an error in its logic
+            raise ChatTemplateError(getattr(e, "message", None) or str(e) or type(e).__name__) from None
 
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat template (the template already holds its special tokens)."""
@@ -57,6 +81,23 @@ class TextCodec:
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
+
+
+def model_vocab_size(checkpoint_dir: str | Path) -> int | None:
+    """`vocab_size` of the checkpoint's config.json (top level, or a multimodal model's text_config), if any."""
+    path = Path(checkpoint_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("could not read the model's vocabulary size from %s: %s", path.name, type(e).__name__)
+        return None
+    for d in (cfg, cfg.get("text_config") or {}):
+        v = d.get("vocab_size") if isinstance(d, dict) else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
 
 
 class IncrementalDetokenizer:
