@@ -91,11 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="offline batch inference over the gang (JSONL in, JSONL out)")
     _add_config_args(p, positional=True)
     p.add_argument("--input", required=True, help="prompts.jsonl: one {\"prompt\": ...} or {\"messages\": [...]} per line")
-    p.add_argument("--output", required=True, help="out.jsonl; lines already there are kept and skipped (resume)")
+    p.add_argument("--output", required=True,
+                   help="out.jsonl, one row per input line; rows already there are checked against the input and "
+                        "kept (resume); <output>.lock keeps a second run out")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default engine.max_new_tokens)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--on-bad-line", choices=["skip", "fail"], default="skip",
-                   help="a malformed input line is reported and skipped (default) or stops the run")
+    p.add_argument("--on-error", dest="on_error", choices=["skip", "fail"], default="skip",
+                   help="a malformed line or a failed generation: write its error row and go on (skip, the "
+                        "default: no work is lost), or stop after writing every earlier row, exit 1 (fail)")
+    p.add_argument("--on-bad-line", dest="on_error", choices=["skip", "fail"], help="the same as --on-error")
     p.add_argument("--engine", choices=["real", "toy"], default="real",
                    help="toy: a stand-in engine that loads no weights, to smoke-test a cluster's placement, "
                         "jax.distributed and job plumbing (default real)")
