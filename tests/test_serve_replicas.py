@@ -2,9 +2,12 @@
 each (real jax.distributed per gang) with the stand-in engine, whose tokens a test can predict: here the point
 is routing and failure, not the model.
 
-Shown: /status lists both gangs; 16 concurrent streams are spread over both and are all correct; a host of
-one gang is killed while a client keeps sending: every request submitted after the kill succeeds, the
-streams in flight on the killed gang end with a retriable error, and the count of ready gangs returns to 2.
+Shown: /status lists both gangs; 16 concurrent streams are spread over both and are all correct; a request
+that the engine fails on its own (every gang's engine is wrapped by the `raise_on_token` fault) fails once,
+with a 500 naming it, while the streams in its steps go on to their right ends, no gang restarts and it is
+not sent to the other gang; a host of one gang is killed while a client keeps sending: every request submitted
+after the kill succeeds, the streams in flight on the killed gang end with a retriable error, and the count of
+ready gangs returns to 2.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -26,6 +30,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]
 
 PROMPT = [5, 6, 7]
 READY_TIMEOUT_S = 600
+POISON = 201
+"""A token id whose step fails in every gang's first engine (the `raise_on_token` fault); no other test sends it."""
 
 
 def _free_port() -> int:
@@ -86,7 +92,8 @@ def two_gangs(demo_checkpoint):
     t0 = time.monotonic()
     try:
         cfg = replica_cfg(_free_port(), "replicas.min=2", "replicas.max=2")
-        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint), engine="toy")
+        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint), engine="toy",
+                                faults={0: {"raise_on_token": POISON}})
         serving.wait_ready(READY_TIMEOUT_S, count=2)
         wait_http_ready(serving.url, READY_TIMEOUT_S)
         print(f"two gangs ready after {time.monotonic() - t0:.1f}s")
@@ -136,6 +143,62 @@ def test_status_shows_both_gangs_and_16_streams_spread_over_them(two_gangs, code
     assert len(done) == 2 and sum(done.values()) == 16 and min(done.values()) >= 1, done
     metrics = httpx.get(url + "/metrics", timeout=30).text
     assert "raydeploy_gangs_ready 2.0" in metrics and metrics.count("raydeploy_gang_up{") == 2, metrics
+
+
+def test_a_request_the_engine_fails_fails_alone_once_and_no_gang_restarts(two_gangs, codec):
+    """Runs before the kill test: the fault is in each gang's first engine only (a rebuilt gang has none)."""
+    url = two_gangs.url
+
+    def fresh_stats() -> dict[str, dict]:  # from the supervisors, not the ingress's cached figures
+        return {g["gang"]: g["stats"] for g in two_gangs.gangs.status()["gangs"]}
+
+    before = fresh_stats()
+    normals = 6
+
+    async def stream(client: httpx.AsyncClient, n: int, going) -> tuple[int, str, str | None, float]:
+        body = {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "stream": True, "temperature": 0}
+        text, finish, events = "", None, 0
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    finish = choice.get("finish_reason") or finish
+                    events += 1
+                    if events == 3:
+                        going.release()
+        return n, text, finish, time.monotonic()
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            going = asyncio.Semaphore(0)
+            tasks = [asyncio.create_task(stream(client, 1000 + 20 * i, going)) for i in range(normals)]
+            for _ in range(normals):  # every stream is decoding: each is a row of every step of its gang
+                await asyncio.wait_for(going.acquire(), 300)
+            poison = await client.post(url + "/v1/completions", json={
+                "prompt": [5, POISON, 7], "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+            answered = time.monotonic()
+            return poison, answered, await asyncio.gather(*tasks)
+
+    poison, answered, results = asyncio.run(main())
+    assert poison.status_code == 500, poison.text
+    err = poison.json()["error"]
+    assert err["code"] == "request_failed" and err["type"] == "server_error", err
+    assert re.fullmatch(r"request cmpl-[0-9a-f]{24}-0 failed in the model engine and was not retried; the details "
+                        r"are in the server log", err["message"]), err
+    for n, text, finish, ended in results:  # the streams beside it went on, to the tokens they would have had alone
+        assert finish == "length" and text == expected_text(codec, n), (n, text[-40:], finish)
+        assert ended > answered, "a stream ended before the poisoned request was answered: it ran beside nothing"
+    after = fresh_stats()
+    delta = {k: {f: after[k][f] - before.get(k, {}).get(f, 0) for f in ("requests_submitted", "steps_failed",
+                                                                         "requests_done")} for k in after}
+    assert sum(d["requests_submitted"] for d in delta.values()) == normals + 1, delta  # the poison: once in all
+    assert sorted(d["steps_failed"] for d in delta.values()) == [0, 1], delta
+    hit = next(d for d in delta.values() if d["steps_failed"] == 1)
+    assert hit["requests_done"] >= 2, delta  # streams ran on the gang that failed the request, beside it
+    st = two_gangs.gangs.state()
+    assert st["ready_gangs"] == 2 and [g["restarts"] for g in st["gangs"]] == [0, 0], st
 
 
 def test_a_host_killed_while_a_client_sends(two_gangs, codec):

@@ -36,6 +36,7 @@ from raydeploy.engine import compile_cache
 from raydeploy.engine.attention import Attention
 from raydeploy.engine.kv_cache import PageTables, StepInputs, allocate_pool, build_inputs
 from raydeploy.engine.programs import MIXED_STEP_CAP_PLATFORMS, ProgramSet, ProgramShape
+from raydeploy.engine.request import RequestFailed
 from raydeploy.engine.step import SeqStep, StepPlan, StepResult
 from raydeploy.model.registry import Family
 
@@ -220,6 +221,23 @@ class Engine:
     def eos_ids(self) -> tuple[int, ...]:
         return self.family.eos_ids(self.cfg)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding table: a token id must be below it (the scheduler refuses others at submit)."""
+        return int(self.cfg.vocab_size)
+
+    def _check_tokens(self, plan: StepPlan, rows: list[tuple[int, np.ndarray]]) -> None:
+        """`RequestFailed` naming the rows whose new tokens fall outside the vocabulary (an id past the embedding
+        gives NaN logits, then garbage in the slot's pages). Checked before any device work, so every host raises
+        it alike and the step loop fails just those requests."""
+        v = self.vocab_size
+        bad = [(slot, t) for slot, t in rows if t.size and (int(t.min()) < 0 or int(t.max()) >= v)]
+        if bad:
+            slot, t = bad[0]
+            tid = int(t[(t < 0) | (t >= v)][0])
+            raise RequestFailed(f"prompt token id {tid} is outside the model's vocabulary (ids 0..{v - 1}, "
+                                f"vocab_size {v})", slots=tuple(s for s, _ in bad), invalid=True)
+
     # -- programs
     def executable(self, shape: ProgramShape) -> Any:
         exe = self._executables.get(shape)
@@ -264,6 +282,7 @@ class Engine:
         return StepInputs(**{f.name: self._put(arrays[f.name], self._shardings[f.name]) for f in fields(StepInputs)})
 
     def _check(self, plan: StepPlan) -> None:
+        self._check_tokens(plan, [(q.slot, np.asarray(q.tokens).reshape(-1)) for q in plan.seqs])
         ps, t = self.programs_set, self.tables
         per_group = np.zeros(ps.groups, np.int64)
         seen: set[int] = set()
@@ -379,6 +398,7 @@ class Engine:
         a fixed run of pages of its group's pool, prompts are cut into chunks of at most `max_step_tokens`
         per group, chunks of several prompts share steps, and the decode rows run `decode_steps` passes."""
         ps, t = self.programs_set, self.tables
+        self._check_tokens(plan, [(p.slot, np.asarray(p.tokens).reshape(-1)) for p in plan.prefills])
         per_slot = ps.max_pages_per_seq
         if ps.pages_per_group < ps.slots_per_group * per_slot:
             raise ValueError(f"a slot-form plan needs a pool of {ps.slots_per_group * per_slot} pages per dp group "

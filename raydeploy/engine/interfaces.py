@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.engine.request import GenerationRequest, RequestFailed, TokenEvent
 from raydeploy.engine.step import StepPlan, StepResult
 
 Sink = Callable[[TokenEvent], None]
@@ -43,6 +43,16 @@ class StepScheduler(Protocol):
 
     def fail_all(self, error: str, retriable: bool) -> None:
         """End every queued and running request with an error event."""
+        ...
+
+    def step_failed(self, plan: StepPlan, failure: RequestFailed) -> bool:
+        """The engine raised `failure` for `plan` before any device work: fail the requests it names
+        (non-retriable), plan the plan's other requests again; False (nothing done) if it names none of them."""
+        ...
+
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        """End every request of `plan` with a non-retriable error (its step failed for a reason no one request
+        can be blamed for)."""
         ...
 
     def wait_for_work(self, timeout_s: float) -> bool:

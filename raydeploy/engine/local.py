@@ -4,8 +4,19 @@
 result)`, with every scheduler call under one lock. The gang's coordinator (raydeploy.gang.coordinator) runs it
 with `run` = the dispatcher's broadcast to every host; `LocalRunner` runs it with `run` = one engine's step in
 this process. It runs either in a background thread (`start`/`stop`) or in the caller's thread
-(`step_once`, `run_until_idle`). A step that raises fails every request (their sinks get an "error" event,
-retriable or not as the owner says) and stops the loop; the exception is kept in `.error`.
+(`step_once`, `run_until_idle`).
+
+A step that raises, three cases (docs/gang.md, "A step that fails for one request"):
+- `RequestFailed` (raydeploy.engine.request): the engine found, before any device work, that some rows of the
+  plan cannot run. The scheduler fails just those requests (non-retriable, naming each) and plans the others
+  again (`Scheduler.step_failed`); the loop goes on. On a gang every host raised it at the same point of the
+  same plan, so the hosts are still in lockstep.
+- a host failure (`host_failure(e)`, the owner's test: on a gang, jax's runtime error from a collective or the
+  coordination service): every request ends with an "error" event, retriable as the owner says, and the loop
+  stops; the exception is kept in `.error`.
+- anything else cannot be followed to one request: the requests of that step end with a non-retriable error
+  (they are not sent again: another gang would fail them alike), the rest as for a host failure, and the loop
+  stops, since the engine (and a gang's followers) may be part-way through the step.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from raydeploy.engine.interfaces import StepEngine, StepScheduler
-from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.engine.request import GenerationRequest, RequestFailed, TokenEvent
 from raydeploy.engine.step import StepPlan, StepResult
 
 __all__ = ["GenerationOutput", "LocalRunner", "RequestStream", "StepEngine", "StepLoop"]
@@ -31,14 +42,20 @@ class StepLoop:
     """One scheduler, one `run(plan) -> result`, one thread (or the caller's)."""
 
     def __init__(self, scheduler: StepScheduler, run: Callable[[StepPlan], StepResult], *, idle_wait_s: float,
-                 failure: str, retriable: bool, name: str = "raydeploy-step-loop") -> None:
+                 failure: str, retriable: bool, name: str = "raydeploy-step-loop",
+                 host_failure: Callable[[BaseException], bool] | None = None) -> None:
         self.scheduler = scheduler
         self.run = run
         self.idle_wait_s = idle_wait_s
         self.failure = failure
         """What every request's error event says when a step raises (the exception follows)."""
         self.retriable = retriable
+        self.host_failure = host_failure or (lambda e: False)
+        """Whether a step's exception is a failure of the hosts (every request retriable as the owner says) rather
+        than one the step raised for its requests (those are not retried)."""
         self.name = name
+        self.steps_failed = 0
+        """Steps undone because the engine raised `RequestFailed` (the loop went on)."""
         self.lock = threading.Lock()
         """Held around every scheduler call; the owner takes it too for submit, abort and stats."""
         self.error: BaseException | None = None
@@ -46,20 +63,37 @@ class StepLoop:
         self._thread: threading.Thread | None = None
 
     def step_once(self) -> bool:
-        """Run one plan if there is one; False when idle. A failing step fails every request and re-raises."""
+        """Run one plan if there is one; False when idle. A step that raises `RequestFailed` naming requests of
+        the plan fails those and returns True; any other failing step fails every request and re-raises."""
         with self.lock:
             plan = self.scheduler.next_plan()
         if plan is None:
             return False
         try:
             result = self.run(plan)
+        except RequestFailed as e:
+            with self.lock:
+                undone = self.scheduler.step_failed(plan, e)
+            if undone:
+                self.steps_failed += 1
+                return True
+            self._fail(plan, e)
+            raise
         except Exception as e:
-            self.error = e
-            self.fail_all(f"{self.failure}: {type(e).__name__}: {e}", self.retriable)
+            self._fail(plan, e)
             raise
         with self.lock:
             self.scheduler.on_result(plan, result)
         return True
+
+    def _fail(self, plan: StepPlan, e: Exception) -> None:
+        """A step raised and the loop stops: see the module docstring for who gets which error."""
+        self.error = e
+        if not self.host_failure(e):
+            with self.lock:
+                self.scheduler.fail_step(plan, f"the step raised {type(e).__name__}: {e} (not attributable to one "
+                                               f"request of the step, so none of them is run again)")
+        self.fail_all(f"{self.failure}: {type(e).__name__}: {e}", self.retriable)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Step in this thread until nothing is queued or running; returns the number of steps."""

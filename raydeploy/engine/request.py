@@ -1,7 +1,16 @@
-"""A generation request as the scheduler sees it, and the events it streams back.
+"""A generation request as the scheduler sees it, the events it streams back, and the error that fails one
+request without failing the others beside it.
 
 These cross Ray (HTTP ingress -> coordinator actor) so they are plain picklable dataclasses; the HTTP layer
 turns OpenAI / legacy JSON into a `GenerationRequest` and `TokenEvent`s back into JSON.
+
+`RequestFailed` is how a failure is followed to the request that caused it. The scheduler raises it at submit
+(a token id past the model's vocabulary: the request is refused, nothing else happens); an engine raises it
+from `step` naming plan rows (`slots`) when a check of the plan's inputs fails before any device work of that
+step. Every host runs the same plan through the same checks, so every host raises it at the same point,
+skips that step's device work and stays in lockstep; the step loop on rank 0 then fails just those requests
+(a non-retriable error event naming the request and the reason) and plans the others again
+(raydeploy.engine.local.StepLoop, raydeploy.engine.scheduler.Scheduler.step_failed).
 """
 
 from __future__ import annotations
@@ -38,3 +47,36 @@ class TokenEvent:
     error: str | None = None
     """Set with finish_reason 'error': what failed (retriable gang failures say so)."""
     retriable: bool = False
+    """A gang failure the request had no part in (a host died): another gang may run it again."""
+    invalid: bool = False
+    """With finish_reason 'error': the request's own content is what failed (HTTP 400), not the server (500)."""
+    refused: bool = False
+    """With a retriable error: the gang never took the request (it was not ready, or refused it at submit), so
+    sending it to another gang costs nothing; otherwise its gang broke while holding it (the ingress resends such
+    a request once at most)."""
+
+
+class RequestFailed(ValueError):
+    """A failure that belongs to some requests only: they end with a non-retriable error, the others go on.
+
+    Raised by an engine's `step` naming plan rows (`slots`; the step loop maps them to requests), or by the
+    scheduler naming `request_ids`, always before any device work of the step, deterministically given the plan
+    (so every host of a gang raises it alike). `invalid`: the request's content is at fault (a token id past
+    the vocabulary): HTTP 400 rather than 500. A ValueError, so callers that refuse bad requests by ValueError
+    keep doing so; it pickles intact across Ray."""
+
+    def __init__(self, message: str, *, slots: tuple[int, ...] = (), request_ids: tuple[str, ...] = (),
+                 invalid: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.slots = tuple(int(s) for s in slots)
+        self.request_ids = tuple(str(r) for r in request_ids)
+        self.invalid = invalid
+
+    def __reduce__(self):  # pickles across Ray intact
+        return (_rebuild_request_failed, (self.message, self.slots, self.request_ids, self.invalid))
+
+
+def _rebuild_request_failed(message: str, slots: tuple[int, ...], request_ids: tuple[str, ...],
+                            invalid: bool) -> RequestFailed:
+    return RequestFailed(message, slots=slots, request_ids=request_ids, invalid=invalid)

@@ -10,7 +10,8 @@ New requests join free slots between decode steps. A request's events: one per g
 (`token_id` set, `index` 0, 1, ...); the last event carries `finish_reason`:
 - "length": max_tokens or max_seq_len reached; that event still carries the last token.
 - "stop": an eos / stop token was sampled; that event has `token_id=None` (stop tokens are not output).
-- "abort" (after `abort`) and "error" (after `fail_all`, with `error` and `retriable`): `token_id=None`.
+- "abort" (after `abort`) and "error" (after `fail_all`, `step_failed` or `fail_step`, with `error` and
+  `retriable`): `token_id=None`.
 `submit`, `abort` and `fail_all` may be called from other threads; sinks are called outside the lock and must
 not block (put into a queue).
 
@@ -27,6 +28,14 @@ Two plan forms, chosen by the engine (`Scheduler.for_engine`):
   the plan (`StepPlan.pages`), so every host holds the same tables.
 - slot form (any other engine): whole prompts prefilled into slots, then decode of every running slot.
 See docs/scheduling.md.
+
+Failures (docs/gang.md, "A step that fails for one request"): a request whose prompt holds a token id past the
+model's vocabulary (`vocab_size`) is refused at submit with `RequestFailed`. A step whose engine raised
+`RequestFailed` before any device work is undone with `step_failed`: the requests it names end with a
+non-retriable error, every other request of the step is planned again exactly as it was (its chunk again, its
+page-table row whole, its sampling again if that was its first chunk; the step's slot releases again), so it
+produces the tokens it would have without the failed one. `fail_step` ends every request of a step the loop
+could not attribute (non-retriable: it is not sent again).
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raydeploy.engine.pages import PagePool, SequencePages
-from raydeploy.engine.request import FinishReason, GenerationRequest, TokenEvent
+from raydeploy.engine.request import FinishReason, GenerationRequest, RequestFailed, TokenEvent
 from raydeploy.engine.step import PageUpdate, PrefillItem, SeqStep, StepPlan, StepResult
 
 if TYPE_CHECKING:
@@ -127,6 +136,8 @@ class _Running:
     """Positions this request's reservation covers."""
     started: bool = False
     """Its first chunk was planned (the engine has its sampling parameters)."""
+    resend_row: bool = False
+    """A step that carried it failed before the engine ran it: its next plan sends its page-table row whole."""
 
 
 def _halfway(limit: float) -> float:
@@ -142,8 +153,10 @@ class Scheduler:
     def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int,
                  prefill_buckets: Sequence[int], clock: Callable[[], float] = time.monotonic,
                  max_prefills_per_step: int | None = None, slot_order: Sequence[int] | None = None,
-                 decode_steps: int = 1, paging: Paging | None = None) -> None:
+                 decode_steps: int = 1, paging: Paging | None = None, vocab_size: int | None = None) -> None:
         self.max_slots = max_slots
+        self.vocab_size = vocab_size
+        """The model's vocabulary: a prompt token id at or past it is refused at submit (None: not checked)."""
         self.slot_order = list(range(max_slots)) if slot_order is None else [int(s) for s in slot_order]
         if sorted(self.slot_order) != list(range(max_slots)):
             raise ValueError(f"slot_order must list each of the {max_slots} slots once, got {self.slot_order}")
@@ -203,6 +216,8 @@ class Scheduler:
         """Paged form: prompt tokens computed (prefix-cache hits excluded)."""
         self.prefix_hit_tokens = 0
         """Paged form: prompt tokens not computed because their pages were in the prefix cache."""
+        self.requests_failed = 0
+        """Requests ended by a failure of their own (`step_failed`, `fail_step`), not by a gang failure."""
         self.ttft_s: deque[float] = deque(maxlen=256)
         """Recent times from submit to first token (seconds), for metrics."""
 
@@ -228,7 +243,8 @@ class Scheduler:
                             cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
         return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
                    cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order,
-                   decode_steps=cfg.engine.decode_steps, paging=paging)
+                   decode_steps=cfg.engine.decode_steps, paging=paging,
+                   vocab_size=getattr(engine, "vocab_size", None))
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and /status (the paged form adds its pages and prefix cache, summed over the
@@ -237,6 +253,7 @@ class Scheduler:
         out: dict[str, Any] = {
             "queue_depth": self.queue_depth, "slots_in_use": self.slots_in_use, "max_slots": self.max_slots,
             "steps": self.steps, "tokens_generated": self.tokens_generated, "prefills": self.prefills,
+            "requests_failed": self.requests_failed,
             "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
         if self.paging is not None:
             with self._lock:
@@ -289,6 +306,13 @@ class Scheduler:
                              f"be generated)")
         if req.max_tokens < 1:
             raise ValueError(f"request {req.request_id}: max_tokens must be >= 1, found {req.max_tokens}")
+        if self.vocab_size is not None:
+            ids = np.asarray(req.prompt_token_ids, np.int64)
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+            if bad.size:
+                raise RequestFailed(f"request {req.request_id}: prompt token id {int(bad[0])} is outside the model's "
+                                    f"vocabulary (ids 0..{self.vocab_size - 1}, vocab_size {self.vocab_size})",
+                                    request_ids=(req.request_id,), invalid=True)
         if self.paging is not None:
             ps = self.paging.page_size
             need = -(-self._reserve_for(n, req.max_tokens) // ps)
@@ -298,7 +322,8 @@ class Scheduler:
                                  f"dp group's pool (engine.num_pages); lower max_tokens or shorten the prompt")
 
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
-        """Queue a request; raises ValueError (never fits) or QueueFullError (try later)."""
+        """Queue a request; raises ValueError (never fits; `RequestFailed` for a token id past the vocabulary) or
+        QueueFullError (try later)."""
         self.validate(req)
         with self._lock:
             if len(self._queue) >= self.max_queue:
@@ -351,6 +376,98 @@ class Scheduler:
             self._paged_inflight.clear()
             self._work.notify_all()
         self._emit(events)
+
+    def step_failed(self, plan: StepPlan, failure: RequestFailed) -> bool:
+        """Undo `plan`, whose engine raised `failure` before any device work: the requests it names (by plan row or
+        id) end with a non-retriable error; every other request of the plan is planned again as it was, and the
+        plan's releases go out again (the engine may or may not have applied them: a release, like a whole
+        page-table row, is idempotent). The prefix cache stays: no device page was written. Returns whether
+        `failure` names a request of the plan (if not, nothing was undone: the caller must treat the failure as
+        one it cannot attribute, or the same plan would fail again)."""
+        events: list[tuple[Sink, TokenEvent]] = []
+        named = set(failure.slots)
+        ids = set(failure.request_ids)
+        with self._lock:
+            if not self._names_a_request(plan, named, ids):
+                return False
+            self._planned_at.pop(plan.step_id, None)
+            self._release = list(dict.fromkeys([*plan.release, *self._release]))
+            if plan.step_id in self._paged_inflight:
+                entries = self._paged_inflight.pop(plan.step_id)
+                for seq, (slot, run) in zip(plan.seqs, entries, strict=True):
+                    if self._slots[slot] is not run:
+                        continue  # aborted while the step ran
+                    if slot in named or run.req.request_id in ids:
+                        events.append((run.sink, self._fail_one(slot, plan, failure)))
+                        continue
+                    run.resend_row = True
+                    if seq.sampling is not None:  # its first chunk never reached the engine: send it as first again
+                        run.started = False
+            else:
+                prefill_slots, decode_slots = self._inflight.pop(plan.step_id, ([], []))
+                requeue: list[_Queued] = []
+                for slot in dict.fromkeys([*prefill_slots, *decode_slots]):
+                    held = self._slots[slot]
+                    if held is None:
+                        continue
+                    if slot in named or held.req.request_id in ids:
+                        events.append((held.sink, self._fail_one(slot, plan, failure)))
+                    elif slot in prefill_slots:  # never prefilled: back to the head of the queue, in order
+                        requeue.append(_Queued(held.req, held.sink, held.submitted_s))
+                        self._slots[slot] = None
+                        self._release.append(slot)
+                self._queue.extendleft(reversed(requeue))
+            self._release = list(dict.fromkeys(self._release))
+            self._work.notify_all()
+        self._emit(events)
+        return True
+
+    def _names_a_request(self, plan: StepPlan, slots: set[int], ids: set[str]) -> bool:
+        """Under the lock: whether a row of `plan` is in `slots`, or its request (unless aborted since) in `ids`."""
+        if plan.step_id in self._paged_inflight:
+            rows: list[tuple[int, str | None]] = [(slot, run.req.request_id)
+                                                  for slot, run in self._paged_inflight[plan.step_id]]
+        else:
+            prefill_slots, decode_slots = self._inflight.get(plan.step_id, ([], []))
+            rows = [(s, r.req.request_id if (r := self._slots[s]) is not None else None)
+                    for s in [*prefill_slots, *decode_slots]]
+        return any(slot in slots or rid in ids for slot, rid in rows)
+
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        """End every request of `plan` with a non-retriable error: its step raised and the failure could not be
+        followed to one request, so none of them is sent again (another gang would fail it alike)."""
+        events: list[tuple[Sink, TokenEvent]] = []
+        with self._lock:
+            self._planned_at.pop(plan.step_id, None)
+            if plan.step_id in self._paged_inflight:
+                slots = [slot for slot, run in self._paged_inflight.pop(plan.step_id) if self._slots[slot] is run]
+            else:
+                prefill_slots, decode_slots = self._inflight.pop(plan.step_id, ([], []))
+                slots = [s for s in dict.fromkeys([*prefill_slots, *decode_slots]) if self._slots[s] is not None]
+            for slot in slots:
+                run = self._slots[slot]
+                assert run is not None
+                events.append((run.sink, self._fail_one(slot, plan, RequestFailed(error))))
+            self._release = list(dict.fromkeys(self._release))
+            self._work.notify_all()
+        self._emit(events)
+
+    def _fail_one(self, slot: int, plan: StepPlan, failure: RequestFailed) -> TokenEvent:
+        """Under the lock: end the request in `slot` with a non-retriable error naming it and the step. Its pages go
+        back uncached (what the failed step would have written is not there)."""
+        run = self._slots[slot]
+        assert run is not None
+        self._slots[slot] = None
+        self._release.append(slot)
+        if run.pages is not None:
+            run.pages.free()
+        if slot in self._prefilling:
+            self._prefilling.remove(slot)
+        self.requests_failed += 1
+        rid = run.req.request_id
+        why = failure.message.removeprefix(f"request {rid}: ")
+        return TokenEvent(rid, None, index=run.generated, finish_reason="error", retriable=False,
+                          invalid=failure.invalid, error=f"request {rid} failed in step {plan.step_id}: {why}")
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until there may be a plan to run (or timeout); True if there is work. Requests that find the
@@ -560,7 +677,8 @@ class Scheduler:
         assert run.pages is not None
         before = len(run.pages.pages)
         new = run.pages.grow(positions)
-        if not run.started:
+        if not run.started or run.resend_row:
+            run.resend_row = False
             updates.append(PageUpdate(slot, 0, np.asarray(run.pages.pages, np.int32)))
         elif new:
             updates.append(PageUpdate(slot, before, np.asarray(new, np.int32)))

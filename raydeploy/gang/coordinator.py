@@ -9,9 +9,18 @@ events go back through a thread-safe sink. Two ways out:
   stream item costs both ends CPU, and rank 0's is the gang's critical path: 16 streams would pay it 16 times
   a step;
 - `generate`: one stream per request (tests and tools that want one request's events alone), a feed of one.
-The scheduler is only ever touched under one lock. If the loop thread dies, or the supervisor declares the gang failed, every
-in-flight request gets a final TokenEvent with finish_reason "error" (retriable for gang failures) and
-new requests are refused with :class:`GangUnavailableError`.
+The scheduler is only ever touched under one lock.
+
+Failures (docs/gang.md, "A step that fails for one request"): only a host's failure makes a request retriable.
+- A step whose engine raised `RequestFailed` (checked before any device work, on every host alike) fails the
+  requests it names with a non-retriable error event, and the loop goes on: no gang failure, no restart.
+- A host failure (`is_host_failure`: jax's runtime error, from a collective whose peer is gone or from the
+  coordination service; an OS-level connection error), or the supervisor declaring the gang failed: every
+  in-flight request gets a retriable error event, the loop stops, the gang is rebuilt.
+- Any other exception from a step cannot be followed to one request: the requests of that step get a
+  non-retriable error event (not resent), and since the followers may be part-way through the step, the
+  loop stops and the gang is rebuilt (its queued requests, which no step had started, are retriable).
+After the loop stops, new requests are refused with :class:`GangUnavailableError`.
 """
 
 from __future__ import annotations
@@ -38,6 +47,15 @@ class GangUnavailableError(RuntimeError):
 
     def __reduce__(self):
         return (GangUnavailableError, (str(self), self.retriable))
+
+
+def is_host_failure(e: BaseException) -> bool:
+    """Whether a step's exception is a failure of the hosts rather than of its requests: jax's runtime error (a
+    collective whose peer died, the coordination service, a device) or an OS-level error (a connection reset).
+    Matched by type, never by message text."""
+    from raydeploy.compat import jax_runtime_error
+
+    return isinstance(e, (jax_runtime_error(), OSError))
 
 
 class _Feed:
@@ -81,7 +99,7 @@ class Coordinator:
         self.idle_wait_s = idle_wait_s
         self.loop = StepLoop(scheduler, self._step, idle_wait_s=idle_wait_s,
                              failure="gang failure, retry: coordinator step loop failed", retriable=True,
-                             name="raydeploy-coordinator")
+                             name="raydeploy-coordinator", host_failure=is_host_failure)
         self._lock = self.loop.lock
         self._failed: str | None = None
         self.started_s = time.monotonic()
@@ -206,4 +224,5 @@ class Coordinator:
         clock = self.dispatcher.clock.snapshot()
         return {"tokens_generated": self.tokens_generated, **sched, **clock,
                 "requests_submitted": self.requests_submitted, "requests_done": self.requests_done,
+                "steps_failed": self.loop.steps_failed,
                 "uptime_s": round(time.monotonic() - self.started_s, 1), "error": self.error}

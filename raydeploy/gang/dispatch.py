@@ -9,6 +9,11 @@ Followers (:class:`FollowerLoop`) fetch plan n with a bounded blocking get, re-c
 between waits, and run the same step. A step costs one small key-value write on rank 0 and one read per
 follower, not a Ray round trip per host per token.
 
+A step whose engine raises `RequestFailed` (a check of the plan's rows that failed before any device work,
+raydeploy.engine.request) raises it on every host alike: the dispatcher passes it to rank 0's step loop, which
+fails those requests and plans the others again; followers skip the step and go on. Any other exception ends
+the host's loop (the supervisor rebuilds the gang).
+
 Old plans are deleted once every follower has acknowledged them: each follower writes its progress to
 one key every `ACK_EVERY` steps, and rank 0 reads those keys as often, deleting every plan below the
 slowest follower's mark. Steps without device work (release-only plans) do not synchronise the hosts,
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from raydeploy.engine.request import RequestFailed
 from raydeploy.engine.step import StepPlan, StepResult
 
 KEY_PREFIX = "raydeploy/plan"
@@ -161,6 +167,8 @@ class FollowerLoop:
         self.clock = clock or StepClock()
         self._stop = threading.Event()
         self.next_step = 0
+        self.steps_failed = 0
+        """Plans whose engine step raised `RequestFailed` (skipped here as on every host)."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -187,6 +195,10 @@ class FollowerLoop:
             self.clock.begin()
             try:
                 self.engine.step(plan)
+            except RequestFailed:
+                # raised before any device work, on every host alike (rank 0 fails those requests and plans the
+                # others again): this host skipped the same step, so it goes on in lockstep
+                self.steps_failed += 1
             finally:
                 self.clock.end()
             if self.next_step % ACK_EVERY == ACK_EVERY - 1:

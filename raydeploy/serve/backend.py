@@ -8,11 +8,18 @@ State, status and stats come from every gang's supervisor (raydeploy.gang.direct
 least one gang is ready.
 
 Failover: a request the gang could not start (its gang is not ready, or broke before the first token: one
-retriable error event without tokens, or the replica died) is sent again through the handle, up to
-FAILOVER_ATTEMPTS times with a short backoff, so it lands on a healthy gang while the broken one is rebuilt;
-the client never sees it. A request that already streamed tokens ends with a retriable error (503, or an
-error event in the SSE stream). Remote errors are matched by their class, imported from the modules that
-define them.
+retriable error event without tokens, or the replica died) is sent again through the handle, with a short
+backoff, so it lands on a healthy gang while the broken one is rebuilt; the client never sees it. Only a gang's
+failure makes a request retriable, and how often it is resent depends on what happened to it:
+- a gang that never took it (not ready, refused at submit: the event says `refused`): sent again, up to
+  FAILOVER_ATTEMPTS tries in all;
+- a gang that broke while holding it (a host died, the replica died): sent again once; a request that was in
+  MAX_GANG_FAILURES gangs that broke is not sent to another (500 naming the request: it may be what breaks them);
+- an error of the request's own (a non-retriable error event: the engine failed that request, or refused it
+  at submit with `RequestFailed`): never sent again; a 400 when its content is at fault (a token id past the
+  vocabulary), else a 500 naming the request (raydeploy.serve.generation).
+A request that already streamed tokens ends with a retriable error (503, or an error event in the SSE
+stream). Remote errors are matched by their class, imported from the modules that define them.
 """
 
 from __future__ import annotations
@@ -22,13 +29,13 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.engine.request import GenerationRequest, RequestFailed, TokenEvent
 from raydeploy.engine.scheduler import QueueFullError
 from raydeploy.gang.bringup import GangError
 from raydeploy.gang.coordinator import GangUnavailableError
 from raydeploy.gang.fingerprint import FingerprintMismatchError
 from raydeploy.gang.placement import PlacementError
-from raydeploy.serve.errors import Overloaded, ServiceUnavailable
+from raydeploy.serve.errors import InvalidRequest, Overloaded, RequestFailedError, ServiceUnavailable
 
 log = logging.getLogger("raydeploy.serve")
 
@@ -39,6 +46,8 @@ GANG_ERRORS: tuple[type[BaseException], ...] = (GangUnavailableError, GangError,
 the ingress stays JAX-free (tests/test_serve_http.py checks)."""
 FAILOVER_ATTEMPTS = 6
 """Tries per request that no gang started (the first plus resubmissions to other replicas)."""
+MAX_GANG_FAILURES = 2
+"""Gangs that may break while holding one request; after that many it is not sent to another."""
 FAILOVER_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 2.0)
 """Waits between those tries: a broken gang's replica stops getting requests within one routing-stats period."""
 
@@ -101,6 +110,20 @@ def _cancel(gen: Any) -> None:
         log.debug("cancel of a request that never reached a replica: %s", type(e).__name__)
 
 
+def request_error(exc: BaseException, request_id: str) -> InvalidRequest | RequestFailedError | None:
+    """The HTTP error for a request refused at submit for its own content (`RequestFailed`), or None."""
+    if not _raised(exc, (RequestFailed,)):
+        return None
+    cause = getattr(exc, "cause", None)
+    failed = cause if isinstance(cause, RequestFailed) else exc
+    assert isinstance(failed, RequestFailed)
+    if failed.invalid:
+        return InvalidRequest(failed.message, code="invalid_value")
+    log.error("request %s refused by the gang: %s", request_id, failed.message)
+    return RequestFailedError(f"request {request_id} failed in the model engine and was not retried; the "
+                              f"details are in the server log", code="request_failed")
+
+
 def _refused(events: list[TokenEvent]) -> bool:
     """A retriable error before any token: the gang never started the request, so another gang may."""
     return any(ev.finish_reason == "error" and ev.retriable for ev in events) and \
@@ -116,6 +139,8 @@ class ReplicaBackend:
         self.retry_after_s = retry_after_s
         self.failovers = 0
         """Requests resubmitted to another gang because theirs could not start them."""
+        self.abandoned = 0
+        """Requests not sent to another gang after MAX_GANG_FAILURES gangs broke while holding them."""
 
     async def state(self) -> dict[str, Any]:
         try:
@@ -137,7 +162,11 @@ class ReplicaBackend:
         st = await self.state()
         if not st.get("ready_gangs"):
             raise self._unavailable(st)
+        broken = 0  # gangs that broke while holding this request
         for attempt in range(FAILOVER_ATTEMPTS):
+            if broken >= MAX_GANG_FAILURES:
+                self.abandoned += 1
+                raise self._abandoned(req, broken)
             if attempt:
                 self.failovers += 1
                 await asyncio.sleep(FAILOVER_BACKOFF_S[min(attempt - 1, len(FAILOVER_BACKOFF_S) - 1)])
@@ -151,6 +180,8 @@ class ReplicaBackend:
                     events = list(events)
                     if not streamed and _refused(events):
                         refused = True
+                        if not any(ev.refused for ev in events):
+                            broken += 1
                         log.info("request %s: %s; sending it to another gang", req.request_id,
                                  next((ev.error for ev in events if ev.error), "refused"))
                         break
@@ -162,16 +193,28 @@ class ReplicaBackend:
             except Exception as e:
                 if is_queue_full(e):
                     raise Overloaded("every gang is busy and the request queue is full; retry shortly") from None
+                if (refusal := request_error(e, req.request_id)) is not None:
+                    raise refusal from None
                 if not is_gang_failure(e):
                     raise
                 log.warning("request %s: gang call failed: %s", req.request_id, type(e).__name__)
                 if streamed:
                     raise self._lost() from None
+                if not _raised(e, GANG_ERRORS):  # the replica or the gang died with the request in it
+                    broken += 1
             finally:
                 if not ended:
                     _cancel(gen)
+        if broken >= MAX_GANG_FAILURES:
+            self.abandoned += 1
+            raise self._abandoned(req, broken)
         raise ServiceUnavailable(f"no gang could start the request after {FAILOVER_ATTEMPTS} tries; retry shortly",
                                  self.retry_after_s)
+
+    @staticmethod
+    def _abandoned(req: GenerationRequest, broken: int) -> RequestFailedError:
+        return RequestFailedError(f"request {req.request_id} was in {broken} model gangs that each failed while "
+                                  f"running it; it is not sent to another", code="request_failed")
 
     async def abort(self, request_id: str) -> bool:
         """Nothing to do: closing the stream cancels the request on its replica, which frees its slot."""

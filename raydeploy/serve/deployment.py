@@ -132,12 +132,13 @@ def gang_deployment_options(cfg: Config) -> dict[str, Any]:
 
 
 def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s: float | None = None,
-                    engine: str = "real") -> Any:
+                    engine: str = "real", faults: dict[int, dict[str, Any]] | None = None) -> Any:
     """The bound Serve application (pass to `serve.run(app, name=APP_NAME, route_prefix="/")`): the ingress
     over the gang replicas.
 
     `ready_timeout_s`: each gang replica starts serving only once its gang is ready (waiting at most that long).
-    engine "toy" runs the gangs' stand-in engine (no weights; the checkpoint still gives the tokenizer)."""
+    engine "toy" runs the gangs' stand-in engine (no weights; the checkpoint still gives the tokenizer); `faults`
+    (tests) go to every gang replica's first gang (raydeploy.testing.faults)."""
     keys = load_api_keys(cfg.serving)  # fail in the driver, with the config key named, before any replica starts
     if cfg.serving.max_concurrent_per_key and not keys:
         raise ConfigError("a per-key limit needs API keys: set serving.api_keys_env or serving.api_keys_file",
@@ -148,7 +149,7 @@ def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s:
     check_engine(engine)
     gang_replica = cast(serve.Deployment, serve.deployment(GangReplica))  # a class becomes a Deployment
     gangs = gang_replica.options(**gang_deployment_options(cfg)).bind(
-        cfg, str(checkpoint_dir) if engine == "real" else None, engine, ready_timeout_s)
+        cfg, str(checkpoint_dir) if engine == "real" else None, engine, ready_timeout_s, faults)
     # the decorators made the class a Deployment; mypy keeps the type of a decorated class
     ingress = cast(serve.Deployment, ServeIngress)
     # the front door refuses beyond ingress_bound at once (503); Serve's own cap is above it, so probes and the

@@ -135,6 +135,14 @@ class InternalError(APIError):
         super().__init__("internal server error; the details are in the server log", code="internal_error")
 
 
+class RequestFailedError(APIError):
+    """500 for one request the engine failed (the others went on); it is not retried. The message names the
+    request, so its log lines can be found."""
+
+    status = 500
+    type = "server_error"
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """The one mapping from any exception to an `APIError` (unknown ones become a logged 500)."""
     if isinstance(exc, APIError):

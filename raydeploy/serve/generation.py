@@ -355,10 +355,18 @@ def new_id(prefix: str) -> str:
 
 
 def _event_error(ev) -> APIError:
+    """The HTTP error of a gang's error event: 503 for a gang failure (retriable); for a request the engine failed
+    on its own (not retried), 400 with the engine's reason when the request's content is at fault (the engine's
+    own checks word it: a token id and the vocabulary size), else a 500 naming the request (details in the log)."""
+    from raydeploy.serve.errors import InvalidRequest, RequestFailedError
+
     if ev.retriable:
         return ServiceUnavailable("the model gang failed during the request and is restarting; retry shortly")
     log.error("request %s failed in the gang: %s", ev.request_id, ev.error)
-    return InternalError()
+    if getattr(ev, "invalid", False) and ev.error:
+        return InvalidRequest(ev.error, code="invalid_value")
+    return RequestFailedError(f"request {ev.request_id} failed in the model engine and was not retried; the details "
+                              f"are in the server log", code="request_failed")
 
 
 def _first_error(eg: BaseExceptionGroup) -> BaseException:

@@ -18,7 +18,10 @@ How the replica tells Serve about its gang:
   (`max_queued_requests`) and answers 503 beyond it (raydeploy.serve.deployment).
 
 A request the gang could not start (the gang is not ready, or failed before the first token) ends with one
-retriable error event without tokens, and the ingress sends it again, to another replica.
+retriable error event without tokens, and the ingress sends it again, to another replica: at no cost when the
+gang never took it (`refused`: not ready, or refused at submit), at most once when the gang broke while holding
+it (raydeploy.serve.backend). A request the engine failed on its own (a non-retriable error event) is passed on
+as it is, never resent.
 
 Every request the replica sends its gang travels on one feed (raydeploy.gang.feed): rank 0 sends each step's tokens
 of all of them as one stream item, and the replica hands them to each request's Serve stream.
@@ -46,7 +49,7 @@ class GangReplica:
 
     # Serve awaits an async constructor (the supervisor's start is awaited, not blocked on)
     async def __init__(self, cfg: Config, checkpoint_path: str | None, engine: str = "real",  # type: ignore[misc]
-                       ready_timeout_s: float | None = None) -> None:
+                       ready_timeout_s: float | None = None, faults: dict[int, dict[str, Any]] | None = None) -> None:
         from ray import serve
         from ray.util import get_current_placement_group
 
@@ -61,7 +64,7 @@ class GangReplica:
         # a TPU slice is pinned by the supervisor itself (the slice is known only once its head is held)
         pg = None if pins_tpu_slice(cfg.cluster) else get_current_placement_group()
         self.supervisor = create_supervisor(cfg, name=self.name, engine=engine, checkpoint_path=checkpoint_path,
-                                            placement_group=pg)
+                                            placement_group=pg, faults=faults)  # faults: tests only
         self.rpc_timeout_s = min(cfg.cluster.rpc_timeout_s, 30.0)
         await asyncio.wait_for(_await(self.supervisor.start.remote()), self.rpc_timeout_s)
         self._state: dict[str, Any] = {"state": "starting"}
@@ -106,11 +109,11 @@ class GangReplica:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[list[TokenEvent]]:
         """Token events of `req` from this replica's gang (a streaming call); a gang failure ends the stream
         with one retriable error event (without tokens when the gang never started the request)."""
-        from raydeploy.serve.backend import is_gang_failure, is_queue_full
+        from raydeploy.serve.backend import GANG_ERRORS, _raised, is_gang_failure, is_queue_full
 
         coord = await self._coordinator_handle()
         if coord is None:
-            yield [_refusal(req, f"gang {self.name} is {self._state.get('state')}")]
+            yield [_refusal(req, f"gang {self.name} is {self._state.get('state')}", refused=True)]
             return
         n_tokens = 0
         stream = self._feeds.stream(coord, req)
@@ -124,7 +127,10 @@ class GangReplica:
             if not is_gang_failure(e):
                 raise
             self._state_at = -1e9  # read the state afresh: the gang is breaking
-            yield [_refusal(req, f"gang {self.name} failed: {type(_cause(e)).__name__}", index=n_tokens)]
+            # a gang error before any token (GangUnavailableError at submit): the gang never took the request
+            refused = n_tokens == 0 and _raised(e, GANG_ERRORS)
+            yield [_refusal(req, f"gang {self.name} failed: {type(_cause(e)).__name__}", index=n_tokens,
+                            refused=refused)]
         finally:
             await stream.aclose()  # now: a request the caller left (client gone, timeout) is aborted at rank 0
 
@@ -155,8 +161,8 @@ class GangReplica:
             log.warning("gang %s shutdown: %s", getattr(self, "name", "?"), type(e).__name__)
 
 
-def _refusal(req: GenerationRequest, why: str, index: int = 0) -> TokenEvent:
-    return TokenEvent(req.request_id, None, index=index, finish_reason="error", retriable=True,
+def _refusal(req: GenerationRequest, why: str, index: int = 0, refused: bool = False) -> TokenEvent:
+    return TokenEvent(req.request_id, None, index=index, finish_reason="error", retriable=True, refused=refused,
                       error=f"gang failure, retry: {why}")
 
 

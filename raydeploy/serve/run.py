@@ -85,12 +85,13 @@ def connect_ray(address: str | None, *, temp_dir: str | None = None, num_cpus: i
     return True
 
 
-def start_serving(cfg: Config, *, checkpoint_path: str | None = None, engine: str = "real") -> Serving:
+def start_serving(cfg: Config, *, checkpoint_path: str | None = None, engine: str = "real",
+                  faults: dict[int, dict[str, Any]] | None = None) -> Serving:
     """Deploy the gang replicas and the HTTP ingress on cfg.serving.host:port (Ray must be initialised);
     returns once the replicas have started (their gangs go on starting: see `Serving.wait_ready`).
 
     engine "toy" runs the gangs' stand-in engine (no weights) behind the real HTTP stack; the checkpoint
-    still provides the tokenizer.
+    still provides the tokenizer. `faults` (tests) go to every gang replica's first gang.
     """
     from ray import serve
 
@@ -99,7 +100,7 @@ def start_serving(cfg: Config, *, checkpoint_path: str | None = None, engine: st
     from raydeploy.serve.deployment import APP_NAME, build_serve_app
 
     path = checkpoint_path or resolve_checkpoint_path(cfg)
-    app = build_serve_app(cfg, path, engine=engine)  # checks the API key source before anything starts
+    app = build_serve_app(cfg, path, engine=engine, faults=faults)  # checks the API key source before anything starts
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
     try:
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

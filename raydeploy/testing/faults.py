@@ -1,8 +1,10 @@
-"""Fault injection for gang tests: a host that never joins, fails its load, or hangs in a step.
+"""Fault injection for gang tests: a host that never joins, fails its load, hangs in a step, or an engine that
+fails one request.
 
-A test passes `faults={rank: {...}}` to `start_gang`; the supervisor hands each host of the first gang its
-rank's dict, and the host calls the hooks below at the matching phase. The engine fault is a wrapper around
-whatever the engine factory built. Nothing here is imported unless a test passes faults.
+A test passes `faults={rank: {...}}` to `start_gang` (or `start_serving`, for every gang replica); the supervisor
+hands each host of the first gang its rank's dict, and the host calls the hooks below at the matching phase.
+The engine faults are wrappers around whatever the engine factory built. Nothing here is imported unless a
+test passes faults.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ import asyncio
 import time
 from typing import Any
 
-FAULT_KEYS = ("never_join", "hang_at_step", "fail_load")
+import numpy as np
+
+from raydeploy.engine.request import RequestFailed
+
+FAULT_KEYS = ("never_join", "hang_at_step", "fail_load", "raise_on_token")
 
 
 def check_faults(faults: dict[str, Any]) -> None:
@@ -35,10 +41,35 @@ def before_load(faults: dict[str, Any], rank: int) -> None:
 
 
 def wrap_engine(faults: dict[str, Any], engine: Any) -> Any:
-    """`hang_at_step: N`: the engine blocks forever in its step N (like a host stuck in a collective)."""
+    """`hang_at_step: N`: the engine blocks forever in its step N (like a host stuck in a collective).
+    `raise_on_token: ID`: a step whose plan carries token id ID in a row's new tokens raises `RequestFailed`
+    naming that row, before the engine it wraps sees the plan (give it to every rank: each host raises alike)."""
+    if "raise_on_token" in faults:
+        engine = PoisonTokenEngine(engine, int(faults["raise_on_token"]))
     if "hang_at_step" in faults:
         return HangingEngine(engine, int(faults["hang_at_step"]))
     return engine
+
+
+class PoisonTokenEngine:
+    """Steps like the engine it wraps, except that a plan carrying `token` fails the rows that carry it: the
+    deterministic per-request failure every host of a gang raises at the same plan, before any device work."""
+
+    def __init__(self, engine: Any, token: int) -> None:
+        self.engine = engine
+        self.token = token
+        self.raised = 0
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped engine's figures (slots, vocabulary, ...)
+        return getattr(self.engine, name)
+
+    def step(self, plan: Any) -> Any:
+        rows = [item.slot for item in plan.prefills if np.any(np.asarray(item.tokens) == self.token)]
+        rows += [q.slot for q in plan.seqs if np.any(np.asarray(q.tokens) == self.token)]
+        if rows:
+            self.raised += 1
+            raise RequestFailed(f"fault injected: the plan carries token id {self.token}", slots=tuple(rows))
+        return self.engine.step(plan)
 
 
 class HangingEngine:

@@ -187,6 +187,44 @@ class ToyScheduler:
         self.queue.clear()
         self.active.clear()
 
+    def _rows(self, plan: StepPlan) -> list[int]:
+        """The active slots `plan` carries: its prefills, and (decoding) every slot past its first token."""
+        rows = [item.slot for item in plan.prefills]
+        if plan.decode:
+            rows += [s for s, v in self.active.items() if v[2] > 0 and s not in rows]
+        return [s for s in rows if s in self.active]
+
+    def _fail_slot(self, slot: int, plan: StepPlan, message: str, invalid: bool) -> None:
+        from raydeploy.engine.request import TokenEvent
+
+        req, sink, n = self.active.pop(slot)
+        self.release.append(slot)
+        why = message.removeprefix(f"request {req.request_id}: ")
+        sink(TokenEvent(req.request_id, None, index=n, finish_reason="error", retriable=False, invalid=invalid,
+                        error=f"request {req.request_id} failed in step {plan.step_id}: {why}"))
+
+    def step_failed(self, plan: StepPlan, failure: Any) -> bool:
+        """As `Scheduler.step_failed`: fail the named rows; the plan's other prefills go back to the queue's head
+        (the engine never ran them) and its releases go out again."""
+        named = [s for s in self._rows(plan)
+                 if s in failure.slots or self.active[s][0].request_id in failure.request_ids]
+        if not named:
+            return False
+        self.release = list(dict.fromkeys([*plan.release, *self.release]))
+        for s in named:
+            self._fail_slot(s, plan, failure.message, failure.invalid)
+        for item in reversed(plan.prefills):
+            if item.slot in self.active:
+                req, sink, _ = self.active.pop(item.slot)
+                self.queue.appendleft((req, sink))
+                self.release.append(item.slot)
+        self._work.set()
+        return True
+
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        for s in self._rows(plan):
+            self._fail_slot(s, plan, error, False)
+
     def stats(self) -> dict[str, Any]:
         return {"queue_depth": len(self.queue), "slots_in_use": len(self.active), "max_slots": self.max_slots}
 
