@@ -6,12 +6,19 @@ metrics and the chat page.
 Bodies are read and strictly parsed by :mod:`raydeploy.serve.body` (content type, size limit, JSON rules),
 validated with the pydantic models of :mod:`raydeploy.serve.protocol`, and every failure goes through
 :mod:`raydeploy.serve.errors`.
+
+Nothing expensive happens before admission: a request's counts are bounded in validation, its token ids are
+checked against the model's vocabulary, and its sequences (prompts x n, known before tokenizing) take their
+capacity before any tokenizer or chat-template call. Tokenizing and templating run on a small thread pool, off
+the event loop, so a long prompt never holds up /health or other requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -40,11 +47,15 @@ from raydeploy.serve.protocol import (
     CompletionRequest,
     LegacyChatRequest,
     LegacyInstructRequest,
+    TooMany,
 )
 from raydeploy.serve.responses import SSE_DONE, ChatBuilder, CompletionBuilder, sse
+from raydeploy.serve.text import ChatTemplateError
 
 STATIC_DIR = Path(__file__).with_name("static")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+TOKENIZER_THREADS = 4
+"""Threads that tokenize and apply chat templates (admitted requests only, so their queue is bounded too)."""
 
 
 @dataclass
@@ -65,7 +76,8 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
     keys = api_keys or ApiKeyCheck(())
     info = info or ServerInfo()
     codec, limits, metrics = core.codec, core.limits, core.metrics
-    vocab_size = len(codec.tokenizer)
+    vocab_size = codec.vocab_size
+    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="raydeploy-tokenize")
     figures = GangFigures(core.backend, metrics_refresh_s)
     app.state.front_door = None  # the middleware instance, built by Starlette when the app first runs
 
@@ -134,10 +146,33 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
             raise _validation_error(e) from None
 
     def check_ids(ids: list[int], param: str) -> None:
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise InvalidRequest(f"'{param}' holds token id {bad[0]}, outside the vocabulary of {vocab_size}",
-                                 param=param, code="invalid_value")
+        if ids and max(ids) >= vocab_size:
+            bad = next(t for t in ids if t >= vocab_size)
+            raise InvalidRequest(f"'{param}' holds token id {bad}, outside the vocabulary of this model ({vocab_size} "
+                                 f"ids: 0 to {vocab_size - 1})", param=param, code="invalid_value")
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        """Tokenizer work, on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, *args)
+
+    def chat_ids(messages: list[dict[str, str]], add_generation_prompt: bool, param: str) -> tuple[str, list[int]]:
+        """The rendered chat template and its ids (on a tokenizer thread); a template that refuses is a 400."""
+        try:
+            text = codec.chat_prompt(messages, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise InvalidRequest(f"the model's chat template refused '{param}': {e}", param=param,
+                                 code="invalid_chat_template") from None
+        return text, codec.encode_chat(text)
+
+    async def admitted(n_jobs: int, work: Callable[[Admission], Awaitable[Response]]) -> Response:
+        """Take capacity for `n_jobs` sequences, then do `work` (tokenize, build jobs, answer): the one place a
+        request is admitted. Every failure after admission gives the capacity back at once."""
+        ticket = await core.admit(n_jobs)
+        try:
+            return await work(ticket)
+        except BaseException:
+            ticket.release()
+            raise
 
     def make_jobs(prompts: list[list[int]], n: int, *, max_tokens: int | None, prompt_param: str,
                   max_param: str, default_max: int | None, sampling_args: dict[str, Any], stop: list[str] | None,
@@ -155,9 +190,8 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
                                 timeout_s=core.timeout_for(timeout_s), request_id=f"{request_id}-{p * n + k}"))
         return jobs
 
-    async def respond(jobs: list[Job], builder: CompletionBuilder | ChatBuilder, prompt_tokens: int,
-                      stream: bool, include_usage: bool, arrived: float) -> Response:
-        ticket = await core.admit(len(jobs))
+    async def respond(ticket: Admission, jobs: list[Job], builder: CompletionBuilder | ChatBuilder,
+                      prompt_tokens: int, stream: bool, include_usage: bool, arrived: float) -> Response:
         if not stream:
             try:
                 choices = await core.run_all(jobs, arrived)
@@ -183,17 +217,26 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         authorize(request)
         body: CompletionRequest = await read_body(request, CompletionRequest)
         core.check_model(body.model)
-        prompts = _prompt_ids(body.prompt, codec)
-        for ids in prompts:
-            check_ids(ids, "prompt")
-        jobs = make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt", max_param="max_tokens",
-                         default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_args=_sampling_args(body),
-                         stop=_stops(body), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                         timeout_s=body.timeout_s, request_id=new_id("cmpl"))
-        builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], limits.model_name, codec,
-                                    body.logprobs is not None)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(jobs, builder, sum(len(p) for p in prompts), body.stream, include_usage, arrived)
+        items = _prompt_items(body.prompt)
+        for item in items:
+            if not isinstance(item, str):
+                check_ids(item, "prompt")
+        check_ids(body.stop_token_ids or [], "stop_token_ids")
+
+        async def work(ticket: Admission) -> Response:
+            prompts = await off_loop(_encode_prompts, items, codec)
+            jobs = make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt",
+                             max_param="max_tokens", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                             sampling_args=_sampling_args(body), stop=_stops(body),
+                             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                             timeout_s=body.timeout_s, request_id=new_id("cmpl"))
+            builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], limits.model_name, codec,
+                                        body.logprobs is not None)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await respond(ticket, jobs, builder, sum(len(p) for p in prompts), body.stream, include_usage,
+                                 arrived)
+
+        return await admitted(len(items) * body.n, work)
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
@@ -207,15 +250,20 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
                     for m in body.messages]
         if not any(m["content"].strip() for m in messages):
             raise InvalidRequest("'messages' has no text in any message", param="messages", code="empty_prompt")
-        ids = codec.encode_chat(codec.chat_prompt(messages, body.add_generation_prompt))
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        jobs = make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages", max_param=param,
-                         default_max=None, sampling_args=_sampling_args(body), stop=_stops(body),
-                         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                         timeout_s=body.timeout_s, request_id=new_id("chatcmpl"))
-        builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], limits.model_name, codec, body.logprobs)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(jobs, builder, len(ids), body.stream, include_usage, arrived)
+        check_ids(body.stop_token_ids or [], "stop_token_ids")
+
+        async def work(ticket: Admission) -> Response:
+            _, ids = await off_loop(chat_ids, messages, body.add_generation_prompt, "messages")
+            param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            jobs = make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages", max_param=param,
+                             default_max=None, sampling_args=_sampling_args(body), stop=_stops(body),
+                             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                             timeout_s=body.timeout_s, request_id=new_id("chatcmpl"))
+            builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], limits.model_name, codec, body.logprobs)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await respond(ticket, jobs, builder, len(ids), body.stream, include_usage, arrived)
+
+        return await admitted(body.n, work)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -231,19 +279,20 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
     # -- the old EasyDeL JAXServer API -----------------------------------------------------------------
     async def legacy(messages: list[dict[str, str]], body: LegacyChatRequest | LegacyInstructRequest,
                      prompt_param: str, arrived: float) -> Response:
-        text = codec.chat_prompt(messages)
-        ids = codec.encode_chat(text)
-        sampling_args = {"temperature": 0.0 if body.greedy else body.temperature, "top_p": body.top_p,
-                         "top_k": body.top_k, "repetition_penalty": None}
-        jobs = make_jobs([ids], 1, max_tokens=body.max_new_tokens, prompt_param=prompt_param,
-                         max_param="max_new_tokens", default_max=None, sampling_args=sampling_args, stop=None,
-                         stop_token_ids=None, ignore_eos=False, timeout_s=None, request_id=new_id("legacy"))
-        ticket = await core.admit(1)
-        try:
-            (choice,) = await core.run_all(jobs, arrived)
-        finally:
-            ticket.release()
-        return JSONResponse({"input": text, "response": choice.text, "tokens_used": len(choice.token_ids)})
+        async def work(ticket: Admission) -> Response:
+            text, ids = await off_loop(chat_ids, messages, True, prompt_param)
+            sampling_args = {"temperature": 0.0 if body.greedy else body.temperature, "top_p": body.top_p,
+                             "top_k": body.top_k, "repetition_penalty": None}
+            jobs = make_jobs([ids], 1, max_tokens=body.max_new_tokens, prompt_param=prompt_param,
+                             max_param="max_new_tokens", default_max=None, sampling_args=sampling_args, stop=None,
+                             stop_token_ids=None, ignore_eos=False, timeout_s=None, request_id=new_id("legacy"))
+            try:
+                (choice,) = await core.run_all(jobs, arrived)
+            finally:
+                ticket.release()
+            return JSONResponse({"input": text, "response": choice.text, "tokens_used": len(choice.token_ids)})
+
+        return await admitted(1, work)
 
     @app.post("/chat", openapi_extra=_json_body(LegacyChatRequest))
     async def legacy_chat(request: Request) -> Response:
@@ -294,7 +343,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         authorize(request)
         st = await core.backend.state()
         gang = await core.backend.status()
-        _, stats, age_s = await figures.get()  # the coordinators' figures as /metrics has them
+        _, stats, age_s = await figures.read_now()  # fresh for operators (a key guards /status); /metrics caches
         served = metrics.requests_served
         return JSONResponse({
             "status": "Ready" if st.get("state") == "ready" else str(st.get("state", "unknown")).capitalize(),
@@ -359,6 +408,9 @@ async def _close(ticket: Admission, pieces: AsyncGenerator) -> None:
 def _validation_error(e: ValidationError) -> InvalidRequest:
     for err in e.errors(include_url=False, include_input=False):
         cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, TooMany):
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            return InvalidRequest(f"'{where}' {cause}", param=where, code="too_many_items")
         param = getattr(cause, "param", None)
         if param:
             return InvalidRequest(str(cause), param=param, code="unsupported_value")
@@ -375,27 +427,23 @@ def _stops(body: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
     return cast("list[str] | None", body.stop)
 
 
-def _prompt_ids(prompt: Any, codec: Any) -> list[list[int]]:
-    """A completions `prompt` (text, texts, ids, or lists of ids) as lists of ids; empty ones are an error."""
+def _prompt_items(prompt: Any) -> list[str | list[int]]:
+    """A completions `prompt` (text, texts, ids, or lists of ids) as a list of prompts, each a text or a list of
+    ids, without tokenizing anything; an empty one is an error."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
         items = [list(prompt)]
     else:
         items = list(prompt)
-    if not items:
+    if not items or any(len(item) == 0 for item in items):
         raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
-            out.append(codec.encode(item))
-        else:
-            if not item:
-                raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
-            out.append([int(t) for t in item])
-    return out
+    return items
+
+
+def _encode_prompts(items: list[str | list[int]], codec: Any) -> list[list[int]]:
+    """The prompts as ids (texts tokenized; run on a tokenizer thread)."""
+    return [codec.encode(item) if isinstance(item, str) else [int(t) for t in item] for item in items]
 
 
 _BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, LegacyChatRequest,
