@@ -346,8 +346,9 @@ def test_metrics_scrapes_read_cached_gang_figures(codec, cfg):
     backend, core, server = _serve(codec, cfg, metrics_refresh_s=3600)
     with server:
         texts = [httpx.get(server.url + "/metrics", timeout=30).text for _ in range(20)]
-        _status(server)
-    assert backend.stats_calls == 1
+        assert backend.stats_calls == 1
+        _status(server)  # /status reads anew
+        assert backend.stats_calls == 2
     assert "raydeploy_gang_figures_age_seconds" in texts[-1]
     assert 'raydeploy_gang_slots_in_use{gang="fake_gang"}' in texts[-1]
 
@@ -370,25 +371,26 @@ def test_gang_figures_refresh_in_the_background_at_most_once_per_period():
 
     now = [100.0]
     src = Source()
-    figures = GangFigures(src, refresh_s=5.0, timeout_s=0.2, first_wait_s=0.5, clock=lambda: now[0])
+    figures = GangFigures(src, refresh_s=5.0, timeout_s=1.0, wait_s=0.1, clock=lambda: now[0])
 
     async def go() -> None:
-        state, stats, age = await figures.get()  # the first call waits (bounded) for the first figures
+        state, stats, age = await figures.get()  # a refresh, waited for (bounded)
         assert state["n"] == 1 and stats == {"slots_in_use": 1} and age == 0.0
         now[0] += 4.0
         assert (await figures.get())[2] == 4.0 and src.calls == 1  # fresh enough: the gangs are not asked
         now[0] += 2.0
         src.hang = True
-        state, _, age = await figures.get()  # stale: a refresh starts in the background; the answer is at once
+        state, _, age = await figures.get()  # stale, and the gangs hang: the old figures after wait_s
         assert state["n"] == 1 and age == 6.0 and figures.refreshes == 2
         await figures.get()
-        assert figures.refreshes == 2  # never two refreshes at once
-        await asyncio.sleep(0.4)  # the hung refresh hits its timeout; the old figures stay
+        assert figures.refreshes == 2 and src.calls == 2  # never two refreshes at once
+        await asyncio.sleep(1.0)  # the hung refresh hits its timeout; the old figures stay
         src.hang, src.fail = False, True
         now[0] += 1.0
-        await figures.get()
-        await asyncio.sleep(0.05)
         state, _, age = await figures.get()
         assert state["n"] == 1 and age == 7.0  # a failed refresh keeps the old figures, and their age says so
+        src.fail = False
+        state, _, age = await figures.get()
+        assert state["n"] == 4 and age == 0.0
 
     asyncio.run(go())

@@ -3,9 +3,9 @@
 Latency (time to first token, time per output token, request duration) is measured here, where the
 client's clock is, into `prometheus_client` histograms; request and token counts are its counters. Gang
 figures are read from every gang's supervisor and coordinator at scrape time and exported by a collector
-made for that scrape from `GangFigures`, the last figures a background refresh read (at most one refresh per
-`serving.metrics_refresh_s`, each bounded; a scrape never waits on a gang, and the figures' age is exported as
-`raydeploy_gang_figures_age_seconds`): the deployment's (`raydeploy_gang_ready` is 1 while any gang is ready,
+made for that scrape from `GangFigures`, the figures a background refresh read (at most one refresh per
+`serving.metrics_refresh_s`, each bounded, a scrape waiting at most a second for one; the figures' age is
+exported as `raydeploy_gang_figures_age_seconds`): the deployment's (`raydeploy_gang_ready` is 1 while any gang is ready,
 `raydeploy_gangs_ready`, `raydeploy_gangs`, restarts and the coordinators' figures summed over gangs), and
 each gang's own with a `gang` label (`raydeploy_gang_up`, `raydeploy_gang_restarts_by_gang`,
 `raydeploy_gang_slots_in_use`, ...). No label ever carries user input (gang labels are supervisor names).
@@ -228,18 +228,17 @@ class _FigureSource(Protocol):
 
 
 class GangFigures:
-    """The gangs' state and coordinator figures as last read, for /metrics and /status.
+    """The gangs' state and coordinator figures as last read, for /metrics (and /status, which reads them anew).
 
-    `get()` never waits on a gang once figures exist: when they are older than `refresh_s` it starts one
-    background refresh (never two at once) and answers with what it has. Only the very first call waits, at
-    most `first_wait_s`, for the first figures. Each refresh is bounded by `timeout_s`; a failed one keeps the
-    old figures (their age says so). So the gangs are asked at most once per `refresh_s`, however often
-    Prometheus scrapes, and a scrape costs no gang lock."""
+    `get()` asks the gangs at most once per `refresh_s`, however often Prometheus scrapes: when the figures are
+    older than that it starts one background refresh (never two at once) and waits for it at most `wait_s`,
+    then answers with the newest figures it has. Each refresh is bounded by `timeout_s`; a failed one keeps the
+    old figures (their age says so). A scrape between refreshes calls no gang at all."""
 
-    def __init__(self, source: _FigureSource, refresh_s: float, *, timeout_s: float = 10.0,
-                 first_wait_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, source: _FigureSource, refresh_s: float, *, timeout_s: float = 10.0, wait_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.source = source
-        self.refresh_s, self.timeout_s, self.first_wait_s = refresh_s, timeout_s, first_wait_s
+        self.refresh_s, self.timeout_s, self.wait_s = refresh_s, timeout_s, wait_s
         self.clock = clock
         self.state: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
@@ -250,16 +249,30 @@ class GangFigures:
 
     async def get(self) -> tuple[dict[str, Any], dict[str, Any], float | None]:
         """(state, stats, age in seconds or None before any figures)."""
-        now = self.clock()
-        if self._task is None and (self.read_at is None or now - self.read_at >= self.refresh_s):
+        if self._task is None and (self.read_at is None or self.clock() - self.read_at >= self.refresh_s):
             self.refreshes += 1
             self._task = asyncio.get_running_loop().create_task(self._refresh())
-        if self.read_at is None and self._task is not None:
-            await asyncio.wait({self._task}, timeout=self.first_wait_s)  # a bounded wait; never cancels it
+        if self._task is not None:
+            await asyncio.wait({self._task}, timeout=self.wait_s)  # a bounded wait; never cancels the refresh
+        return self._answer()
+
+    async def read_now(self) -> tuple[dict[str, Any], dict[str, Any], float | None]:
+        """Ask the gangs now (bounded), for /status; the cache takes the new figures too."""
+        self.refreshes += 1
+        await self._read()
+        return self._answer()
+
+    def _answer(self) -> tuple[dict[str, Any], dict[str, Any], float | None]:
         age = None if self.read_at is None else max(0.0, self.clock() - self.read_at)
         return self.state, self.stats, age
 
     async def _refresh(self) -> None:
+        try:
+            await self._read()
+        finally:
+            self._task = None
+
+    async def _read(self) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
                 state = await self.source.state()
@@ -267,8 +280,6 @@ class GangFigures:
             self.state, self.stats, self.read_at = dict(state), dict(stats), self.clock()
         except Exception as e:  # the gangs did not answer: keep the old figures, their age grows
             log.warning("reading the gang figures failed: %s", type(e).__name__)
-        finally:
-            self._task = None
 
 
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
