@@ -294,7 +294,7 @@ class ServingConfig(_Section):
     max_concurrent_per_key: int | None = None
     """Requests one API key may have in one ingress replica at once (429 with Retry-After beyond); null or 0 is no limit; needs API keys."""
     metrics_refresh_s: float = 5.0
-    """Seconds between refreshes of the gang figures /metrics and /status show (a scrape reads the last ones and never waits on a gang)."""
+    """Seconds between refreshes of the gang figures /metrics shows (a scrape between refreshes asks no gang; one that starts a refresh waits for it at most 1 s)."""
 
 
 @dataclass(frozen=True)
