@@ -37,7 +37,8 @@ INT_RANGE = (-(2**63), 2**63 - 1)
 _STRING_RE = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 _LONG_DIGITS = re.compile(r"\d{19}")
 """A run of digits as long as the 64-bit range's bounds: the only way an integer outside it can be written."""
-_LONG_INT = re.compile(r"-?\d{20,}")
+_LONG_INT = re.compile(r"-?\d{4301,}")
+"""An integer longer than Python converts (4300 digits): json raises a plain ValueError on it."""
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _DEPTH_STEP = np.zeros(256, np.int8)
 _DEPTH_STEP[list(b"[{")] = 1
