@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raydeploy.config import Config, ConfigError
+from raydeploy.model.sharding import build_mesh, merge_rules
 
 GIB = 1024**3
 
@@ -256,7 +257,6 @@ def compile_config(cfg: Config, plan: Any, family: Any, model: Any, out_dir: str
     from raydeploy.engine import compile_cache
     from raydeploy.engine.engine import checkpoint_packing
     from raydeploy.engine.programs import ProgramSet
-    from raydeploy.model.sharding import build_mesh, merge_rules
 
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)

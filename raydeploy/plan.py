@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raydeploy.checkpoint.demo import resolve_checkpoint
 from raydeploy.config import Config, ConfigError
 from raydeploy.gang.placement import head_bundle, host_bundles, placement_strategy
 from raydeploy.gang.preflight import cache_dir_problem
@@ -125,8 +126,6 @@ def model_config_path(cfg: Config) -> Path:
             raise ConfigError(f"model config.json {p} does not exist", file=cfg.source, key="model.hf_config")
         return p
     if m.checkpoint.startswith("demo:"):
-        from raydeploy.checkpoint.demo import resolve_checkpoint
-
         return Path(resolve_checkpoint(m.checkpoint)) / "config.json"
     if "://" in m.checkpoint:
         raise ConfigError(f"checkpoint {m.checkpoint} is not on this machine; set model.hf_config to its "

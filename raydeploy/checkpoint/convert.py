@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from raydeploy.checkpoint.format import INDEX_FILE, CheckpointError, read_index
+from raydeploy.checkpoint.layout import column_splits
 from raydeploy.checkpoint.writer import parse_size
+from raydeploy.config import ConfigError, load_config
+from raydeploy.model.sharding import merge_rules
 
 
 def detect_format(src: Path) -> str:
@@ -77,10 +80,6 @@ def convert(src: str | Path, dst: str | Path, src_format: str = "auto", hf_confi
 
 def splits_for_config(path: str | Path) -> dict[str, int]:
     """The column splits of a raydeploy config file's mesh (its axes and sharding rules)."""
-    from raydeploy.checkpoint.layout import column_splits
-    from raydeploy.config import load_config
-    from raydeploy.model.sharding import merge_rules
-
     cfg = load_config(path, [])
     return column_splits(cfg.mesh_shape, merge_rules(cfg.mesh.rules))
 
@@ -88,8 +87,6 @@ def splits_for_config(path: str | Path) -> dict[str, int]:
 def run_convert(args: argparse.Namespace) -> int:
     """CLI entry: args.src, args.dst, args.src_format, args.hf_config, args.shard_size, args.dtype,
     args.split_for (a config file, or None), args.layers ('auto', 'stacked' or 'per-layer')."""
-    from raydeploy.config import ConfigError
-
     split_for = getattr(args, "split_for", None)
     try:
         splits = splits_for_config(split_for) if split_for else None

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raydeploy.checkpoint.format import DATA_ALIGNMENT, INDEX_FILE, CheckpointError
+from raydeploy.checkpoint.layout import column_splits, splits_tag
+from raydeploy.model.sharding import merge_rules
 from raydeploy.model.spec import split_layer_name
 
 if TYPE_CHECKING:
@@ -71,9 +73,6 @@ def resolve_checkpoint(ref: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
         name = ref[len(DEMO_PREFIX):]
         splits = None
         if split_for is not None:
-            from raydeploy.checkpoint.layout import column_splits
-            from raydeploy.model.sharding import merge_rules
-
             splits = column_splits(split_for.mesh_shape, merge_rules(split_for.mesh.rules))
         return ensure_demo_checkpoint(name, lock_timeout_s=lock_timeout_s, splits=splits)
     p = Path(ref).expanduser()
@@ -89,8 +88,6 @@ def resolve_checkpoint(ref: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
 def ensure_demo_checkpoint(name: str, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, progress: bool = False,
                            splits: Mapping[str, int] | None = None) -> Path:
     """The cached conversion of a demo model (stored split for `splits`, see layout.column_splits)."""
-    from raydeploy.checkpoint.layout import splits_tag
-
     gguf_path = demo_gguf_path(name)
     root = cache_root()
     stacked = splits is not None

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raydeploy.checkpoint.format import CheckpointError
+from raydeploy.checkpoint.format import CheckpointError, numpy_dtype
 from raydeploy.model.names import (
     COPY,
     KV_BIAS,
@@ -35,7 +35,8 @@ from raydeploy.model.names import (
     Q_IO,
     Q_OI,
 )
-from raydeploy.model.spec import LlamaConfig, TensorSpec, split_layer_name
+from raydeploy.model.sharding import logical_to_mesh_axes
+from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs, split_layer_name
 
 if TYPE_CHECKING:
     from raydeploy.checkpoint.writer import CheckpointWriter
@@ -108,16 +109,12 @@ def cast(x: np.ndarray, dtype: str) -> np.ndarray:
     """Cast to a storage dtype name ('keep' leaves it)."""
     if dtype == "keep" or x.dtype.name == dtype:
         return x
-    from raydeploy.checkpoint.format import numpy_dtype
-
     return x.astype(numpy_dtype(dtype))
 
 
 def check_against_specs(shapes: dict[str, tuple[int, ...]], cfg: LlamaConfig, source: str,
                         specs: Mapping[str, TensorSpec] | None = None) -> None:
     """The converted tensor set must be exactly `specs` (default: the Llama `param_specs(cfg)`), same shapes."""
-    from raydeploy.model.spec import param_specs
-
     specs = param_specs(cfg) if specs is None else specs
     missing = [n for n in specs if n not in shapes]
     if missing:
@@ -137,8 +134,6 @@ def check_against_specs(shapes: dict[str, tuple[int, ...]], cfg: LlamaConfig, so
 def column_splits(mesh_shape: Mapping[str, int], rules: Mapping[str, Rule]) -> dict[str, int]:
     """Per logical axis that some parameter has after its first dimension, into how many parts the mesh
     (its axis sizes and the logical -> mesh axis rules) cuts it; only axes cut into 2 or more parts."""
-    from raydeploy.model.sharding import logical_to_mesh_axes
-
     out = {}
     for la in _column_axes():
         if la in rules:
@@ -168,8 +163,6 @@ class SplitPlan:
     @staticmethod
     def build(cfg: LlamaConfig, splits: Mapping[str, int] | None,
               specs: Mapping[str, TensorSpec] | None = None) -> SplitPlan:
-        from raydeploy.model.spec import param_specs
-
         out: dict[str, tuple[tuple[int, int], ...]] = {}
         specs, cuts = (param_specs(cfg) if specs is None else specs), dict(splits or {})
         for name, s in specs.items():
@@ -219,8 +212,6 @@ class TensorSink:
 def _column_axes() -> tuple[str, ...]:
     """Logical axes that parameters have after their first dimension (read off the specs of a tiny model
     with every optional tensor: biases, an untied head)."""
-    from raydeploy.model.spec import param_specs
-
     cfg = LlamaConfig.from_hf_dict({"model_type": "llama", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8,
                                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
                                     "head_dim": 2, "tie_word_embeddings": False, "attention_bias": True})

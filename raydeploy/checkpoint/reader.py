@@ -58,6 +58,8 @@ from raydeploy.checkpoint.format import (
     read_index,
 )
 from raydeploy.compat import batched_device_put
+from raydeploy.model.registry import from_hf_config
+from raydeploy.model.sharding import check_divisible, partition_spec
 from raydeploy.model.spec import TensorSpec, split_layer_name
 
 if TYPE_CHECKING:
@@ -217,8 +219,6 @@ class CheckpointReader:
     def param_specs(self) -> dict[str, TensorSpec]:
         """The specs of the model this checkpoint holds (its config.json's family), in the checkpoint's layout:
         stacked over the layers, or per layer (`Family.checkpoint_specs`)."""
-        from raydeploy.model.registry import from_hf_config
-
         family, cfg = from_hf_config(self.hf_config, source=str(self.path / CONFIG_FILE))
         return family.checkpoint_specs(cfg, self.index.tensors)
 
@@ -250,8 +250,6 @@ class CheckpointReader:
         """Validate everything, then per tensor: its sharding, the slices `devices` (default: this process's
         devices in the mesh) hold, and the merged stored-row ranges to read."""
         from jax.sharding import NamedSharding
-
-        from raydeploy.model.sharding import check_divisible, partition_spec
 
         self.check_specs(specs)
         mesh_shape = dict(mesh.shape)

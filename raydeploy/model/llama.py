@@ -27,7 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from raydeploy.config import ConfigError
 from raydeploy.model import native, stacked_matmul
+from raydeploy.model.registry import LLAMA
+from raydeploy.model.sharding import partition_spec
 from raydeploy.model.spec import (
     KERNEL_LAYOUTS,
     DecoderShape,
@@ -57,8 +60,6 @@ class ActivationSharding:
     @property
     def slot_axes(self) -> tuple[str, ...]:
         """Mesh axes that shard the KV cache's slot axis (logical `cache_batch`)."""
-        from raydeploy.model.sharding import partition_spec
-
         d = partition_spec(("cache_batch",), dict(self.rules), dict(self.mesh.shape), "kv_cache")[0]
         return () if d is None else ((d,) if isinstance(d, str) else tuple(d))
 
@@ -70,9 +71,6 @@ class ActivationSharding:
     def constrain(self, x: jax.Array, logical_axes: Sequence[str | None], strict: bool = True) -> jax.Array:
         """Pin x's layout; with strict=False, axes whose rules collide leave x as it is (a hint, not a rule)."""
         from jax.sharding import NamedSharding, PartitionSpec
-
-        from raydeploy.config import ConfigError
-        from raydeploy.model.sharding import partition_spec
 
         rules = dict(self.rules)
         rules["_none"] = None
@@ -587,8 +585,6 @@ def abstract_model(cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = 
 
 
 def _llama() -> Any:
-    from raydeploy.model.registry import LLAMA
-
     return LLAMA
 
 

@@ -14,7 +14,7 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 
-from raydeploy.model.llama import MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope, project
+from raydeploy.model.llama import DTYPES, MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope, project
 from raydeploy.model.names import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
 from raydeploy.model.registry import Family
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs, with_layer_tensors
@@ -64,8 +64,6 @@ class Qwen3(Llama):
     def __init__(self, cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32",
                  rngs: nnx.Rngs | None = None, kernel_layout: str = "in_out") -> None:
         super().__init__(cfg, dtype, param_dtype, rngs=rngs, kernel_layout=kernel_layout)
-        from raydeploy.model.llama import DTYPES
-
         self.layers = Qwen3DecoderLayer(cfg, DTYPES[param_dtype], rngs, kernel_layout == "out_in",
                                         lead=(cfg.num_layers,))
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raydeploy.model.names import GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
+from raydeploy.model.sharding import partition_spec
 from raydeploy.model.spec import (
     KERNEL_LAYOUTS,
     LAYER_AXIS,
@@ -200,8 +201,6 @@ class Family:
                 out[name] = members[0]
                 continue
             from jax.sharding import NamedSharding
-
-            from raydeploy.model.sharding import partition_spec
 
             sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, {**self.rules, **dict(rules or {})},
                                                           dict(mesh.shape), name))
