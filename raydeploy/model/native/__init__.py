@@ -14,7 +14,9 @@ mesh, the CPU default): `rows_over` marks the traced step, `matmul` is what the 
 Built on first use with the machine's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`) against jax's own
 FFI headers, into `$RAYDEPLOY_NATIVE_CACHE` (default `~/.cache/raydeploy/native`) under a key of the source,
 the jax version and the flags, and registered with XLA once per process. Where it cannot be built (no compiler,
-a CPU without AVX2 and FMA, not x86-64), `unavailable()` says why and the model keeps XLA's dot.
+a CPU without AVX2 and FMA, not x86-64), `unavailable()` says why, one warning of the `raydeploy.native` logger
+says it once per process, and the model keeps XLA's dot. The sources (`SOURCES`, `HEADERS`) are package data:
+the wheel carries them (`tests/test_wheel.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextvars
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -55,6 +58,8 @@ TARGET_Q4 = "raydeploy_small_matmul_q4"
 TARGET_Q8 = "raydeploy_small_matmul_q8"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
+
+log = logging.getLogger("raydeploy.native")
 
 
 def min_rows(weight_dtype: Any) -> int:
@@ -190,7 +195,9 @@ def _register() -> str | None:
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
     except (RuntimeError, OSError) as e:
-        return f"native CPU kernels unavailable: {e}"
+        why = f"native CPU kernels unavailable: {e}"
+        log.warning("%s; the model keeps XLA's dot and attention", why)  # once per process (cached)
+        return why
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RaydeploySmallMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_OUT_FIRST, jax.ffi.pycapsule(lib.RaydeploySmallMatmulOutFirst), platform="cpu")
     jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.RaydeployDecodeAttention), platform="cpu")
