@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, positional=True)
     p.add_argument("--address", default=None,
                    help="Ray cluster to join (default: $RAY_ADDRESS, else start a local one)")
+    p.add_argument("--engine", choices=["real", "toy"], default="real",
+                   help="toy: a stand-in engine that loads no weights behind the real HTTP stack (the checkpoint "
+                        "still provides the tokenizer), to smoke-test placement, jax.distributed and shutdown "
+                        "(default real)")
 
     p = sub.add_parser("generate", help="generate text with the engine in this process",
                        description="Load the model in this process (its mesh over local devices) and generate once.")
@@ -129,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep_jax_off_missing_tpu()  # before anything imports jax
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` starts itself again in its own session
     if args.command is None:
         parser.print_help()
         return 2

@@ -7,7 +7,11 @@ when the first gang is ready.
 `run_serve(cfg, args)` adds the driver around it: checks that serving.host:port can be listened on before
 it starts a local Ray (one line naming the address and the override when it cannot), prints where it
 listens and when it is ready, waits for Ctrl-C / SIGTERM, then drains in-flight requests (Serve's graceful
-shutdown), shuts the gang down and stops Serve (and Ray, if it started Ray itself).
+shutdown), shuts the gang down and stops Serve (and Ray, if it started Ray itself), each step bounded.
+With a local Ray the command runs in a session of its own behind a launcher that forwards signals
+(raydeploy.serve.launcher), so a signal to the caller's whole process group does not reach Ray's processes.
+If they get it anyway (every process of a systemd unit, say), the GCS is gone: there is nothing left to drain,
+and the driver stops at once (exit 0) instead of waiting on it.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from raydeploy.config import Config
 
 DRAIN_TIMEOUT_S = 30.0
+"""Seconds Serve waits for in-flight requests to finish at shutdown (beside the margin below)."""
+SHUTDOWN_MARGIN_S = 30.0
+"""Seconds more the driver allows for Serve's own shutdown, and for stopping a local Ray."""
 
 
 @dataclass
@@ -142,16 +150,117 @@ def _bringup_timeout_s(cfg: Config) -> float:
     return per_try * (c.max_restarts + 1) + c.restart_backoff_s * (2 ** c.max_restarts)
 
 
-def run_serve(cfg: Config, args: argparse.Namespace) -> int:
-    import ray
+def gcs_reachable(gcs_address: str, timeout_s: float = 1.0) -> bool:
+    """Whether Ray's GCS at `host:port` accepts a TCP connection within `timeout_s`."""
+    host, _, port = gcs_address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError):
+        return False
+    return True
 
+
+def run_bounded(fn: Callable[[], None], timeout_s: float, give_up: Callable[[], bool],
+                poll_s: float = 0.2) -> str:
+    """Run `fn` in a daemon thread; "done" when it returns (re-raising what it raised), "timeout" after
+    `timeout_s`, "gave up" as soon as `give_up()` is true (e.g. Ray's GCS is gone, so `fn` would only wait for
+    it). A call left behind dies with the process."""
+    raised: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            raised.append(e)
+
+    worker = threading.Thread(target=target, name=getattr(fn, "__name__", "bounded"), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while worker.is_alive():
+        worker.join(poll_s)
+        if not worker.is_alive():
+            break
+        if give_up():
+            return "gave up"
+        if time.monotonic() > deadline:
+            return "timeout"
+    if raised:
+        raise raised[0]
+    return "done"
+
+
+def _say(line: str, err: bool = False) -> None:
+    print(f"raydeploy serve: {line}", file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _watch(serving: Serving, stop: threading.Event, outcome: dict[str, Any], t0: float) -> None:
+    """Report the gangs' state as it changes until `stop`; on a bring-up that fails or never ends, record the
+    error in `outcome` and set `stop`. Runs in its own thread, so a signal is answered even while a status call
+    waits (on a Ray whose processes the same signal has stopped, say)."""
     from raydeploy.gang.bringup import GangError
 
+    cfg = serving.cfg
+    last: tuple[str, int, int] | None = None
+    ever_ready = False
+    deadline = t0 + _bringup_timeout_s(cfg)
+    try:
+        while not stop.is_set():
+            st = serving.gangs.state()
+            if stop.is_set():
+                return
+            now = (st["state"], st["ready_gangs"], st["total_gangs"])
+            if now != last:
+                last = now
+                extra = f" ({st['last_error']})" if st.get("last_error") and st["state"] != "ready" else ""
+                _say(f"{st['ready_gangs']} of {st['total_gangs']} gang(s) ready, state {st['state']}{extra} after "
+                     f"{time.monotonic() - t0:.1f}s")
+                if st["state"] == "ready" and not ever_ready:
+                    ever_ready = True
+                    _say(f"ready: {serving.url}/v1 (OpenAI API), {serving.url}/ (chat page)")
+            if st["state"] == "failed" and not ever_ready:
+                outcome["error"] = f"the gang failed: {st.get('last_error')}"
+                break
+            if not ever_ready and time.monotonic() > deadline:
+                raise GangError(f"no gang ready after {time.monotonic() - t0:.0f}s (state {st['state']})",
+                                phase="serve")
+            stop.wait(1.0)
+    except Exception as e:  # noqa: BLE001 - the main thread reports it and exits 1
+        if not stop.is_set():
+            outcome["error"] = str(e)
+    stop.set()
+
+
+def _teardown(serving: Serving | None, started_ray: bool, gcs_address: str | None) -> None:
+    """Drain and stop Serve, then the local Ray (when started here), each bounded. A signal sent to the whole
+    process group (systemd, `kill -- -PGID`) also stops Ray's own processes; then there is nothing left to
+    drain, and waiting on the dead GCS would only end, a minute later, in an error."""
+    import ray
+
+    def gcs_gone() -> bool:
+        return gcs_address is not None and not gcs_reachable(gcs_address, timeout_s=0.5)
+
+    if serving is not None:
+        if gcs_gone():
+            _say("Ray's processes have already stopped (the signal reached them too); nothing left to drain")
+        else:
+            _say("shutting down (in-flight requests drain first)")
+            how = run_bounded(serving.shutdown, DRAIN_TIMEOUT_S + SHUTDOWN_MARGIN_S, gcs_gone)
+            if how == "gave up":
+                _say("Ray's processes stopped while draining (the signal reached them too); stopping")
+            elif how == "timeout":
+                _say(f"draining took longer than {DRAIN_TIMEOUT_S + SHUTDOWN_MARGIN_S:.0f}s; stopping", err=True)
+    if started_ray and run_bounded(ray.shutdown, SHUTDOWN_MARGIN_S, lambda: False) != "done":
+        _say(f"the local Ray did not stop within {SHUTDOWN_MARGIN_S:.0f}s", err=True)
+
+
+def run_serve(cfg: Config, args: argparse.Namespace) -> int:
     stop = threading.Event()
     signals = {}
+    outcome: dict[str, Any] = {}
 
     def on_signal(signum: int, _frame: Any) -> None:
-        print(f"raydeploy serve: {signal.Signals(signum).name} received; draining", flush=True)
+        if not stop.is_set():
+            _say(f"{signal.Signals(signum).name} received; draining")
         stop.set()
 
     address = getattr(args, "address", None) or cfg.cluster.ray_address
@@ -161,53 +270,40 @@ def run_serve(cfg: Config, args: argparse.Namespace) -> int:
         try:
             check_address_free(cfg.serving.host, cfg.serving.port)
         except AddressUnavailable as e:
-            print(f"raydeploy serve: {e}", file=sys.stderr, flush=True)
+            _say(str(e), err=True)
             return 1
+        from raydeploy.serve.launcher import in_own_session, run_in_own_session
+
+        argv = getattr(args, "argv", None)  # set by the CLI: the command line to start again
+        if argv is not None and not in_own_session() and hasattr(os, "setsid"):
+            return run_in_own_session(argv)
     started_ray = connect_ray(address)
+    import ray
+
+    gcs_address: str | None = ray.get_runtime_context().gcs_address
     # After ray.init: Ray's driver installs its own SIGTERM handling (exit at once), which would skip draining.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signals[sig] = signal.signal(sig, on_signal)
     serving: Serving | None = None
     try:
         t0 = time.monotonic()
-        serving = start_serving(cfg)
+        serving = start_serving(cfg, engine=getattr(args, "engine", "real"))
         r = cfg.replicas
         count = f"{r.min}" if r.min == r.max else f"{r.min}-{r.max} (autoscaled)"
-        print(f"raydeploy serve: listening on {serving.url} (model {cfg.model.name or cfg.model.checkpoint}, "
-              f"{count} gang(s) of {cfg.cluster.num_hosts} host(s) x {cfg.cluster.devices_per_host} device(s)); "
-              f"{serving.url}/ready turns 200 when a gang is ready", flush=True)
-        last: tuple[str, int, int] | None = None
-        ever_ready = False
-        deadline = t0 + _bringup_timeout_s(cfg)
-        while not stop.is_set():
-            st = serving.gangs.state()
-            now = (st["state"], st["ready_gangs"], st["total_gangs"])
-            if now != last:
-                last = now
-                extra = f" ({st['last_error']})" if st.get("last_error") and st["state"] != "ready" else ""
-                print(f"raydeploy serve: {st['ready_gangs']} of {st['total_gangs']} gang(s) ready, state "
-                      f"{st['state']}{extra} after {time.monotonic() - t0:.1f}s", flush=True)
-                if st["state"] == "ready" and not ever_ready:
-                    ever_ready = True
-                    print(f"raydeploy serve: ready: {serving.url}/v1 (OpenAI API), {serving.url}/ (chat page)",
-                          flush=True)
-            if st["state"] == "failed" and not ever_ready:
-                print(f"raydeploy serve: the gang failed: {st.get('last_error')}", file=sys.stderr, flush=True)
-                return 1
-            if not ever_ready and time.monotonic() > deadline:
-                raise GangError(f"no gang ready after {time.monotonic() - t0:.0f}s (state {st['state']})",
-                                phase="serve")
-            stop.wait(1.0)
+        _say(f"listening on {serving.url} (model {cfg.model.name or cfg.model.checkpoint}, {count} gang(s) of "
+             f"{cfg.cluster.num_hosts} host(s) x {cfg.cluster.devices_per_host} device(s)); {serving.url}/ready "
+             "turns 200 when a gang is ready")
+        watcher = threading.Thread(target=_watch, args=(serving, stop, outcome, t0), name="gang-watch", daemon=True)
+        watcher.start()
+        while not stop.wait(1.0):  # a timed wait: the main thread runs the signal handlers
+            pass
+        if "error" in outcome:
+            _say(outcome["error"], err=True)
+            return 1
         return 0
-    except GangError as e:
-        print(f"raydeploy serve: {e}", file=sys.stderr, flush=True)
-        return 1
     finally:
-        if serving is not None:
-            print("raydeploy serve: shutting down (in-flight requests drain first)", flush=True)
-            serving.shutdown()
-        if started_ray:
-            ray.shutdown()
+        stop.set()
+        _teardown(serving, started_ray, gcs_address)
         for sig, handler in signals.items():
             signal.signal(sig, handler)
-        print("raydeploy serve: stopped", flush=True)
+        _say("stopped")
