@@ -49,6 +49,7 @@ from raydeploy.serve.protocol import (
     LegacyInstructRequest,
     TooMany,
 )
+from raydeploy.serve.redact import without_addresses
 from raydeploy.serve.responses import SSE_DONE, ChatBuilder, CompletionBuilder, sse
 from raydeploy.serve.text import ChatTemplateError
 
@@ -345,7 +346,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         gang = await core.backend.status()
         _, stats, age_s = await figures.read_now()  # fresh for operators (a key guards /status); /metrics caches
         served = metrics.requests_served
-        return JSONResponse({
+        return JSONResponse(without_addresses({  # no coordinator ip:port, node IPs or addresses in errors
             "status": "Ready" if st.get("state") == "ready" else str(st.get("state", "unknown")).capitalize(),
             "state": st.get("state"), "restarts": st.get("restarts"), "last_error": st.get("last_error"),
             "ready_gangs": st.get("ready_gangs"), "total_gangs": st.get("total_gangs"),
@@ -356,7 +357,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
             "serving": metrics.snapshot() | {"queue_capacity": limits.max_queue, "admitted": core.in_flight},
             "front_door": app.state.front_door.snapshot() if app.state.front_door else None,
             "engine": stats if st.get("state") == "ready" else {}, "engine_age_s": age_s, "gang": gang,
-        })
+        }))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
