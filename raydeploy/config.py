@@ -101,7 +101,7 @@ class ClusterConfig(_Section):
     ray_address: str | None = None
     """Ray cluster to join (like RAY_ADDRESS); null starts a local Ray cluster."""
     coordinator_bind_address: str | None = None
-    """Address the jax.distributed coordinator (inside rank 0) binds; null means rank 0's node IP."""
+    """Address the jax.distributed coordinator (inside rank 0) listens on, and only on, and the other hosts dial; null means rank 0's node IP (the pod IP on KubeRay)."""
     coordinator_port: int | None = None
     """TCP port the jax.distributed coordinator (inside rank 0) listens on; null means 8476 (JAX's own default, open it in NetworkPolicies / firewalls) on real clusters and a free port on simulated hosts; 0 always picks a free port."""
     init_timeout_s: float = 60.0

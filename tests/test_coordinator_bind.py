@@ -48,6 +48,24 @@ def test_rank_0_binds_the_address_it_advertises(monkeypatch, rank, expected):
     assert calls[0]["process_id"] == rank and calls[0]["num_processes"] == 2
 
 
+def test_rank_0_advertises_an_address_of_its_own_node():
+    import asyncio
+
+    from raydeploy.gang.host import HostActor
+    from raydeploy.gang.preflight import PreflightError
+
+    def address(**cluster) -> str:
+        return asyncio.run(HostActor(_cfg(**cluster), 0, 0, None, engine="toy").coordinator_address())
+
+    ip, port = address(coordinator_bind_address="127.0.0.1").rsplit(":", 1)  # simulated: a free port
+    assert ip == "127.0.0.1" and int(port) > 0
+    assert address(coordinator_bind_address="127.0.0.1", coordinator_port=18476) == "127.0.0.1:18476"
+    # not an address of this machine (TEST-NET-2): named before jax.distributed, whose gRPC server would abort
+    with pytest.raises(PreflightError, match=r"cluster\.coordinator_bind_address '198\.51\.100\.7' cannot be "
+                                             r"listened on by rank 0 \(.*\): it must be an address of rank 0's node"):
+        address(coordinator_bind_address="198.51.100.7")
+
+
 def test_no_rank_binds_every_interface():
     for address in ("127.0.0.1:1234", "10.0.0.7:8476"):
         assert runtime.coordinator_bind(0, address) == address

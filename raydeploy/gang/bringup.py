@@ -9,7 +9,8 @@
 4. fingerprint: every host fingerprints config + code + checkpoint; rank 0's is the reference; any
    difference refuses the gang before anything joins.
 5. init: rank 0 picks the coordinator address (its node IP or cluster.coordinator_bind_address, and
-   cluster.coordinator_port: 8476 on real clusters, a free port on simulated hosts); ALL hosts call
+   cluster.coordinator_port: 8476 on real clusters, a free port on simulated hosts), which its coordination
+   service then listens on, and only there (not every interface); ALL hosts call
    jax.distributed.initialize concurrently (waiting for rank 0 first would deadlock); a host that never
    joins fails the phase within init_timeout_s plus a small margin, naming the hosts that did not finish.
 6. load: every host reads its part of the checkpoint concurrently (per-host bytes, seconds, GB/s).

@@ -130,17 +130,25 @@ class HostActor:
         return ray.get_runtime_context().get_node_id()
 
     async def coordinator_address(self) -> str:
-        """Rank 0: `ip:port` of the jax.distributed coordinator it will run (a fresh free port when 0)."""
+        """Rank 0: `ip:port` of the jax.distributed coordinator it will run (a fresh free port when 0): the
+        address every host dials and the only one the service listens on (raydeploy.gang.runtime.coordinator_bind)."""
         import socket
 
         import ray
 
+        from raydeploy.gang.preflight import PreflightError
+
         c = self.cfg.cluster
         ip = c.coordinator_bind_address or ray.util.get_node_ip_address()
         port = coordinator_port(self.cfg)
-        if port == 0:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:  # the service listens on this address only: it must be one of this node's (else gRPC aborts)
                 s.bind((ip, 0))
+            except OSError as e:
+                raise PreflightError(f"cluster.coordinator_bind_address {ip!r} cannot be listened on by rank 0 "
+                                     f"({e.strerror or e}): it must be an address of rank 0's node; leave it "
+                                     "null for the node IP") from None
+            if port == 0:
                 port = s.getsockname()[1]
         return f"{ip}:{port}"
 
