@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow,
+pytestmark = [pytest.mark.ray, pytest.mark.e2e,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")]
 
 READY_TIMEOUT_S = 300.0
