@@ -382,6 +382,21 @@ def test_cli_fail_on_first_line_starts_nothing(tmp_path: Path, capsys: pytest.Ca
     assert (tmp_path / "out.jsonl").read_text() == ""
 
 
+def test_gang_that_does_not_come_up_is_one_clear_error(tmp_path: Path, codec, cfg,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    from raydeploy.gang.bringup import GangError
+
+    class DeadGang(_FakeGang):
+        def wait_ready(self, timeout_s: float, newer_than: int | None = None):
+            raise GangError("gang failed: placement of 2 hosts timed out", phase="placement", retriable=False)
+
+    inp, out = _mixed_input(tmp_path), tmp_path / "out.jsonl"
+    assert run_predict(cfg, _args(inp, out), gang=DeadGang()) == 1
+    assert "the gang did not come up (placement): gang failed: placement of 2 hosts timed out" in \
+        capsys.readouterr().err
+    assert out.read_text() == ""
+
+
 def test_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rc = main(["predict", str(CONFIG), "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o.jsonl")])
     assert rc == 1 and "cannot read input" in capsys.readouterr().err

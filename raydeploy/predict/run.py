@@ -27,6 +27,7 @@ from typing import Any
 from raydeploy.config import Config
 from raydeploy.engine.request import GenerationRequest
 from raydeploy.engine.step import SamplingParams
+from raydeploy.gang.bringup import GangError
 from raydeploy.predict.input import BadLine, Example, PredictInputError, input_lines, parse_line
 from raydeploy.predict.output import OutputLock, OutputWriter, error_row, result_row, resume_rows
 
@@ -85,7 +86,6 @@ async def generate_all(gang: Any, items: Iterable[Example | BadLine], temperatur
     is written. A BadLine, or a line whose generation failed, is written with an error outcome (`on_error`
     skip) or raises PredictRunError naming it, every earlier item written (fail). Retriable gang failures are
     retried once the gang is ready again; a gang that does not come back raises PredictRunError."""
-    from raydeploy.gang.bringup import GangError
     from raydeploy.gang.feed import Feeds
 
     window = window or WINDOW_PER_CAPACITY * in_flight
@@ -236,7 +236,9 @@ def run_predict(cfg: Config, args: argparse.Namespace, *, engine: str | None = N
         say(f"wrote {tally.rows} row(s) ({tally.errors} error row(s)) to {out_path}: {tally.tokens} tokens in "
             f"{gen_s:.1f}s{rate}; total {time.perf_counter() - t0:.1f}s")
         return 0
-    except (PredictInputError, PredictRunError) as e:
+    except (PredictInputError, PredictRunError, GangError) as e:
+        if isinstance(e, GangError):  # bring-up failed: no line is to blame
+            e = PredictRunError(f"the gang did not come up ({e.phase or 'bring-up'}): {e}")
         if tally.rows:
             say(f"{tally.rows} row(s) written to {out_path} before stopping; run again to resume")
         say(str(e).replace("input line ", f"{in_path}:", 1) if str(e).startswith("input line ") else str(e))
