@@ -262,6 +262,22 @@ def test_input_limits_and_security(live):
     assert [h["kv_dtype"] for h in gang["host_status"]] == ["float16", "float16"], gang["host_status"]
 
 
+
+def test_hostile_bodies_cost_little_through_the_real_ingress(live):
+    # the old depth pre-scan's worst case at the deployment's body limit (quadratic: ~8 s per 64 KiB before)
+    head = b'{"prompt": ' + b"[" * 40 + b'"'
+    raw = head + b'\\"' * ((65536 - len(head)) // 2)
+    r = httpx.post(live.url + "/v1/completions", content=raw, timeout=60,
+                   headers=AUTH | {"Content-Type": "application/json"})
+    _err(r, 400, None, "41 levels deep")
+    _err(_post(live, "/v1/completions", {"prompt": "x", "stop_token_ids": list(range(1025))}), 400,
+         "stop_token_ids", "at most 1024")
+    _err(_post(live, "/v1/completions", {"prompt": [12, 49152], "max_tokens": 1}), 400, "prompt",
+         "vocabulary of this model (49152 ids")  # the demo model's embedding: config.json's vocab_size
+    assert httpx.get(live.url + "/health", timeout=30).status_code == 200
+    r = _post(live, "/v1/completions", {"prompt": [12, 49151], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
 def test_timeout_and_disconnect_free_the_slot(live):
     _wait_idle(live)
     r = _post(live, "/v1/completions", {"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True,
@@ -369,6 +385,96 @@ def test_fuzz_sample_and_hostile_bodies_through_ray_serve(live):
     _wait_idle(live)
     r = _post(live, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip(), r.text
+
+
+def _admitted(live) -> int:
+    return httpx.get(live.url + "/status", headers=AUTH, timeout=60).json()["serving"]["admitted"]
+
+
+def _wait_admitted(live, n: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (now := _admitted(live)) != n:
+        assert time.monotonic() < deadline, f"admitted stays {now}, expected {n}"
+        time.sleep(0.1)
+
+
+def _raw_post(live, body: bytes, length: int | None = None) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body) if length is None else length}\r\n\r\n"
+            ).encode() + body
+
+
+def test_streams_dropped_before_their_first_token_release_their_admission(live):
+    """Through the Serve proxy and the real gang: 8 rounds of 16 streams (8 running, 8 waiting in Serve's router
+    with no token yet: all the room there is), every client gone at once. Then, idle, nothing stays admitted, and
+    two waves of 16 new requests all succeed (one admission leaked would turn one of them away)."""
+    from urllib.parse import urlsplit
+
+    _wait_idle(live)
+    where = urlsplit(live.url)
+    stream = _raw_post(live, json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True,
+                                         "stream": True}).encode())
+
+    async def round_of_16() -> None:
+        writers = []
+        for _ in range(16):
+            _, w = await asyncio.open_connection(where.hostname, where.port)
+            w.write(stream)
+            await w.drain()
+            writers.append(w)
+        await asyncio.to_thread(_wait_admitted, live, 16)
+        for w in writers:
+            w.close()
+
+    for _ in range(8):
+        asyncio.run(round_of_16())
+        _wait_admitted(live, 0)
+    _wait_idle(live)
+    assert _admitted(live) == 0
+
+    async def wave() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
+            body = {"prompt": "Once upon a time", "max_tokens": 8}
+            return list(await asyncio.gather(*[c.post(live.url + "/v1/completions", json=body) for _ in range(16)]))
+
+    for _ in range(2):
+        codes = [r.status_code for r in asyncio.run(wave())]
+        assert codes == [200] * 16, codes
+
+
+def test_slow_bodies_through_the_serve_proxy_get_408(live):
+    """Serve's proxy does not buffer a body: the ingress replica pulls it as the app reads, so the replica's
+    deadline (serving.body_read_timeout_s, 10 s by default) holds there too, and a normal request is answered
+    meanwhile."""
+    from urllib.parse import urlsplit
+
+    _wait_idle(live)
+    where = urlsplit(live.url)
+
+    async def go() -> tuple[httpx.Response, list[bool], list[bytes]]:
+        slow = []
+        for _ in range(20):
+            r, w = await asyncio.open_connection(where.hostname, where.port)
+            w.write(_raw_post(live, b'{"prompt": ', length=100))
+            await w.drain()
+            slow.append((r, w))
+        answers = [asyncio.create_task(r.read()) for r, _ in slow]
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+            normal = await c.post(live.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+        before = [t.done() for t in answers]
+        got = await asyncio.wait_for(asyncio.gather(*answers), timeout=120)
+        for _, w in slow:
+            w.close()
+        return normal, before, got
+
+    normal, answered_before, got = asyncio.run(go())
+    assert normal.status_code == 200, normal.text
+    assert not any(answered_before)
+    for raw in got:
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), raw[:300]
+        assert json.loads(body)["error"]["message"] == (
+            "the request body did not arrive within 10 s (serving.body_read_timeout_s)")
 
 
 def test_host_kill_flips_readiness_and_service_resumes(live):
