@@ -41,8 +41,9 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m pytest -q -ra --durations=25 $(ARGS)
 
+# the unit tests: no Ray, no HTTP through Serve, nothing over a minute, nothing that needs PyPI
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not ray and not e2e and not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not ray and not e2e and not slow and not network" $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raydeploy tests benchmarks
