@@ -117,6 +117,8 @@ def test_streams_dropped_before_their_first_token_release_their_admission(codec,
                 conns.append((r, w))
             await asyncio.to_thread(_wait_for, lambda: len(backend.entered) == 60, "60 requests at the gang")
             assert core.in_flight == 60
+            metrics = await asyncio.to_thread(httpx.get, server.url + "/metrics", timeout=30)
+            assert "raydeploy_sequences_admitted 60.0" in metrics.text
             for _, w in conns:
                 w.close()
             for _, w in conns:
@@ -138,6 +140,7 @@ def test_streams_dropped_before_their_first_token_release_their_admission(codec,
         assert [r.status_code for r in answers] == [200] * 32, [r.text for r in answers if r.status_code != 200][:2]
         assert core.in_flight == 0
         assert _status(server)["serving"]["admitted"] == 0
+        assert "raydeploy_sequences_admitted 0.0" in httpx.get(server.url + "/metrics", timeout=30).text
 
 
 def test_a_stream_cancelled_before_its_body_starts_releases_its_admission(codec, cfg):

@@ -80,6 +80,7 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
     vocab_size = codec.vocab_size
     tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="raydeploy-tokenize")
     figures = GangFigures(core.backend, metrics_refresh_s)
+    metrics.admitted.set_function(lambda: core.in_flight)
     app.state.front_door = None  # the middleware instance, built by Starlette when the app first runs
 
     def front_door_app(inner: Any) -> FrontDoor:

@@ -92,6 +92,10 @@ class ServingMetrics:
                                 registry=reg)
         self._waiting = Gauge(f"{PREFIX}_requests_waiting_first_token",
                               "Admitted requests that have no token yet (queued or prefilling).", registry=reg)
+        self.admitted = Gauge(f"{PREFIX}_sequences_admitted",
+                              "Sequences admitted by this ingress and not yet released (n counts each choice).",
+                              registry=reg)
+        """Read from the ServingCore's count at scrape time (`create_app` sets its function)."""
         self._recent_ttft, self._recent_tpot = _Recent(), _Recent()
         self._lock = threading.Lock()
         self._now_in_flight = 0
