@@ -4,7 +4,9 @@ processes (2 virtual CPU devices each), using the stand-in engine so each bring-
 Covered: a host killed mid-generation (rank 1, then rank 0) fails the request with a retriable error
 event within the heartbeat timeout (on a stream of its own, and on a feed with every request beside it) and the gang restarts and serves again, its new processes started
 only after every old one had exited; a rank that never joins;
-a fingerprint mismatch; a host stuck in a step (watchdog); no leaked processes or ports after shutdown.
+a fingerprint mismatch; a host stuck in a step (watchdog); a step that fails for one request (the
+`raise_on_token` fault on both hosts) fails that request alone while both hosts stay in lockstep, without a
+restart; no leaked processes or ports after shutdown.
 """
 
 from __future__ import annotations
@@ -152,6 +154,49 @@ def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster,
         assert sorted(e["pid"] for e in exits) == sorted(pids), exits
         assert all(e["gone"] is True and e["checked"] == "node" for e in exits), exits
         assert max(e["at"] for e in exits) <= min(h["started_at"] for h in st["hosts"]), (exits, st["hosts"])
+    finally:
+        gang.shutdown()
+
+
+def test_a_step_failing_for_one_request_fails_it_alone_and_both_hosts_go_on_in_lockstep(ray_cluster):
+    poison = 201
+    gang = start_gang(_cfg(), engine="toy", faults={r: {"raise_on_token": poison} for r in (0, 1)})
+    try:
+        gang.wait_ready(120)
+
+        async def run() -> tuple[tuple[list, float], tuple[list, float]]:
+            feeds = Feeds()
+            coord = gang.coordinator()
+            going = asyncio.Event()
+
+            async def events(req: GenerationRequest) -> tuple[list, float]:
+                out = []
+                async for batch in feeds.stream(coord, req):
+                    out.extend(batch)
+                    going.set()
+                return out, time.monotonic()
+
+            try:  # the poison's prefill rides in a step beside the first request's decode rows
+                first = asyncio.create_task(events(GenerationRequest("beside", (5, 6, 7), max_tokens=200,
+                                                                     ignore_eos=True)))
+                await going.wait()
+                bad = await events(GenerationRequest("poison", (5, poison, 7), max_tokens=8, ignore_eos=True))
+                return await first, bad
+            finally:
+                await feeds.close()
+
+        (beside, beside_end), (bad, bad_end) = asyncio.run(asyncio.wait_for(run(), 60))
+        assert [e.token_id for e in beside if e.token_id is not None] == toy_expected_tokens((5, 6, 7), 200, ())
+        assert beside[-1].finish_reason == "length"
+        assert beside_end > bad_end  # it was still running when the poison failed
+        last = bad[-1]
+        assert [e.token_id for e in bad] == [None] and last.finish_reason == "error" and not last.retriable, bad
+        assert "request poison failed in step" in last.error and f"token id {poison}" in last.error, last.error
+        # both hosts skipped that step and stay in step: the toy's decode is a cross-host reduction
+        _check_generation(gang, "after-poison", n=20)
+        st = gang.status()
+        assert st["restarts"] == 0 and st["state"] == "ready", st
+        assert st["stats"]["steps_failed"] == 1 and st["stats"]["requests_submitted"] == 3, st["stats"]
     finally:
         gang.shutdown()
 
