@@ -294,36 +294,37 @@ class Scheduler:
         return min(prompt_len + max_tokens - 1 + max(self.decode_steps - 1, 0), self.max_seq_len)
 
     def validate(self, req: GenerationRequest) -> None:
-        """Raise ValueError saying what is wrong with a request that can never run."""
+        """Raise `RequestFailed` (a ValueError; `invalid`: the request's content, HTTP 400) saying what is wrong with a
+        request that can never run here."""
+        def refuse(message: str) -> RequestFailed:
+            return RequestFailed(f"request {req.request_id}: {message}", request_ids=(req.request_id,), invalid=True)
+
         n = len(req.prompt_token_ids)
         if n == 0:
-            raise ValueError(f"request {req.request_id}: prompt is empty (prompt_token_ids has no tokens)")
+            raise refuse("prompt is empty (prompt_token_ids has no tokens)")
         if n > self.max_prompt_len:
             limit = (f"largest prefill bucket {self.buckets[-1] if self.buckets else 'none'}, "
                      if self.paging is None else "")
-            raise ValueError(f"request {req.request_id}: prompt has {n} tokens, more than the {self.max_prompt_len} "
-                             f"this engine accepts (max_seq_len {self.max_seq_len}, {limit}at least one token must "
-                             f"be generated)")
+            raise refuse(f"prompt has {n} tokens, more than the {self.max_prompt_len} this engine accepts "
+                         f"(max_seq_len {self.max_seq_len}, {limit}at least one token must be generated)")
         if req.max_tokens < 1:
-            raise ValueError(f"request {req.request_id}: max_tokens must be >= 1, found {req.max_tokens}")
+            raise refuse(f"max_tokens must be >= 1, found {req.max_tokens}")
         if self.vocab_size is not None:
             ids = np.asarray(req.prompt_token_ids, np.int64)
             bad = ids[(ids < 0) | (ids >= self.vocab_size)]
             if bad.size:
-                raise RequestFailed(f"request {req.request_id}: prompt token id {int(bad[0])} is outside the model's "
-                                    f"vocabulary (ids 0..{self.vocab_size - 1}, vocab_size {self.vocab_size})",
-                                    request_ids=(req.request_id,), invalid=True)
+                raise refuse(f"prompt token id {int(bad[0])} is outside the model's vocabulary (ids "
+                             f"0..{self.vocab_size - 1}, vocab_size {self.vocab_size})")
         if self.paging is not None:
             ps = self.paging.page_size
             need = -(-self._reserve_for(n, req.max_tokens) // ps)
             if need > self.paging.pages_per_group:
-                raise ValueError(f"request {req.request_id}: needs up to {need} KV pages of {ps} tokens (prompt {n} + "
-                                 f"max_tokens {req.max_tokens}), more than the {self.paging.pages_per_group} pages of a "
-                                 f"dp group's pool (engine.num_pages); lower max_tokens or shorten the prompt")
+                raise refuse(f"needs up to {need} KV pages of {ps} tokens (prompt {n} + max_tokens {req.max_tokens}), "
+                             f"more than the {self.paging.pages_per_group} pages of a dp group's pool "
+                             f"(engine.num_pages); lower max_tokens or shorten the prompt")
 
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
-        """Queue a request; raises ValueError (never fits; `RequestFailed` for a token id past the vocabulary) or
-        QueueFullError (try later)."""
+        """Queue a request; raises `RequestFailed` (never runs here: a ValueError) or QueueFullError (try later)."""
         self.validate(req)
         with self._lock:
             if len(self._queue) >= self.max_queue:
