@@ -42,9 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="raw prompt text")
     g.add_argument("--chat", help="one user message; the model's chat template is applied")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the config's engine.sampling.temperature)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the config's engine.sampling.top_p")
+    p.add_argument("--top-k", type=int, default=None, help="default: the config's engine.sampling.top_k")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, timings)")
 
@@ -99,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="out.jsonl, one row per input line; rows already there are checked against the input and "
                         "kept (resume); <output>.lock keeps a second run out")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default engine.max_new_tokens)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the config's engine.sampling.temperature)")
     p.add_argument("--on-error", dest="on_error", choices=["skip", "fail"], default="skip",
                    help="a malformed line or a failed generation: write its error row and go on (skip, the "
                         "default: no work is lost), or stop after writing every earlier row, exit 1 (fail)")

@@ -66,7 +66,7 @@ def run_generate(cfg: Config, args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         print(f"raydeploy generate: --max-tokens must be >= 1, found {args.max_tokens}", file=sys.stderr)
         return 1
-    if args.temperature < 0:
+    if args.temperature is not None and args.temperature < 0:
         print(f"raydeploy generate: --temperature must be >= 0, found {args.temperature}", file=sys.stderr)
         return 1
     _prepare_cpu_devices(cfg, math.prod(cfg.mesh_shape.values()))
@@ -106,8 +106,9 @@ def _generate(cfg: Config, args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
 
     prompt_ids = _prompt_ids(tokenizer, args)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              repetition_penalty=1.0, seed=args.seed)
+    # the config's engine.sampling for what the command line leaves out
+    sampling = SamplingParams.resolve(cfg.engine.sampling, temperature=args.temperature, top_p=args.top_p,
+                                      top_k=args.top_k, seed=args.seed)
     req = GenerationRequest("generate-0", tuple(prompt_ids), args.max_tokens, sampling)
     runner = LocalRunner(engine, Scheduler.for_engine(engine, cfg))
     t1 = time.perf_counter()

@@ -12,7 +12,9 @@ serialise; they never hold device arrays or Python objects from the scheduler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -20,7 +22,21 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-slot sampling. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """How a request samples its tokens: the one sampling type from the HTTP request to the jitted sampler.
+
+    On the host each field holds one request's value. Inside the jitted programs the same type holds one array
+    per field, a value per sequence row (it is a pytree there: `raydeploy.engine.sampling` registers it, so this
+    module and the HTTP ingress stay free of JAX), and crosses `shard_map` as it is. It travels between hosts
+    as a map of its field names (`to_wire`).
+
+    temperature 0 is greedy; top_p 1, top_k 0 and repetition_penalty 1 turn those off. These field values are
+    the neutral ones (what a slot with nothing to sample holds), not defaults for users: every command and the
+    HTTP API take the values a request leaves out from `engine.sampling` of the config (`resolve`).
+
+    Further per-request controls (penalties, logit bias, logprobs) are further fields here, with their neutral
+    value as the default: `resolve` and `to_wire` carry them by name, `build_inputs` lays them out per row,
+    `sample` reads them.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -28,12 +44,31 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int = 0
 
-    def to_list(self) -> list:
-        return [self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed]
+    @classmethod
+    def resolve(cls, defaults: Any, *, temperature: float | None = None, top_p: float | None = None,
+                top_k: int | None = None, repetition_penalty: float | None = None, seed: int = 0
+                ) -> SamplingParams:
+        """A request's sampling: each value given, else the one of `defaults` (`engine.sampling`, a
+        `SamplingDefaults`, or another SamplingParams): the one rule for the HTTP API, `generate` and `predict`."""
+        return cls(temperature=float(defaults.temperature if temperature is None else temperature),
+                   top_p=float(defaults.top_p if top_p is None else top_p),
+                   top_k=int(defaults.top_k if top_k is None else top_k),
+                   repetition_penalty=float(defaults.repetition_penalty if repetition_penalty is None
+                                            else repetition_penalty),
+                   seed=int(seed))
+
+    def to_wire(self) -> dict[str, float | int]:
+        """The fields by name (msgpack-able)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_list(cls, v: list) -> SamplingParams:
-        return cls(float(v[0]), float(v[1]), int(v[2]), float(v[3]), int(v[4]))
+    def from_wire(cls, v: Mapping[str, Any]) -> SamplingParams:
+        """The inverse of `to_wire`; a name this type does not have is an error naming it."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(v) - set(known))
+        if unknown:
+            raise ValueError(f"sampling fields {unknown} are not among {sorted(known)}")
+        return cls(**{n: type(known[n].default)(x) for n, x in v.items()})
 
 
 @dataclass(frozen=True)
@@ -69,16 +104,22 @@ class SeqStep:
         """Tokens this step computes for the sequence (a decode row computes one)."""
         return max(int(np.asarray(self.tokens).shape[0]), 1)
 
-    def to_list(self) -> list:
-        return [self.slot, np.asarray(self.tokens, np.int32).tobytes(), self.start, self.sample,
-                None if self.sampling is None else self.sampling.to_list(),
-                None if self.prefix_tokens is None else np.asarray(self.prefix_tokens, np.int32).tobytes()]
+    def to_wire(self) -> dict[str, Any]:
+        """The fields by name (msgpack-able); the sampling and the prefix only where they are set."""
+        out: dict[str, Any] = {"slot": self.slot, "tokens": np.asarray(self.tokens, np.int32).tobytes(),
+                               "start": self.start, "sample": self.sample}
+        if self.sampling is not None:
+            out["sampling"] = self.sampling.to_wire()
+        if self.prefix_tokens is not None:
+            out["prefix_tokens"] = np.asarray(self.prefix_tokens, np.int32).tobytes()
+        return out
 
     @classmethod
-    def from_list(cls, v: list) -> SeqStep:
-        return cls(int(v[0]), np.frombuffer(v[1], np.int32), int(v[2]), bool(v[3]),
-                   None if v[4] is None else SamplingParams.from_list(v[4]),
-                   None if v[5] is None else np.frombuffer(v[5], np.int32))
+    def from_wire(cls, v: Mapping[str, Any]) -> SeqStep:
+        sampling, prefix = v.get("sampling"), v.get("prefix_tokens")
+        return cls(int(v["slot"]), np.frombuffer(v["tokens"], np.int32), int(v["start"]), bool(v["sample"]),
+                   None if sampling is None else SamplingParams.from_wire(sampling),
+                   None if prefix is None else np.frombuffer(prefix, np.int32))
 
 
 @dataclass(frozen=True)
@@ -118,18 +159,18 @@ class StepPlan:
     def to_bytes(self) -> bytes:
         return msgpack.packb([
             self.step_id,
-            [[p.slot, np.asarray(p.tokens, np.int32).tobytes(), p.sampling.to_list()] for p in self.prefills],
+            [[p.slot, np.asarray(p.tokens, np.int32).tobytes(), p.sampling.to_wire()] for p in self.prefills],
             self.decode, list(self.release), self.shutdown, self.decode_steps,
-            [q.to_list() for q in self.seqs], [u.to_list() for u in self.pages],
+            [q.to_wire() for q in self.seqs], [u.to_list() for u in self.pages],
         ], use_bin_type=True)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StepPlan:
         step_id, prefills, decode, release, shutdown, decode_steps, seqs, pages = msgpack.unpackb(data, raw=False)
-        items = tuple(PrefillItem(int(s), np.frombuffer(t, np.int32), SamplingParams.from_list(sp))
+        items = tuple(PrefillItem(int(s), np.frombuffer(t, np.int32), SamplingParams.from_wire(sp))
                       for s, t, sp in prefills)
         return cls(int(step_id), items, bool(decode), tuple(int(r) for r in release), bool(shutdown),
-                   int(decode_steps), tuple(SeqStep.from_list(q) for q in seqs),
+                   int(decode_steps), tuple(SeqStep.from_wire(q) for q in seqs),
                    tuple(PageUpdate.from_list(u) for u in pages))
 
 

@@ -50,11 +50,10 @@ class Outcome:
     error_type: str | None = None
 
 
-def make_request(ex: Example, temperature: float, cfg: Config, attempt: int = 0) -> GenerationRequest:
-    s = cfg.engine.sampling
-    sampling = SamplingParams(temperature=temperature, top_p=s.top_p if temperature > 0 else 1.0,
-                              top_k=s.top_k if temperature > 0 else 0,
-                              repetition_penalty=s.repetition_penalty, seed=ex.index)
+def make_request(ex: Example, temperature: float | None, cfg: Config, attempt: int = 0) -> GenerationRequest:
+    """The line's request: the config's engine.sampling, `temperature` (the --temperature flag) over it when
+    given, seeded by the line's index."""
+    sampling = SamplingParams.resolve(cfg.engine.sampling, temperature=temperature, seed=ex.index)
     return GenerationRequest(request_id=f"predict-{ex.index}-{attempt}", prompt_token_ids=ex.prompt_token_ids,
                              max_tokens=ex.max_tokens, sampling=sampling)
 
@@ -78,7 +77,7 @@ def _failed(message: str, error_type: str) -> Outcome:
     return Outcome(finish_reason="error", error=message, error_type=error_type)
 
 
-async def generate_all(gang: Any, items: Iterable[Example | BadLine], temperature: float, cfg: Config,
+async def generate_all(gang: Any, items: Iterable[Example | BadLine], temperature: float | None, cfg: Config,
                        write: Callable[[Example | BadLine, Outcome], None], in_flight: int, progress: Any = None,
                        *, on_error: str = "skip", window: int | None = None) -> None:
     """Generate every item, `in_flight` requests at the gang at once and at most `window` items taken from
