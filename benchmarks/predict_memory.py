@@ -25,6 +25,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from pathlib import Path
@@ -114,13 +115,26 @@ def child(src: str, inp: str, out: str, gang: str) -> None:
     cfg = load_config(str(REPO / "configs" / "predict-small.yaml"))
     args = argparse.Namespace(input=inp, output=out, max_tokens=None, temperature=0.0, on_bad_line="skip",
                               on_error="skip", address=None, engine="toy")
+    samples: list[tuple[float, int, float]] = []
+    stop = threading.Event()
+
+    def sample() -> None:  # (seconds, output bytes, RSS MiB) every second: is growth linear in the rows?
+        while not stop.wait(1.0):
+            rss_kib = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                           if line.startswith("VmRSS:"))
+            size = os.path.getsize(out) if os.path.exists(out) else 0
+            samples.append((round(time.perf_counter() - t0, 1), size, round(rss_kib / 1024, 1)))
+
     t0 = time.perf_counter()
+    threading.Thread(target=sample, daemon=True).start()
     # toy: the driver starts a local Ray and a 2-host gang of the stand-in engine, as `--engine toy` does
     rc = run_predict(cfg, args, gang=_InstantGang() if gang == "instant" else None, engine="toy")
     seconds = time.perf_counter() - t0
+    stop.set()
     rows = sum(1 for _ in open(out, "rb"))
     print(json.dumps({"rc": rc, "rows": rows, "seconds": round(seconds, 1),
-                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                      "rss_samples": samples[:: max(1, len(samples) // 24)]}))
 
 
 def measure(src: Path, n: int, workdir: Path, gang: str) -> dict[str, Any]:
@@ -133,7 +147,7 @@ def measure(src: Path, n: int, workdir: Path, gang: str) -> dict[str, Any]:
     if r.returncode != 0:
         raise RuntimeError(f"driver from {src} failed: {r.stderr[-3000:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["rc"] == 0 and res["rows"] == n, res
+    assert res["rc"] == 0 and res["rows"] == n, {k: v for k, v in res.items() if k != "rss_samples"}
     return res
 
 
@@ -150,6 +164,7 @@ def main() -> int:
     ap.add_argument("--gang", choices=["instant", "toy"], default="instant",
                     help="instant: a stand-in coordinator in the driver's process (the driver alone; default); "
                          "toy: a real local Ray cluster and a 2-host gang of the stand-in engine (slower)")
+    ap.add_argument("--trees", nargs="+", choices=["this", "peer"], default=["this", "peer"])
     ap.add_argument("--output", default=None,
                     help="default benchmarks/results/predict_memory.json (predict_memory_toy.json with --gang toy)")
     a = ap.parse_args()
@@ -161,11 +176,11 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="rdp-mem-", dir="/tmp") as d:
         for n in a.lines:
-            for name, src in (("this", REPO), ("peer", peer)):
+            for name, src in [(t, REPO if t == "this" else peer) for t in a.trees]:
                 res = measure(src, n, Path(d), a.gang)
                 runs.append({"tree": name, "lines": n, **res})
-                print(f"{name:5s} {n:>8d} lines: peak driver RSS {res['peak_rss_mib']:8.1f} MiB, {res['seconds']}s",
-                      flush=True)
+                print(f"{name:5s} {n:>8d} lines: peak driver RSS {res['peak_rss_mib']:8.1f} MiB, {res['seconds']}s; "
+                      f"(s, output bytes, RSS MiB) {res['rss_samples'][::4]}", flush=True)
     result = {"benchmark": "predict driver peak RSS vs input lines",
               "gang": GANGS[a.gang],
               "this_commit": this_commit, "peer": str(peer), "peer_commit": peer_commit, "runs": runs,
