@@ -55,6 +55,12 @@ def test_status_of_a_live_deployment(demo_checkpoint, capsys: pytest.CaptureFixt
         assert info["ready"] and st["state"] == "ready" and st["process_count"] == 2 and st["devices"] == 2
         assert st["ready_gangs"] == 1 and len(st["gang"]["gangs"]) == 1
         assert len(st["gang"]["gangs"][0]["host_status"]) == 2
+        # no internal address over HTTP: not the real gang's coordinator ip:port, not its hosts' node IPs
+        (gang,) = serving.gangs.status()["gangs"]  # the driver's view over Ray keeps them
+        published = json.dumps(st)
+        assert gang["coordinator_address"] and gang["coordinator_address"] not in published
+        node_ips = {h["node_ip"] for h in gang["hosts"] if h.get("node_ip")}
+        assert node_ips and not any(ip in published for ip in node_ips), node_ips
         monkeypatch.delenv("RAYDEPLOY_API_KEY", raising=False)
         assert main(["status", url]) == 1
         assert "/status needs an API key" in capsys.readouterr().out
