@@ -10,8 +10,8 @@ attention shapes (9 query heads, 3 kv heads, head_dim 64, 30 layers, float32) un
   to the window's page count (as the engine's page-count buckets do); the stacked pool of all layers is passed
   whole with page ids offset by layer (`--sliced` also times slicing each layer's pool out, which XLA copies).
 - `paged-mixed` (with --chunk): one prefill chunk of that many tokens in the same step as rows-1 decode rows.
-- `native`: the native decode-row kernel (`raydeploy.model.native.decode_attention`, what the engine's CPU decode
-  passes run in place of `paged`) over the same pool and tables, where it can be built.
+- `native`: the native decode-row kernel (`raydeploy.engine.matmul.cpu_native.decode_attention`, what the
+  engine's CPU decode passes run in place of `paged`) over the same pool and tables, where it can be built.
 - with `--kv-dtypes float32,bfloat16,float16`: `native`, `paged` and `paged-mixed` again over the pool stored in
   each 16-bit dtype (`engine.kv_dtype`): half the bytes to read, widened to float32 as they are read.
 
@@ -72,10 +72,12 @@ def timed(calls: dict, iters: int) -> dict:  # type: ignore[type-arg]
 
 
 def native_program(pool, scale: float, layers: int, args: tuple):  # type: ignore[no-untyped-def]
-    """The decode rows' native kernel (`raydeploy.model.native.decode_attention`, what the engine's CPU decode
-    passes run) over the same stacked pool, compiled as the engine compiles it; None where it cannot be built."""
+    """The decode rows' native kernel (`raydeploy.engine.matmul.cpu_native.decode_attention`, what the engine's CPU
+    decode passes run) over the same stacked pool, compiled as the engine compiles it; None where it cannot be
+    built."""
     import jax
 
+    from raydeploy.engine.matmul.cpu_native import decode_attention
     from raydeploy.model import native
 
     if native.unavailable() is not None:
@@ -85,12 +87,11 @@ def native_program(pool, scale: float, layers: int, args: tuple):  # type: ignor
         flat = pool.reshape(-1, *pool.shape[2:])
 
         def layer(i, q):  # type: ignore[no-untyped-def]
-            out = native.decode_attention(q, flat, lens, table + i * pool.shape[1], sm_scale=scale)
+            out = decode_attention(q, flat, lens, table + i * pool.shape[1], sm_scale=scale)
             return q + 1e-3 * out
         return jax.lax.fori_loop(0, layers, layer, q)
 
-    with native.rows_over(jax.make_mesh((1,), ("dp",)), ("dp",)):
-        return jax.jit(decode).lower(*args).compile()
+    return jax.jit(decode).lower(*args).compile()
 
 
 def run_case(rows: int, context: int, chunk: int, a: argparse.Namespace) -> dict:

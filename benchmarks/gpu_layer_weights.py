@@ -10,7 +10,7 @@ h += down(silu(gate(h)) * up(h)), bfloat16, rows of 1 and 8) in the ways a progr
   engine does today; the peer);
 - `unrolled_dot`: the layers unrolled, each weight a static slice `w[i]` of the stack;
 - `scan_pallas`: `lax.scan`, each matmul a Pallas (Triton) kernel that takes the whole stack and the layer index
-  and reads the layer's tiles in place (`raydeploy.model.stacked_matmul`);
+  and reads the layer's tiles in place (`raydeploy.engine.matmul.pallas_gpu`);
 - with `--flags`, `scan_dot` and `unrolled_dot` again in a child process under
   `--xla_gpu_enable_dynamic_slice_fusion=true`.
 
@@ -46,7 +46,7 @@ def run(shape: str, rows: list[int], forms: list[str], reps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from raydeploy.model.stacked_matmul import stacked_matmul
+    from raydeploy.engine.matmul.pallas_gpu import stacked_matmul
 
     n_layers, d, f = SHAPES[shape]
     interpret = jax.default_backend() == "cpu"

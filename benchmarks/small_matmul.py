@@ -15,7 +15,7 @@ the one that decides its decode passes.
 `--backends native,chain,joined` adds how the engine's step programs meet the kernel: chain, the same 211 calls
 with each one's rows depending on the last one's result (a decode pass is such a chain; without the
 dependency XLA may run independent calls side by side); joined, that chain with each layer's q/k/v and
-gate/up as one call (`native.matmuls`, what the engine does: 121 calls).
+gate/up as one call (`CpuNative.matmuls`, what the engine does: 121 calls).
 
 With `--weights bfloat16` the weights are bfloat16 and the rows float32, as the engine holds them with
 `model.param_dtype: bfloat16`: xla multiplies as the model's XLA path does (rows cast to bfloat16, float32
@@ -87,7 +87,9 @@ def _chain_fn(joined: bool, packed: bool = False):
     import jax
     import jax.numpy as jnp
 
-    from raydeploy.model import native
+    from raydeploy.engine.matmul import cpu_native
+    from raydeploy.engine.matmul.cpu_native import CpuNative
+    from raydeploy.model.projection import LayerSlice
 
     def layer_groups(n: int) -> list[list[int]]:  # per layer: [q, k, v], [o], [gate, up], [down]; then the head
         groups = []
@@ -99,21 +101,21 @@ def _chain_fn(joined: bool, packed: bool = False):
         mesh = jax.make_mesh((1,), ("dp",))
         out, carry = [], jnp.zeros((), jnp.float32)
         layer = jnp.zeros((), jnp.int32)
-        with native.rows_over(mesh, ("dp",), copies if packed else None):
-            groups = layer_groups(len(ws)) if joined else [[i] for i in range(len(ws))]
-            for g in groups:
-                x = xs[g[0]] + carry  # each call waits for the one before it
-                if packed:  # layer slices named as their packed copies; the head as the tied table (out_first)
-                    head = g == [len(ws) - 1]
-                    named = [native.LayerSlice(ws[i], layer, name=str(i)) for i in g]
-                    ys = [native.matmul(x, named[0], True)] if head else native.matmuls(x, named)
-                    assert ys is not None and all(y is not None for y in ys), f"rows {x.shape[0]}: no packed call"
-                else:
-                    ys = native.matmuls(x, [ws[i][0] for i in g]) if len(g) > 1 else None
-                if ys is None:  # one weight, or rows the joined call does not take
-                    ys = [native._call(x, ws[i], jnp.int32(0)) for i in g]
-                carry = 0.0 * ys[0][0, 0]
-                out += ys
+        mm = CpuNative(mesh, ("dp",), copies if packed else None)
+        groups = layer_groups(len(ws)) if joined else [[i] for i in range(len(ws))]
+        for g in groups:
+            x = xs[g[0]] + carry  # each call waits for the one before it
+            if packed:  # layer slices named as their packed copies; the head as the tied table (out_first)
+                head = g == [len(ws) - 1]
+                named = [LayerSlice(ws[i], layer, name=str(i)) for i in g]
+                ys = [mm.kernel(x, named[0], True)] if head else mm.matmuls(x, named)
+                assert ys is not None and all(y is not None for y in ys), f"rows {x.shape[0]}: no packed call"
+            else:
+                ys = mm.matmuls(x, [ws[i][0] for i in g]) if len(g) > 1 else None
+            if ys is None:  # one weight, or rows the joined call does not take
+                ys = [cpu_native._call(x, ws[i], jnp.int32(0)) for i in g]
+            carry = 0.0 * ys[0][0, 0]
+            out += ys
         return out
 
     return jax.jit(run)
@@ -138,6 +140,7 @@ def child(backend: str, rows: int, weights: str = "float32") -> float:
     import jax
     import jax.numpy as jnp
 
+    from raydeploy.engine.matmul import cpu_native
     from raydeploy.model import native
 
     if (problem := native.unavailable()) is not None:
@@ -169,7 +172,7 @@ def child(backend: str, rows: int, weights: str = "float32") -> float:
     if backend in ("chain", "joined"):
         chained = _chain_fn(backend == "joined")
         return _best(lambda: jax.block_until_ready(chained(dxs, dws)))
-    f = jax.jit(lambda xs, ws: [native._call(x, w, jnp.int32(0)) for x, w in zip(xs, ws, strict=True)])
+    f = jax.jit(lambda xs, ws: [cpu_native._call(x, w, jnp.int32(0)) for x, w in zip(xs, ws, strict=True)])
     for y, x, w in zip(f(dxs, dws)[:8], xs[:8], ws[:8], strict=True):
         np.testing.assert_allclose(np.asarray(y), x @ w, rtol=1e-3, atol=1e-3)
     return _best(lambda: jax.block_until_ready(f(dxs, dws)))

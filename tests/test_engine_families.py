@@ -461,7 +461,8 @@ def test_static_layer_kinds_leave_no_choice_on_data(window_pages, mesh_shape, tm
 def test_layer_blocks_follow_the_kinds_pattern():
     """`scan_layers` with per-layer kinds: blocks of the kinds' period scanned, the rest unrolled; each layer gets
     its own parameters, index and kind, in order, as a plain loop over the layers would."""
-    from raydeploy.model.llama import RMSNorm, kinds_period, scan_layers
+    from raydeploy.model.llama import RMSNorm
+    from raydeploy.model.scan import kinds_period, scan_layers
 
     assert kinds_period((True,) * 5 + (False,) + (True,) * 5 + (False,) + (True,) * 2) == 6
     assert kinds_period((1, 2, 1, 2, 1)) == 2 and kinds_period((1, 1, 2)) == 3 and kinds_period((3, 3)) == 1

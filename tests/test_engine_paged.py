@@ -255,7 +255,7 @@ def test_one_token_steps_run_unrolled_over_views_of_the_stacked_weights(unpacked
             step = int(np.prod(x.shape[1:])) * x.dtype.itemsize
             assert view.unsafe_buffer_pointer() == x.unsafe_buffer_pointer() + layer * step  # no copy
             np.testing.assert_array_equal(np.asarray(view), np.asarray(x)[layer])
-    from raydeploy.model.llama import unroll_layers
+    from raydeploy.model.scan import unroll_layers
 
     with pytest.raises(ValueError, match=r"layer 1: arrays of shapes \[.*\] do not match the stacked layer"):
         unroll_layers(ps.model(engine._param_leaves).layers, [views[0], views[1][1:]])

@@ -34,7 +34,7 @@ if jax.devices()[0].platform != "gpu":
     pytest.skip(f"no GPU: JAX's devices are {jax.devices()}", allow_module_level=True)
 
 from raydeploy.engine.attention import pallas_gpu, xla  # noqa: E402
-from raydeploy.model import stacked_matmul  # noqa: E402
+from raydeploy.engine.matmul import pallas_gpu as stacked_matmul  # noqa: E402
 from tests.jaxpr_walk import walk  # noqa: E402
 from tests.test_attention import SCALE, assert_matches, make_step  # noqa: E402
 from tests.test_engine_families import (  # noqa: E402

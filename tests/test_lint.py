@@ -77,7 +77,7 @@ LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("raydeploy.engine.attention", "raydeploy.engine.attention.pallas_gpu"): _BACKEND,
     ("raydeploy.engine.attention", "raydeploy.engine.attention.pallas_tpu"): _BACKEND,
     ("raydeploy.engine.attention", "raydeploy.engine.attention.xla"): _BACKEND,
-    ("raydeploy.engine.attention", "raydeploy.model.stacked_matmul"):
+    ("raydeploy.engine.attention", "raydeploy.engine.matmul.pallas_gpu"):
         "the Pallas GPU kernels' device check, asked only for a GPU device",
     ("raydeploy.engine.compile_cache", "raydeploy.compat"): _COMPAT,
     ("raydeploy.engine.engine", "raydeploy.checkpoint.demo"): _PACKING,

@@ -13,12 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from raydeploy.engine.matmul import cpu_native
+from raydeploy.engine.matmul.cpu_native import CpuNative
+from raydeploy.engine.matmul.xla import XLA
 from raydeploy.model import native
+from raydeploy.model.projection import LayerSlice
 
 
 @pytest.fixture(scope="module")
 def kernel(native_library):
-    return jax.jit(native._call)
+    return jax.jit(cpu_native._call)
 
 
 @pytest.mark.parametrize("m,k,n", [(2, 576, 1536), (3, 7, 8), (5, 100, 520), (8, 576, 49152 // 16),
@@ -40,7 +44,7 @@ def test_output_first_kernel_equals_numpy(kernel, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
     stack = rng.standard_normal((2, n, k), dtype=np.float32)
-    y = np.asarray(jax.jit(native._call_out_first)(jnp.asarray(x), jnp.asarray(stack), jnp.int32(1)))
+    y = np.asarray(jax.jit(cpu_native._call_out_first)(jnp.asarray(x), jnp.asarray(stack), jnp.int32(1)))
     want = x.astype(np.float64) @ stack[1].astype(np.float64).T
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
@@ -49,7 +53,7 @@ def test_output_first_kernel_equals_numpy(kernel, m, k, n):
 def bf16_kernel(native_library):
     if "bfloat16" not in native.weight_dtypes():
         pytest.skip(f"bfloat16 weights need the AVX-512 build; this CPU's is {native.isa()}")
-    return jax.jit(native._call), jax.jit(native._call_out_first)
+    return jax.jit(cpu_native._call), jax.jit(cpu_native._call_out_first)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (2, 7, 8), (8, 576, 192), (9, 100, 520), (17, 64, 24),
@@ -72,16 +76,19 @@ def test_bfloat16_weights_multiply_float32_rows_exactly(bf16_kernel, m, k, n):
 
 AVX2_BUILD = r"""
 import jax, jax.numpy as jnp, numpy as np
+from raydeploy.engine.matmul import cpu_native
+from raydeploy.engine.matmul.cpu_native import CpuNative
 from raydeploy.model import native
+from raydeploy.model.projection import LayerSlice
 assert native.isa() == "avx2" and "-mavx512f" not in native.flags() and native.weight_dtypes() == ("float32",)
 assert native.unavailable() is None
 rng = np.random.default_rng(1)
 for m, k, n in [(2, 576, 1536), (3, 7, 8), (8, 576, 192), (17, 64, 24), (33, 9, 1032)]:
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = rng.standard_normal((2, k, n), dtype=np.float32)
-    y = np.asarray(jax.jit(native._call)(jnp.asarray(x), jnp.asarray(w), jnp.int32(1)))
+    y = np.asarray(jax.jit(cpu_native._call)(jnp.asarray(x), jnp.asarray(w), jnp.int32(1)))
     np.testing.assert_allclose(y, x.astype(np.float64) @ w[1], rtol=1e-4, atol=1e-4 * np.sqrt(k))
-    y = np.asarray(jax.jit(native._call_out_first)(jnp.asarray(x), jnp.asarray(w.transpose(0, 2, 1)), jnp.int32(1)))
+    y = np.asarray(jax.jit(cpu_native._call_out_first)(jnp.asarray(x), jnp.asarray(w.transpose(0, 2, 1)), jnp.int32(1)))
     np.testing.assert_allclose(y, x.astype(np.float64) @ w[1], rtol=1e-4, atol=1e-4 * np.sqrt(k))
 # packed 4-bit layer weights: one row converts as it goes, more rows pass in groups of 3 over a converted tile
 assert native.packs_weights() is None
@@ -94,7 +101,7 @@ wa, wb = w[:, :, :192], w[:, :, 192:]
 packed = [jnp.asarray(native.packing.pack_q4(np.ascontiguousarray(v))) for v in (wa, wb)]
 for m in (1, 2, 3, 4, 7, 8, 9, 72):
     x = rng.standard_normal((m, 576), dtype=np.float32)
-    ya, yb = jax.jit(native._call_q4)(jnp.asarray(x), jnp.int32(1), *packed)
+    ya, yb = jax.jit(cpu_native._call_q4)(jnp.asarray(x), jnp.int32(1), *packed)
     for y, v in ((ya, wa), (yb, wb)):
         want = x.astype(np.float64) @ v[1]
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -107,7 +114,7 @@ q8 = jnp.asarray(native.packing.pack_q8(table))
 for m in (1, 2, 5, 8):
     x = rng.standard_normal((m, 576), dtype=np.float32)
     want = x.astype(np.float64) @ table.astype(np.float64).T
-    y = jax.jit(native._call_q8)(jnp.asarray(x), q8, jnp.int32(0))
+    y = jax.jit(cpu_native._call_q8)(jnp.asarray(x), q8, jnp.int32(0))
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 print("ok")
 """
@@ -133,7 +140,10 @@ def test_the_avx2_build_runs_beside_the_avx512_one(native_library, tmp_path):
 
 AVX512_WITHOUT_VNNI = r"""
 import jax, jax.numpy as jnp, numpy as np
+from raydeploy.engine.matmul import cpu_native
+from raydeploy.engine.matmul.cpu_native import CpuNative
 from raydeploy.model import native
+from raydeploy.model.projection import LayerSlice
 from raydeploy.model.native import packing
 assert native.isa() == "avx512" and "-mavx512bw" in native.flags() and "-mavx512vnni" not in native.flags()
 assert native.unavailable() is None
@@ -151,10 +161,10 @@ table = (qt * dt[:, :, None]).reshape(1024, 576)
 p8 = jnp.asarray(packing.pack_q8(table))
 for m in (1, 3, 8, 9, 72):
     x = rng.standard_normal((m, 576), dtype=np.float32)
-    (y,) = jax.jit(native._call_q4)(jnp.asarray(x), jnp.int32(1), p4)
+    (y,) = jax.jit(cpu_native._call_q4)(jnp.asarray(x), jnp.int32(1), p4)
     want = packing.packed_product(x, w[1], True)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    y = jax.jit(native._call_q8)(jnp.asarray(x), p8, jnp.int32(0))
+    y = jax.jit(cpu_native._call_q8)(jnp.asarray(x), p8, jnp.int32(0))
     want = packing.packed_product(x, table.T, True, q4=False)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 print("ok")
@@ -188,19 +198,19 @@ def test_joined_matmuls_equal_separate_ones(native_library, dtype):
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((5, 40), dtype=np.float32))
     stacks = [jnp.asarray(rng.standard_normal((3, 40, n), dtype=np.float32)).astype(dtype) for n in (48, 16, 24)]
-    with native.rows_over(mesh, ("dp",)):
-        layer = jnp.int32(2)  # one layer index for every weight, as in a layer's scan body
-        joined = jax.jit(lambda x, *sts: native.matmuls(x, [native.LayerSlice(st, layer) for st in sts]))(x, *stacks)
-        plain = native.matmuls(x, [st[1] for st in stacks])
-        assert native.matmuls(x, [stacks[0][0], stacks[1][0].astype(jnp.float32 if dtype == "bfloat16" else
-                                                                      jnp.bfloat16)]) is None
-        assert native.matmuls(x, [native.LayerSlice(stacks[0], jnp.int32(0)),
-                                  native.LayerSlice(stacks[1], jnp.int32(0))]) is None  # two layer indices
-        assert native.matmuls(jnp.ones((native.max_rows(dtype) + 1, 40)), [st[0] for st in stacks]) is None
-        many = jnp.ones((native.max_rows(dtype), 40))  # as many rows as the kernel takes for this dtype
-        np.testing.assert_allclose(np.asarray(native.matmuls(many, [st[0] for st in stacks])[0]),
-                                   np.ones((native.max_rows(dtype), 40)) @ np.asarray(stacks[0][0].astype(jnp.float32)),
-                                   rtol=1e-5, atol=1e-4)
+    mm = CpuNative(mesh, ("dp",))
+    layer = jnp.int32(2)  # one layer index for every weight, as in a layer's scan body
+    joined = jax.jit(lambda x, *sts: mm.matmuls(x, [LayerSlice(st, layer) for st in sts]))(x, *stacks)
+    plain = mm.matmuls(x, [st[1] for st in stacks])
+    assert mm.matmuls(x, [stacks[0][0], stacks[1][0].astype(jnp.float32 if dtype == "bfloat16" else
+                                                                  jnp.bfloat16)]) is None
+    assert mm.matmuls(x, [LayerSlice(stacks[0], jnp.int32(0)),
+                              LayerSlice(stacks[1], jnp.int32(0))]) is None  # two layer indices
+    assert mm.matmuls(jnp.ones((native.max_rows(dtype) + 1, 40)), [st[0] for st in stacks]) is None
+    many = jnp.ones((native.max_rows(dtype), 40))  # as many rows as the kernel takes for this dtype
+    np.testing.assert_allclose(np.asarray(mm.matmuls(many, [st[0] for st in stacks])[0]),
+                               np.ones((native.max_rows(dtype), 40)) @ np.asarray(stacks[0][0].astype(jnp.float32)),
+                               rtol=1e-5, atol=1e-4)
     wide = [np.asarray(st.astype(jnp.float32)).astype(np.float64) for st in stacks]
     for got, layer_got, w in zip(joined, plain, wide, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(x, np.float64) @ w[2], rtol=1e-5, atol=1e-4)
@@ -217,39 +227,40 @@ def test_the_joined_call_refuses_a_layer_out_of_range_and_too_many_weights(kerne
     """The joined handler checks what the single one does, and its own limit of 8 weights, naming them."""
     x, stack = jnp.ones((2, 8)), jnp.ones((3, 8, 8))
     with pytest.raises(Exception, match="small_matmul: layer index out of range"):
-        np.asarray(jax.jit(native._call_multi)(x, jnp.int32(3), stack, stack)[0])
+        np.asarray(jax.jit(cpu_native._call_multi)(x, jnp.int32(3), stack, stack)[0])
     with pytest.raises(Exception, match="small_matmul_multi: expected 1 to 8 weights and one result each"):
-        np.asarray(jax.jit(native._call_multi)(x, jnp.int32(0), *[stack] * 9)[0])
+        np.asarray(jax.jit(cpu_native._call_multi)(x, jnp.int32(0), *[stack] * 9)[0])
 
 
-def test_matmul_applies_only_inside_rows_over_and_for_few_float32_rows(kernel):
+def test_the_backend_takes_few_float32_rows_and_leaves_the_rest_to_xla(kernel):
+    """`CpuNative.kernel` runs the kernel where it applies and is None elsewhere; `matmul` then multiplies in
+    XLA (the same product); the XLA backend never calls the kernel."""
     mesh = jax.make_mesh((1,), ("dp",))
     x, w = jnp.ones((4, 16)), jnp.ones((16, 8))
-    assert native.matmul(x, w) is None  # outside an engine step: XLA's dot
-    with native.rows_over(mesh, ("dp",)):
-        assert native.active()
-        np.testing.assert_allclose(np.asarray(native.matmul(x, w)), np.full((4, 8), 16.0))
-        one_row = native.matmul(jnp.ones((1, 16)), w)
-        if native.isa() == "avx2":
-            assert one_row is None  # one float32 row: XLA's matrix-vector product
-        else:
-            np.testing.assert_allclose(np.asarray(one_row), np.full((1, 8), 16.0))
-        assert native.matmul(jnp.ones((native.max_rows(jnp.float32) + 1, 16)), w) is None
-        assert native.max_rows(jnp.float32) == 32 and native.max_rows(jnp.bfloat16) == 128
-        assert native.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None  # bfloat16 rows: XLA
-        one_row_bf16 = native.matmul(jnp.ones((1, 16)), w.astype(jnp.bfloat16))  # bfloat16 weights: from one row
-        if "bfloat16" in native.weight_dtypes():
-            np.testing.assert_allclose(np.asarray(one_row_bf16), np.full((1, 8), 16.0))
-        else:
-            assert one_row_bf16 is None
-        assert native.matmul(x, jnp.ones((16, 12))) is None  # N not a multiple of 8
-        np.testing.assert_allclose(np.asarray(native.matmul(x, jnp.ones((12, 16)), out_first=True)),
-                                   np.full((4, 12), 16.0))
-        stack = jnp.arange(3 * 16 * 8, dtype=jnp.float32).reshape(3, 16, 8)
-        sl = native.LayerSlice(stack, jnp.int32(1))
-        np.testing.assert_allclose(np.asarray(native.matmul(x, sl)), np.asarray(x @ stack[1]), rtol=1e-6)
-        np.testing.assert_array_equal(np.asarray(sl.reshape(4, -1).materialize()), np.asarray(stack[1]).reshape(4, 32))
-    assert not native.active()
+    assert "raydeploy_small_matmul" not in jax.jit(XLA.matmul).lower(x, w).as_text()  # XLA's dot
+    mm = CpuNative(mesh, ("dp",))
+    np.testing.assert_allclose(np.asarray(mm.kernel(x, w)), np.full((4, 8), 16.0))
+    one_row = mm.kernel(jnp.ones((1, 16)), w)
+    if native.isa() == "avx2":
+        assert one_row is None  # one float32 row: XLA's matrix-vector product
+    else:
+        np.testing.assert_allclose(np.asarray(one_row), np.full((1, 8), 16.0))
+    assert mm.kernel(jnp.ones((native.max_rows(jnp.float32) + 1, 16)), w) is None
+    assert native.max_rows(jnp.float32) == 32 and native.max_rows(jnp.bfloat16) == 128
+    assert mm.kernel(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None  # bfloat16 rows: XLA
+    one_row_bf16 = mm.kernel(jnp.ones((1, 16)), w.astype(jnp.bfloat16))  # bfloat16 weights: from one row
+    if "bfloat16" in native.weight_dtypes():
+        np.testing.assert_allclose(np.asarray(one_row_bf16), np.full((1, 8), 16.0))
+    else:
+        assert one_row_bf16 is None
+    assert mm.kernel(x, jnp.ones((16, 12))) is None  # N not a multiple of 8
+    np.testing.assert_allclose(np.asarray(mm.kernel(x, jnp.ones((12, 16)), out_first=True)),
+                               np.full((4, 12), 16.0))
+    stack = jnp.arange(3 * 16 * 8, dtype=jnp.float32).reshape(3, 16, 8)
+    sl = LayerSlice(stack, jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(mm.kernel(x, sl)), np.asarray(x @ stack[1]), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(sl.reshape(4, -1).materialize()), np.asarray(stack[1]).reshape(4, 32))
+    np.testing.assert_allclose(np.asarray(mm.matmul(x, jnp.ones((16, 12)))), np.full((4, 12), 16.0))  # XLA
 
 
 def test_a_build_without_a_compiler_says_so(tmp_path, monkeypatch):
@@ -275,13 +286,16 @@ def test_a_failed_build_shows_the_compiler_output(tmp_path, monkeypatch):
 
 CONCURRENT = r"""
 import jax, jax.numpy as jnp, numpy as np
+from raydeploy.engine.matmul import cpu_native
+from raydeploy.engine.matmul.cpu_native import CpuNative
 from raydeploy.model import native
+from raydeploy.model.projection import LayerSlice
 assert native.unavailable() is None
 rng = np.random.default_rng(0)
 xs = [jnp.asarray(rng.standard_normal((8, 64), dtype=np.float32)) for _ in range(24)]
 ws = [jnp.asarray(rng.standard_normal((1, 64, 2048), dtype=np.float32)) for _ in range(24)]
 heads = [jnp.asarray(rng.standard_normal((1, 1024, 64), dtype=np.float32)) for _ in range(24)]
-f = jax.jit(lambda xs, ws, hs: [(native._call(x, w, jnp.int32(0)), native._call_out_first(x, h, jnp.int32(0)))
+f = jax.jit(lambda xs, ws, hs: [(cpu_native._call(x, w, jnp.int32(0)), cpu_native._call_out_first(x, h, jnp.int32(0)))
                                 for x, w, h in zip(xs, ws, hs)])
 for _ in range(5):
     out = f(xs, ws, heads)
@@ -356,7 +370,7 @@ def q4_kernel(native_library):
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 32, 64, 72, 136, 256])
 def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m, monkeypatch):
-    """`native.matmul` / `matmuls` inside `rows_over(..., packed=)` read a `LayerSlice`'s packed copy (one kernel
+    """`CpuNative.kernel` / `matmuls` with packed copies (`CpuNative(..., packed)`) read a `LayerSlice`'s packed copy (one kernel
     call for several weights of a layer): the float32 weight's products, within float32 rounding, for row counts
     in one and several register groups, with tiles converted once for many rows, in row chunks and (from 128 rows
     on the suite's two threads) rows split over the threads, at a traced layer index inside a scan. (The AVX2
@@ -370,11 +384,11 @@ def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m, monkeyp
 
     def run(x, wa, wb, packed):
         def body(c, layer):
-            a, b = native.LayerSlice(wa, layer, name="a"), native.LayerSlice(wb, layer, name="b")
-            joined = native.matmuls(x, [a, b])
-            return c, (native.matmul(x, a), native.matmul(x, b), *joined)
-        with native.rows_over(mesh, ("dp",), packed):
-            return jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1]
+            a, b = LayerSlice(wa, layer, name="a"), LayerSlice(wb, layer, name="b")
+            joined = mm.matmuls(x, [a, b])
+            return c, (mm.kernel(x, a), mm.kernel(x, b), *joined)
+        mm = CpuNative(mesh, ("dp",), packed)
+        return jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1]
 
     fn = jax.jit(run)
     text = fn.lower(x, ws["a"], ws["b"], packed).as_text()
@@ -391,7 +405,10 @@ def test_q4_kernel_equals_numpy_through_matmul_and_matmuls(q4_kernel, m, monkeyp
 
 Q4_ROW_SPLIT = r"""
 import jax, jax.numpy as jnp, numpy as np
+from raydeploy.engine.matmul import cpu_native
+from raydeploy.engine.matmul.cpu_native import CpuNative
 from raydeploy.model import native
+from raydeploy.model.projection import LayerSlice
 assert native.unavailable() is None  # built and registered in this process
 rng = np.random.default_rng(0)
 layers, k, n = 2, 576, 1536
@@ -403,7 +420,7 @@ w = (q * d[:, :, None] + m[:, :, None]).reshape(layers, k, n)
 p = jnp.asarray(native.packing.pack_q4(w))
 for rows in (128, 136, 256):
     x = rng.standard_normal((rows, k), dtype=np.float32)
-    (y,) = native._call_q4(jnp.asarray(x), jnp.int32(1), p)
+    (y,) = cpu_native._call_q4(jnp.asarray(x), jnp.int32(1), p)
     want = native.packing.packed_product(x, w[1], native.isa() == "avx512")
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 print("ok")
@@ -429,8 +446,8 @@ def test_more_rows_than_the_packed_kernel_takes_go_to_xla(q4_kernel):
     seen = {}
 
     def run(x, w, p):
-        with native.rows_over(mesh, ("dp",), {"w": p}):
-            seen[x.shape[0]] = native.matmul(x, native.LayerSlice(w, jnp.int32(0), name="w"))
+        mm = CpuNative(mesh, ("dp",), {"w": p})
+        seen[x.shape[0]] = mm.kernel(x, LayerSlice(w, jnp.int32(0), name="w"))
         return x
 
     top = native.packed_max_rows()
@@ -477,7 +494,7 @@ def test_q8_pack_keeps_every_weight_bit_for_bit_and_refuses_the_rest():
 
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 32, 72])
 def test_q8_table_as_lm_head_equals_numpy(q4_kernel, m, monkeypatch):
-    """A tied table's 8-bit tiles read as the LM head (`LayerSlice` named in `rows_over(..., packed=)`, out_first):
+    """A tied table's 8-bit tiles read as the LM head (`LayerSlice` named in `CpuNative`'s packed copies, out_first):
     what `packing.packed_product` says this build computes, within float32 rounding, for rows in one and several
     register groups, tiles converted once for many rows, and row chunks (the AVX2 build's limit raised as above)."""
     monkeypatch.setattr(native, "PACKED_MAX_ROWS_AVX2", native.PACKED_MAX_ROWS)
@@ -487,8 +504,8 @@ def test_q8_table_as_lm_head_equals_numpy(q4_kernel, m, monkeypatch):
     mesh = jax.make_mesh((1,), ("dp",))
 
     def run(x, table, packed):
-        with native.rows_over(mesh, ("dp",), {"embed.embedding": packed}):
-            return native.matmul(x, native.LayerSlice(table[None], jnp.int32(0), name="embed.embedding"), True)
+        mm = CpuNative(mesh, ("dp",), {"embed.embedding": packed})
+        return mm.kernel(x, LayerSlice(table[None], jnp.int32(0), name="embed.embedding"), True)
 
     fn = jax.jit(run)
     args = (x, table, jnp.asarray(native.packing.pack_q8(table)))

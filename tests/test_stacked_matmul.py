@@ -1,4 +1,4 @@
-"""The GPU's matmul of few rows by one layer of a stacked weight (`raydeploy.model.stacked_matmul`), in Pallas
+"""The GPU's matmul of few rows by one layer of a stacked weight (`raydeploy.engine.matmul.pallas_gpu`), in Pallas
 interpret mode: against numpy, with the layer index traced inside a scan as the engine's layer loop has it.
 The compiled kernel runs in tests/test_gpu.py; the engine with it in tests/test_engine_families.py."""
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from raydeploy.model import native, stacked_matmul
-from raydeploy.model.stacked_matmul import applies, blocks_for, merged_spec, rows_over
+from raydeploy.engine.matmul import pallas_gpu as stacked_matmul
+from raydeploy.engine.matmul.pallas_gpu import PallasGpu, blocks_for, merged_spec
+from raydeploy.model.projection import LayerSlice
 
 
 def _bf16(shape: tuple[int, ...], seed: int) -> jax.Array:
@@ -52,20 +53,20 @@ def test_blocks_and_their_limits():
 def test_applies_only_to_layer_slices_of_few_bfloat16_rows():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
     stack = jnp.zeros((2, 64, 128), jnp.bfloat16)
-    w = native.LayerSlice(stack, jnp.int32(1))
+    w = LayerSlice(stack, jnp.int32(1))
     x = jnp.zeros((8, 64), jnp.float32)
-    assert not applies(x, w)  # outside an engine step that asked for it
-    with rows_over(mesh, ("dp",), interpret=True):
-        assert applies(x, w)
-        assert not applies(x, stack[1])  # a plain array: XLA reads it in place
-        assert not applies(x, w, out_first=True)
-        assert not applies(x, native.LayerSlice(stack.astype(jnp.float32), jnp.int32(1)))
-        assert not applies(jnp.zeros((stacked_matmul.MAX_ROWS + 1, 64)), w)
-        # no power-of-two blocks of at least 16 in a 100-wide weight
-        assert stacked_matmul.matmul(x, native.LayerSlice(jnp.zeros((2, 64, 100), jnp.bfloat16), jnp.int32(0))) is None
-        y = stacked_matmul.matmul(x + 1, w)
+    mm = PallasGpu(mesh, ("dp",), interpret=True)
+    assert mm.applies(x, w)
+    assert not mm.applies(x, stack[1])  # a plain array: XLA reads it in place
+    assert not mm.applies(x, w, out_first=True)
+    assert not mm.applies(x, LayerSlice(stack.astype(jnp.float32), jnp.int32(1)))
+    assert not mm.applies(jnp.zeros((stacked_matmul.MAX_ROWS + 1, 64)), w)
+    # no power-of-two blocks of at least 16 in a 100-wide weight
+    assert mm.kernel(x, LayerSlice(jnp.zeros((2, 64, 100), jnp.bfloat16), jnp.int32(0))) is None
+    y = mm.kernel(x + 1, w)
     assert y is not None and y.shape == (8, 128) and y.dtype == jnp.float32
-    assert stacked_matmul.matmul(x, w) is None
+    wide = LayerSlice(jnp.ones((2, 64, 100), jnp.bfloat16), jnp.int32(0))  # `matmul` leaves it to XLA's dot
+    np.testing.assert_allclose(np.asarray(mm.matmul(x + 1, wide)), np.full((8, 100), 64.0))
 
 
 def test_wrong_shapes_are_named():
@@ -97,8 +98,8 @@ def test_each_device_multiplies_its_shard(split):
 
     @jax.jit
     def run(x: jax.Array, stack: jax.Array) -> jax.Array | None:
-        with rows_over(mesh, ("dp",), interpret=True, specs=specs):
-            return stacked_matmul.matmul(x, native.LayerSlice(stack, jnp.int32(1), name="mlp.up_proj.kernel"))
+        mm = PallasGpu(mesh, ("dp",), interpret=True, specs=specs)
+        return mm.kernel(x, LayerSlice(stack, jnp.int32(1), name="mlp.up_proj.kernel"))
 
     stack = jax.device_put(stack, NamedSharding(mesh, PartitionSpec(*entry)))
     if split == "both":  # the rows are split over dp already: the kernel cannot also split the weight over it
@@ -111,9 +112,9 @@ def test_each_device_multiplies_its_shard(split):
 
 def test_unknown_weight_stays_with_xla():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
-    w = native.LayerSlice(jnp.zeros((2, 64, 128), jnp.bfloat16), jnp.int32(0), name="attn.q_proj.kernel")
-    with rows_over(mesh, ("dp",), interpret=True, specs={"mlp.up_proj.kernel": PartitionSpec()}):
-        assert stacked_matmul.matmul(jnp.ones((4, 64)), w) is None
+    w = LayerSlice(jnp.zeros((2, 64, 128), jnp.bfloat16), jnp.int32(0), name="attn.q_proj.kernel")
+    mm = PallasGpu(mesh, ("dp",), interpret=True, specs={"mlp.up_proj.kernel": PartitionSpec()})
+    assert mm.kernel(jnp.ones((4, 64)), w) is None
 
 
 @pytest.mark.parametrize("k,n", [(8192, 3584), (3584, 8192), (8192, 1024), (8192, 128)])

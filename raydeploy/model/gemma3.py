@@ -34,22 +34,18 @@ import jax.numpy as jnp
 
 from raydeploy.model.llama import (
     DTYPES,
-    KERNEL_LAYOUTS,
     MLP,
     ActivationSharding,
-    Dense,
     Embed,
-    HeadsProj,
-    OutProj,
     RMSNorm,
     _constrain,
     apply_rope,
-    project,
     rope_inv_freq,
-    scan_layers,
 )
 from raydeploy.model.names import COPY, GGUF_NORM_PLUS_ONE, KV_BIAS, KV_OI, LINEAR_OI, O_OI, Q_BIAS, Q_OI
+from raydeploy.model.projection import Dense, HeadsProj, Matmul, OutProj, project
 from raydeploy.model.registry import Family
+from raydeploy.model.scan import scan_layers
 from raydeploy.model.spec import TensorSpec, param_specs, with_layer_tensors
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -165,19 +161,19 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class Gemma3Attention(nnx.Module):
-    def __init__(self, cfg: Gemma3Config, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+    def __init__(self, cfg: Gemma3Config, param_dtype: Any, rngs: nnx.Rngs | None,
                  lead: tuple[int, ...] = ()) -> None:
         d, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
-        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
-        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
+        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs, lead)
+        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, lead)
+        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, lead)
         self.q_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps, param_dtype, lead=lead)
         self.k_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps, param_dtype, lead=lead)
-        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, out_first, lead)
+        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, lead)
 
-    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, q_scale: float
-            ) -> tuple[jax.Array, ...]:
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, q_scale: float,
+            mm: Matmul | None = None) -> tuple[jax.Array, ...]:
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm)
         q = apply_rope(self.q_norm(q), positions, inv_freq)  # type: ignore[arg-type]
         k = apply_rope(self.k_norm(k), positions, inv_freq)  # type: ignore[arg-type]
         if q_scale != 1.0:
@@ -188,30 +184,31 @@ class Gemma3Attention(nnx.Module):
 class Gemma3MLP(MLP):
     """Llama's MLP with a tanh-approximated GELU."""
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(jax.nn.gelu(gate, approximate=True) * up)
+    def __call__(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
+        gate, up = project(x, (self.gate_proj, self.up_proj), mm)
+        return self.down_proj(jax.nn.gelu(gate, approximate=True) * up, mm)
 
 
 class Gemma3Layer(nnx.Module):
     unrollable = True  # `scan` goes through `scan_layers`
 
-    def __init__(self, cfg: Gemma3Config, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+    def __init__(self, cfg: Gemma3Config, param_dtype: Any, rngs: nnx.Rngs | None,
                  lead: tuple[int, ...] = ()) -> None:
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.attn_norm = GemmaRMSNorm(d, eps, param_dtype, lead=lead)
-        self.attn = Gemma3Attention(cfg, param_dtype, rngs, out_first, lead)
+        self.attn = Gemma3Attention(cfg, param_dtype, rngs, lead)
         self.post_attn_norm = GemmaRMSNorm(d, eps, param_dtype, lead=lead)
         self.mlp_norm = GemmaRMSNorm(d, eps, param_dtype, lead=lead)
-        self.mlp = Gemma3MLP(cfg, param_dtype, rngs, out_first, lead)
+        self.mlp = Gemma3MLP(cfg, param_dtype, rngs, lead)
         self.post_mlp_norm = GemmaRMSNorm(d, eps, param_dtype, lead=lead)
 
-    def feed_forward(self, x: jax.Array) -> jax.Array:
-        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+    def feed_forward(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x), mm))
 
-    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Any = None) -> tuple[Any, Any]:
+    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Any = None, whole: bool = False
+             ) -> tuple[Any, Any]:
         """`lax.scan` of body(layer, carry, x) over the stacked layers (as `DecoderLayer.scan`)."""
-        return scan_layers(self, body, carry, xs, kinds)
+        return scan_layers(self, body, carry, xs, kinds, whole)
 
 
 def _dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
@@ -232,11 +229,8 @@ class Gemma3(nnx.Module):
     """Gemma 3 text decoder; state paths = the stacked `gemma3_param_specs` names."""
 
     def __init__(self, cfg: Gemma3Config, dtype: str = "float32", param_dtype: str = "float32",
-                 rngs: nnx.Rngs | None = None, kernel_layout: str = "in_out") -> None:
-        if kernel_layout not in KERNEL_LAYOUTS:
-            raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
+                 rngs: nnx.Rngs | None = None) -> None:
         pdt = DTYPES[param_dtype]
-        of = kernel_layout == "out_in"
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
         glob = SimpleNamespace(head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling)
@@ -246,9 +240,9 @@ class Gemma3(nnx.Module):
         # q is scaled by this so that attention with head_dim**-0.5 scores q.k / sqrt(query_pre_attn_scalar)
         self.q_scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, pdt, rngs)
-        self.layers = Gemma3Layer(cfg, pdt, rngs, of, lead=(cfg.num_layers,))
+        self.layers = Gemma3Layer(cfg, pdt, rngs, lead=(cfg.num_layers,))
         self.final_norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
-        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, pdt, rngs, of)
+        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, pdt, rngs)
 
     # -- pieces
     def _embed(self, tokens: jax.Array) -> jax.Array:
@@ -270,11 +264,12 @@ class Gemma3(nnx.Module):
             return jnp.asarray(self.inv_freq_local if local else self.inv_freq, jnp.float32)
         return jnp.where(local, jnp.asarray(self.inv_freq_local, jnp.float32), jnp.asarray(self.inv_freq, jnp.float32))
 
-    def logits(self, h: jax.Array, shard: ActivationSharding | None = None) -> jax.Array:
-        """Final norm + LM head (+ final soft-cap): h [..., D] -> float32 logits [..., V]."""
+    def logits(self, h: jax.Array, shard: ActivationSharding | None = None, matmul: Matmul | None = None
+               ) -> jax.Array:
+        """Final norm + LM head (+ final soft-cap): h [..., D] -> float32 logits [..., V] (a tied head in XLA)."""
         h = self.final_norm(h)
         if self.lm_head is not None:
-            out = self.lm_head(h)
+            out = self.lm_head(h, matmul)
         else:
             emb = self.embed.embedding[...]
             out = jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb, preferred_element_type=h.dtype)
@@ -314,8 +309,8 @@ class Gemma3(nnx.Module):
 
     # -- ragged: the engine's path (see Llama.ragged)
     def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,
-               shard: ActivationSharding | None = None, cache: Any = None, static_kinds: bool = False
-               ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+               shard: ActivationSharding | None = None, cache: Any = None, static_kinds: bool = False,
+               matmul: Matmul | None = None) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
         """As `Llama.ragged`; `attend` is called with `sliding_window=` on a local layer and with `soft_cap=` when
         the config sets attn_logit_softcapping. When local and global layers share the scan, a layer's kind is a
         traced flag and `attend` gets it as `local=` (the window applies where it holds; the caller keeps the
@@ -334,22 +329,23 @@ class Gemma3(nnx.Module):
                  ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
             x, c = carry
             i, local = xs if static_local is None else (xs, static_local)
-            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, self._inv_freq(local), self.q_scale)
+            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, self._inv_freq(local), self.q_scale, matmul)
             if mixed and static_local is None:  # the caller chooses the read (its write stays out of any cond)
                 out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, local=local, **kw)
             else:  # the layer's kind is static: every layer's (not mixed), or this one's (scanned in blocks)
                 is_local = local_layers[0] if static_local is None else static_local
                 window = {"sliding_window": cfg.sliding_window} if is_local else {}
                 out, c = attend(i, q, k, v, c, **window, **kw)
-            x = x + layer.post_attn_norm(layer.attn.o_proj(out))
-            x = _constrain(shard, layer.feed_forward(x), ("act_batch", "act_embed"))
+            x = x + layer.post_attn_norm(layer.attn.o_proj(out, matmul))
+            x = _constrain(shard, layer.feed_forward(x, matmul), ("act_batch", "act_embed"))
             return (x, c), (k, v)
 
         ids, flags = self._layer_xs()
+        whole = matmul is not None and matmul.reads_whole
         if mixed and static_kinds:
-            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), ids, kinds=local_layers)
+            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), ids, kinds=local_layers, whole=whole)
         else:
-            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), (ids, flags))
+            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), (ids, flags), whole=whole)
         return x, ks, vs, cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:

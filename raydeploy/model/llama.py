@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from raydeploy.config import ConfigError
-from raydeploy.model import native, stacked_matmul
+from raydeploy.model.projection import Dense, HeadsProj, Matmul, OutProj, _param, dot, project
 from raydeploy.model.registry import LLAMA
+from raydeploy.model.scan import scan_layers
 from raydeploy.model.sharding import partition_spec
 from raydeploy.model.spec import (
-    KERNEL_LAYOUTS,
     DecoderShape,
     LlamaConfig,
     TensorSpec,
@@ -143,33 +143,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 # -- layers -------------------------------------------------------------------------------------------------
 
 
-def _matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array:
-    """x [..., K] times a 2-D weight, in x's dtype: w is [K, N] (in_out) or, with out_first, [N, K] (out_in).
-
-    Lower-precision weights (bfloat16 params, float32 activations) multiply natively with float32
-    accumulation: casting the weight up instead would rewrite it every step on XLA CPU.
-
-    Inside an engine step that asked for it (`native.rows_over`), few float32 rows go to the native CPU kernel;
-    on a GPU (`stacked_matmul.rows_over`), few rows times a layer of bfloat16 weights go to a Pallas kernel. In
-    either, w may be a `native.LayerSlice` (one layer of the stacked weight, passed whole)."""
-    if (y := native.matmul(x, w, out_first)) is not None:
-        return y
-    if (y := stacked_matmul.matmul(x, w, out_first)) is not None:
-        return y
-    if isinstance(w, native.LayerSlice):
-        w = w.materialize()
-    xw = x if w.dtype == x.dtype else x.astype(w.dtype)
-    dims = (((x.ndim - 1,), (1 if out_first else 0,)), ((), ()))
-    return jax.lax.dot_general(xw, w, dims, preferred_element_type=x.dtype)
-
-
-def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> nnx.Param:
-    """A parameter of `shape` (with the stacked layer dims already in front): zeros, or random with `rngs`."""
-    if rngs is None:
-        return nnx.Param(jnp.zeros(shape, dtype))
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype))
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype: Any, rngs: nnx.Rngs | None = None,
                  lead: tuple[int, ...] = ()) -> None:
@@ -182,103 +155,32 @@ class RMSNorm(nnx.Module):
         return (xf * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-class HeadsProj(nnx.Module):
-    """[.., embed] -> [.., heads, head_dim]; kernel [embed, heads, head_dim] (out_first: [heads, head_dim,
-    embed]), optional bias [heads, head_dim]."""
-
-    def __init__(self, d: int, heads: int, hd: int, bias: bool, param_dtype: Any, rngs: nnx.Rngs | None,
-                 out_first: bool = False, lead: tuple[int, ...] = ()) -> None:
-        self.kernel = _param(rngs, (*lead, *((heads, hd, d) if out_first else (d, heads, hd))), param_dtype)
-        self.bias = _param(rngs, (*lead, heads, hd), param_dtype) if bias else None
-        self.out_first = out_first
-
-    def weight2d(self) -> Any:
-        """The kernel over the flattened heads: [embed, heads * head_dim] (out_first: transposed)."""
-        n, h = self.kernel.shape[:2] if self.out_first else self.kernel.shape[1:]
-        d = self.kernel.shape[2] if self.out_first else self.kernel.shape[0]
-        # A 2-D matmul over the flattened heads is about 2x faster than the 3-D einsum on XLA CPU.
-        return self.kernel[...].reshape((n * h, d) if self.out_first else (d, n * h))
-
-    def finish(self, x: jax.Array, y: jax.Array) -> jax.Array:
-        """x's flat projection y -> [.., heads, head_dim], plus the bias."""
-        n, h = self.kernel.shape[:2] if self.out_first else self.kernel.shape[1:]
-        y = y.reshape(*x.shape[:-1], n, h)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(x.dtype)
-        return y
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.finish(x, _matmul(x, self.weight2d(), self.out_first))
-
-
-class OutProj(nnx.Module):
-    """[.., heads, head_dim] -> [.., embed]; kernel [heads, head_dim, embed] (out_first: [embed, heads,
-    head_dim])."""
-
-    def __init__(self, heads: int, hd: int, d: int, param_dtype: Any, rngs: nnx.Rngs | None,
-                 out_first: bool = False, lead: tuple[int, ...] = ()) -> None:
-        self.kernel = _param(rngs, (*lead, *((d, heads, hd) if out_first else (heads, hd, d))), param_dtype)
-        self.out_first = out_first
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        n, h = x.shape[-2:]
-        w = self.kernel[...].reshape((-1, n * h) if self.out_first else (n * h, -1))
-        return _matmul(x.reshape(*x.shape[:-2], n * h), w, self.out_first)
-
-
-class Dense(nnx.Module):
-    """[.., din] -> [.., dout]; kernel [din, dout] (out_first: [dout, din])."""
-
-    def __init__(self, din: int, dout: int, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
-                 lead: tuple[int, ...] = ()) -> None:
-        self.kernel = _param(rngs, (*lead, *((dout, din) if out_first else (din, dout))), param_dtype)
-        self.out_first = out_first
-
-    def weight2d(self) -> Any:
-        return self.kernel[...]
-
-    def finish(self, x: jax.Array, y: jax.Array) -> jax.Array:
-        return y
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return _matmul(x, self.kernel[...], self.out_first)
-
-
-def project(x: jax.Array, projections: Sequence[HeadsProj | Dense]) -> list[jax.Array]:
-    """Each projection of the same x (a layer's q, k, v, or gate and up): in one native kernel call inside an
-    engine step that runs it (in_out weights; `native.matmuls`), else one matmul each."""
-    if not any(m.out_first for m in projections):
-        ys = native.matmuls(x, [m.weight2d() for m in projections])
-        if ys is not None:
-            return [m.finish(x, y) for m, y in zip(projections, ys, strict=True)]
-    return [m(x) for m in projections]
-
-
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None,
                  lead: tuple[int, ...] = ()) -> None:
         d, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
-        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
-        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, out_first, lead)
-        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, out_first, lead)
+        self.q_proj = HeadsProj(d, nh, hd, cfg.attention_bias, param_dtype, rngs, lead)
+        self.k_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, lead)
+        self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, lead)
+        self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, lead)
 
-    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, ...]:
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mm: Matmul | None = None
+            ) -> tuple[jax.Array, ...]:
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: DecoderShape, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+    def __init__(self, cfg: DecoderShape, param_dtype: Any, rngs: nnx.Rngs | None,
                  lead: tuple[int, ...] = ()) -> None:
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Dense(d, f, param_dtype, rngs, out_first, lead)
-        self.up_proj = Dense(d, f, param_dtype, rngs, out_first, lead)
-        self.down_proj = Dense(f, d, param_dtype, rngs, out_first, lead)
+        self.gate_proj = Dense(d, f, param_dtype, rngs, lead)
+        self.up_proj = Dense(d, f, param_dtype, rngs, lead)
+        self.down_proj = Dense(f, d, param_dtype, rngs, lead)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(jax.nn.silu(gate) * up)
+    def __call__(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
+        gate, up = project(x, (self.gate_proj, self.up_proj), mm)
+        return self.down_proj(jax.nn.silu(gate) * up, mm)
 
 
 class DecoderLayer(nnx.Module):
@@ -288,155 +190,19 @@ class DecoderLayer(nnx.Module):
     unrollable = True
     """`scan` goes through `scan_layers`, so `unroll_layers` applies."""
 
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None,
                  lead: tuple[int, ...] = ()) -> None:
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
-        self.attn = Attention(cfg, param_dtype, rngs, out_first, lead)
+        self.attn = Attention(cfg, param_dtype, rngs, lead)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
-        self.mlp = MLP(cfg, param_dtype, rngs, out_first, lead)
+        self.mlp = MLP(cfg, param_dtype, rngs, lead)
 
-    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Sequence[Any] | None = None) -> tuple[Any, Any]:
+    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Sequence[Any] | None = None,
+             whole: bool = False) -> tuple[Any, Any]:
         """`lax.scan` of body(layer, carry, x) -> (carry, y) over the stacked layers (and over xs, if given):
         one traced layer, so a program's size and compile time do not grow with depth (`scan_layers`, which
-        also says what `kinds` does)."""
-        return scan_layers(self, body, carry, xs, kinds)
-
-
-UNROLLED_LAYERS = "_unrolled_layers"
-"""Attribute of a stacked layer module (set with `unroll_layers`) holding one unstacked module per layer: its
-`scan` then runs the body once per layer, in order, on those modules."""
-
-
-def unroll_layers(stack: nnx.Module, per_layer: Sequence[Sequence[jax.Array]]) -> None:
-    """Make `stack.scan` run unrolled over `per_layer`: for each layer, its arrays in the order of the stack's own
-    state leaves, one layer each (the stack's graphdef merged with them gives that layer's module).
-
-    Why: XLA CPU copies each layer's slice of a stacked weight into a new buffer before its matmul (a
-    dynamic slice cannot be a library call's operand), so a scanned decode step writes and rereads every
-    weight. At one token that copy is a quarter of the step (demo model: 23 ms scanned, 17 ms unrolled over
-    per-layer arrays); from about four tokens the scanned step is as fast or faster, and an unrolled program
-    compiles several times longer, so the engine unrolls only its one-token CPU programs."""
-    graphdef, state = nnx.split(stack)
-    stacked, treedef = jax.tree.flatten(state)
-    layers = []
-    for i, leaves in enumerate(per_layer):
-        shapes = [tuple(x.shape) for x in leaves]
-        if shapes != [tuple(x.shape[1:]) for x in stacked]:
-            raise ValueError(f"layer {i}: arrays of shapes {shapes} do not match the stacked layer parameters "
-                             f"{[tuple(x.shape) for x in stacked]} without their layer axis")
-        layers.append(nnx.merge(graphdef, jax.tree.unflatten(treedef, list(leaves))))
-    object.__setattr__(stack, UNROLLED_LAYERS, layers)
-
-
-def scan_layers(stack: nnx.Module, body: Any, carry: Any, xs: Any = None,
-                kinds: Sequence[Any] | None = None) -> tuple[Any, Any]:
-    """body(layer, carry, x) -> (carry, y) over a stacked layer module: `lax.scan` over its per-layer slices,
-    or, after `unroll_layers`, a loop over the per-layer modules. ys come back stacked either way.
-
-    `kinds`: one static (hashable) value per layer, passed to the body as a fourth argument,
-    body(layer, carry, x, kind). The layers are then scanned in blocks of the kinds' period, the block's
-    layers unrolled in the body, and the layers past the last whole block unrolled after it (`_scan_blocks`),
-    so every layer's kind is a Python value in the program: nothing chooses on data."""
-    layers = stack.__dict__.get(UNROLLED_LAYERS)
-    if layers is not None:
-        ys = []
-        for i, layer in enumerate(layers):
-            x = None if xs is None else jax.tree.map(lambda a, i=i: a[i], xs)
-            carry, y = body(layer, carry, x) if kinds is None else body(layer, carry, x, kinds[i])
-            ys.append(y)
-        return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
-    graphdef, state = nnx.split(stack)
-    whole = _whole_kernels(stack, state) if native.active() or stacked_matmul.active() else None
-    if kinds is not None:
-        return _scan_blocks(graphdef, state, whole, body, carry, xs, kinds)
-    if whole is not None:  # the kernels read whole: one kind, blocks of one layer
-        n = jax.tree.leaves(state)[0].shape[0]
-        return _scan_blocks(graphdef, state, whole, lambda layer, c, x, _: body(layer, c, x), carry, xs, [None] * n)
-
-    def step(c: Any, per_layer: Any) -> tuple[Any, Any]:
-        layer_state, x = per_layer
-        return body(nnx.merge(graphdef, layer_state), c, x)
-
-    return jax.lax.scan(step, carry, (state, xs))
-
-
-def kinds_period(kinds: Sequence[Any]) -> int:
-    """The smallest p with kinds[i] == kinds[i % p] for every layer i (len(kinds) when none is shorter)."""
-    n = len(kinds)
-    return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
-
-
-def _scan_blocks(graphdef: Any, state: nnx.State, whole: Sequence[str | None] | None, body: Any, carry: Any,
-                 xs: Any, kinds: Sequence[Any]) -> tuple[Any, Any]:
-    """`scan_layers` with a static kind per layer: `lax.scan` over blocks of `kinds_period(kinds)` layers, each
-    block's layers unrolled in the body with their own kind, then the remaining layers unrolled. Each layer
-    reads its slices of the stacked leaves by index (what `lax.scan` does with its xs; no leaf is sliced or
-    reshaped whole, which would copy the weights), kernels the native matmul reads whole as `LayerSlice`s."""
-    leaves, treedef = jax.tree.flatten(state)
-    n = leaves[0].shape[0]
-    if len(kinds) != n:
-        raise ValueError(f"{len(kinds)} layer kinds for a stack of {n} layers")
-    period = kinds_period(kinds)
-    blocks = n // period
-    names = list(whole) if whole is not None else [None] * len(leaves)
-
-    def at(a: jax.Array, i: Any) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-
-    def layer(c: Any, i: Any, kind: Any) -> tuple[Any, Any]:
-        per = [native.LayerSlice(x, i, name=w) if w else at(x, i) for x, w in zip(leaves, names, strict=True)]
-        x = None if xs is None else jax.tree.map(lambda a: at(a, i), xs)
-        return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, per)), c, x, kind)  # type: ignore[no-any-return]
-
-    def block(c: Any, b: jax.Array) -> tuple[Any, Any]:
-        ys = []
-        for j in range(period):
-            c, y = layer(c, b * period + j, kinds[j])
-            ys.append(y)
-        return c, jax.tree.map(lambda *a: jnp.stack(a), *ys)
-
-    carry, ys = jax.lax.scan(block, carry, jnp.arange(blocks, dtype=jnp.int32))
-    ys = jax.tree.map(lambda a: a.reshape(blocks * period, *a.shape[2:]), ys)
-    tail = []
-    for i in range(blocks * period, n):
-        carry, y = layer(carry, jnp.int32(i), kinds[i])
-        tail.append(y)
-    if tail:
-        ys = jax.tree.map(lambda a, *t: jnp.concatenate([a, jnp.stack(t)]), ys, *tail)
-    return carry, ys
-
-
-def _whole_kernels(stack: nnx.Module, state: nnx.State) -> list[str | None] | None:
-    """Per state leaf of a stacked layer module, its path ("attn.q_proj.kernel") when it is the kernel of an
-    in_out projection (`Dense`, `HeadsProj`, `OutProj`), which the native and stacked matmuls read whole with a
-    layer index, else None; None when there is no such kernel or the module's scan is not this one
-    (`unrollable`)."""
-    if not getattr(type(stack), "unrollable", False):
-        return None
-    paths = _leaf_paths(state)
-    kernels = in_out_kernels(stack, paths)
-    found = [path if path in kernels else None for path in paths]
-    return found if any(found) else None
-
-
-def _leaf_paths(state: nnx.State) -> list[str]:
-    return [".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-            for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-
-
-def in_out_kernels(stack: nnx.Module, paths: Sequence[str] | None = None) -> dict[str, int]:
-    """The in_out projection kernels (`Dense`, `HeadsProj`, `OutProj`) of a stacked layer module, by path
-    ("attn.q_proj.kernel"): how many of the kernel's dims after the layer's make its matmul's K (OutProj's
-    [heads, head_dim, embed]: 2, else 1). `paths`: the module's leaf paths, where the caller has them."""
-    found: dict[str, int] = {}
-    for path in _leaf_paths(nnx.state(stack)) if paths is None else paths:
-        names = path.split(".")
-        owner: Any = stack
-        for name in names[:-1]:
-            owner = getattr(owner, name, None)
-        if names[-1:] == ["kernel"] and isinstance(owner, (Dense, HeadsProj, OutProj)) and not owner.out_first:
-            found[path] = 2 if isinstance(owner, OutProj) else 1
-    return found
+        also says what `kinds` and `whole` do)."""
+        return scan_layers(self, body, carry, xs, kinds, whole)
 
 
 EMBEDDING = "embed.embedding"
@@ -477,37 +243,34 @@ def _window_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, sliding_window: int |
 
 
 class Llama(nnx.Module):
-    """Llama-family decoder; state paths = `param_specs(cfg)` names, kernels in `kernel_layout`
-    (in_out: `param_specs` shapes; out_in: `out_in_spec` shapes)."""
+    """Llama-family decoder; state paths = `param_specs(cfg)` names, kernels in_out as `param_specs` declares them
+    (an engine that holds them out_in wraps them at load: `raydeploy.model.projection.OutIn`)."""
 
     def __init__(self, cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32",
-                 rngs: nnx.Rngs | None = None, kernel_layout: str = "in_out") -> None:
-        if kernel_layout not in KERNEL_LAYOUTS:
-            raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
+                 rngs: nnx.Rngs | None = None) -> None:
         pdt = DTYPES[param_dtype]
-        of = kernel_layout == "out_in"
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
         self.inv_freq = rope_inv_freq(cfg).tolist()  # a plain list: static, hashable graph metadata
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, pdt, rngs)
-        self.layers = DecoderLayer(cfg, pdt, rngs, of, lead=(cfg.num_layers,))  # stacked: one scan over them
+        self.layers = DecoderLayer(cfg, pdt, rngs, lead=(cfg.num_layers,))  # stacked: one scan over them
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
-        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, pdt, rngs, of)
+        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, pdt, rngs)
 
     # -- pieces
     def _embed(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.dtype)
 
-    def logits(self, h: jax.Array, shard: ActivationSharding | None = None) -> jax.Array:
-        """Final norm + LM head: h [..., D] -> float32 logits [..., V]."""
+    def logits(self, h: jax.Array, shard: ActivationSharding | None = None, matmul: Matmul | None = None
+               ) -> jax.Array:
+        """Final norm + LM head: h [..., D] -> float32 logits [..., V]; `matmul`: the backend (None: XLA's dot)."""
         h = self.final_norm(h)
         if self.lm_head is not None:
-            out = self.lm_head(h)
+            out = self.lm_head(h, matmul)
+        elif matmul is None:
+            out = dot(h, self.embed.embedding[...], out_first=True)  # [..., D] x [V, D]
         else:
-            emb: Any = self.embed.embedding[...]
-            if native.active():  # named, so the native kernel can read its packed copy (`engine.pack_weights`)
-                emb = native.LayerSlice(emb[None], jnp.zeros((), jnp.int32), name=EMBEDDING)
-            out = _matmul(h, emb, out_first=True)  # [..., D] x [V, D]
+            out = matmul.tied_head(h, self.embed.embedding[...])
         if out.ndim == 2 and shard is not None:
             # Compute the logits where the vocabulary shards of the weight live, then lay them out as the
             # activations ask: otherwise XLA gathers the whole [V, D] weight to every device each step.
@@ -538,9 +301,10 @@ class Llama(nnx.Module):
 
     # -- ragged: the tokens of many sequences in one flat batch, attention supplied by the caller
     def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,
-               shard: ActivationSharding | None = None, cache: Any = None, static_kinds: bool = False
-               ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+               shard: ActivationSharding | None = None, cache: Any = None, static_kinds: bool = False,
+               matmul: Matmul | None = None) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
         """Forward over a flat batch of N tokens at explicit positions; the model knows no cache layout.
+        `matmul`: the backend every projection multiplies with (`raydeploy.model.projection`; None: XLA's dot).
 
         `attend(layer, q [N, Hq, H], k [N, Hkv, H], v [N, Hkv, H], cache) -> (out [N, Hq, H], cache)` is called
         (with `sliding_window=` when the config sets one) once per layer inside the layer scan (`layer` is the
@@ -558,14 +322,15 @@ class Llama(nnx.Module):
         def body(layer: DecoderLayer, carry: tuple[jax.Array, Any], i: jax.Array
                  ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
             x, c = carry
-            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, inv)
+            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, inv, matmul)
             out, c = attend(i, q, k, v, c, **kw)
-            x = x + layer.attn.o_proj(out)
-            x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x)), ("act_batch", "act_embed"))
+            x = x + layer.attn.o_proj(out, matmul)
+            x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x), matmul), ("act_batch", "act_embed"))
             return (x, c), (k, v)
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), layer_ids)
+        whole = matmul is not None and matmul.reads_whole
+        (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), layer_ids, whole=whole)
         return x, ks, vs, cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:

@@ -23,7 +23,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from raydeploy.model.llama import DTYPES, Attention, DecoderLayer, Dense, Llama, RMSNorm, _param
+from raydeploy.model.llama import DTYPES, Attention, DecoderLayer, Llama, RMSNorm
 from raydeploy.model.names import (
     COPY,
     GGUF_IGNORED,
@@ -33,6 +33,7 @@ from raydeploy.model.names import (
     HF_NAMES,
     LINEAR_OI,
 )
+from raydeploy.model.projection import Dense, Matmul, _param
 from raydeploy.model.qwen3 import Qwen3Attention
 from raydeploy.model.registry import Family, expert_split
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
@@ -254,14 +255,14 @@ class Experts(nnx.Module):
 
 class MoEBlock(nnx.Module):
     def __init__(self, cfg: MoEConfig, param_dtype: Any, rngs: nnx.Rngs | None, lead: tuple[int, ...] = ()) -> None:
-        self.router = Dense(cfg.hidden_size, cfg.num_experts, param_dtype, rngs, False, lead)
+        self.router = Dense(cfg.hidden_size, cfg.num_experts, param_dtype, rngs, lead)
         self.experts = Experts(cfg, param_dtype, rngs, lead)
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
         x2 = x.reshape(-1, x.shape[-1])
-        w, ids = route(self.router(x2), self.top_k, self.normalize)
+        w, ids = route(self.router(x2, mm), self.top_k, self.normalize)
         weights = (self.experts.gate_proj.kernel[...], self.experts.up_proj.kernel[...],
                    self.experts.down_proj.kernel[...])
         layer = getattr(self, SCAN_LAYER, None)  # set by MoEDecoderLayer.scan: the weights hold every layer
@@ -279,18 +280,20 @@ class MoEDecoderLayer(DecoderLayer):
     def __init__(self, cfg: MoEConfig, param_dtype: Any, rngs: nnx.Rngs | None, lead: tuple[int, ...] = ()) -> None:
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
         attn = Qwen3Attention if cfg.qk_norm else Attention
-        self.attn = attn(cfg, param_dtype, rngs, False, lead)
+        self.attn = attn(cfg, param_dtype, rngs, lead)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
         self.mlp = MoEBlock(cfg, param_dtype, rngs, lead)  # type: ignore[assignment]
 
-    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Any = None) -> tuple[Any, Any]:
+    def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Any = None, whole: bool = False
+             ) -> tuple[Any, Any]:
         """`DecoderLayer.scan`, except that the experts' weights are not sliced per layer: each traced layer
         holds all of them, [L, E, ...], and its MoE block the layer index (`SCAN_LAYER`), and the expert
         computation indexes [layer, expert] where it reads a matrix. A scan slices its per-layer inputs
         into new buffers, and the CPU grouped matmul is a loop that reads only the routed experts: given a
         layer's slice it would first copy every expert of the layer (measured: 94 instead of 9 ms a
         decode step at 1 token, `benchmarks/moe_decode.py`). `kinds` (`scan_layers`): the layers of an MoE
-        stack are of one kind, passed to the body as its fourth argument."""
+        stack are of one kind, passed to the body as its fourth argument. `whole` changes nothing: this scan
+        passes no `LayerSlice`s (`unrollable` is False), as `scan_layers` does for such a stack."""
         if kinds is not None:
             if len(set(kinds)) > 1:
                 raise ValueError(f"an MoE layer stack scans layers of one kind, got kinds {sorted(set(kinds))}")
@@ -308,14 +311,12 @@ class MoEDecoderLayer(DecoderLayer):
 
 
 class MoE(Llama):
-    """Qwen3-MoE / Mixtral decoder: Llama's forward paths with routed experts (kernels in_out only)."""
+    """Qwen3-MoE / Mixtral decoder: Llama's forward paths with routed experts (engines hold its kernels in_out
+    only: the family's `kernel_layouts`)."""
 
     def __init__(self, cfg: MoEConfig, dtype: str = "float32", param_dtype: str = "float32",
-                 rngs: nnx.Rngs | None = None, kernel_layout: str = "in_out") -> None:
-        if kernel_layout != "in_out":
-            raise ValueError(f"{cfg.model_type}: kernel_layout must be in_out for a mixture-of-experts model, "
-                             f"got {kernel_layout!r}")
-        super().__init__(cfg, dtype, param_dtype, rngs=rngs, kernel_layout=kernel_layout)
+                 rngs: nnx.Rngs | None = None) -> None:
+        super().__init__(cfg, dtype, param_dtype, rngs=rngs)
         self.layers = MoEDecoderLayer(cfg, DTYPES[param_dtype], rngs, lead=(cfg.num_layers,))
 
 

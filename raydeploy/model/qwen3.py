@@ -14,8 +14,9 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 
-from raydeploy.model.llama import DTYPES, MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope, project
+from raydeploy.model.llama import DTYPES, MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope
 from raydeploy.model.names import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
+from raydeploy.model.projection import Matmul, project
 from raydeploy.model.registry import Family
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs, with_layer_tensors
 
@@ -38,34 +39,34 @@ def qwen3_param_specs(cfg: LlamaConfig) -> dict[str, TensorSpec]:
 
 
 class Qwen3Attention(Attention):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None,
                  lead: tuple[int, ...] = ()) -> None:
-        super().__init__(cfg, param_dtype, rngs, out_first, lead)
+        super().__init__(cfg, param_dtype, rngs, lead)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, param_dtype, lead=lead)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, param_dtype, lead=lead)
 
-    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, ...]:
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mm: Matmul | None = None
+            ) -> tuple[jax.Array, ...]:
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm)
         return apply_rope(self.q_norm(q), positions, inv_freq), apply_rope(self.k_norm(k), positions, inv_freq), v
 
 
 class Qwen3DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None, out_first: bool = False,
+    def __init__(self, cfg: LlamaConfig, param_dtype: Any, rngs: nnx.Rngs | None,
                  lead: tuple[int, ...] = ()) -> None:
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
-        self.attn = Qwen3Attention(cfg, param_dtype, rngs, out_first, lead)
+        self.attn = Qwen3Attention(cfg, param_dtype, rngs, lead)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype, lead=lead)
-        self.mlp = MLP(cfg, param_dtype, rngs, out_first, lead)
+        self.mlp = MLP(cfg, param_dtype, rngs, lead)
 
 
 class Qwen3(Llama):
     """Qwen3 decoder; state paths = the stacked `qwen3_param_specs` names."""
 
     def __init__(self, cfg: LlamaConfig, dtype: str = "float32", param_dtype: str = "float32",
-                 rngs: nnx.Rngs | None = None, kernel_layout: str = "in_out") -> None:
-        super().__init__(cfg, dtype, param_dtype, rngs=rngs, kernel_layout=kernel_layout)
-        self.layers = Qwen3DecoderLayer(cfg, DTYPES[param_dtype], rngs, kernel_layout == "out_in",
-                                        lead=(cfg.num_layers,))
+                 rngs: nnx.Rngs | None = None) -> None:
+        super().__init__(cfg, dtype, param_dtype, rngs=rngs)
+        self.layers = Qwen3DecoderLayer(cfg, DTYPES[param_dtype], rngs, lead=(cfg.num_layers,))
 
 
 HF_QWEN3_NAMES = (

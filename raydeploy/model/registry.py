@@ -3,7 +3,9 @@
 A `Family` supplies everything the rest of the system needs to know about one architecture:
 - `config_from_hf(dict)`: the family's config dataclass from a raw `config.json` dict;
 - `param_specs(cfg)`: every parameter (checkpoint names, in_out layouts, logical axes);
-- `module(cfg, dtype, param_dtype, rngs, kernel_layout)`: the Flax NNX decoder;
+- `module(cfg, dtype, param_dtype, rngs)`: the Flax NNX decoder (kernels in_out, as `param_specs` has them; an
+  engine that holds them out_in gets them wrapped at load, `abstract_model` / `build_model`, and the module never
+  knows);
 - `kv_heads(cfg)` / `head_dim`: the KV spec (the paged pool's shape, `kv_pool_spec`);
 - `hf_names` / `hf_ignored`: the foreign-name table of the safetensors converter (regex, our name, layout kind;
   see `raydeploy.model.names`);
@@ -64,8 +66,7 @@ class Family:
     name: str
     config_from_hf: Callable[[dict[str, Any]], Any]
     param_specs: Callable[[Any], dict[str, TensorSpec]]
-    module_path: str  # "python.module:Class" of the NNX decoder, constructor (cfg, dtype, param_dtype, rngs=,
-    #                    kernel_layout=)
+    module_path: str  # "python.module:Class" of the NNX decoder, constructor (cfg, dtype, param_dtype, rngs=)
     hf_names: Sequence[tuple[str, str, str]]
     hf_ignored: Sequence[str] = ()
     gguf_names: Sequence[tuple[str, str, str]] | None = None
@@ -74,7 +75,7 @@ class Family:
     mesh_check: Callable[[Any, dict[str, int]], None] | None = None  # raises ValueError for a mesh it cannot use
     num_experts: Callable[[Any], int] | None = None  # mixture-of-experts families: experts per layer
     experts_per_token: Callable[[Any], int] | None = None  # ... and how many each token is routed to
-    kernel_layouts: tuple[str, ...] = ("in_out", "out_in")  # kernel layouts the module can hold
+    kernel_layouts: tuple[str, ...] = ("in_out", "out_in")  # kernel layouts an engine may hold the kernels in
 
     def check_mesh(self, cfg: Any, mesh_shape: Mapping[str, int]) -> None:
         """Raise ValueError naming the numbers when the mesh cannot hold this model (e.g. ep vs experts)."""
@@ -86,9 +87,8 @@ class Family:
         mod, attr = self.module_path.split(":")
         return getattr(importlib.import_module(mod), attr)  # type: ignore[no-any-return]
 
-    def module(self, cfg: Any, dtype: str = "float32", param_dtype: str = "float32", rngs: Any = None,
-               kernel_layout: str = "in_out") -> Any:
-        return self.module_class()(cfg, dtype, param_dtype, rngs=rngs, kernel_layout=kernel_layout)
+    def module(self, cfg: Any, dtype: str = "float32", param_dtype: str = "float32", rngs: Any = None) -> Any:
+        return self.module_class()(cfg, dtype, param_dtype, rngs=rngs)
 
     # -- sizes
     def stacked_param_specs(self, cfg: Any) -> dict[str, TensorSpec]:
@@ -133,18 +133,29 @@ class Family:
 
     # -- the engine's view: stacked layers, kernels in the engine's layout
     def resolve_kernel_layout(self, kernel_layout: str) -> str:
-        """`kernel_layout` if the module can hold it; an auto choice (`preferred`) falls back to in_out."""
+        """`kernel_layout` if the family's kernels may be held so; an auto choice (`preferred`) falls back to in_out."""
         return kernel_layout if kernel_layout in self.kernel_layouts else "in_out"
 
     def abstract_model(self, cfg: Any, dtype: str = "float32", param_dtype: str = "float32",
                        kernel_layout: str = "in_out") -> tuple[Any, Any]:
-        """The module's graphdef and abstract state (ShapeDtypeStructs); nothing is allocated."""
+        """The module's graphdef and abstract state (ShapeDtypeStructs); nothing is allocated. With `kernel_layout`
+        out_in, each kernel's leaf is its out_in shape wrapped as an `OutIn` view (`raydeploy.model.state.out_in`):
+        the module reads it as the in_out kernel it declares."""
         import flax.nnx as nnx
 
+        from raydeploy.model.state import abstract_out_in  # imports flax: only when building
+
+        self._check_layout(cfg, kernel_layout)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: self.module(cfg, dtype, param_dtype)))
+        return graphdef, (abstract_out_in(state) if kernel_layout == "out_in" else state)
+
+    def _check_layout(self, cfg: Any, kernel_layout: str) -> None:
         if kernel_layout not in KERNEL_LAYOUTS:
             raise ValueError(f"kernel_layout must be one of {', '.join(KERNEL_LAYOUTS)}, got {kernel_layout!r}")
-        model = nnx.eval_shape(lambda: self.module(cfg, dtype, param_dtype, kernel_layout=kernel_layout))
-        return nnx.split(model)
+        if kernel_layout not in self.kernel_layouts:
+            what = "a mixture-of-experts model" if self.num_experts else f"the {self.name} family"
+            raise ValueError(f"{cfg.model_type}: kernel_layout must be {' or '.join(self.kernel_layouts)} for {what}, "
+                             f"got {kernel_layout!r}")
 
     def engine_param_specs(self, cfg: Any, kernel_layout: str = "in_out") -> dict[str, TensorSpec]:
         """The parameters as an engine holds them: stacked over the layers, kernels in `kernel_layout`."""
@@ -214,11 +225,14 @@ class Family:
                     param_dtype: str = "float32", kernel_layout: str = "in_out") -> tuple[Any, Any]:
         """(graphdef, state) of the family's module holding `params`: checkpoint-named arrays (per layer,
         in_out; stacked here) or arrays already stacked in `kernel_layout` (`stack_layers`; kept as they are)."""
-        from raydeploy.model.state import params_to_state  # imports flax: only when building
+        from raydeploy.model.state import out_in, params_to_state  # imports flax: only when building
 
         if any(split_layer_name(n) for n in params):
             params = self.stack_layers(cfg, params, kernel_layout)
-        graphdef, abstract = self.abstract_model(cfg, dtype, param_dtype, kernel_layout)
+        graphdef, abstract = self.abstract_model(cfg, dtype, param_dtype)
+        if kernel_layout == "out_in":
+            self._check_layout(cfg, kernel_layout)
+            params = {n: out_in(n, a) if is_kernel(n) else a for n, a in params.items()}
         return graphdef, params_to_state(params, abstract)
 
     def eos_ids(self, cfg: Any) -> tuple[int, ...]:

@@ -13,7 +13,8 @@ from typing import Any
 import flax.nnx as nnx
 import jax
 
-from raydeploy.model.spec import LlamaConfig
+from raydeploy.model.projection import OutIn
+from raydeploy.model.spec import LlamaConfig, is_kernel, kernel_input_dims
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -50,6 +51,30 @@ def params_to_state(params: Mapping[str, jax.Array], abstract_state: nnx.State, 
         if arr.dtype != var.dtype:
             arr = arr.astype(var.dtype)
         items.append((path, var.replace(arr)))
+    return nnx.from_flat_state(items)
+
+
+def out_in(name: str, data: Any) -> OutIn:
+    """Kernel `name` held out_in (`data`, as `Family.stack_layers` transposes it) as the view the module reads as
+    its in_out kernel; a stacked layer kernel keeps its layer axis in front."""
+    inputs = kernel_input_dims(name)
+    lead = int(name.startswith("layers."))
+    return OutIn(data, inputs, len(data.shape) - lead - inputs)
+
+
+def abstract_out_in(state: nnx.State) -> nnx.State:
+    """An abstract in_out state with every kernel's leaf replaced by its out_in shape as an `OutIn` view (what
+    `Family.build_model` fills it with): the leaves are the arrays an out_in engine holds."""
+    items = []
+    for path, var in nnx.to_flat_state(state):
+        name = path_name(path)
+        if is_kernel(name):
+            x = var.get_value()
+            lead = int(name.startswith("layers."))
+            n, nd = kernel_input_dims(name), len(x.shape)
+            perm = (*range(lead), *range(lead + n, nd), *range(lead, lead + n))
+            var = var.replace(out_in(name, jax.ShapeDtypeStruct(tuple(x.shape[p] for p in perm), x.dtype)))
+        items.append((path, var))
     return nnx.from_flat_state(items)
 
 

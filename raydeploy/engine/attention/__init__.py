@@ -30,6 +30,8 @@ than with the live tokens: only then does the engine compile several page-count 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import jax
@@ -63,9 +65,9 @@ def resolve(name: str, platform: str) -> tuple[str, str]:
 
 def for_device(name: str, device: Any) -> str:
     """`name` as the engine on `device` takes it: `auto` on a GPU older than Ampere is `xla` (jax's Pallas GPU
-    kernel multiplies bfloat16 with Triton's dot, which needs sm_80: `stacked_matmul.device_problem`); an
-    explicit choice stays as given."""
-    from raydeploy.model.stacked_matmul import device_problem
+    kernel multiplies bfloat16 with Triton's dot, which needs sm_80: `pallas_gpu.device_problem` of the matmul
+    backends); an explicit choice stays as given."""
+    from raydeploy.engine.matmul.pallas_gpu import device_problem
 
     if name == "auto" and getattr(device, "platform", "") == "gpu" and device_problem(device) is not None:
         return "xla"
@@ -100,6 +102,15 @@ class Attention:
     ragged: AttentionBackend
     single_token: AttentionBackend | None = None
     static_layer_kinds: bool = False
+
+    def with_decode_rows(self, kernel: Callable[..., jax.Array | None] | None) -> Attention:
+        """This attention with `kernel` for its decode rows where `ragged` is the XLA backend (its `decode_rows`:
+        the native CPU kernel of an engine whose matmul backend is `cpu_native`); else unchanged."""
+        from raydeploy.engine.attention import xla
+
+        if kernel is None or self.ragged is not xla.ragged_paged_attention:
+            return self
+        return dataclasses.replace(self, ragged=partial(xla.ragged_paged_attention, decode_rows=kernel))
 
 
 def get_attention(name: str, platform: str) -> Attention:

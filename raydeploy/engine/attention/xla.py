@@ -7,8 +7,9 @@ at position kv_lens[s] - q_len[s] + i, attending to the positions <= its own (an
 kv_pages holds K and V interleaved on the head axis: [P, page_size, 2*Hkv, D] with K head h at 2h, V at 2h+1.
 
 How it is computed, in two parts whose work follows the live tokens rather than the static shapes:
-- sequences with one token (decode rows): in a program that runs the native CPU kernels
-  (`raydeploy.model.native.decode_attention`: float32, CPU, `engine.cpu_matmul: auto`), a C++ kernel that reads
+- sequences with one token (decode rows): in an engine that runs the native CPU kernels (`decode_rows`, handed
+  in by the engine: `raydeploy.engine.matmul.cpu_native.decode_attention`: float32, CPU,
+  `engine.cpu_matmul: auto`), a C++ kernel that reads
   each row's keys and values where they lie in the pool; otherwise all sequence rows at once, in a loop over blocks of pages that
   stops at the longest such row (a wide page table costs nothing past it), with an online softmax; within a
   block K and V are gathered apart, head-major ([rows, kv_heads, tokens, head_dim], the transpose inside the
@@ -28,11 +29,10 @@ NaN in unused cache memory stays out. Tokens that belong to no live sequence get
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-
-from raydeploy.model import native
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as the TPU kernel's: a fully masked row stays finite
 CHUNK_BLOCK_Q = 64        # query rows of a multi-token sequence per step of the chunk loop
@@ -85,9 +85,13 @@ def check_options(sliding_window: int | None, soft_cap: float | None) -> None:
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           block_q: int | None = None, kv_block_pages: int | None = None) -> jax.Array:
+                           block_q: int | None = None, kv_block_pages: int | None = None,
+                           decode_rows: Callable[..., jax.Array | None] | None = None) -> jax.Array:
     """q [T, Hq, D], kv_pages [P, page_size, 2*Hkv, D], kv_lens i32[S], page_indices i32[S, pages_per_seq],
     cu_q_lens i32[S+1] (cu_q_lens[0] = 0), num_seqs i32[1] -> out [T, Hq, D] in q's dtype.
+
+    `decode_rows`: a kernel for every row's first token against its pages (the signature of
+    `raydeploy.engine.matmul.cpu_native.decode_attention`; None where it does not apply), asked first.
 
     `block_q` (query rows of the chunk loop) and `kv_block_pages` (pages per key block of both loops) override
     the block sizes (tests; measurements)."""
@@ -105,10 +109,10 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
 
     pages = KV_BLOCK_TOKENS // kv_pages.shape[1] if kv_block_pages is None else kv_block_pages
     pages = max(1, min(pages, page_indices.shape[1]))
-    out_single = native.decode_attention(jnp.take(q, jnp.clip(starts, 0, t - 1), axis=0), kv_pages,
-                                         jnp.where(single, lens, 0), page_indices, sm_scale=sm_scale,
-                                         sliding_window=sliding_window, soft_cap=soft_cap)
-    if out_single is None:  # outside a program that runs the native CPU kernels
+    out_single = None if decode_rows is None else decode_rows(
+        jnp.take(q, jnp.clip(starts, 0, t - 1), axis=0), kv_pages, jnp.where(single, lens, 0), page_indices,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if out_single is None:  # no kernel handed in, or it does not apply
         out_single = _single_tokens(q, kv_pages, lens, page_indices, starts, single, pages, sm_scale,
                                     sliding_window, soft_cap)                    # [S, Hq, D] float32
     tid = jnp.arange(t, dtype=jnp.int32)

@@ -7,20 +7,17 @@ batch-1 pass). This kernel takes the whole stack and the layer index and reads t
 lie: grid (N / block_n, splits), each program a run of K in `block_k` steps, the splits' partial sums added
 after (few rows, so the partials are small).
 
-Rows are padded to 16 (Triton's dot needs 16 on each side); meant for the few rows of a decode step. The
-engine's step programs on a GPU (`engine.gpu_matmul: auto`) trace inside `rows_over`; the model's matmul then
-asks `matmul` first, which takes a `native.LayerSlice` of bfloat16 weights and at most `MAX_ROWS` rows per dp
-group, each device multiplying its rows by its shard of the weight (summed over the axes that split K), and
-returns None for anything else (XLA multiplies it, as before).
+Rows are padded to 16 (Triton's dot needs 16 on each side); meant for the few rows of a decode step. An engine on
+a GPU (`engine.gpu_matmul: auto`) chooses this backend once and hands a `PallasGpu` to the model's projections in
+its step programs: it takes a `LayerSlice` of bfloat16 weights and at most `MAX_ROWS` rows per dp group, each
+device multiplying its rows by its shard of the weight (summed over the axes that split K), and leaves anything
+else to XLA's dot.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -30,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
-from raydeploy.model import native
+from raydeploy.model.projection import LayerSlice, dot
 
 MIN_ROWS = 16
 MAX_ROWS = 64
@@ -122,53 +119,7 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, *, interpret: b
     return parts.sum(axis=0)[:m].astype(out_dtype or x.dtype)
 
 
-# -- where the engine's programs use it ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Rows:
-    mesh: jax.sharding.Mesh
-    row_axes: tuple[str, ...]
-    groups: int
-    interpret: bool
-    specs: Mapping[str, PartitionSpec] | None
-
-
-_ROWS: contextvars.ContextVar[_Rows | None] = contextvars.ContextVar("raydeploy_stacked_rows", default=None)
-
-
-@contextlib.contextmanager
-def rows_over(mesh: jax.sharding.Mesh, row_axes: Sequence[str], interpret: bool = False,
-              specs: Mapping[str, PartitionSpec] | None = None) -> Iterator[None]:
-    """While tracing a program inside this block, `matmul` runs the kernel (`interpret`: in Pallas interpret mode,
-    off a GPU), activations' first dim split over `row_axes`. `specs`: each stacked layer weight's partition
-    ([L, ...], by its path in the layer module, as `native.LayerSlice.name`); None when every weight is
-    replicated. A weight split over other axes (tp, fsdp) is multiplied per device on its own shard: its
-    columns' split carries to the output, a split of its rows (K) is summed over those axes after."""
-    groups = 1
-    for a in row_axes:
-        groups *= int(mesh.shape[a])
-    token = _ROWS.set(_Rows(mesh, tuple(row_axes), groups, interpret, specs))
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
-
-
-def active() -> bool:
-    """Whether the program being traced runs inside `rows_over`."""
-    return _ROWS.get() is not None
-
-
-def applies(x: jax.Array, w: Any, out_first: bool = False) -> bool:
-    """Whether `matmul` may take x @ w in this trace: inside `rows_over`, x 2-D, w a `native.LayerSlice` of a
-    bfloat16 in_out weight (2-D as the layer sees it), at most `MAX_ROWS` rows per group. A plain array stays
-    with XLA, which reads it in place; float32 weights too, whose dot would round through TF32 in the kernel.
-    (`matmul` also needs power-of-two blocks of each device's shard.)"""
-    rows = _ROWS.get()
-    return not (rows is None or out_first or not isinstance(w, native.LayerSlice) or x.ndim != 2
-                or len(w.shape) != 2 or w.dtype != jnp.bfloat16 or x.shape[0] % rows.groups
-                or x.shape[0] // rows.groups > MAX_ROWS)
+# -- the backend the engine's programs hand to the model -----------------------------------------------------
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -194,56 +145,93 @@ def merged_spec(entries: Sequence[Any], shape: Sequence[int], to: Sequence[int])
     return tuple(out) if i == len(shape) else None
 
 
-def _weight_split(rows: _Rows, w: native.LayerSlice) -> tuple[Any, Any] | None:
-    """The mesh axes entries of w's (K, N) dims, (None, None) when replicated; None when the kernel cannot take
-    its split (its layer dim split, a reshape that moves a split, an axis the rows are split over too)."""
-    if rows.specs is None:
-        return None, None
-    spec = rows.specs.get(w.name or "")
-    if spec is None:
-        return None
-    entries = tuple(spec) + (None,) * (w.stack.ndim - len(spec))
-    if entries[0] is not None:
-        return None
-    merged = merged_spec(entries[1:], w.stack.shape[1:], w.shape)
-    if merged is None or set(_axes(merged[0]) + _axes(merged[1])) & set(rows.row_axes):
-        return None
-    return merged[0], merged[1]
+class PallasGpu:
+    """The kernel for the projections of one traced step program: activations' first dim split over `row_axes`
+    of `mesh` (`interpret`: Pallas interpret mode, off a GPU). `specs`: each stacked layer weight's partition
+    ([L, ...], by its path in the layer module, as `LayerSlice.name`); None when every weight is replicated. A
+    weight split over other axes (tp, fsdp) is multiplied per device on its own shard: its columns' split
+    carries to the output, a split of its rows (K) is summed over those axes after."""
 
+    reads_whole = True
 
-def matmul(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
-    """x [M, K] @ w (a `native.LayerSlice` [K, N]) through the kernel on each device's rows and weight shard,
-    or None where it does not apply (`applies`, `_weight_split`, blocks of the shard): the caller then
-    multiplies in XLA."""
-    rows = _ROWS.get()
-    if rows is None or not applies(x, w, out_first):
-        return None
-    split = _weight_split(rows, w)
-    if split is None:
-        return None
-    k_axes, n_axes = _axes(split[0]), _axes(split[1])
-    shards = [math.prod(int(rows.mesh.shape[a]) for a in axes) for axes in (k_axes, n_axes)]
-    k, n = w.shape
-    if k % shards[0] or n % shards[1]:
-        return None
-    try:
-        blocks_for(k // shards[0], n // shards[1])
-    except ValueError:
-        return None
-    stack = w.stack.reshape(w.stack.shape[0], *w.shape)
-    layer = jnp.asarray(w.layer, jnp.int32)
+    def __init__(self, mesh: jax.sharding.Mesh, row_axes: Sequence[str], interpret: bool = False,
+                 specs: Mapping[str, PartitionSpec] | None = None) -> None:
+        self.mesh = mesh
+        self.row_axes = tuple(row_axes)
+        self.groups = 1
+        for a in self.row_axes:
+            self.groups *= int(mesh.shape[a])
+        self.interpret = interpret
+        self.specs = specs
 
-    def per_device(xs: jax.Array, st: jax.Array, lay: jax.Array) -> jax.Array:
-        if not k_axes:
-            return stacked_matmul(xs, st, lay, interpret=rows.interpret)  # type: ignore[no-any-return]
-        y = stacked_matmul(xs, st, lay, interpret=rows.interpret, out_dtype=jnp.float32)
-        return jax.lax.psum(y, k_axes).astype(xs.dtype)
+    def applies(self, x: jax.Array, w: Any, out_first: bool = False) -> bool:
+        """Whether the kernel may take x @ w: x 2-D, w a `LayerSlice` of a bfloat16 in_out weight (2-D as the
+        layer sees it), at most `MAX_ROWS` rows per group. A plain array stays with XLA, which reads it in place;
+        float32 weights too, whose dot would round through TF32 in the kernel. (`kernel` also needs power-of-two
+        blocks of each device's shard.)"""
+        return not (out_first or not isinstance(w, LayerSlice) or x.ndim != 2 or len(w.shape) != 2
+                    or w.dtype != jnp.bfloat16 or x.shape[0] % self.groups
+                    or x.shape[0] // self.groups > MAX_ROWS)
 
-    if rows.mesh.size == 1:
-        return per_device(x, stack, layer)
-    row = None if not rows.row_axes else (rows.row_axes[0] if len(rows.row_axes) == 1 else rows.row_axes)
-    return jax.shard_map(per_device, mesh=rows.mesh,  # type: ignore[no-any-return]
-                         in_specs=(PartitionSpec(row, split[0]), PartitionSpec(None, split[0], split[1]),
-                                   PartitionSpec()),
-                         out_specs=PartitionSpec(row, split[1]), axis_names=frozenset(rows.mesh.axis_names),
-                         check_vma=False)(x, stack, layer)
+    def _weight_split(self, w: LayerSlice) -> tuple[Any, Any] | None:
+        """The mesh axes entries of w's (K, N) dims, (None, None) when replicated; None when the kernel cannot
+        take its split (its layer dim split, a reshape that moves a split, an axis the rows are split over too)."""
+        if self.specs is None:
+            return None, None
+        spec = self.specs.get(w.name or "")
+        if spec is None:
+            return None
+        entries = tuple(spec) + (None,) * (w.stack.ndim - len(spec))
+        if entries[0] is not None:
+            return None
+        merged = merged_spec(entries[1:], w.stack.shape[1:], w.shape)
+        if merged is None or set(_axes(merged[0]) + _axes(merged[1])) & set(self.row_axes):
+            return None
+        return merged[0], merged[1]
+
+    def kernel(self, x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
+        """x [M, K] @ w (a `LayerSlice` [K, N]) through the kernel on each device's rows and weight shard, or
+        None where it does not apply (`applies`, `_weight_split`, blocks of the shard)."""
+        if not self.applies(x, w, out_first):
+            return None
+        split = self._weight_split(w)
+        if split is None:
+            return None
+        k_axes, n_axes = _axes(split[0]), _axes(split[1])
+        shards = [math.prod(int(self.mesh.shape[a]) for a in axes) for axes in (k_axes, n_axes)]
+        k, n = w.shape
+        if k % shards[0] or n % shards[1]:
+            return None
+        try:
+            blocks_for(k // shards[0], n // shards[1])
+        except ValueError:
+            return None
+        stack = w.stack.reshape(w.stack.shape[0], *w.shape)
+        layer = jnp.asarray(w.layer, jnp.int32)
+        interpret = self.interpret
+
+        def per_device(xs: jax.Array, st: jax.Array, lay: jax.Array) -> jax.Array:
+            if not k_axes:
+                return stacked_matmul(xs, st, lay, interpret=interpret)  # type: ignore[no-any-return]
+            y = stacked_matmul(xs, st, lay, interpret=interpret, out_dtype=jnp.float32)
+            return jax.lax.psum(y, k_axes).astype(xs.dtype)
+
+        if self.mesh.size == 1:
+            return per_device(x, stack, layer)
+        rows = self.row_axes
+        row = None if not rows else (rows[0] if len(rows) == 1 else rows)
+        return jax.shard_map(per_device, mesh=self.mesh,  # type: ignore[no-any-return]
+                             in_specs=(PartitionSpec(row, split[0]), PartitionSpec(None, split[0], split[1]),
+                                       PartitionSpec()),
+                             out_specs=PartitionSpec(row, split[1]), axis_names=frozenset(self.mesh.axis_names),
+                             check_vma=False)(x, stack, layer)
+
+    def matmul(self, x: jax.Array, w: Any, out_first: bool = False) -> jax.Array:
+        y = self.kernel(x, w, out_first)
+        return dot(x, w, out_first) if y is None else y
+
+    def matmuls(self, x: jax.Array, ws: Sequence[Any]) -> list[jax.Array] | None:
+        return None  # one kernel call per weight
+
+    def tied_head(self, h: jax.Array, table: jax.Array) -> jax.Array:
+        return dot(h, table, out_first=True)
