@@ -163,18 +163,21 @@ def _plain_greedy(engine, prompt, n):
     return ids[len(prompt):], lps
 
 
-@pytest.mark.parametrize("mesh_shape,rules", [
-    ({"dp": 1}, {}),
-    ({"dp": 2, "tp": 2}, {}),  # slots and pages over dp, kv heads over tp inside the shard_map
-    ({"fsdp": 2, "tp": 2}, {"q_heads": None, "kv_heads": None, "cache_kv_heads": None}),
+@pytest.mark.parametrize("mesh_shape,rules,engine_kw", [
+    ({"dp": 1}, {}, {}),
+    # kernels held out_in (transposed once at load; the model reads them as in_out through `OutIn` views), XLA's dot
+    ({"dp": 1}, {}, {"kernel_layout": "out_in", "cpu_matmul": "xla"}),
+    ({"dp": 2, "tp": 2}, {}, {}),  # slots and pages over dp, kv heads over tp inside the shard_map
+    ({"fsdp": 2, "tp": 2}, {"q_heads": None, "kv_heads": None, "cache_kv_heads": None}, {}),
 ])
-def test_ragged_paged_steps_equal_the_plain_forward(mesh_shape, rules):
+def test_ragged_paged_steps_equal_the_plain_forward(mesh_shape, rules, engine_kw):
     """Prompts prefilled in chunks (pages of 4 tokens, chunks of up to 8 tokens per dp group, two prompts
     sharing a step), then decoded several steps per plan: every greedy token and logprob equals the plain
-    causal forward's, whatever the mesh."""
+    causal forward's, whatever the mesh and the kernels' layout."""
     from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep, StepPlan
 
-    eng = _paged_engine(mesh_shape, rules)
+    eng = _paged_engine(mesh_shape, rules, **engine_kw)
+    assert eng.programs_set.kernel_layout == engine_kw.get("kernel_layout", "in_out")
     if "dp" in mesh_shape and mesh_shape["dp"] == 2:
         assert eng.groups == 2 and eng.pool[0].sharding.spec[1] == "dp" and eng.pool[0].sharding.spec[3] == "tp"
     rng = np.random.default_rng(4)
