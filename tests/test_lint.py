@@ -98,7 +98,6 @@ LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "the attention backends' table is read only for a KV dtype other than the model's",
     ("raydeploy.engine.kv_cache", "raydeploy.model.sharding"): _DEFERRED,
     ("raydeploy.engine.kv_cache", "raydeploy.model.spec"): _DEFERRED,
-    ("raydeploy.engine.programs", "raydeploy.engine.attention"): _DEFERRED,
     ("raydeploy.gang.bringup", "raydeploy.gang.fingerprint"): _ACTOR,
     ("raydeploy.gang.coordinator", "raydeploy.compat"): _COMPAT,
     ("raydeploy.gang.directory", "raydeploy.gang.bringup"): _ACTOR,
