@@ -188,15 +188,10 @@ class Engine:
 
     @property
     def matmul(self) -> str:
-        """What multiplies the step programs' few rows by the weights: "native" (the CPU kernel,
-        `raydeploy.model.native`), "pallas" (the GPU's stacked-weight kernel, `raydeploy.model.stacked_matmul`)
-        or "xla (why not the platform's kernel)"; hosts report it in their status."""
-        ps = self.programs_set
-        if ps.native_matmul is None:
-            return f"native ({len(self._packed)} weights packed)" if self._packed else "native"
-        if ps.stacked_matmul is None:
-            return "pallas"
-        return f"xla ({ps.stacked_matmul if ps.platform == 'gpu' else ps.native_matmul})"
+        """What multiplies the step programs' few rows by the weights: "native" (the CPU kernels), "pallas" (the
+        GPU's stacked-weight kernel) or "xla (why not the platform's kernel)" (`raydeploy.engine.matmul`,
+        `MatmulChoice.describe`); hosts report it in their status."""
+        return self.programs_set.bodies.matmul.describe(len(self._packed))
 
     @property
     def kv_dtype(self) -> str:
