@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal, Union, cast, get_args, get_origi
 
 import yaml
 
+from raydeploy.engine.geometry import DEFAULT_SLOT_RULE, SLOT_AXIS, slots_problem
+
 if TYPE_CHECKING:
     import pydantic
     from pydantic import GetCoreSchemaHandler
@@ -572,7 +574,6 @@ def validate(cfg: Config) -> None:
     if e.max_new_tokens >= m.max_seq_len:
         raise ConfigError(f"max_new_tokens {e.max_new_tokens} leaves no room for a prompt in max_seq_len {m.max_seq_len}",
                           file=src, key="engine.max_new_tokens")
-    dp = mesh.get("dp", 1)
     for key, val in {"engine.page_size": e.page_size, "engine.prefill_chunk": e.prefill_chunk}.items():
         if val <= 0:
             raise ConfigError(f"must be > 0, found {val}", file=src, key=key)
@@ -583,8 +584,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"is {e.num_pages} pages, fewer than one sequence of model.max_seq_len {m.max_seq_len} "
                           f"needs ({one_seq} pages of engine.page_size {e.page_size}); set it >= {one_seq} or 0 "
                           f"(auto)", file=src, key="engine.num_pages")
-    if e.max_slots % dp:
-        raise ConfigError(f"max_slots {e.max_slots} is not divisible by mesh dp={dp}", file=src, key="engine.max_slots")
+    slots = slots_problem(e.max_slots, {SLOT_AXIS: cfg.mesh.rules.get(SLOT_AXIS, DEFAULT_SLOT_RULE)}, mesh)
+    if slots is not None:
+        raise ConfigError(slots, file=src, key="engine.max_slots")
     sp = e.sampling
     if sp.temperature < 0:
         raise ConfigError(f"must be >= 0, found {sp.temperature}", file=src, key="engine.sampling.temperature")

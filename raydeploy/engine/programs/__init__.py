@@ -27,13 +27,13 @@ as `jax.ShapeDtypeStruct`s with the same shardings, so `raydeploy compile` lower
 will run (for any mesh, including the devices of a deviceless TPU topology) without allocating anything or
 reading a weight. Neither can drift from the other: there is no second description.
 
-The parts: `buckets` (token and page buckets, no JAX), `kernels` (`KernelChoice`: which matmul kernels and weight
+The shapes are `raydeploy.engine.geometry.EngineGeometry`'s (token and page buckets among them). The parts:
+`kernels` (`KernelChoice`: which matmul kernels and weight
 layout the programs use), `bodies` (`StepBodies`: the jitted programs) and `program_set` (`ProgramSet`, which
 composes them and lists the programs with their abstract arguments).
 """
 
-from raydeploy.engine.programs.bodies import AttentionFn, StepBodies, default_attention, pack
-from raydeploy.engine.programs.buckets import (
+from raydeploy.engine.geometry import (
     FINE_PROMPT_BUCKETS,
     MIN_FINE_PROMPT_BUCKET,
     MIN_PAGE_BUCKET_TOKENS,
@@ -44,6 +44,7 @@ from raydeploy.engine.programs.buckets import (
     default_page_buckets,
     default_token_buckets,
 )
+from raydeploy.engine.programs.bodies import AttentionFn, StepBodies, default_attention, pack
 from raydeploy.engine.programs.kernels import (
     UNROLL_MAX_TOKENS,
     UNROLL_PLATFORMS,

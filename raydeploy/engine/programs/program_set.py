@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine.attention import Attention, for_device, work_follows_table
+from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.kv_cache import (
     FIELD_LAYOUT,
     PoolLayout,
@@ -25,16 +26,13 @@ from raydeploy.engine.kv_cache import (
     pool_sharding,
     pool_specs,
     resolve_kv_dtype,
-    step_tokens,
 )
 from raydeploy.engine.programs.bodies import AttentionFn, StepBodies, _axes_entry, default_attention
-from raydeploy.engine.programs.buckets import default_decode_rows, default_page_buckets, default_token_buckets
 from raydeploy.engine.programs.kernels import KernelChoice, choose_kernels, choose_layout
 from raydeploy.engine.sampling import chunks_for_shards
 from raydeploy.model.llama import DTYPES, ActivationSharding
 from raydeploy.model.registry import Family
 from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
-from raydeploy.model.spec import pages_per_seq, resolve_num_pages
 
 
 def _layer_sharding(s: jax.sharding.Sharding) -> NamedSharding:
@@ -137,35 +135,34 @@ class ProgramSet:
         self.layer_leaves = [i for i, n in enumerate(names) if n.startswith("layers.")]
         self.param_names = names
         self.layer_specs = {names[i].removeprefix("layers."): self.param_shardings[i].spec for i in self.layer_leaves}
-        """Each stacked layer parameter's partition, by its path in the layer module (`stacked_matmul.rows_over`)."""
+        """Each stacked layer parameter's partition, by its path in the layer module (`raydeploy.engine.matmul.PallasGpu`'s `specs`)."""
 
     def _geometry(self, family: Family, cfg: Any, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
-        """Groups, slots, pages and token buckets."""
+        """The engine's shapes (`EngineGeometry`), held as attributes too; the first of its problems raises."""
         mesh_shape = dict(self.mesh.shape)
         platform = self.platform
-        self.groups = self.shard.slot_groups
         # the logits keep the LM head's vocabulary sharding into sampling (no all-gather of [rows, vocab])
         vocab_axes = logical_to_mesh_axes(("vocab",), self.rules, mesh_shape, "LM head")[0] or ()
         self.vocab_chunks = chunks_for_shards(math.prod(mesh_shape[a] for a in vocab_axes))
-        if self.max_slots % self.groups:
-            raise ValueError(f"engine.max_slots {self.max_slots} is not divisible by the {self.groups} dp groups")
-        self.slots_per_group = self.max_slots // self.groups
-        self.page_size = engine_cfg.page_size
-        self.max_pages_per_seq = pages_per_seq(self.max_seq_len, self.page_size)
-        self.pages_per_group = resolve_num_pages(engine_cfg.num_pages, self.slots_per_group, self.max_seq_len,
-                                                 self.page_size)
-        self.total_pages = self.pages_per_group * self.groups
-        self.max_step_tokens = step_tokens(engine_cfg, self.groups)
-        self.layout = PoolLayout.for_engine(family, cfg, engine_cfg, self.max_seq_len, self.groups)
-        slow_single_row = self.param_dtype == jnp.bfloat16 and platform == "cpu"
-        decode = default_decode_rows(self.slots_per_group, 2 if slow_single_row else 1)
-        self.token_buckets = default_token_buckets(decode, self.slots_per_group, self.max_step_tokens, platform)
         self.attention_name = for_device(engine_cfg.attention, self.mesh.devices.flat[0])
-        self.kv_dtype = jnp.dtype(resolve_kv_dtype(engine_cfg.kv_dtype, model_cfg.dtype, self.attention_name,
-                                                   platform))
+        kv_dtype = resolve_kv_dtype(engine_cfg.kv_dtype, model_cfg.dtype, self.attention_name, platform)
+        self.geometry = g = EngineGeometry.create(engine_cfg, model_cfg, mesh_shape, self.rules, platform, kv_dtype,
+                                                  work_follows_table(self.attention_name, platform))
+        problems = g.problems()
+        if problems:
+            raise ValueError(problems[0])
+        self.groups = g.groups
+        self.slots_per_group = g.slots_per_group
+        self.page_size = g.page_size
+        self.max_pages_per_seq = g.max_pages_per_seq
+        self.pages_per_group = g.pages_per_group
+        self.total_pages = g.total_pages
+        self.max_step_tokens = g.max_step_tokens
+        self.token_buckets = list(g.token_buckets)
+        self.page_buckets = list(g.page_buckets)
+        self.kv_dtype = jnp.dtype(g.kv_dtype)
         """The KV pools' dtype (`engine.kv_dtype`)."""
-        self.page_buckets = (default_page_buckets(self.max_pages_per_seq, self.page_size)
-                             if work_follows_table(self.attention_name, platform) else [self.max_pages_per_seq])
+        self.layout = PoolLayout.for_engine(family, cfg, engine_cfg, self.max_seq_len, self.groups)
 
     def _shardings(self, family: Family, cfg: Any, mesh: jax.sharding.Mesh) -> None:
         """The KV pools', the repetition-penalty sets' and the step inputs' shardings."""
@@ -274,7 +271,7 @@ class ProgramSet:
         shard = self.input_shardings()
         shapes = abstract_inputs(self.groups, tokens, self.rows_for(tokens), pages, self.max_slots)
         fields: dict[str, Any] = {n: jax.ShapeDtypeStruct(s, d, sharding=shard[n]) for n, (s, d) in shapes.items()}
-        return StepInputs(**fields)
+        return StepInputs.from_flat(fields)
 
     def abstract_state(self) -> tuple[Any, ...]:
         """((params, packed weights), pools, presence, last tokens) as ShapeDtypeStructs."""
