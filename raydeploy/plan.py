@@ -23,6 +23,7 @@ from typing import Any
 
 from raydeploy.checkpoint.demo import resolve_checkpoint
 from raydeploy.config import Config, ConfigError
+from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.gang.placement import head_bundle, host_bundles, placement_strategy
 from raydeploy.gang.preflight import cache_dir_problem
 from raydeploy.model.registry import Family, family_for, from_hf_config
@@ -33,7 +34,6 @@ from raydeploy.model.spec import (
     is_kernel,
     kernel_input_dims,
     page_table_spec,
-    resolve_num_pages,
     split_layer_name,
 )
 
@@ -191,10 +191,6 @@ def _shard_numel(spec: TensorSpec, rules: dict, mesh: dict[str, int]) -> int:
     return math.prod(-(-s // (math.prod(mesh[a] for a in d) if d else 1)) for s, d in zip(spec.shape, dims, strict=True))
 
 
-def _axes(rule: Any) -> tuple[str, ...]:
-    return () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
-
-
 def _generic(name: str) -> str:
     return re.sub(r"layers\.\d+\.", "layers.*.", name)
 
@@ -280,9 +276,7 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
         problems.append(str(err))
     specs = family.param_specs(model)
     pool_rules = {**rules, **POOL_RULES}
-    groups = math.prod(mesh.get(a, 1) for a in _axes(rules.get("cache_batch")))
-    slots_per_group = max(eng.max_slots // groups, 1)
-    pages_per_group = resolve_num_pages(eng.num_pages, slots_per_group, cfg.model.max_seq_len, eng.page_size)
+    from raydeploy.engine.attention import work_follows_table  # imports jax: only when planning
     from raydeploy.engine.kv_cache import (  # imports jax: only when planning
         PoolLayout,
         pool_specs,
@@ -291,9 +285,13 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
 
     try:
         kv_dtype = resolve_kv_dtype(eng.kv_dtype, cfg.model.dtype, eng.attention, c.platform)
+        follows = work_follows_table(eng.attention, c.platform)
     except ValueError as err:
         problems.append(str(err))
-        kv_dtype = cfg.model.dtype
+        kv_dtype, follows = cfg.model.dtype, False
+    geometry = EngineGeometry.create(eng, cfg.model, mesh, rules, c.platform, kv_dtype, follows)
+    problems += geometry.problems()
+    groups, pages_per_group = geometry.groups, geometry.pages_per_group
 
     layout = PoolLayout.for_engine(family, model, eng, cfg.model.max_seq_len, groups)
     kv_specs = pool_specs(family, model, layout, pages_per_group * groups, eng.page_size, eng.max_slots)
@@ -306,9 +304,6 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
             if msg not in seen:
                 seen.add(msg)
                 problems.append(msg)
-    dp = mesh.get("dp", 1)
-    if eng.max_slots % dp:
-        problems.append(f"engine.max_slots {eng.max_slots} is not divisible by mesh dp={dp}")
 
     p_item, kv_item = ITEMSIZE[cfg.model.param_dtype], ITEMSIZE[kv_dtype]
     param_count = family.param_count(model)
@@ -365,7 +360,7 @@ def make_plan(cfg: Config, model: Any = None, family: Family | None = None) -> P
         bundles=host_bundles(c), param_dtype=cfg.model.param_dtype, kv_dtype=kv_dtype,
         param_count=param_count, param_bytes_total=param_count * p_item, param_bytes_per_device=p_dev,
         param_bytes_per_host=p_dev * c.devices_per_host, kv_bytes_total=kv_total, kv_bytes_per_device=kv_dev,
-        kv_bytes_per_host=kv_dev * c.devices_per_host, slots_per_dp_group=eng.max_slots // dp if dp else 0,
+        kv_bytes_per_host=kv_dev * c.devices_per_host, slots_per_dp_group=geometry.slots_per_group,
         page_size=eng.page_size, pages_per_dp_group=pages_per_group,
         device_memory_bytes=mem, device_memory_from=mem_from, usable_bytes_per_device=usable,
         free_bytes_per_device=usable - need, problems=problems, warnings=warnings,

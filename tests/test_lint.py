@@ -125,6 +125,7 @@ LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("raydeploy.gang.supervisor", "raydeploy.gang.preflight"): _ACTOR,
     ("raydeploy.model.registry", "raydeploy.model.state"):
         "imports flax: the registry stays JAX-free (the planner, config checks and the ingress read families)",
+    ("raydeploy.plan", "raydeploy.engine.attention"): _JAX,
     ("raydeploy.plan", "raydeploy.engine.kv_cache"): _JAX,
     ("raydeploy.plan", "raydeploy.model.native.packing"): _JAX,
     ("raydeploy.predict.run", "raydeploy.gang.bringup"): _PREDICT,

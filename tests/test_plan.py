@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -157,9 +158,19 @@ def test_heads_not_divisible_by_tp(tmp_path: Path) -> None:
 
 
 def test_kv_cache_not_divisible(tmp_path: Path) -> None:
-    cfg = load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {max_slots: 6}\nmesh: {axes: {fsdp: 4, tp: 4}, "
-                                                          "rules: {cache_batch: fsdp}}"))
+    """The slots split over the mesh axes `mesh.rules.cache_batch` names, not over dp: one rule
+    (`EngineGeometry`), asked at load and by the plan, so a remapped slot axis never reaches an engine."""
+    remapped = "mesh: {axes: {fsdp: 4, tp: 4}, rules: {cache_batch: fsdp}}"
+    with pytest.raises(ConfigError, match=r"key 'engine\.max_slots': engine\.max_slots 6 is not divisible by mesh fsdp=4 "
+                                          r"\(the dp groups of the KV cache's slots, mesh\.rules\.cache_batch\)"):
+        load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {max_slots: 6}\n" + remapped))
+    cfg = load_config(_write(tmp_path, "tpu-v5e-16.yaml", "engine: {max_slots: 8}\n" + remapped))
+    assert make_plan(cfg).ok
+    # a config built in code (not through load) meets the same rule in the plan
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_slots=6))
     plan = make_plan(cfg)
+    assert ("engine.max_slots 6 is not divisible by mesh fsdp=4 (the dp groups of the KV cache's slots, "
+            "mesh.rules.cache_batch)") in plan.problems, plan.problems
     assert any("tensor page_tables: dimension 'cache_batch' of size 6 is not divisible by mesh fsdp=4" in p
                for p in plan.problems), plan.problems
 
