@@ -81,28 +81,19 @@ def _generate(cfg: Config, args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from raydeploy.checkpoint.demo import resolve_checkpoint
-    from raydeploy.checkpoint.reader import CheckpointReader
-    from raydeploy.engine.engine import Engine
     from raydeploy.engine.local import LocalRunner
     from raydeploy.engine.request import GenerationRequest
     from raydeploy.engine.scheduler import Scheduler
     from raydeploy.engine.step import SamplingParams
-    from raydeploy.model.registry import from_hf_config
-    from raydeploy.model.sharding import merge_rules
+    from raydeploy.loading import build_engine
 
     t0 = time.perf_counter()
     mesh, note = _local_mesh(cfg)
     if note:
         print(f"raydeploy generate: note: {note}", file=sys.stderr)
-    rules = merge_rules(cfg.mesh.rules)
     path = resolve_checkpoint(cfg.model.checkpoint)
-    reader = CheckpointReader(path)
-    family, model = from_hf_config(reader.hf_config, source=str(path / "config.json"))
-    params, _ = reader.load(family.checkpoint_specs(model, reader.index.tensors), mesh, rules, cfg.model.param_dtype, cfg.model.load_threads,
-                            progress=False, verify=cfg.model.verify_checksums)
+    engine = build_engine(cfg, mesh, path).engine
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    engine = Engine(family, model, params, mesh, rules, cfg.model, cfg.engine)
-    del params  # the engine may hold its own (re-laid-out) copies: do not keep the loaded ones alive too
     load_s = time.perf_counter() - t0
 
     prompt_ids = _prompt_ids(tokenizer, args)

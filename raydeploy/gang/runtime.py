@@ -115,27 +115,17 @@ def load_checkpoint_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) 
     """The real engine: read this host's shards of the checkpoint and build the engine over them."""
     if checkpoint_path is None:
         raise ValueError("the real engine needs a checkpoint path")
-    from raydeploy.checkpoint.reader import CheckpointReader
-    from raydeploy.engine.engine import Engine
-    from raydeploy.model.registry import from_hf_config
-    from raydeploy.model.sharding import merge_rules
+    from raydeploy.loading import build_engine
 
-    rules = merge_rules(cfg.mesh.rules)
-    reader = CheckpointReader(checkpoint_path)
-    family, model = from_hf_config(reader.hf_config, source=f"{checkpoint_path}/config.json")
-    family.check_mesh(model, dict(mesh.shape))  # before any weight is read
-    t0 = time.perf_counter()
-    params, stats = reader.load(family.checkpoint_specs(model, reader.index.tensors), mesh, {**family.rules, **rules}, cfg.model.param_dtype,
-                                cfg.model.load_threads, progress=False, verify=cfg.model.verify_checksums)
-    seconds = time.perf_counter() - t0
-    engine = Engine(family, model, params, mesh, rules, cfg.model, cfg.engine)
+    built = build_engine(cfg, mesh, checkpoint_path)
+    engine = built.engine
 
     def make_scheduler() -> StepScheduler:
         from raydeploy.engine.scheduler import Scheduler
 
         return Scheduler.for_engine(engine, cfg)
 
-    return LoadedEngine(engine, _stats_dict(stats, seconds), engine.eos_ids, make_scheduler)
+    return LoadedEngine(engine, _stats_dict(built.load_stats, built.load_s), engine.eos_ids, make_scheduler)
 
 
 def _stats_dict(stats: Any, seconds: float) -> dict[str, Any]:
