@@ -1,38 +1,21 @@
-"""The deployment config: one YAML file, loaded strictly into frozen dataclasses.
-
-Every field has a one-line docstring (the string right below it) that says what it is and its unit; the
-docs' config reference is generated from these. Loading is strict (pydantic checks the types, then
-:func:`validate` the combinations): an unknown key, a wrong type or an impossible combination raises
-:class:`ConfigError` naming the file, the key and the numbers, before anything starts. Cross-field checks that need the model's shape (heads vs tensor-parallel size, memory)
-live in :mod:`raydeploy.plan`, which runs before any actor is placed.
-"""
+"""The config's sections: frozen dataclasses whose fields each carry a one-line docstring (the string right below
+it) that says what it is and its unit; the docs' config reference is generated from these. `ConfigError` names
+the file, the key and the numbers; `resolve_mesh_axes` resolves the mesh's -1 axis."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import itertools
 import math
-import types
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union, cast, get_args, get_origin
-
-import yaml
-
-from raydeploy.engine.geometry import DEFAULT_SLOT_RULE, SLOT_AXIS, slots_problem
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 if TYPE_CHECKING:
-    import pydantic
     from pydantic import GetCoreSchemaHandler
     from pydantic_core import CoreSchema
 
 MESH_AXES = ("dp", "fsdp", "tp", "sp", "ep")
-DEFAULT_CONFIG_PATH = Path(__file__).with_name("default_config.yaml")
+DEFAULT_CONFIG_PATH = Path(__file__).parent.parent / "default_config.yaml"
 
 
 class ConfigError(ValueError):
@@ -62,7 +45,7 @@ class _Section:
     an int (YAML writes ``10`` for ``10.0``) and holds it as a float. A section is given as a mapping.
     """
 
-    __pydantic_config__ = {"extra": "forbid", "strict": True}
+    __pydantic_config__ = {"extra": "forbid", "strict": True}  # noqa: RUF012 (read by pydantic, never mutated)
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
@@ -362,137 +345,6 @@ class Config(_Section):
         return d
 
 
-# -- loading ----------------------------------------------------------------------------------------
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML file (the embedded default when None), apply `a.b=value` overrides, validate."""
-    p = Path(path) if path is not None else DEFAULT_CONFIG_PATH
-    source = str(p)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read config: {e.strerror}", file=source) from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"not valid YAML: {e}", file=source) from None
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ConfigError(f"the top level must be a mapping, found {type(raw).__name__}", file=source)
-    for item in overrides or []:
-        _apply_override(raw, item, source)
-    return config_from_dict(raw, source=source)
-
-
-def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    raw = dict(raw)
-    raw.pop("source", None)
-    import pydantic
-
-    try:
-        cfg = _config_adapter().validate_python(raw)
-    except pydantic.ValidationError as e:
-        raise _config_error(e, raw, source) from None
-    cfg = dataclasses.replace(cfg, source=source)
-    validate(cfg)
-    return cfg
-
-
-def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
-    if "=" not in item:
-        raise ConfigError(f"override '{item}' must look like section.key=value", file=source)
-    dotted, value_text = item.split("=", 1)
-    keys = dotted.strip().split(".")
-    try:
-        value = yaml.safe_load(value_text) if value_text.strip() else None
-    except yaml.YAMLError:
-        value = value_text
-    node = raw
-    for k in keys[:-1]:
-        nxt = node.setdefault(k, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"override '{item}': '{k}' is not a section", file=source, key=dotted)
-        node = nxt
-    node[keys[-1]] = value
-
-
-@functools.cache
-def _config_adapter() -> pydantic.TypeAdapter[Config]:
-    import pydantic
-
-    return pydantic.TypeAdapter(Config)
-
-
-def _config_error(exc: pydantic.ValidationError, raw: dict[str, Any], source: str) -> ConfigError:
-    """The first of pydantic's errors in the file's order, as file + dotted key + what was expected and found."""
-    located = [_locate(err["loc"], raw) for err in exc.errors()]
-    _, key, tp, value, section = min(located, key=lambda item: item[0])
-    if section is not None:
-        known = ", ".join(f.name for f in dataclasses.fields(section) if f.name != "source")
-        return ConfigError(f"unknown key; known keys here are: {known}", file=source, key=key)
-    return ConfigError(_expected(tp, value), file=source, key=key)
-
-
-def _locate(loc: tuple[int | str, ...], raw: dict[str, Any]) -> tuple[list[int], str, Any, Any, type | None]:
-    """Follow pydantic's error location through the raw data and the annotations.
-
-    Returns (position in the file's order, dotted key, annotation there, value there, and the section class when
-    the key is not one of its fields). A union stops the walk: its message names the whole union.
-    """
-    tp: Any = Config
-    value: Any = raw
-    key = ""
-    order: list[int] = []
-    parts = list(loc)
-    while parts and get_origin(tp) not in (Union, types.UnionType):
-        part = parts.pop(0)
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            key = f"{key}.{part}" if key else str(part)
-            order.append(list(value).index(part) if part in value else len(value))
-            names = {f.name for f in dataclasses.fields(tp)} - ({"source"} if tp is Config else set())
-            if part not in names:
-                return order, key, None, None, tp
-            tp, value = typing.get_type_hints(tp)[str(part)], value[part]
-        elif get_origin(tp) is list and isinstance(part, int):
-            key, order = f"{key}[{part}]", [*order, part]
-            tp, value = get_args(tp)[0], value[part]
-        elif get_origin(tp) is dict and part in value:
-            key, order = f"{key}.{part}", [*order, list(value).index(part)]
-            key_tp, value_tp = get_args(tp)
-            if parts and parts[0] == "[key]":  # the key itself has the wrong type
-                tp, value = key_tp, part
-                parts.pop(0)
-            else:
-                tp, value = value_tp, value[part]
-        else:
-            break
-    return order, key, tp, value, None
-
-
-def _expected(tp: Any, value: Any) -> str:
-    """What the annotation `tp` asks for, in the config's words, and the value found instead."""
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return f"expected {_type_name(tp)}, found {value!r}"
-    if origin is Literal:
-        return f"must be one of {', '.join(repr(a) for a in get_args(tp))}, found {value!r}"
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return f"expected a mapping (section), found {value!r}"
-    words = {list: "a list", dict: "a mapping", bool: "true or false", int: "an integer", float: "a number",
-             str: "a string"}
-    return f"expected {words.get(origin or tp, _type_name(tp))}, found {value!r}"
-
-
-def _type_name(tp: Any) -> str:
-    """An annotation as the messages and the config reference write it (`int`, `str | None`, `list[int]`)."""
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-# -- validation of combinations that need no model ------------------------------------------------
-
 
 def resolve_mesh_axes(axes: dict[str, int], total_devices: int, source: str = "<config>") -> dict[str, int]:
     unknown = [a for a in axes if a not in MESH_AXES]
@@ -520,151 +372,3 @@ def resolve_mesh_axes(axes: dict[str, int], total_devices: int, source: str = "<
             f"mesh {sizes} has {known} devices but the cluster has {total_devices} "
             f"(num_hosts x devices_per_host)", file=source, key="mesh.axes")
     return out
-
-
-def validate(cfg: Config) -> None:
-    """Checks that need nothing but the config itself."""
-    src = cfg.source
-    c, e, m, s = cfg.cluster, cfg.engine, cfg.model, cfg.serving
-    positive = {
-        "cluster.num_hosts": c.num_hosts, "cluster.devices_per_host": c.devices_per_host,
-        "cluster.placement_timeout_s": c.placement_timeout_s, "cluster.init_timeout_s": c.init_timeout_s,
-        "cluster.heartbeat_timeout_s": c.heartbeat_timeout_s, "cluster.step_timeout_s": c.step_timeout_s,
-        "cluster.rpc_timeout_s": c.rpc_timeout_s, "engine.max_slots": e.max_slots,
-        "engine.max_new_tokens": e.max_new_tokens, "engine.decode_steps": e.decode_steps,
-        "model.max_seq_len": m.max_seq_len, "model.load_threads": m.load_threads, "serving.max_queue": s.max_queue,
-        "serving.request_timeout_s": s.request_timeout_s, "serving.max_body_bytes": s.max_body_bytes,
-        "serving.ingress_replicas": s.ingress_replicas, "serving.body_read_timeout_s": s.body_read_timeout_s,
-        "serving.metrics_refresh_s": s.metrics_refresh_s,
-    }
-    if s.max_ingress_requests is not None:
-        positive["serving.max_ingress_requests"] = s.max_ingress_requests
-    if s.max_concurrent_per_key is not None and s.max_concurrent_per_key < 0:
-        raise ConfigError(f"must be >= 0 (0 or null: no limit), found {s.max_concurrent_per_key}", file=src,
-                          key="serving.max_concurrent_per_key")
-    for key, val in positive.items():
-        if val <= 0:
-            raise ConfigError(f"must be > 0, found {val}", file=src, key=key)
-    for key, val in {"cluster.max_restarts": c.max_restarts, "cluster.restart_backoff_s": c.restart_backoff_s,
-                     "cluster.host_num_cpus": c.host_num_cpus}.items():
-        if val < 0:
-            raise ConfigError(f"must be >= 0, found {val}", file=src, key=key)
-    if e.max_decode_slowdown != 0 and e.max_decode_slowdown <= 1:
-        raise ConfigError(f"must be 0 (never hold a prompt's chunks back) or > 1, found {e.max_decode_slowdown}",
-                          file=src, key="engine.max_decode_slowdown")
-    if not 0 <= e.burst_wait <= 1:
-        raise ConfigError(f"must be a fraction of a decode pass in [0, 1], found {e.burst_wait}", file=src,
-                          key="engine.burst_wait")
-    if not 0 <= s.port <= 65535:
-        raise ConfigError(f"must be a TCP port 0-65535, found {s.port}", file=src, key="serving.port")
-    if c.coordinator_port is not None and not 0 <= c.coordinator_port <= 65535:
-        raise ConfigError(f"must be a TCP port 0-65535, found {c.coordinator_port}", file=src, key="cluster.coordinator_port")
-    if c.simulated and c.platform != "cpu":
-        raise ConfigError(f"simulated hosts run on virtual CPU devices; platform is {c.platform!r}",
-                          file=src, key="cluster.simulated")
-    mesh = resolve_mesh_axes(cfg.mesh.axes, cfg.total_devices, src)
-    buckets = e.prefill_buckets
-    if not buckets or any(b <= 0 for b in buckets) or sorted(set(buckets)) != buckets:
-        raise ConfigError(f"must be a non-empty strictly increasing list of positive lengths, found {buckets}",
-                          file=src, key="engine.prefill_buckets")
-    if buckets[-1] < m.max_seq_len:
-        raise ConfigError(
-            f"largest prefill bucket {buckets[-1]} is smaller than model.max_seq_len {m.max_seq_len}; "
-            f"add a bucket >= {m.max_seq_len} or lower max_seq_len", file=src, key="engine.prefill_buckets")
-    if e.max_new_tokens >= m.max_seq_len:
-        raise ConfigError(f"max_new_tokens {e.max_new_tokens} leaves no room for a prompt in max_seq_len {m.max_seq_len}",
-                          file=src, key="engine.max_new_tokens")
-    for key, val in {"engine.page_size": e.page_size, "engine.prefill_chunk": e.prefill_chunk}.items():
-        if val <= 0:
-            raise ConfigError(f"must be > 0, found {val}", file=src, key=key)
-    if e.num_pages < 0:
-        raise ConfigError(f"must be >= 0 (0 = auto), found {e.num_pages}", file=src, key="engine.num_pages")
-    one_seq = -(-m.max_seq_len // e.page_size)
-    if 0 < e.num_pages < one_seq:  # else a request near the context would never fit: a 500 at every submit
-        raise ConfigError(f"is {e.num_pages} pages, fewer than one sequence of model.max_seq_len {m.max_seq_len} "
-                          f"needs ({one_seq} pages of engine.page_size {e.page_size}); set it >= {one_seq} or 0 "
-                          f"(auto)", file=src, key="engine.num_pages")
-    slots = slots_problem(e.max_slots, {SLOT_AXIS: cfg.mesh.rules.get(SLOT_AXIS, DEFAULT_SLOT_RULE)}, mesh)
-    if slots is not None:
-        raise ConfigError(slots, file=src, key="engine.max_slots")
-    sp = e.sampling
-    if sp.temperature < 0:
-        raise ConfigError(f"must be >= 0, found {sp.temperature}", file=src, key="engine.sampling.temperature")
-    if not 0 < sp.top_p <= 1:
-        raise ConfigError(f"must be in (0, 1], found {sp.top_p}", file=src, key="engine.sampling.top_p")
-    if sp.top_k < 0:
-        raise ConfigError(f"must be >= 0, found {sp.top_k}", file=src, key="engine.sampling.top_k")
-    if sp.repetition_penalty <= 0:
-        raise ConfigError(f"must be > 0, found {sp.repetition_penalty}", file=src, key="engine.sampling.repetition_penalty")
-    if c.simulated and c.placement_strategy == "STRICT_SPREAD" and c.ray_address is None and c.num_hosts > 1:
-        pass  # the gang turns STRICT_SPREAD into PACK for simulated hosts on one node
-    if s.api_keys_env and s.api_keys_file:
-        raise ConfigError("set api_keys_env or api_keys_file, not both", file=src, key="serving.api_keys_file")
-    _validate_replicas(cfg.replicas, src)
-
-
-def _validate_replicas(r: ReplicasConfig, src: str) -> None:
-    if r.min < 1:
-        raise ConfigError(f"must be >= 1 (a deployment serves with at least one gang), found {r.min}", file=src,
-                          key="replicas.min")
-    if r.max < r.min:
-        raise ConfigError(f"must be >= replicas.min={r.min}, found {r.max}", file=src, key="replicas.max")
-    if r.initial is not None and not r.min <= r.initial <= r.max:
-        raise ConfigError(f"must lie between replicas.min={r.min} and replicas.max={r.max}, found {r.initial}",
-                          file=src, key="replicas.initial")
-    for key, val in {"target_ongoing_requests": r.target_ongoing_requests, "look_back_period_s": r.look_back_period_s,
-                     "upscaling_factor": r.upscaling_factor, "downscaling_factor": r.downscaling_factor,
-                     "health_check_period_s": r.health_check_period_s,
-                     "routing_stats_period_s": r.routing_stats_period_s}.items():
-        if val is not None and val <= 0:
-            raise ConfigError(f"must be > 0, found {val}", file=src, key=f"replicas.{key}")
-    for key, val in {"upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s}.items():
-        if val < 0:
-            raise ConfigError(f"must be >= 0, found {val}", file=src, key=f"replicas.{key}")
-
-
-# -- introspection for docs ---------------------------------------------------------------------------
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Map field name -> the docstring written under it in the class body."""
-    try:
-        tree = ast.parse(inspect.getsource(cls).strip())
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for prev, node in itertools.pairwise(body):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
-                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-                and isinstance(node.value.value, str)):
-            docs[prev.target.id] = node.value.value.strip()
-    return docs
-
-
-def config_reference_markdown() -> str:
-    """The config reference table for docs/config.md, generated from the dataclasses above."""
-    lines = ["# Config reference", "", "Generated from `raydeploy/config.py` (`raydeploy config-reference`).", ""]
-    hints_cfg = typing.get_type_hints(Config)
-    for section in ("cluster", "mesh", "model", "engine", "serving", "replicas"):
-        cls = hints_cfg[section]
-        lines += [f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |",
-                  "| --- | --- | --- | --- |"]
-        lines += _rows(cls, section)
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _rows(cls: type, prefix: str) -> list[str]:
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    rows = []
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            rows += _rows(tp, f"{prefix}.{f.name}")
-            continue
-        default = (f.default if f.default is not dataclasses.MISSING
-                   else cast(Callable[[], Any], f.default_factory)())  # no default: it has a default_factory
-        rows.append(f"| `{prefix}.{f.name}` | `{_type_name(tp)}` | `{default!r}` | {docs.get(f.name, '')} |")
-    return rows
