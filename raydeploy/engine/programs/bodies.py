@@ -18,7 +18,7 @@ from raydeploy.engine.attention import Attention, get_attention
 from raydeploy.engine.kv_cache import PoolLayout, StepInputs, to_pool_dtype
 from raydeploy.engine.matmul import pallas_gpu as stacked_matmul
 from raydeploy.engine.programs.kernels import KernelChoice
-from raydeploy.engine.sampling import sample
+from raydeploy.engine.sampling import RowSampling, sample
 from raydeploy.model import native
 from raydeploy.model.llama import ActivationSharding, unroll_layers
 
@@ -252,9 +252,8 @@ class StepBodies:
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices
         logits = model.logits(last, self.shard)
         tail = partial(_sample_rows, max_slots=self.max_slots, vocab_chunks=self.vocab_chunks)
-        presence, last_tokens, tok, lp = self._per_group(tail, 13, replicated=2)(
-            logits, presence, last_tokens, inp.reset, tokens, inp.token_slot, inp.row_slot, inp.temperature,
-            inp.top_p, inp.top_k, inp.repetition_penalty, inp.seed, inp.sample_position, inp.any_sampled,
+        presence, last_tokens, tok, lp = self._per_group(tail, 7, replicated=2)(
+            logits, presence, last_tokens, inp.reset, tokens, inp.token_slot, inp.sampling, inp.any_sampled,
             inp.any_filtered)
         return pool, presence, last_tokens, pack(tok, lp)
 
@@ -272,19 +271,22 @@ def _last_token_inputs(last_tokens: jax.Array, from_last: jax.Array, tokens: jax
     return jnp.where(from_last >= 0, last_tokens[src], tokens)
 
 
-def _sample_rows(logits, presence, last_tokens, reset, tokens, token_slot, row_slot, temperature, top_p, top_k,
-                 repetition_penalty, seed, sample_position, any_sampled, any_filtered, *, max_slots: int,
-                 vocab_chunks: int):
-    """A group's sampling: its slots' repetition-penalty sets take this step's tokens, its rows sample, and each
-    sampled token joins its slot's set and becomes the slot's last token."""
+def _sample_rows(logits: jax.Array, presence: jax.Array, last_tokens: jax.Array, reset: jax.Array,
+                 tokens: jax.Array, token_slot: jax.Array, rows: RowSampling, any_sampled: jax.Array,
+                 any_filtered: jax.Array, *, max_slots: int, vocab_chunks: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A group's sampling: its slots' repetition-penalty sets take this step's tokens (`tokens` in `token_slot`,
+    after the slots in `reset` start over), its rows sample with their `SamplingParams` (`rows`: one array per
+    field, passed through `shard_map` whole), and each sampled token joins its slot's set and becomes the
+    slot's last token."""
     spg = presence.shape[0]
     tslot = _group_slot(token_slot, max_slots, spg)
-    rslot = _group_slot(row_slot, max_slots, spg)
+    rslot = _group_slot(rows.slot, max_slots, spg)
     presence = presence & ~reset[:, None]
     presence = presence.at[tslot, tokens].set(True, mode="drop")
     seen = presence[jnp.minimum(rslot, spg - 1)]
-    tok, lp = sample(logits, seen, temperature, top_p, top_k, repetition_penalty, seed, sample_position,
-                     any_sampled, vocab_chunks, any_filtered)
+    tok, lp = sample(logits, seen, rows.params, rows.position, any_sampled=any_sampled, any_filtered=any_filtered,
+                     vocab_chunks=vocab_chunks)
     presence = presence.at[rslot, tok].set(True, mode="drop")
     last_tokens = last_tokens.at[rslot].set(tok, mode="drop")
     return presence, last_tokens, tok, lp
