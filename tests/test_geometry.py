@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from raydeploy.config import load_config
 from raydeploy.engine.geometry import DEFAULT_SLOT_RULE, SLOT_AXIS, EngineGeometry, slots_problem
 from raydeploy.model.sharding import DEFAULT_RULES, merge_rules
@@ -54,3 +56,23 @@ def test_slots_divide_over_the_axes_the_slot_axis_maps_to() -> None:
     g = EngineGeometry.create(engine, cfg.model, mesh, {SLOT_AXIS: "tp"}, "cpu", "float32", False)
     assert g.groups == 4 and g.slots_per_group == 0
     assert g.problems() == [msg]
+
+
+def test_the_bringup_fingerprint_includes_the_geometry() -> None:
+    from raydeploy.gang.fingerprint import (
+        FingerprintMismatchError,
+        check_fingerprints,
+        geometry_part,
+        host_fingerprint,
+    )
+
+    cfg = load_config(None)
+    part = geometry_part(cfg)
+    assert part["max_slots"] == cfg.engine.max_slots and part["groups"] == cfg.mesh_shape.get("dp", 1)
+    assert "page_buckets" not in part and "kv_dtype" not in part  # decided on the device, after the fingerprint
+    same = host_fingerprint(cfg, "abc", {})
+    assert same == host_fingerprint(load_config(None), "abc", {}) and "engine.geometry" in same
+    other = host_fingerprint(load_config(None, ["engine.num_pages=4096"]), "abc", {})
+    assert other["engine.geometry"] != same["engine.geometry"]
+    with pytest.raises(FingerprintMismatchError, match=r"host 1 differs from host 0 in engine\.geometry"):
+        check_fingerprints([same, other])

@@ -125,7 +125,7 @@ def pages_per_seq(max_seq_len: int, page_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class Admission:
+class AdmissionLimits:
     """What one engine admits: prompt and output together within `max_seq_len`, at most `max_new_tokens` new
     tokens, `max_slots` sequences at once. From the config alone (`from_config`)."""
 
@@ -134,7 +134,7 @@ class Admission:
     max_slots: int
 
     @classmethod
-    def from_config(cls, cfg: Any) -> Admission:
+    def from_config(cls, cfg: Any) -> AdmissionLimits:
         return cls(max_seq_len=cfg.model.max_seq_len, max_new_tokens=cfg.engine.max_new_tokens,
                    max_slots=cfg.engine.max_slots)
 
@@ -167,7 +167,7 @@ class EngineGeometry:
     """Page-table widths of the step programs."""
     kv_dtype: str
     """The KV pools' dtype (`engine.kv_dtype` resolved)."""
-    admission: Admission
+    admission: AdmissionLimits
     slot_axes: tuple[str, ...]
     """The mesh axes of the slot axis (`mesh.rules.cache_batch`, axes of size 1 dropped)."""
     slot_mesh: tuple[tuple[str, int], ...]
@@ -194,7 +194,7 @@ class EngineGeometry:
         quarter = step // 4
         mixed = quarter if platform in MIXED_STEP_CAP_PLATFORMS and quarter in tokens else None
         page_buckets = tuple(default_page_buckets(max_pages, page_size) if table_follows_work else [max_pages])
-        admission = Admission(max_seq_len=max_seq_len, max_new_tokens=engine_cfg.max_new_tokens, max_slots=max_slots)
+        admission = AdmissionLimits(max_seq_len=max_seq_len, max_new_tokens=engine_cfg.max_new_tokens, max_slots=max_slots)
         return cls(platform=platform, groups=groups, max_slots=max_slots, slots_per_group=spg,
                    max_seq_len=max_seq_len, page_size=page_size, max_pages_per_seq=max_pages, pages_per_group=pages,
                    max_step_tokens=step, mixed_step_tokens=mixed, token_buckets=tokens, page_buckets=page_buckets,

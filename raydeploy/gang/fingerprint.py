@@ -1,7 +1,7 @@
 """Gang fingerprint: every host must run the same config, code and checkpoint before the gang forms.
 
-Each host computes a fingerprint made of named parts (its config minus host-specific bits, the checkpoint
-index fingerprint, the versions of raydeploy/jax/jaxlib/flax). Rank 0's parts are the reference; any
+Each host computes a fingerprint made of named parts (its config minus host-specific bits, the engine geometry
+the config implies, the checkpoint index fingerprint, the versions of raydeploy/jax/jaxlib/flax). Rank 0's parts are the reference; any
 host whose parts differ is refused with an error naming the host and the part, so a node with a stale
 checkpoint or a different library version cannot silently join and compute wrong answers.
 """
@@ -13,6 +13,8 @@ import json
 from typing import Any
 
 from raydeploy.config import Config
+from raydeploy.engine.geometry import EngineGeometry
+from raydeploy.model.sharding import merge_rules
 
 # Config keys that may legitimately differ between hosts (or that do not change what is computed).
 HOST_SPECIFIC_KEYS = ("cluster.env", "cluster.coordinator_bind_address", "cluster.coordinator_port",
@@ -44,10 +46,24 @@ def config_part(cfg: Config) -> dict[str, Any]:
     return d
 
 
+def geometry_part(cfg: Config) -> dict[str, Any]:
+    """The engine geometry (`EngineGeometry`) the config gives this host: groups, slots, pages, step tokens,
+    token buckets, admission limits. Computed before JAX starts, so without what the device decides (the page
+    buckets of the attention backend, the KV dtype it resolves): those follow from the same config and code."""
+    e, m = cfg.engine, cfg.model
+    kv_dtype = m.dtype if e.kv_dtype == "auto" else e.kv_dtype
+    g = EngineGeometry.create(e, m, cfg.mesh_shape, merge_rules(cfg.mesh.rules), cfg.cluster.platform, kv_dtype,
+                              False).to_dict()
+    for device_decided in ("page_buckets", "kv_dtype"):
+        g.pop(device_decided)
+    return g
+
+
 def host_fingerprint(cfg: Config, checkpoint_fingerprint: str, versions: dict[str, str]) -> dict[str, str]:
     """Named parts, each a short digest; compare them with :func:`check_fingerprints`."""
     conf = config_part(cfg)
     parts = {f"config.{section}": _digest(conf.get(section)) for section in ("cluster", "mesh", "model", "engine")}
+    parts["engine.geometry"] = _digest(geometry_part(cfg))
     parts["checkpoint"] = checkpoint_fingerprint
     parts.update({f"version.{k}": v for k, v in versions.items()})
     return parts

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from raydeploy.config import Config
+from raydeploy.engine.geometry import AdmissionLimits
 
 INPUT_SHA256_HEX = 16
 """Hex digits of the SHA-256 of an input line kept in its output row (64 bits: enough to tell an edit)."""
@@ -102,13 +103,14 @@ def parse_line(line: InputLine, codec: Any, cfg: Config, default_max_tokens: int
         max_tokens = row.get("max_tokens", default_max_tokens)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f'"max_tokens" must be a positive integer, found {max_tokens!r}')
-        if max_tokens > cfg.engine.max_new_tokens:
-            raise ValueError(f'"max_tokens" {max_tokens} exceeds engine.max_new_tokens {cfg.engine.max_new_tokens}')
-        limit = min(cfg.model.max_seq_len - max_tokens, cfg.engine.prefill_buckets[-1])
+        admits = AdmissionLimits.from_config(cfg)
+        if max_tokens > admits.max_new_tokens:
+            raise ValueError(f'"max_tokens" {max_tokens} exceeds engine.max_new_tokens {admits.max_new_tokens}')
+        limit = min(admits.max_seq_len - max_tokens, cfg.engine.prefill_buckets[-1])
         if not ids:
             raise ValueError("the prompt has no tokens")
         if len(ids) > limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; model.max_seq_len {cfg.model.max_seq_len} with "
+            raise ValueError(f"prompt has {len(ids)} tokens; model.max_seq_len {admits.max_seq_len} with "
                              f"max_tokens {max_tokens} leaves room for {limit}")
     except ValueError as e:
         line_id = row.get("id", line.index) if isinstance(row, dict) else line.index

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from raydeploy.config import Config
+from raydeploy.engine.geometry import AdmissionLimits
 from raydeploy.engine.request import GenerationRequest
 from raydeploy.engine.step import SamplingParams
 from raydeploy.serve.backend import Backend
@@ -56,9 +57,10 @@ class Limits:
 
     @classmethod
     def from_config(cls, cfg: Config, model_name: str) -> Limits:
-        s = cfg.engine.sampling
-        return cls(model_name=model_name, max_seq_len=cfg.model.max_seq_len,
-                   max_new_tokens=cfg.engine.max_new_tokens, max_slots=cfg.engine.max_slots,
+        """The engine's admission limits (`EngineGeometry.admission`, from the config alone) and the serving ones."""
+        s, admits = cfg.engine.sampling, AdmissionLimits.from_config(cfg)
+        return cls(model_name=model_name, max_seq_len=admits.max_seq_len,
+                   max_new_tokens=admits.max_new_tokens, max_slots=admits.max_slots,
                    max_queue=cfg.serving.max_queue, request_timeout_s=cfg.serving.request_timeout_s,
                    default_sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.repetition_penalty, 0))
 
