@@ -61,22 +61,16 @@ def peer(args: argparse.Namespace) -> dict:
     """One process holding every device of the mesh: the same engine and scheduler without the gang."""
     import jax
 
-    from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import load_config
-    from raydeploy.engine.engine import Engine
     from raydeploy.engine.local import LocalRunner
     from raydeploy.engine.scheduler import Scheduler
     from raydeploy.gang.gang import resolve_checkpoint_path
-    from raydeploy.model.registry import from_hf_config
-    from raydeploy.model.sharding import build_mesh, merge_rules
+    from raydeploy.loading import build_engine
+    from raydeploy.model.sharding import build_mesh
 
     cfg = load_config(None, overrides(args))
     mesh = build_mesh(cfg.mesh_shape, jax.local_devices()[:mesh_devices(args)])
-    rules = merge_rules(cfg.mesh.rules)
-    reader = CheckpointReader(resolve_checkpoint_path(cfg))
-    params, _ = reader.load(reader.param_specs(), mesh, rules, cfg.model.param_dtype, 8,
-                            progress=False)
-    engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, cfg.model, cfg.engine)
+    engine = build_engine(cfg, mesh, resolve_checkpoint_path(cfg), load_threads=8).engine
     engine.warmup()
     sched = Scheduler.for_engine(engine, cfg)
     runner = LocalRunner(engine, sched)
