@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raydeploy.engine.sampling import SEED_MODULUS, apply_repetition_penalty, sample, top_k_top_p_mask
+from raydeploy.engine.sampling import (
+    ROW_DTYPES,
+    apply_repetition_penalty,
+    row_value,
+    sample,
+    top_k_top_p_mask,
+)
 from raydeploy.engine.step import SamplingParams
 
 V = 16
@@ -48,12 +54,11 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
 
 
 def _sample(lg: np.ndarray, params: list[SamplingParams], positions: list[int], presence=None):
+    """The sampler over rows taking `params` (one SamplingParams of per-row arrays, as a step's rows hold them)."""
     pres = jnp.zeros(lg.shape, bool) if presence is None else jnp.asarray(presence)
-    rows = (np.asarray([p.temperature for p in params], np.float32), np.asarray([p.top_p for p in params], np.float32),
-            np.asarray([p.top_k for p in params], np.int32),
-            np.asarray([p.repetition_penalty for p in params], np.float32),
-            np.asarray([p.seed % SEED_MODULUS for p in params], np.uint32))
-    tok, lp = jax.jit(sample)(jnp.asarray(lg), pres, *(jnp.asarray(a) for a in rows), jnp.asarray(positions, jnp.int32))
+    rows = SamplingParams(**{n: jnp.asarray(np.asarray([row_value(p, n) for p in params], dt))
+                             for n, dt in ROW_DTYPES.items()})
+    tok, lp = jax.jit(sample)(jnp.asarray(lg), pres, rows, jnp.asarray(positions, jnp.int32))
     return np.asarray(tok), np.asarray(lp)
 
 
@@ -120,7 +125,8 @@ def test_large_seeds_are_reduced_not_rejected(seed):
     tables = PageTables(2, 1, 4, 8)
     tables.sampling[1] = SamplingParams(temperature=1.0, seed=seed)
     host = build_inputs([SeqStep(1, np.arange(3, dtype=np.int32), 0, True)], tables, 4, 4, 2, 4)
-    assert host.arrays["seed"].dtype == np.uint32 and int(host.arrays["seed"][host.rows[0]]) == seed % 2**32
+    seeds = host.arrays["sampling.params.seed"]
+    assert seeds.dtype == np.uint32 and int(seeds[host.rows[0]]) == seed % 2**32
 
 
 def test_step_inputs_say_whether_any_row_samples_or_filters():
@@ -256,8 +262,9 @@ def test_top_values_over_chunks_equal_one_top_k():
 def test_greedy_and_top_k_programs_sort_nothing():
     """The compiled sampling has no sort of the vocabulary: top-k goes through lax.top_k."""
     lg = jnp.zeros((4, 5000), jnp.float32)
-    args = (lg, jnp.zeros((4, 5000), bool), jnp.ones(4), jnp.ones(4), jnp.full((4,), 40, jnp.int32), jnp.ones(4),
-            jnp.zeros(4, jnp.uint32), jnp.zeros(4, jnp.int32))
+    params = SamplingParams(temperature=jnp.ones(4), top_p=jnp.ones(4), top_k=jnp.full((4,), 40, jnp.int32),
+                            repetition_penalty=jnp.ones(4), seed=jnp.zeros(4, jnp.uint32))
+    args = (lg, jnp.zeros((4, 5000), bool), params, jnp.zeros(4, jnp.int32))
     hlo = jax.jit(sample).lower(*args).as_text()
     assert "topk" in hlo.replace("_", "").lower()
     assert " sort(" not in hlo and "stablehlo.sort" not in hlo

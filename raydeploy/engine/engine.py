@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import fields
 from typing import Any
 
 import jax
@@ -274,7 +273,7 @@ class Engine:
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
     def _device_inputs(self, arrays: Mapping[str, np.ndarray]) -> StepInputs:
-        return StepInputs(**{f.name: self._put(arrays[f.name], self._shardings[f.name]) for f in fields(StepInputs)})
+        return StepInputs.from_flat({n: self._put(a, self._shardings[n]) for n, a in arrays.items()})
 
     def _check(self, plan: StepPlan) -> None:
         self._check_tokens(plan, [(q.slot, np.asarray(q.tokens).reshape(-1)) for q in plan.seqs])

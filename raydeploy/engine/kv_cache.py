@@ -13,8 +13,9 @@ it sends page-table changes in the plan.
 
 `StepInputs` is one ragged step as a registered pytree of arrays (no positional packing): the tokens of every
 dp group's sequences laid out group after group ([groups * tokens_per_group]), with explicit positions, write
-addresses, per-sequence attention metadata in jax's ragged paged attention form, and per-row sampling.
-`build_inputs` makes it from a plan's `SeqStep`s.
+addresses, per-sequence attention metadata in jax's ragged paged attention form, and per-row sampling (a
+`RowSampling` holding each row's `SamplingParams`, the one sampling type, as arrays). `build_inputs` makes it
+from a plan's `SeqStep`s, as one host array per name of `FIELD_LAYOUT`; `StepInputs.from_flat` nests them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from raydeploy.engine.sampling import SEED_MODULUS
+from raydeploy.engine.sampling import NEUTRAL, ROW_DTYPES, RowSampling, row_value
 from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep
 from raydeploy.model.spec import POOL_RULES
 
@@ -199,25 +200,29 @@ class StepInputs:
     cu_q_lens: jax.Array       # i32[G*(R+1)] token offsets of each row within its group
     num_seqs: jax.Array        # i32[G] live rows per group
     logit_index: jax.Array     # i32[G*R] place (within the group) of each row's last token
-    row_slot: jax.Array        # i32[G*R] global slot of a row that samples; max_slots otherwise
-    temperature: jax.Array     # f32[G*R]
-    top_p: jax.Array           # f32[G*R]
-    top_k: jax.Array           # i32[G*R]
-    repetition_penalty: jax.Array  # f32[G*R]
-    seed: jax.Array            # u32[G*R]
-    sample_position: jax.Array  # i32[G*R] position the sampled token takes (its randomness key)
+    sampling: RowSampling      # [G*R] each row's slot (max_slots: no sample), token position and SamplingParams
     reset: jax.Array           # bool[max_slots] slots whose repetition-penalty set starts over this step
     any_sampled: jax.Array     # bool[] some row samples with temperature > 0
     any_filtered: jax.Array    # bool[] some sampling row has a top-k or a top-p
 
+    @classmethod
+    def from_flat(cls, arrays: Mapping[str, Any]) -> StepInputs:
+        """The step from one array per name of `FIELD_LAYOUT` (`sampling.params.top_p` for a nested field)."""
+        params = SamplingParams(**{n: arrays[f"{PARAMS}.{n}"] for n in ROW_DTYPES})
+        sampling = RowSampling(slot=arrays["sampling.slot"], position=arrays["sampling.position"], params=params)
+        return cls(sampling=sampling, **{n: arrays[n] for n in FIELD_LAYOUT if "." not in n})
 
-# Leading-axis layout of each field: "tokens" = [G*T], "rows" = [G*R...], "groups" = [G], "replicated".
+
+PARAMS = "sampling.params"
+"""The flat name prefix of the rows' `SamplingParams` fields."""
+
+# Leading-axis layout of each field by flat name: "tokens" = [G*T], "rows" = [G*R...], "replicated".
 FIELD_LAYOUT = {
     "tokens": "tokens", "from_last": "tokens", "positions": "tokens", "token_slot": "tokens",
     "write_page": "tokens", "write_offset": "tokens", "ring_write_page": "tokens",
     "kv_lens": "rows", "page_indices": "rows", "ring_page_indices": "rows", "cu_q_lens": "rows", "num_seqs": "rows",
-    "logit_index": "rows", "row_slot": "rows", "temperature": "rows", "top_p": "rows", "top_k": "rows",
-    "repetition_penalty": "rows", "seed": "rows", "sample_position": "rows",
+    "logit_index": "rows", "sampling.slot": "rows", "sampling.position": "rows",
+    **{f"{PARAMS}.{n}": "rows" for n in ROW_DTYPES},
     "reset": "replicated", "any_sampled": "replicated", "any_filtered": "replicated",
 }
 
@@ -226,11 +231,10 @@ def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: 
                     ) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
     """Shape and dtype of every StepInputs field for one (tokens, rows, pages) program."""
     g, t, r = groups, tokens, rows
-    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    i32 = np.dtype(np.int32)
     out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {n: ((g * t,), i32) for n, lay in FIELD_LAYOUT.items() if lay == "tokens"}
-    out.update({n: ((g * r,), i32) for n in ("kv_lens", "logit_index", "row_slot", "top_k", "sample_position")})
-    out.update({n: ((g * r,), f32) for n in ("temperature", "top_p", "repetition_penalty")})
-    out["seed"] = ((g * r,), np.dtype(np.uint32))
+    out.update({n: ((g * r,), i32) for n in ("kv_lens", "logit_index", "sampling.slot", "sampling.position")})
+    out.update({f"{PARAMS}.{n}": ((g * r,), dt) for n, dt in ROW_DTYPES.items()})
     out["page_indices"] = ((g * r, pages), i32)
     out["ring_page_indices"] = ((g * r, pages), i32)
     out["cu_q_lens"] = ((g * (r + 1),), i32)
@@ -265,10 +269,10 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     a["write_page"][:] = tables.pages_per_group
     ring = tables.ring_pages
     a["ring_write_page"][:] = spg * ring  # past the group's window pool: dropped
-    a["row_slot"][:] = ms
-    a["temperature"][:] = 0.0
-    a["top_p"][:] = 1.0
-    a["repetition_penalty"][:] = 1.0
+    a["sampling.slot"][:] = ms
+    params = {n: a[f"{PARAMS}.{n}"] for n in ROW_DTYPES}
+    for name, column in params.items():  # rows that do not sample: the neutral params
+        column[:] = row_value(NEUTRAL, name)
     fill_t = np.zeros(g_n, np.int64)
     fill_r = np.zeros(g_n, np.int64)
     out_rows = []
@@ -303,13 +307,10 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
         a["logit_index"][row] = t0 + n - 1
         if q.sample:
             sp = tables.sampling[q.slot]
-            a["row_slot"][row] = q.slot
-            a["temperature"][row] = sp.temperature
-            a["top_p"][row] = sp.top_p
-            a["top_k"][row] = sp.top_k
-            a["repetition_penalty"][row] = sp.repetition_penalty
-            a["seed"][row] = sp.seed % SEED_MODULUS
-            a["sample_position"][row] = kv_len
+            a["sampling.slot"][row] = q.slot
+            a["sampling.position"][row] = kv_len
+            for name, column in params.items():
+                column[row] = row_value(sp, name)
             any_sampled |= sp.temperature > 0
             any_filtered |= sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
         fill_t[g] += n

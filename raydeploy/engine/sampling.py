@@ -1,8 +1,10 @@
 """Per-slot token sampling, vectorised over slots, inside the engine's jitted programs.
 
-Every sampling knob is a per-row array (the step's rows take them from each request's `SamplingParams`, the one
-sampling type shared by config, scheduler and engine), so one compiled program serves any mix of greedy and
-sampled requests. Order follows Hugging Face: repetition penalty, temperature, top-k, top-p. Randomness
+The sampler reads the one sampling type, `SamplingParams` (`raydeploy.engine.step`), with one array per field
+(a value per row, from each request's params): this module registers it as a pytree, so it passes through
+`jit` and `shard_map` by its field names, and one compiled program serves any mix of greedy and sampled
+requests. `RowSampling` is a step's sampling rows: those params, each row's slot and the position its token
+takes. Order follows Hugging Face: repetition penalty, temperature, top-k, top-p. Randomness
 is a pure function of the request's seed and the token's position (`fold_in(key(seed), position)`), so every
 host of a gang draws the same token and a request replays identically whatever else shares the batch.
 The reported logprob is the chosen token's log-probability under the raw model distribution
@@ -11,13 +13,47 @@ The reported logprob is the chosen token's log-probability under the raw model d
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from raydeploy.engine.step import SamplingParams
 
 SEED_MODULUS = 2**32
 """Seeds are reduced modulo 2**32 (a PRNG key takes a uint32); any integer seed is accepted."""
+
+jax.tree_util.register_dataclass(SamplingParams, data_fields=[f.name for f in fields(SamplingParams)],
+                                 meta_fields=[])
+
+ROW_DTYPES: dict[str, np.dtype[Any]] = {
+    "temperature": np.dtype(np.float32), "top_p": np.dtype(np.float32), "top_k": np.dtype(np.int32),
+    "repetition_penalty": np.dtype(np.float32), "seed": np.dtype(np.uint32)}
+"""Each `SamplingParams` field's dtype as a per-row array (a new field adds its dtype here)."""
+if set(ROW_DTYPES) != {f.name for f in fields(SamplingParams)}:
+    raise TypeError(f"ROW_DTYPES {sorted(ROW_DTYPES)} must name every SamplingParams field")
+NEUTRAL = SamplingParams()
+"""What a row that does not sample holds: greedy, no filter, no penalty."""
+
+
+def row_value(params: SamplingParams, name: str) -> Any:
+    """One field of a request's params as its row holds it (the seed reduced to the key's uint32)."""
+    value = getattr(params, name)
+    return value % SEED_MODULUS if name == "seed" else value
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RowSampling:
+    """A step's sampling rows, each field an array with one value per sequence row ([G*R], laid out by dp group
+    as the step's rows): the global slot a row's token goes to (`max_slots` for a row that does not sample),
+    the position that token takes (its randomness key), and the request's `SamplingParams`."""
+
+    slot: jax.Array
+    position: jax.Array
+    params: SamplingParams
 
 
 def apply_repetition_penalty(logits_bv: jax.Array, presence_bv: jax.Array, penalty_b: jax.Array) -> jax.Array:
@@ -150,13 +186,13 @@ def row_keys(seed_b: jax.Array, position_b: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_b, position_b)
 
 
-def _sample_filtered(logits_bv: jax.Array, temperature_b: jax.Array, top_p_b: jax.Array, top_k_b: jax.Array,
-                     seed_b: jax.Array, position_b: jax.Array, vocab_chunks: int, any_filtered: jax.Array | None
-                     ) -> jax.Array:
-    scaled = logits_bv / jnp.maximum(temperature_b, 1e-6)[:, None]
-    mask = top_k_top_p_mask(scaled, top_k_b, top_p_b, vocab_chunks, any_filtered)
+def _sample_filtered(logits_bv: jax.Array, params: SamplingParams, position_b: jax.Array, vocab_chunks: int,
+                     any_filtered: jax.Array | None) -> jax.Array:
+    scaled = logits_bv / jnp.maximum(jnp.asarray(params.temperature), 1e-6)[:, None]
+    mask = top_k_top_p_mask(scaled, jnp.asarray(params.top_k), jnp.asarray(params.top_p), vocab_chunks,
+                            any_filtered)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits_bv.shape[-1],), jnp.float32))(
-        row_keys(seed_b, position_b))
+        row_keys(jnp.asarray(params.seed), position_b))
     return _first_argmax(jnp.where(mask, scaled + gumbel, -jnp.inf))
 
 
@@ -172,11 +208,11 @@ def _first_argmax(x_bv: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1).astype(jnp.int32)
 
 
-def sample(logits_bv: jax.Array, presence_bv: jax.Array, temperature_b: jax.Array, top_p_b: jax.Array,
-           top_k_b: jax.Array, repetition_penalty_b: jax.Array, seed_b: jax.Array, position_b: jax.Array,
-           any_sampled: jax.Array | None = None, vocab_chunks: int = 1, any_filtered: jax.Array | None = None
+def sample(logits_bv: jax.Array, presence_bv: jax.Array, params: SamplingParams, position_b: jax.Array, *,
+           any_sampled: jax.Array | None = None, any_filtered: jax.Array | None = None, vocab_chunks: int = 1
            ) -> tuple[jax.Array, jax.Array]:
-    """Next token [B] int32 and its raw logprob [B] float32. temperature 0 is greedy (argmax after penalty).
+    """Next token [B] int32 and its raw logprob [B] float32, for rows sampling with `params` (each field [B]) at
+    `position_b` (the positions the tokens take). temperature 0 is greedy (argmax after penalty).
 
     The filters run only when some row samples (lax.cond), so all-greedy batches stay cheap.
     `any_sampled` (scalar bool) is that condition when the caller knows it from replicated inputs; computing
@@ -185,13 +221,13 @@ def sample(logits_bv: jax.Array, presence_bv: jax.Array, temperature_b: jax.Arra
     `vocab_chunks` (static): `chunks_for_shards(shards)` of a vocabulary sharded over devices, else 1.
     """
     logits_bv = logits_bv.astype(jnp.float32)
-    penalised = apply_repetition_penalty(logits_bv, presence_bv, repetition_penalty_b)
+    penalised = apply_repetition_penalty(logits_bv, presence_bv, jnp.asarray(params.repetition_penalty))
     greedy = _first_argmax(penalised)
-    sampling = temperature_b > 0
+    sampling = jnp.asarray(params.temperature) > 0
     tokens = jax.lax.cond(
         jnp.any(sampling) if any_sampled is None else any_sampled,
-        lambda: jnp.where(sampling, _sample_filtered(penalised, temperature_b, top_p_b, top_k_b, seed_b,
-                                                     position_b, vocab_chunks, any_filtered), greedy),
+        lambda: jnp.where(sampling, _sample_filtered(penalised, params, position_b, vocab_chunks, any_filtered),
+                          greedy),
         lambda: greedy,
     )
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), tokens[:, None], axis=-1)[:, 0]
