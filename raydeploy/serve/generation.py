@@ -115,14 +115,12 @@ class ServingCore:
     # -- building jobs ---------------------------------------------------------------------------------
     def sampling(self, *, temperature: float | None, top_p: float | None, top_k: int | None,
                  repetition_penalty: float | None, seed: int | None) -> SamplingParams:
-        d = self.limits.default_sampling
-        return SamplingParams(
-            temperature=d.temperature if temperature is None else float(temperature),
-            top_p=d.top_p if top_p is None else float(top_p),
-            top_k=d.top_k if top_k is None else max(0, int(top_k)),
-            repetition_penalty=d.repetition_penalty if repetition_penalty is None else float(repetition_penalty),
-            seed=random.randrange(2**31) if seed is None else int(seed),
-        )
+        """A request's sampling: the fields it sets over `engine.sampling` (`SamplingParams.resolve`, as every
+        command); a negative top_k is 0 (off), and a request without a seed gets a random one."""
+        return SamplingParams.resolve(self.limits.default_sampling, temperature=temperature, top_p=top_p,
+                                      top_k=None if top_k is None else max(0, int(top_k)),
+                                      repetition_penalty=repetition_penalty,
+                                      seed=random.randrange(2**31) if seed is None else int(seed))
 
     def check_model(self, model: str | None) -> None:
         from raydeploy.serve.errors import ModelNotFound

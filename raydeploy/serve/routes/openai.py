@@ -1,0 +1,137 @@
+"""The OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models.
+
+Bodies are read and strictly parsed by :mod:`raydeploy.serve.body`, validated with the pydantic models of
+:mod:`raydeploy.serve.protocol`; a request's sampling fields go to `ServingCore.sampling` by name, which
+takes what a request leaves out from `engine.sampling`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from raydeploy.serve.errors import InvalidRequest
+from raydeploy.serve.generation import new_id
+from raydeploy.serve.limits import Admission
+from raydeploy.serve.protocol import ChatCompletionRequest, CompletionRequest
+from raydeploy.serve.responses import ChatBuilder, CompletionBuilder
+from raydeploy.serve.routes.shared import ServerInfo, ingress, json_body
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
+async def completions(request: Request) -> Response:
+    arrived = time.perf_counter()
+    ing = ingress(request)
+    ing.authorize(request)
+    body: CompletionRequest = await ing.read_body(request, CompletionRequest)
+    core = ing.core
+    core.check_model(body.model)
+    items = _prompt_items(body.prompt)
+    for item in items:
+        if not isinstance(item, str):
+            ing.check_ids(item, "prompt")
+    ing.check_ids(body.stop_token_ids or [], "stop_token_ids")
+
+    async def work(ticket: Admission) -> Response:
+        prompts = await ing.off_loop(_encode_prompts, items, core.codec)
+        jobs = ing.make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt",
+                             max_param="max_tokens", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                             sampling_args=_sampling_args(body), stop=_stops(body),
+                             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                             timeout_s=body.timeout_s, request_id=new_id("cmpl"))
+        builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
+                                    body.logprobs is not None)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await ing.respond(ticket, jobs, builder, sum(len(p) for p in prompts), body.stream, include_usage,
+                                 arrived)
+
+    return await ing.admitted(len(items) * body.n, work)
+
+
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
+async def chat_completions(request: Request) -> Response:
+    arrived = time.perf_counter()
+    ing = ingress(request)
+    ing.authorize(request)
+    body: ChatCompletionRequest = await ing.read_body(request, ChatCompletionRequest)
+    core = ing.core
+    core.check_model(body.model)
+    if not body.messages:
+        raise InvalidRequest("'messages' must hold at least one message", param="messages", code="empty_prompt")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in body.messages]
+    if not any(m["content"].strip() for m in messages):
+        raise InvalidRequest("'messages' has no text in any message", param="messages", code="empty_prompt")
+    ing.check_ids(body.stop_token_ids or [], "stop_token_ids")
+
+    async def work(ticket: Admission) -> Response:
+        _, ids = await ing.off_loop(ing.chat_ids, messages, body.add_generation_prompt, "messages")
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        jobs = ing.make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages", max_param=param,
+                             default_max=None, sampling_args=_sampling_args(body), stop=_stops(body),
+                             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                             timeout_s=body.timeout_s, request_id=new_id("chatcmpl"))
+        builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
+                              body.logprobs)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await ing.respond(ticket, jobs, builder, len(ids), body.stream, include_usage, arrived)
+
+    return await ing.admitted(body.n, work)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    ing = ingress(request)
+    ing.authorize(request)
+    lim = ing.core.limits
+    return JSONResponse({"object": "list", "data": [_model_card(lim.model_name, lim.max_seq_len, ing.info)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> Response:
+    ing = ingress(request)
+    ing.authorize(request)
+    ing.core.check_model(model_id)
+    lim = ing.core.limits
+    return JSONResponse(_model_card(lim.model_name, lim.max_seq_len, ing.info))
+
+
+def _sampling_args(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    return {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+            "repetition_penalty": body.repetition_penalty, "seed": body.seed}
+
+
+def _stops(body: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
+    """`body.stop` as validated: the field accepts a string, but `_check_stop` has made it a list."""
+    return cast("list[str] | None", body.stop)
+
+
+def _prompt_items(prompt: Any) -> list[str | list[int]]:
+    """A completions `prompt` (text, texts, ids, or lists of ids) as a list of prompts, each a text or a list of
+    ids, without tokenizing anything; an empty one is an error."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items or any(len(item) == 0 for item in items):
+        raise InvalidRequest("'prompt' must not be empty", param="prompt", code="empty_prompt")
+    return items
+
+
+def _encode_prompts(items: list[str | list[int]], codec: Any) -> list[list[int]]:
+    """The prompts as ids (texts tokenized; run on a tokenizer thread)."""
+    return [codec.encode(item) if isinstance(item, str) else [int(t) for t in item] for item in items]
+
+
+def _model_card(name: str, max_seq_len: int, info: ServerInfo) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(info.started_at), "owned_by": "raydeploy",
+            "max_model_len": max_seq_len}
