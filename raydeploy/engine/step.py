@@ -64,11 +64,12 @@ class SamplingParams:
     @classmethod
     def from_wire(cls, v: Mapping[str, Any]) -> SamplingParams:
         """The inverse of `to_wire`; a name this type does not have is an error naming it."""
-        known = {f.name: f for f in fields(cls)}
+        neutral = cls()
+        known = sorted(f.name for f in fields(cls))
         unknown = sorted(set(v) - set(known))
         if unknown:
-            raise ValueError(f"sampling fields {unknown} are not among {sorted(known)}")
-        return cls(**{n: type(known[n].default)(x) for n, x in v.items()})
+            raise ValueError(f"sampling fields {unknown} are not among {known}")
+        return cls(**{n: type(getattr(neutral, n))(x) for n, x in v.items()})
 
 
 @dataclass(frozen=True)
