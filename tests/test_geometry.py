@@ -3,6 +3,7 @@ divisibility rule of the slots."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,25 @@ def test_the_bringup_fingerprint_includes_the_geometry() -> None:
     assert other["engine.geometry"] != same["engine.geometry"]
     with pytest.raises(FingerprintMismatchError, match=r"host 1 differs from host 0 in engine\.geometry"):
         check_fingerprints([same, other])
+
+
+def test_the_engine_refuses_a_remapped_slot_axis_with_the_same_message() -> None:
+    """The programs ask the same rule: slots over fsdp=2 (mesh.rules.cache_batch) with max_slots 3."""
+    import jax
+
+    from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.engine.programs import ProgramSet
+    from raydeploy.model.registry import family_for
+    from raydeploy.model.sharding import build_mesh
+    from raydeploy.model.spec import LlamaConfig
+
+    model = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    mesh = build_mesh({"dp": 1, "fsdp": 2}, jax.devices()[:2])
+    rules = merge_rules({"cache_batch": "fsdp"})
+    msg = ("engine.max_slots 3 is not divisible by mesh fsdp=2 (the dp groups of the KV cache's slots, "
+           "mesh.rules.cache_batch)")
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        ProgramSet(family_for("llama"), model, mesh, rules, ModelConfig(max_seq_len=64), EngineConfig(max_slots=3))
+    ps = ProgramSet(family_for("llama"), model, mesh, rules, ModelConfig(max_seq_len=64), EngineConfig(max_slots=4))
+    assert ps.geometry.groups == ps.groups == 2 and ps.geometry.slots_per_group == ps.slots_per_group == 2
