@@ -7,7 +7,7 @@ scheduler sizes its groups and page pools by it, the serve limits and `predict` 
 the gang's bring-up fingerprint includes it. Every divisibility rule of the slots lives here, once
 (`slots_problem`): the config's load, the plan and the engine ask it.
 
-Imports nothing of raydeploy (the config's validation asks `slots_problem` too).
+Imports no JAX and nothing that imports the config (the config's validation asks `slots_problem` too).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from raydeploy.model.spec import pages_per_seq, resolve_num_pages
 
 SLOT_AXIS = "cache_batch"
 """The logical axis of the KV cache's slots (and pages): the mesh axes it maps to split the slots into dp groups."""
@@ -119,11 +121,6 @@ def slots_problem(max_slots: int, rules: Mapping[str, Any], mesh_shape: Mapping[
             f"mesh.rules.cache_batch)")
 
 
-def pages_per_seq(max_seq_len: int, page_size: int) -> int:
-    """Pages one sequence of `max_seq_len` tokens spans."""
-    return -(-max_seq_len // page_size)
-
-
 @dataclass(frozen=True)
 class AdmissionLimits:
     """What one engine admits: prompt and output together within `max_seq_len`, at most `max_new_tokens` new
@@ -186,7 +183,7 @@ class EngineGeometry:
         spg = max_slots // groups if max_slots % groups == 0 else 0
         max_seq_len, page_size = model_cfg.max_seq_len, engine_cfg.page_size
         max_pages = pages_per_seq(max_seq_len, page_size)
-        pages = engine_cfg.num_pages if engine_cfg.num_pages > 0 else max(spg, 1) * max_pages
+        pages = resolve_num_pages(engine_cfg.num_pages, max(spg, 1), max_seq_len, page_size)
         step = max(engine_cfg.prefill_chunk, max_slots // groups)
         slow_single_row = model_cfg.param_dtype == "bfloat16" and platform == "cpu"
         decode = default_decode_rows(max(spg, 1), 2 if slow_single_row else 1)
