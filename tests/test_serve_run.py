@@ -101,3 +101,37 @@ def test_a_local_ray_starts_its_log_monitor_rescanning_rarely(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-2:] == ["0 2", "1"], done.stdout[-2000:]
+
+
+def test_bounded_teardown_steps_give_up_return_and_raise():
+    """Each step of `raydeploy serve`'s start and teardown runs bounded: it gives up at once when Ray's GCS is gone
+    (a signal that stopped Ray's processes too), times out, or returns (re-raising what the step raised)."""
+    import threading
+
+    release = threading.Event()
+    gone = threading.Event()
+    checks = []
+
+    def give_up() -> bool:
+        checks.append(1)
+        if len(checks) == 3:
+            gone.set()
+        return gone.is_set()
+
+    assert serve_run.run_bounded(lambda: release.wait(60), 60, give_up, poll_s=0.01) == "gave up"
+    assert len(checks) == 3
+    assert serve_run.run_bounded(lambda: release.wait(60), 0.05, lambda: False, poll_s=0.01) == "timeout"
+    release.set()
+    assert serve_run.run_bounded(lambda: None, 60, lambda: True) == "done"
+
+    def fails() -> None:
+        raise ValueError("engine must be one of ['real', 'toy']")
+
+    with pytest.raises(ValueError, match="engine must be one of"):
+        serve_run.run_bounded(fails, 60, lambda: False)
+
+
+def test_gcs_reachable_is_a_bounded_tcp_check(taken_port):
+    assert serve_run.gcs_reachable(f"127.0.0.1:{taken_port}", timeout_s=1.0)
+    assert not serve_run.gcs_reachable(f"127.0.0.1:{_free_port()}", timeout_s=1.0)
+    assert not serve_run.gcs_reachable("not-an-address", timeout_s=1.0)

@@ -230,14 +230,14 @@ def _watch(serving: Serving, stop: threading.Event, outcome: dict[str, Any], t0:
     stop.set()
 
 
-def _teardown(serving: Serving | None, started_ray: bool, gcs_address: str | None) -> None:
+def _teardown(serving: Serving | None, started_ray: bool, gcs_address: str) -> None:
     """Drain and stop Serve, then the local Ray (when started here), each bounded. A signal sent to the whole
     process group (systemd, `kill -- -PGID`) also stops Ray's own processes; then there is nothing left to
     drain, and waiting on the dead GCS would only end, a minute later, in an error."""
     import ray
 
     def gcs_gone() -> bool:
-        return gcs_address is not None and not gcs_reachable(gcs_address, timeout_s=0.5)
+        return not gcs_reachable(gcs_address, timeout_s=0.5)
 
     if serving is not None:
         if gcs_gone():
@@ -280,14 +280,28 @@ def run_serve(cfg: Config, args: argparse.Namespace) -> int:
     started_ray = connect_ray(address)
     import ray
 
-    gcs_address: str | None = ray.get_runtime_context().gcs_address
+    gcs_address: str = ray.get_runtime_context().gcs_address
     # After ray.init: Ray's driver installs its own SIGTERM handling (exit at once), which would skip draining.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signals[sig] = signal.signal(sig, on_signal)
     serving: Serving | None = None
+    started: list[Serving] = []
+
+    def gcs_gone_after_signal() -> bool:
+        return stop.is_set() and not gcs_reachable(gcs_address, timeout_s=0.5)
+
     try:
         t0 = time.monotonic()
-        serving = start_serving(cfg, engine=getattr(args, "engine", "real"))
+        # In a thread: a signal that also stopped Ray's processes must not leave this waiting on them
+        how = run_bounded(lambda: started.append(start_serving(cfg, engine=getattr(args, "engine", "real"))),
+                          _bringup_timeout_s(cfg), gcs_gone_after_signal)
+        if how == "gave up":
+            _say("Ray's processes have stopped while the server was starting (the signal reached them too)")
+            return 0
+        if how == "timeout":
+            _say(f"the server did not start within {_bringup_timeout_s(cfg):.0f}s", err=True)
+            return 1
+        serving = started[0]
         r = cfg.replicas
         count = f"{r.min}" if r.min == r.max else f"{r.min}-{r.max} (autoscaled)"
         _say(f"listening on {serving.url} (model {cfg.model.name or cfg.model.checkpoint}, {count} gang(s) of "
