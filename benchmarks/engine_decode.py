@@ -165,8 +165,7 @@ def bench_ours(new_tokens: int, dtype: str, sampling: dict) -> dict:
     def run(batch: int) -> tuple[list, float, float]:
         paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
                         engine_cfg.prefix_caching, engine.mixed_step_tokens)
-        sched = Scheduler(8, 512, (), 16, [64, 512], slot_order=engine.slot_order, decode_steps=engine.decode_steps,
-                          paging=paging)
+        sched = Scheduler(8, 512, (), 16, paging, slot_order=engine.slot_order, decode_steps=engine.decode_steps)
         runner = LocalRunner(engine, sched)
         reqs = [GenerationRequest(f"b{batch}-{i}", tuple(prompts[i]), new_tokens,
                                   SamplingParams(**sampling, seed=i) if sampling else SamplingParams(),

@@ -154,7 +154,6 @@ def bench_hf(model, prompts: list[list[int]], batches: list[int], new_tokens: in
 def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]], batches: list[int],
                new_tokens: int, profile: Path | None = None, gpu_matmul: str = "auto") -> dict:
     import jax
-    import numpy as np
 
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
@@ -184,8 +183,8 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
         paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
                         engine_cfg.prefix_caching, engine.mixed_step_tokens, engine_cfg.max_decode_slowdown,
                         engine_cfg.burst_wait)
-        sched = Scheduler(slots, MAX_SEQ_LEN, (), 2 * slots, [64, MAX_SEQ_LEN], slot_order=engine.slot_order,
-                          decode_steps=engine.decode_steps, paging=paging)
+        sched = Scheduler(slots, MAX_SEQ_LEN, (), 2 * slots, paging, slot_order=engine.slot_order,
+                          decode_steps=engine.decode_steps)
         runner = LocalRunner(engine, sched)
         reqs = [GenerationRequest(f"b{batch}-{i}", tuple(prompts[i]), new_tokens, ignore_eos=True)
                 for i in range(batch)]
@@ -197,16 +196,17 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
         return outs, ttft, (tokens - len(outs)) / (total - ttft), tokens / total
 
     def pass_ms(batch: int) -> float:
-        """Wall time per decode pass of `batch` rows inside one plan (slot-form plans of 4 and 36 passes after the
-        same prefill; the difference over 32 passes): the passes' device time and per-pass dispatch, without
-        the scheduler and the plans' readback between them."""
-        from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
+        """Wall time per decode pass of `batch` rows inside one plan (the same prefill, then plans of 4 and 36
+        passes; the difference over 32 passes): the passes' device time and per-pass dispatch, without the
+        scheduler and the plans' readback between them."""
+        from raydeploy.engine.step import SamplingParams, StepPlan
+        from raydeploy.testing.plans import prefill_and_decode
 
         walls = []
         for n, steps in enumerate((4, 36, 4, 36)):
-            items = tuple(PrefillItem(i, np.asarray(prompts[i], np.int32), SamplingParams()) for i in range(batch))
+            items = [(i, prompts[i], SamplingParams()) for i in range(batch)]
             t = time.perf_counter()
-            engine.step(StepPlan(1000 + n, prefills=items, decode=True, decode_steps=steps))
+            prefill_and_decode(engine, items, steps, 1000 + 100 * n)
             walls.append(time.perf_counter() - t)
             engine.step(StepPlan(2000 + n, release=tuple(range(batch))))
         return 1e3 * (walls[3] - walls[2]) / 32  # the second pair: the first compiles nothing new, but warms
@@ -218,12 +218,12 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
                  "load_s": load_s, "compile_s": sum(compile_s.values()), "programs": len(compile_s), "batches": {}}
     out["pass_ms"] = {str(b): pass_ms(b) for b in batches if b <= 8}
     if profile is not None:  # one batch-1 plan of 36 passes under the profiler: per-kernel device times
-        from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
+        from raydeploy.engine.step import SamplingParams, StepPlan
+        from raydeploy.testing.plans import prefill_and_decode
 
-        item = PrefillItem(0, np.asarray(prompts[0], np.int32), SamplingParams())
         where = profile / f"{attention}-{chunk}-{gpu_matmul}"
         with jax.profiler.trace(str(where), create_perfetto_trace=True):
-            engine.step(StepPlan(3000, prefills=(item,), decode=True, decode_steps=36))
+            prefill_and_decode(engine, [(0, prompts[0], SamplingParams())], 36, 3000)
         engine.step(StepPlan(3001, release=(0,)))
         out["profile_b1"] = summarize_trace(next(where.rglob("perfetto_trace.json.gz")), 36)
     for b in batches:

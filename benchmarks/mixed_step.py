@@ -52,8 +52,8 @@ def run_budget(engine, budget: int, slowdown: float, long_tokens: int,  # type: 
 
     paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens, False, budget,
                     slowdown)
-    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 16, [engine.max_step_tokens],
-                      slot_order=engine.slot_order, decode_steps=engine.decode_steps, paging=paging)
+    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 16, paging, slot_order=engine.slot_order,
+                      decode_steps=engine.decode_steps)
     runner = LocalRunner(engine, sched)
     times: dict[str, list[float]] = {}
 

@@ -76,13 +76,12 @@ def bench_hf(model, prompts: list[list[int]], new_tokens: int) -> dict:
 def bench_ours(ckpt: Path, window_pages: str, max_seq_len: int, prompts: list[list[int]], new_tokens: int,
                static_kinds: bool = False) -> dict:
     import jax
-    import numpy as np
 
     from raydeploy.checkpoint.reader import CheckpointReader
     from raydeploy.config import EngineConfig, ModelConfig
     from raydeploy.engine.attention import Attention, xla
     from raydeploy.engine.engine import Engine
-    from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
+    from raydeploy.engine.step import SamplingParams, StepPlan
     from raydeploy.model.registry import from_hf_config
     from raydeploy.model.sharding import build_mesh, merge_rules
 
@@ -100,11 +99,13 @@ def bench_ours(ckpt: Path, window_pages: str, max_seq_len: int, prompts: list[li
     engine.warmup()
     warmup_s = time.perf_counter() - t0
     pool_mb = sum(x.nbytes for x in jax.tree.leaves(engine.pool)) / 1e6
-    items = tuple(PrefillItem(i, np.asarray(p, np.int32), SamplingParams()) for i, p in enumerate(prompts))
+    from raydeploy.testing.plans import prefill_and_decode
 
-    def plan(n: int, passes: int) -> float:
+    items = [(i, p, SamplingParams()) for i, p in enumerate(prompts)]
+
+    def plan(n: int, passes: int) -> float:  # the prompts' first tokens, then `passes` decode passes in one plan
         t = time.perf_counter()
-        engine.step(StepPlan(n, prefills=items, decode=True, decode_steps=passes))
+        prefill_and_decode(engine, items, passes, 100 * n)
         wall = time.perf_counter() - t
         engine.step(StepPlan(n + 1, release=tuple(range(BATCH))))
         return wall

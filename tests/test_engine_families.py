@@ -93,16 +93,12 @@ def _engine(ckpt: Any, mesh_shape: dict[str, int], window_pages: str = "ring", p
 
 
 def _engine_greedy(engine: Any) -> tuple[list[int], list[float]]:
-    """The prompt prefilled into slot 0 and STEPS - 1 decode steps in one slot-form plan."""
-    from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
+    """The prompt prefilled into slot 0, then STEPS - 1 decode steps in one plan."""
+    from raydeploy.engine.step import SamplingParams
+    from raydeploy.testing.plans import prefill_and_decode
 
-    plan = StepPlan(0, prefills=(PrefillItem(0, np.asarray(PROMPT, np.int32), SamplingParams()),), decode=True,
-                    decode_steps=STEPS - 1)
-    res = engine.step(plan)
-    assert res.decode_tokens is not None and res.decode_logprobs is not None
-    tokens = [int(res.prefill_tokens[0]), *res.decode_tokens[:, 0].tolist()]
-    logprobs = [float(res.prefill_logprobs[0]), *res.decode_logprobs[:, 0].tolist()]
-    return tokens, logprobs
+    toks, lps = prefill_and_decode(engine, [(0, PROMPT, SamplingParams())], STEPS - 1)
+    return toks[:, 0].tolist(), lps[:, 0].tolist()
 
 
 def _engine_last_logits(engine: Any) -> np.ndarray:

@@ -62,9 +62,9 @@ def _greedy(engine, prompts, stagger=None, sampling=None):
 
     # no eos: fixed length; slots filled in the engine's order, pages per dp group, several decode steps per
     # plan, as in serving (Scheduler.for_engine without a Config)
-    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 8, [engine.max_seq_len],
-                      slot_order=engine.slot_order, decode_steps=engine.decode_steps,
-                      paging=Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens))
+    sched = Scheduler(engine.max_slots, engine.max_seq_len, (), 8,
+                      Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens),
+                      slot_order=engine.slot_order, decode_steps=engine.decode_steps)
     runner = LocalRunner(engine, sched)
     stagger = stagger or [0] * len(prompts)
     sampling = sampling or [SamplingParams()] * len(prompts)

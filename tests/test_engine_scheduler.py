@@ -1,5 +1,6 @@
-"""Scheduler and LocalRunner logic, driven by a counting fake engine (no JAX; the real engine is tested in
-test_engine_model.py). The fake's next token is the previous token + 1, so expected outputs are obvious."""
+"""Scheduler and LocalRunner logic, driven by fake paged engines (no JAX; the real engine is tested in
+test_engine_model.py). `make`'s engine counts: its next token is the previous token + 1, so expected outputs are
+obvious."""
 
 from __future__ import annotations
 
@@ -16,34 +17,6 @@ from raydeploy.engine.step import StepPlan, StepResult
 EOS = 2
 
 
-class CountingEngine:
-    """prefill -> last prompt token + 1; decode -> previous token + 1. Records every plan."""
-
-    def __init__(self, max_slots: int) -> None:
-        self.last = np.zeros(max_slots, np.int32)
-        self.active = np.zeros(max_slots, bool)
-        self.plans: list[StepPlan] = []
-
-    def step(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
-        for s in plan.release:
-            self.active[s] = False
-        toks = []
-        for item in plan.prefills:
-            self.last[item.slot] = int(item.tokens[-1]) + 1
-            self.active[item.slot] = True
-            toks.append(self.last[item.slot])
-        res = StepResult(plan.step_id, np.asarray(toks, np.int32), np.full(len(toks), -0.5, np.float32))
-        if plan.decode:
-            steps = []
-            for _ in range(plan.decode_steps):
-                self.last = np.where(self.active, self.last + 1, self.last).astype(np.int32)
-                steps.append(self.last.copy())
-            res.decode_tokens = np.stack(steps)
-            res.decode_logprobs = np.full(res.decode_tokens.shape, -0.25, np.float32)
-        return res
-
-
 class Clock:
     def __init__(self) -> None:
         self.t = 100.0
@@ -52,16 +25,20 @@ class Clock:
         return self.t
 
 
-def make(max_slots=2, max_seq_len=64, max_queue=4, buckets=(16, 32), clock=None, form="slot"):
-    """A scheduler and a counting engine of the slot form, or of the paged form (one dp group, pages of 4)."""
-    if form == "paged":
-        eng = PagedTokenEngine(max_slots, 1, 4, 64, max_seq_len, 64, next_fn=lambda seq: seq[-1] + 1)
-        return paged(eng, max_queue=max_queue, clock=clock), eng
-    sched = Scheduler(max_slots, max_seq_len, (EOS,), max_queue, list(buckets), clock=clock or Clock())
-    return sched, CountingEngine(max_slots)
+def make(max_slots=2, max_seq_len=64, max_queue=4, clock=None, decode_steps=1):
+    """A scheduler and a counting paged engine (one dp group, pages of 4, a pool for every slot at max_seq_len)."""
+    eng = PagedTokenEngine(max_slots, 1, 4, 64, max_seq_len, 64, next_fn=lambda seq: seq[-1] + 1)
+    return paged(eng, max_queue=max_queue, clock=clock, decode_steps=decode_steps), eng
 
 
-FORMS = pytest.mark.parametrize("form", ["slot", "paged"])
+def chunks(plan: StepPlan) -> list[int]:
+    """The slots of a plan's prompt chunks."""
+    return [q.slot for q in plan.seqs if len(q.tokens)]
+
+
+def decode_rows(plan: StepPlan) -> list[int]:
+    """The slots of a plan's decode rows."""
+    return [q.slot for q in plan.seqs if not len(q.tokens)]
 
 
 def req(rid: str, prompt=(10, 11, 12), max_tokens=5, **kw) -> GenerationRequest:
@@ -72,18 +49,16 @@ def collect(runner: LocalRunner, *reqs: GenerationRequest):
     return {o.request_id: o for o in runner.generate(list(reqs), timeout_s=5)}
 
 
-@FORMS
-def test_tokens_and_length_finish(form):
-    sched, eng = make(form=form)
+def test_tokens_and_length_finish():
+    sched, eng = make()
     out = collect(LocalRunner(eng, sched), req("a", max_tokens=4))["a"]
     assert out.token_ids == [13, 14, 15, 16] and out.finish_reason == "length"
     assert out.logprobs == [-0.5, -0.25, -0.25, -0.25]
     assert sched.slots_in_use == 0 and sched.tokens_generated == 4 and sched.prefills == 1
 
 
-@FORMS
-def test_eos_stops_without_emitting_the_stop_token(form):
-    sched, eng = make(form=form)
+def test_eos_stops_without_emitting_the_stop_token():
+    sched, eng = make()
     events: list[TokenEvent] = []
     sched.submit(req("a", prompt=(5, 0), max_tokens=10), events.append)  # 1, then eos 2
     LocalRunner(eng, sched).run_until_idle()
@@ -91,24 +66,21 @@ def test_eos_stops_without_emitting_the_stop_token(form):
     assert events[-1].finish_reason == "stop" and events[-1].index == 1
 
 
-@FORMS
-def test_eos_as_first_token_and_ignore_eos(form):
-    sched, eng = make(form=form)
+def test_eos_as_first_token_and_ignore_eos():
+    sched, eng = make()
     outs = collect(LocalRunner(eng, sched), req("a", prompt=(1,)), req("b", prompt=(1,), max_tokens=3, ignore_eos=True))
     assert outs["a"].token_ids == [] and outs["a"].finish_reason == "stop"
     assert outs["b"].token_ids == [2, 3, 4] and outs["b"].finish_reason == "length"
 
 
-@FORMS
-def test_stop_token_ids(form):
-    sched, eng = make(form=form)
+def test_stop_token_ids():
+    sched, eng = make()
     out = collect(LocalRunner(eng, sched), req("a", max_tokens=20, stop_token_ids=(16,)))["a"]
     assert out.token_ids == [13, 14, 15] and out.finish_reason == "stop"
 
 
-@FORMS
-def test_max_seq_len_stops_with_length(form):
-    sched, eng = make(max_seq_len=8, form=form)
+def test_max_seq_len_stops_with_length():
+    sched, eng = make(max_seq_len=8)
     out = collect(LocalRunner(eng, sched), req("a", prompt=(10, 11, 12, 13, 14), max_tokens=50))["a"]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"  # 5 prompt + 3 = max_seq_len
 
@@ -122,8 +94,8 @@ def test_continuous_batching_joins_between_decode_steps():
     runner.step_once()
     b = runner.submit(req("b", prompt=(40,), max_tokens=3))
     runner.run_until_idle()
-    plan_with_b = next(p for p in eng.plans if any(i.slot == 1 for i in p.prefills))
-    assert plan_with_b.decode and plan_with_b.step_id == 2  # b's prefill rides along with a's decode
+    plan_with_b = next(p for p in eng.plans if 1 in chunks(p))
+    assert decode_rows(plan_with_b) == [0] and plan_with_b.step_id == 2  # b's prompt rides along with a's decode
     assert [e.token_id for e in a_events] == [13, 14, 15, 16, 17, 18]
     assert b.result(5).token_ids == [41, 42, 43]
 
@@ -132,13 +104,12 @@ def test_queue_waits_for_a_free_slot_and_release_is_planned():
     sched, eng = make(max_slots=1)
     outs = collect(LocalRunner(eng, sched), req("a", max_tokens=2), req("b", prompt=(30,), max_tokens=2))
     assert outs["a"].token_ids == [13, 14] and outs["b"].token_ids == [31, 32]
-    b_plan = next(p for p in eng.plans if p.prefills and p.prefills[0].tokens[-1] == 30)
-    assert b_plan.release == (0,)
+    b_plan = next(p for p in eng.plans if chunks(p) and p.seqs[0].tokens[-1] == 30)
+    assert b_plan.release == (0,)  # a's slot is released in the plan that gives it to b
 
 
-@FORMS
-def test_queue_full_error_names_the_limit_and_pickles(form):
-    sched, _ = make(max_queue=2, form=form)
+def test_queue_full_error_names_the_limit_and_pickles():
+    sched, _ = make(max_queue=2)
     sched.submit(req("a"), lambda e: None)
     sched.submit(req("b"), lambda e: None)
     with pytest.raises(QueueFullError, match=r"queue is full: 2 requests waiting \(max_queue=2\)"):
@@ -148,22 +119,22 @@ def test_queue_full_error_names_the_limit_and_pickles(form):
 
 
 def test_prompt_too_long_and_empty_prompt_messages():
-    sched, _ = make(max_seq_len=64, buckets=(16, 32))
-    with pytest.raises(ValueError, match=r"request x: prompt has 33 tokens, more than the 32 this engine accepts"):
-        sched.submit(req("x", prompt=range(33)), lambda e: None)
+    sched, _ = make(max_seq_len=64)
+    with pytest.raises(ValueError, match=r"request x: prompt has 64 tokens, more than the 63 this engine accepts "
+                                         r"\(max_seq_len 64, at least one token must be generated\)"):
+        sched.submit(req("x", prompt=range(64)), lambda e: None)
     with pytest.raises(ValueError, match="request y: prompt is empty"):
         sched.submit(req("y", prompt=()), lambda e: None)
     with pytest.raises(ValueError, match="max_tokens must be >= 1, found 0"):
         sched.submit(req("z", max_tokens=0), lambda e: None)
-    sched2, _ = make(max_seq_len=16, buckets=(16,))
+    sched2, _ = make(max_seq_len=16)
     with pytest.raises(ValueError, match="prompt has 16 tokens, more than the 15"):  # no room to generate
         sched2.submit(req("w", prompt=range(16)), lambda e: None)
     assert sched.queue_depth == 0
 
 
-@FORMS
-def test_abort_running_request_frees_its_slot_for_the_next(form):
-    sched, eng = make(max_slots=1, form=form)
+def test_abort_running_request_frees_its_slot_for_the_next():
+    sched, eng = make(max_slots=1)
     runner = LocalRunner(eng, sched)
     a = runner.submit(req("a", max_tokens=50))
     b = runner.submit(req("b", prompt=(70,), max_tokens=2))
@@ -174,16 +145,15 @@ def test_abort_running_request_frees_its_slot_for_the_next(form):
     assert sched.slots_in_use == 0
     runner.run_until_idle()
     out_a = a.result(5)
-    # the slot form decodes in a prompt's prefill plan too; the paged form's first plan is the prompt alone
-    assert out_a.finish_reason == "abort" and out_a.token_ids == ([13, 14, 15] if form == "slot" else [13, 14])
+    # the first plan is the prompt alone (its first token), the second a's decode row
+    assert out_a.finish_reason == "abort" and out_a.token_ids == [13, 14]
     assert b.result(5).token_ids == [71, 72]
-    assert any(p.release == (0,) and (p.prefills or any(q.sampling for q in p.seqs)) for p in eng.plans)
+    assert any(p.release == (0,) and any(q.sampling for q in p.seqs) for p in eng.plans)
     assert sched.abort("nope") is False
 
 
-@FORMS
-def test_abort_queued_request(form):
-    sched, eng = make(max_slots=1, form=form)
+def test_abort_queued_request():
+    sched, eng = make(max_slots=1)
     events: list[TokenEvent] = []
     sched.submit(req("a"), lambda e: None)
     sched.submit(req("b"), events.append)
@@ -191,9 +161,8 @@ def test_abort_queued_request(form):
     assert events == [TokenEvent("b", None, index=0, finish_reason="abort")] and sched.queue_depth == 1
 
 
-@FORMS
-def test_fail_all_ends_everything_with_a_retriable_error(form):
-    sched, eng = make(max_slots=1, form=form)
+def test_fail_all_ends_everything_with_a_retriable_error():
+    sched, eng = make(max_slots=1)
     runner = LocalRunner(eng, sched)
     a, b = runner.submit(req("a", max_tokens=50)), runner.submit(req("b"))
     runner.step_once()
@@ -205,13 +174,12 @@ def test_fail_all_ends_everything_with_a_retriable_error(form):
     assert sched.next_plan().release == (0,)  # the engine's slot is cleared too
 
 
-@FORMS
-def test_engine_failure_fails_requests_and_is_kept(form):
+def test_engine_failure_fails_requests_and_is_kept():
     class Broken:
         def step(self, plan):
             raise RuntimeError("device lost")
 
-    sched, _ = make(form=form)
+    sched, _ = make()
     runner = LocalRunner(Broken(), sched).start()
     try:
         out = runner.submit(req("a")).result(5)
@@ -221,10 +189,9 @@ def test_engine_failure_fails_requests_and_is_kept(form):
     assert isinstance(runner.error, RuntimeError)
 
 
-@FORMS
-def test_threaded_runner_and_stats_with_injected_clock(form):
+def test_threaded_runner_and_stats_with_injected_clock():
     clock = Clock()
-    sched, eng = make(clock=clock, form=form)
+    sched, eng = make(clock=clock)
     runner = LocalRunner(eng, sched).start()
     try:
         outs = [runner.submit(req(f"r{i}", prompt=(10 * i + 5,), max_tokens=3)) for i in range(4)]
@@ -238,38 +205,36 @@ def test_threaded_runner_and_stats_with_injected_clock(form):
 
 
 def test_slots_are_filled_in_the_given_order_and_a_bad_order_is_refused():
-    sched = Scheduler(4, 64, (EOS,), 4, [16], clock=Clock(), slot_order=[0, 2, 1, 3])
-    eng = CountingEngine(4)
+    eng = PagedTokenEngine(4, 1, 4, 64, 64, 64, next_fn=lambda seq: seq[-1] + 1)
+    eng.slot_order = [0, 2, 1, 3]
+    sched = paged(eng, max_queue=4)
     outs = collect(LocalRunner(eng, sched), *(req(f"r{i}", prompt=(10 * (i + 1),), max_tokens=2) for i in range(3)))
     assert [outs[f"r{i}"].token_ids for i in range(3)] == [[11, 12], [21, 22], [31, 32]]
-    assert [i.slot for i in eng.plans[0].prefills] == [0, 2, 1]
+    assert chunks(eng.plans[0]) == [0, 2, 1]
     with pytest.raises(ValueError, match=r"slot_order must list each of the 4 slots once, got \[0, 1, 1, 3\]"):
-        Scheduler(4, 64, (EOS,), 4, [16], slot_order=[0, 1, 1, 3])
+        Scheduler(4, 64, (EOS,), 4, Paging(4, 64, 1, 64), slot_order=[0, 1, 1, 3])
 
 
 def test_decode_steps_group_tokens_but_not_first_tokens_or_past_the_end():
-    sched = Scheduler(2, 16, (EOS,), 4, [8], clock=Clock(), decode_steps=4)
-    eng = CountingEngine(2)
+    sched, eng = make(max_slots=2, max_seq_len=16, decode_steps=4)
     runner = LocalRunner(eng, sched)
     a = runner.submit(req("a", prompt=(10, 11, 12), max_tokens=10))
-    runner.step_once()  # a's prefill: one decode step, so its first token is not held back
+    runner.step_once()  # a's prompt: one pass, so its first token is not held back
     b = runner.submit(req("b", prompt=(40,), max_tokens=3))
     runner.run_until_idle()
     assert a.result(5).token_ids == list(range(13, 23)) and b.result(5).token_ids == [41, 42, 43]
-    steps = [p.decode_steps for p in eng.plans if p.decode]
-    assert steps[0] == 1 and steps[1] == 1  # plans with a prefill decode once
-    assert 4 in steps  # plans without one decode four steps
+    assert all(p.decode_steps == 1 for p in eng.plans if chunks(p))  # plans with a prompt pass once
+    assert 4 in [p.decode_steps for p in eng.plans]  # plans of decode rows only pass four times
     # never more than the running requests still want: a needs 10 tokens in all
-    assert sum(steps) <= 10 + 1
-    # never past max_seq_len: a 12-token prompt leaves room for 4 cached tokens in 16
-    sched = Scheduler(1, 16, (EOS,), 4, [16], clock=Clock(), decode_steps=4)
-    eng = CountingEngine(1)
+    assert sum(p.decode_steps for p in eng.plans if 0 in [q.slot for q in p.seqs]) == 10
+    # never past max_seq_len: a 12-token prompt leaves room for 4 tokens in 16 (the engine checks every write)
+    sched, eng = make(max_slots=1, max_seq_len=16, decode_steps=4)
     out = collect(LocalRunner(eng, sched), req("c", prompt=tuple(range(100, 112)), max_tokens=50))
     assert out["c"].token_ids == list(range(112, 116)) and out["c"].finish_reason == "length"
-    assert [p.decode_steps for p in eng.plans if p.decode] == [1, 3]
+    assert [p.decode_steps for p in eng.plans if p.seqs] == [1, 4]
 
 
-# -- the paged form ---------------------------------------------------------------------------------------------
+# -- pages: a token engine that reads its inputs back from its pages ----------------------------------------------
 # `PagedTokenEngine` is a paged KV cache whose "K/V" are the token ids themselves: a step writes each new input
 # token into the page its slot's row names, and a sampled token is a function of the whole sequence READ BACK
 # FROM THE PAGES. A wrong, stale or overwritten page therefore changes the tokens, and the expected tokens of a
@@ -302,6 +267,7 @@ class PagedTokenEngine:
         self.max_pages_per_seq = -(-max_seq_len // page_size)
         self.slot_order = [g * self.slots_per_group + r for r in range(self.slots_per_group) for g in range(groups)]
         self.eos_ids = (EOS,)
+        self.vocab_size, self.window_rings, self.mixed_step_tokens = V, False, None
         self.pool = np.full((groups, pages_per_group, page_size), -1, np.int64)
         self.table = np.full((max_slots, self.max_pages_per_seq), -1, np.int64)
         self.last = np.zeros(max_slots, np.int64)
@@ -323,7 +289,6 @@ class PagedTokenEngine:
 
     def step(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
-        assert not plan.prefills and not plan.decode, "paged plans use seqs"
         for s in plan.release:
             self.table[s] = -1
             self.started[s] = False
@@ -361,7 +326,7 @@ class PagedTokenEngine:
 
 def paged(eng: PagedTokenEngine, max_queue=16, decode_steps=1, prefix_caching=True, clock=None) -> Scheduler:
     paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, prefix_caching)
-    return Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, max_queue, [], clock=clock or Clock(),
+    return Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, max_queue, clock=clock or Clock(),
                      slot_order=eng.slot_order, decode_steps=decode_steps, paging=paging)
 
 
@@ -430,7 +395,7 @@ def test_an_arrival_takes_a_free_slot_at_once_and_prefills_when_its_group_has_bu
 def test_steps_with_decode_rows_cap_prompt_tokens_at_the_mixed_step_size():
     eng = PagedTokenEngine(max_slots=4, groups=2, step_tokens=16)
     paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True, mixed_step_tokens=6)
-    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=Clock(), slot_order=eng.slot_order,
+    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, clock=Clock(), slot_order=eng.slot_order,
                       paging=paging)
     runner = LocalRunner(eng, sched)
     a = runner.submit(req("a", prompt=prompt_of(20, 1), max_tokens=12))  # group 0
@@ -477,7 +442,7 @@ def _limited(eng: TimedEngine, clock: Clock, limit: float, decode_steps: int = 4
     """A paged scheduler with `max_decode_slowdown` = limit over a timed engine, and its runner."""
     paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True,
                     max_decode_slowdown=limit)
-    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, [], clock=clock, slot_order=eng.slot_order,
+    sched = Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 8, clock=clock, slot_order=eng.slot_order,
                       decode_steps=decode_steps, paging=paging)
     return sched, LocalRunner(eng, sched)
 
@@ -879,26 +844,23 @@ def test_paged_multi_step_decode_stays_within_reservations_and_max_seq_len():
 
 def test_paging_checks_its_engine_figures():
     with pytest.raises(ValueError, match="max_slots 4 does not divide over 3 dp groups"):
-        Scheduler(4, 64, (EOS,), 4, [], paging=Paging(4, 8, 3, 16))
+        Scheduler(4, 64, (EOS,), 4, paging=Paging(4, 8, 3, 16))
     with pytest.raises(ValueError, match=r"max_step_tokens=1 tokens per dp group in a step cannot hold a decode "
                                          r"row for each of the group's 2 slots \(engine.prefill_chunk is too small\)"):
-        Scheduler(4, 64, (EOS,), 4, [], paging=Paging(4, 8, 2, 1))
+        Scheduler(4, 64, (EOS,), 4, paging=Paging(4, 8, 2, 1))
     with pytest.raises(ValueError, match=r"mixed_step_tokens=1 tokens per dp group"):
-        Scheduler(4, 64, (EOS,), 4, [], paging=Paging(4, 8, 2, 16, mixed_step_tokens=1))
+        Scheduler(4, 64, (EOS,), 4, paging=Paging(4, 8, 2, 16, mixed_step_tokens=1))
 
 
-def test_for_engine_picks_the_paged_form_for_a_paged_engine():
+def test_for_engine_sizes_the_scheduler_from_the_engine_and_the_config():
     from raydeploy.config import Config
 
     eng = PagedTokenEngine()
     sched = Scheduler.for_engine(eng, Config())
     assert sched.paging == Paging(4, 32, 2, 16, True, max_decode_slowdown=1.6, burst_wait=1.0) and len(sched.pools) == 2
-    assert sched.max_prompt_len == 63
-
-    class SlotEngine:  # the slot engine's figures: no pages
-        max_slots, max_seq_len, eos_ids, slot_order = 2, 64, (EOS,), [0, 1]
-
-    assert Scheduler.for_engine(SlotEngine(), Config()).paging is None
+    assert sched.max_prompt_len == 63 and sched.vocab_size == V
+    eng.window_rings = True  # sliding-window rings cannot reuse a prefix
+    assert not Scheduler.for_engine(eng, Config()).paging.prefix_caching
 
 
 # -- the paged form on the real demo model ---------------------------------------------------------------------
@@ -956,7 +918,7 @@ def _chat(tok, system: str | None, user: str) -> tuple[int, ...]:
 def _real_sched(engine, cfg, prefix_caching=True, pages_per_group=None) -> Scheduler:
     paging = Paging(engine.page_size, pages_per_group or engine.pages_per_group, engine.groups,
                     engine.max_step_tokens, prefix_caching)
-    return Scheduler(engine.max_slots, engine.max_seq_len, engine.eos_ids, 16, [], clock=Clock(),
+    return Scheduler(engine.max_slots, engine.max_seq_len, engine.eos_ids, 16, clock=Clock(),
                      slot_order=engine.slot_order, decode_steps=cfg.engine.decode_steps, paging=paging)
 
 
@@ -1023,7 +985,7 @@ def test_real_model_exhausted_pool_queues_requests_that_complete_later_unchanged
 
 def _burst_scheduler(eng: PagedTokenEngine, burst_wait: float) -> Scheduler:
     paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True, burst_wait=burst_wait)
-    return Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 16, [], clock=Clock(), slot_order=eng.slot_order,
+    return Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 16, clock=Clock(), slot_order=eng.slot_order,
                      paging=paging)
 
 

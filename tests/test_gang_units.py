@@ -15,7 +15,7 @@ import pytest
 
 from raydeploy.config import load_config
 from raydeploy.engine.request import GenerationRequest
-from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan, StepResult
+from raydeploy.engine.step import SamplingParams, SeqStep, StepPlan, StepResult
 from raydeploy.gang.bringup import GangError, gather_phase
 from raydeploy.gang.dispatch import Dispatcher, FollowerLoop, plan_key
 from raydeploy.gang.fingerprint import FingerprintMismatchError, check_fingerprints, host_fingerprint
@@ -66,9 +66,9 @@ class RecordingEngine:
 
 
 def _plan(i: int) -> StepPlan:
-    return StepPlan(step_id=100 + i, prefills=(PrefillItem(i % 4, np.arange(i + 1, dtype=np.int32),
-                                                           SamplingParams(0.5, 0.9, 3, 1.1, i)),),
-                    decode=True, release=(i % 4,) if i % 3 == 0 else ())
+    return StepPlan(step_id=100 + i, seqs=(SeqStep(i % 4, np.arange(i + 1, dtype=np.int32), 0, True,
+                                                   SamplingParams(0.5, 0.9, 3, 1.1, i)),),
+                    release=(i % 4,) if i % 3 == 0 else ())
 
 
 def test_follower_runs_exactly_the_published_plans_in_order_and_old_keys_are_deleted():
@@ -238,12 +238,10 @@ def test_coordinator_streams_events_and_fail_all_ends_requests():
         def step(self, plan: StepPlan) -> StepResult:
             if self.prefilled:
                 self.release.wait(30)
-            if self.armed and plan.prefills:
+            if self.armed and any(len(q.tokens) for q in plan.seqs):
                 self.prefilled = True
-            n = 4
-            return StepResult(plan.step_id, np.full(len(plan.prefills), 9, np.int32),
-                              np.zeros(len(plan.prefills), np.float32), np.full((1, n), 9, np.int32),
-                              np.zeros((1, n), np.float32))
+            n = len(plan.seqs)
+            return StepResult(plan.step_id, np.full((1, n), 9, np.int32), np.zeros((1, n), np.float32))
 
     engine = BlockingEngine()
     coord = Coordinator(ToyScheduler(4), Dispatcher(engine, MemoryKV(), 1, num_followers=0))
@@ -274,13 +272,11 @@ def test_coordinator_feed_carries_every_request_closing_it_aborts_the_rest_and_f
     from raydeploy.testing.toy import ToyScheduler
 
     class Engine:
-        """Every prefill and decode token is 9; 4 decode steps a plan."""
+        """Every prefill and decode token is 9."""
 
         def step(self, plan: StepPlan) -> StepResult:
-            n = 4
-            return StepResult(plan.step_id, np.full(len(plan.prefills), 9, np.int32),
-                              np.zeros(len(plan.prefills), np.float32), np.full((4, n), 9, np.int32),
-                              np.zeros((4, n), np.float32))
+            shape = (plan.decode_steps, len(plan.seqs))
+            return StepResult(plan.step_id, np.full(shape, 9, np.int32), np.zeros(shape, np.float32))
 
     coord = Coordinator(ToyScheduler(4), Dispatcher(Engine(), MemoryKV(), 1, num_followers=0))
     coord.start()

@@ -214,21 +214,18 @@ def test_ragged_paged_steps_equal_the_plain_forward(mesh_shape, rules, engine_kw
         np.testing.assert_allclose(lps[r], want[r][1], rtol=0, atol=2e-5)
 
 
-def test_slot_form_plans_run_on_fixed_pages_like_the_paged_form():
-    """A slot-form plan (whole prompts, decode of every active slot) gives the paged form's tokens."""
-    from raydeploy.engine.step import PrefillItem, SamplingParams, StepPlan
+def test_fixed_page_plans_give_the_scheduled_paged_tokens():
+    """A prompt prefilled in chunks on a fixed run of pages, then decoded in one plan (`prefill_and_decode`, what
+    engine checks and benchmarks use without a scheduler) gives the plain forward's greedy tokens."""
+    from raydeploy.engine.step import SamplingParams
+    from raydeploy.testing.plans import prefill_and_decode
 
     eng = _paged_engine({"dp": 1}, {})
     rng = np.random.default_rng(4)
     prompt = rng.integers(0, TINY.vocab_size, 11).tolist()  # longer than a step's 8 tokens: two chunks
     want, _ = _plain_greedy(eng, prompt, 5)
-    res = eng.step(StepPlan(0, (PrefillItem(2, np.asarray(prompt, np.int32), SamplingParams()),), decode=True,
-                            decode_steps=1))
-    got = [int(res.prefill_tokens[0]), int(res.decode_tokens[0, 2])]
-    res = eng.step(StepPlan(1, decode=True, decode_steps=3))
-    got += res.decode_tokens[:, 2].tolist()
-    assert got == want
-    assert not res.decode_tokens[:, [0, 1, 3]].any()
+    toks, _ = prefill_and_decode(eng, [(2, prompt, SamplingParams())], 4)
+    assert toks[:, 0].tolist() == want
 
 
 def test_unknown_kernel_layout_is_named():

@@ -1,6 +1,6 @@
 """A step that fails for one request fails that request, not the others and not the gang, and is not resent.
 
-No Ray and no model: the real `Scheduler` (paged and slot forms) and `StepLoop` over the counting engines of
+No Ray and no model: the real `Scheduler` and `StepLoop` over the paged token engine of
 test_engine_scheduler.py, wrapped by the `raise_on_token` fault (raydeploy.testing.faults); a two-host gang as a
 `Dispatcher` and a `FollowerLoop` over an in-memory key-value store (test_gang_units.py); the ingress's failover
 (`ReplicaBackend`) over a scripted handle. The real gangs behind HTTP: tests/test_serve_replicas.py.
@@ -15,13 +15,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_engine_scheduler import EOS, Clock, CountingEngine, PagedTokenEngine, alone, paged, prompt_of
+from test_engine_scheduler import EOS, PagedTokenEngine, alone, paged, prompt_of
 from test_gang_units import MemoryKV
 
 from raydeploy.engine.local import LocalRunner, StepLoop
 from raydeploy.engine.request import GenerationRequest, RequestFailed, TokenEvent
-from raydeploy.engine.scheduler import Scheduler
-from raydeploy.engine.step import PrefillItem, SamplingParams, SeqStep, StepPlan
+from raydeploy.engine.scheduler import Paging, Scheduler
+from raydeploy.engine.step import SamplingParams, SeqStep, StepPlan
 from raydeploy.gang.dispatch import Dispatcher, FollowerLoop
 from raydeploy.testing.faults import PoisonTokenEngine, check_faults, wrap_engine
 
@@ -128,9 +128,9 @@ def test_prefix_cache_stays_right_after_a_failed_step():
     assert sched.prefix_hit_tokens > 0  # b reused a's cached pages
 
 
-def test_slot_form_poison_requeues_the_other_prefills_and_keeps_decoding_rows():
-    sched = Scheduler(4, 64, (EOS,), 8, [16, 32], clock=Clock())
-    eng = CountingEngine(4)
+def test_poison_in_a_first_chunk_requeues_the_others_beside_it_and_keeps_decoding_rows():
+    eng = PagedTokenEngine(4, 1, 4, 64, 64, 64, next_fn=lambda seq: seq[-1] + 1)
+    sched = paged(eng, max_queue=8)
     streams, loop = _run(PoisonTokenEngine(eng, POISON), sched, [_req("a", (10, 11), 6)],
                          later=[_req("b", (20, 21), 4), _req("p", (30, POISON), 4), _req("c", (40,), 3)],
                          after_steps=2)
@@ -224,7 +224,7 @@ class _DispatchRun:
 
 
 def test_token_ids_past_the_vocabulary_are_refused_at_submit_naming_the_id_and_the_size():
-    sched = Scheduler(2, 64, (EOS,), 4, [16], vocab_size=100)
+    sched = Scheduler(2, 64, (EOS,), 4, Paging(4, 32, 1, 16), vocab_size=100)
     with pytest.raises(RequestFailed) as info:
         sched.submit(_req("x", (5, 100, 7), 3), lambda ev: None)
     e = info.value
@@ -254,9 +254,9 @@ def test_the_fault_is_known_and_names_the_rows_that_carry_the_token():
     check_faults({"raise_on_token": 5})
     with pytest.raises(ValueError, match="raise_on_token"):
         check_faults({"raise_on_tokens": 5})
-    eng = PoisonTokenEngine(CountingEngine(4), 5)
-    plan = StepPlan(0, prefills=(PrefillItem(1, np.asarray([4, 5], np.int32), SamplingParams()),
-                                 PrefillItem(2, np.asarray([6], np.int32), SamplingParams())))
+    eng = PoisonTokenEngine(PagedTokenEngine(), 5)
+    plan = StepPlan(0, seqs=(SeqStep(1, np.asarray([4, 5], np.int32), 0, True, SamplingParams()),
+                             SeqStep(2, np.asarray([6], np.int32), 0, True, SamplingParams())))
     with pytest.raises(RequestFailed) as info:
         eng.step(plan)
     assert info.value.slots == (1,) and not info.value.invalid

@@ -11,9 +11,8 @@ repetition-penalty token set of every slot, and every slot's last sampled token 
 a plan of several decode steps needs no host round trip). Host state, identical on every host because every
 host applies the same plans: each slot's page-table row and sampling parameters (`PageTables`).
 
-Two plan forms: the paged form (`seqs`, `pages`: the scheduler's page tables, prefix reuse, chunked prefill
-mixed with decode rows) and the slot form (`prefills`, `decode`), which runs over a fixed run of pages per
-slot. Programs: `raydeploy.engine.programs.ProgramSet` (`raydeploy compile` compiles the same list).
+A plan (`seqs`, `pages`) carries the scheduler's page-table changes, prefix reuse, and prompt chunks mixed with
+decode rows. Programs: `raydeploy.engine.programs.ProgramSet` (`raydeploy compile` compiles the same list).
 """
 
 from __future__ import annotations
@@ -131,8 +130,6 @@ class Engine:
         self.last_tokens = jax.jit(lambda: jnp.zeros((ps.max_slots,), jnp.int32), out_shardings=ps.sharded_1d)()
         self.tables = PageTables(ps.max_slots, ps.groups, ps.max_pages_per_seq, ps.pages_per_group,
                                  ps.layout.ring_pages)
-        self._active = np.zeros(ps.max_slots, bool)  # slot-form plans: slots holding a request
-        self._lengths = np.zeros(ps.max_slots, np.int64)  # slot-form plans: tokens in each slot's cache
         self._shardings = ps.input_shardings()
         self._executables: dict[ProgramShape, Any] = {}
         self._gathers: dict[tuple[int, int], Any] = {}
@@ -309,14 +306,9 @@ class Engine:
                              f"than engine.prefill_chunk allows ({ps.max_step_tokens}); chunk the prompt")
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Apply one plan: releases, page-table changes, then the mixed step (`decode_steps` times). A plan in
-        the slot form (`prefills`, `decode`) runs over a fixed mapping of slots to pages (`_step_slots`)."""
-        if plan.prefills or (plan.decode and not plan.seqs):
-            return self._step_slots(plan)
+        """Apply one plan: releases, page-table changes, then the mixed step (`decode_steps` times)."""
         t = self.tables
         t.release(plan.release)
-        for s in plan.release:
-            self._active[s] = False
         t.apply(plan.pages)
         self._check(plan)
         toks, lps = self._run(list(plan.seqs), plan.decode_steps)
@@ -385,79 +377,6 @@ class Engine:
         width = max(len(outs), self.decode_steps)
         exe = self._gather_exe(width, outs[0].shape[1])
         return np.asarray(exe(*outs, *[outs[-1]] * (width - len(outs))))[: len(outs)]
-
-    # -- the slot form of a plan
-    def _step_slots(self, plan: StepPlan) -> StepResult:
-        """A slot-form plan (release, prefill whole prompts into slots, decode every active slot): each slot owns
-        a fixed run of pages of its group's pool, prompts are cut into chunks of at most `max_step_tokens`
-        per group, chunks of several prompts share steps, and the decode rows run `decode_steps` passes."""
-        ps, t = self.programs_set, self.tables
-        self._check_tokens(plan, [(p.slot, np.asarray(p.tokens).reshape(-1)) for p in plan.prefills])
-        per_slot = ps.max_pages_per_seq
-        if ps.pages_per_group < ps.slots_per_group * per_slot:
-            raise ValueError(f"a slot-form plan needs a pool of {ps.slots_per_group * per_slot} pages per dp group "
-                             f"(every slot at max_seq_len); engine.num_pages is {ps.pages_per_group}")
-        for s in plan.release:
-            t.check_slot(s)
-            self._active[s] = False
-            self._lengths[s] = 0
-        t.release(plan.release)
-        items = []
-        for item in plan.prefills:
-            t.check_slot(item.slot)
-            tokens = np.asarray(item.tokens, np.int32).reshape(-1)
-            n = int(tokens.shape[0])
-            if n < 1 or n >= ps.max_seq_len:
-                raise ValueError(f"slot {item.slot}: prompt of {n} tokens does not fit: prompts need "
-                                 f"1..{ps.max_seq_len - 1} tokens (max_seq_len {ps.max_seq_len}, at least one "
-                                 f"token must be generated)")
-            local = item.slot % ps.slots_per_group
-            t.table[item.slot] = np.arange(local * per_slot, (local + 1) * per_slot, dtype=np.int32)
-            items.append((item, tokens))
-        p_tok = np.zeros(len(items), np.int32)
-        p_lp = np.zeros(len(items), np.float32)
-        done = [0] * len(items)
-        while any(d < len(tok) for d, (_, tok) in zip(done, items, strict=True)):
-            budget = [ps.max_step_tokens] * ps.groups
-            seqs, which = [], []
-            for i, (item, tok) in enumerate(items):
-                g = item.slot // ps.slots_per_group
-                n = min(len(tok) - done[i], budget[g])
-                if n <= 0:
-                    continue
-                budget[g] -= n
-                last = done[i] + n == len(tok)
-                seqs.append(SeqStep(item.slot, tok[done[i]:done[i] + n], done[i], last,
-                                    item.sampling if done[i] == 0 else None))
-                which.append((i, last))
-                done[i] += n
-            toks, lps = self._run(seqs, 1)
-            for j, (i, last) in enumerate(which):
-                if last:
-                    p_tok[i], p_lp[i] = toks[0, j], lps[0, j]
-        for item, tok in items:
-            self._active[item.slot] = True
-            self._lengths[item.slot] = len(tok)
-        result = StepResult(plan.step_id, p_tok, p_lp)
-        n = plan.decode_steps
-        if not plan.decode:
-            return result
-        result.decode_tokens = np.zeros((n, ps.max_slots), np.int32)
-        result.decode_logprobs = np.zeros((n, ps.max_slots), np.float32)
-        active = np.nonzero(self._active)[0]
-        if not active.size:
-            return result
-        full = [int(s) for s in active if self._lengths[s] + n > ps.max_seq_len]
-        if full:
-            raise ValueError(f"slot {full[0]} has no room for {n} more token(s): its cache holds "
-                             f"{int(self._lengths[full[0]])} of max_seq_len={ps.max_seq_len}; the scheduler must "
-                             f"stop it or plan fewer decode steps")
-        seqs = [SeqStep(int(s), np.zeros(0, np.int32), int(self._lengths[s]), True) for s in active]
-        toks, lps = self._run(seqs, n)
-        result.decode_tokens[:, active] = toks
-        result.decode_logprobs[:, active] = lps
-        self._lengths[active] += n
-        return result
 
     def step_hlo(self, tokens: int, pages: int) -> str:
         """The optimised HLO of one step program (to inspect its collectives and copies)."""

@@ -15,9 +15,7 @@ New requests join free slots between decode steps. A request's events: one per g
 `submit`, `abort` and `fail_all` may be called from other threads; sinks are called outside the lock and must
 not block (put into a queue).
 
-Two plan forms, chosen by the engine (`Scheduler.for_engine`):
-- paged form (an engine with KV pages, `pages_per_group`; `paging` set): one mixed step per plan. Each dp
-  group has a page pool (`raydeploy.engine.pages`); a request gets a slot (a page-table row) in one group and
+One mixed step per plan over the engine's KV pages (`Paging`). Each dp group has a page pool (`raydeploy.engine.pages`); a request gets a slot (a page-table row) in one group and
   is prefilled only there. Every plan carries the decode rows of all running streams plus prompt chunks up to
   the group's token budget (`max_step_tokens`, or the smaller `mixed_step_tokens` while streams decode), in
   arrival order, so a long prompt never stalls running streams and many arriving prompts prefill together.
@@ -26,7 +24,6 @@ Two plan forms, chosen by the engine (`Scheduler.for_engine`):
   running request never runs out of pages: a request waits in the queue (first come, first served) until its
   pages fit, and one that could never fit a whole pool is refused at submit. Page-table changes travel in
   the plan (`StepPlan.pages`), so every host holds the same tables.
-- slot form (any other engine): whole prompts prefilled into slots, then decode of every running slot.
 See docs/scheduling.md.
 
 Failures (docs/gang.md, "A step that fails for one request"): a request whose prompt holds a token id past the
@@ -51,7 +48,7 @@ import numpy as np
 
 from raydeploy.engine.pages import PagePool, SequencePages
 from raydeploy.engine.request import FinishReason, GenerationRequest, RequestFailed, TokenEvent
-from raydeploy.engine.step import PageUpdate, PrefillItem, SeqStep, StepPlan, StepResult
+from raydeploy.engine.step import PageUpdate, SeqStep, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from raydeploy.config import Config
@@ -84,7 +81,7 @@ class QueueFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class Paging:
-    """What the paged form needs to know about the engine's KV pages."""
+    """What the scheduler needs to know about the engine's KV pages and step sizes."""
 
     page_size: int
     """Tokens per page."""
@@ -114,7 +111,7 @@ class _Queued:
     sink: Sink
     submitted_s: float
     keys: list[bytes] | None = None
-    """Paged form: the prompt's prefix keys, computed once."""
+    """the prompt's prefix keys, computed once."""
 
 
 @dataclass
@@ -126,7 +123,6 @@ class _Running:
     generated: int = 0
     first_token_s: float | None = None
     stop_ids: frozenset[int] = field(default_factory=frozenset)
-    # paged form
     pages: SequencePages | None = None
     tokens: list[int] = field(default_factory=list)
     """Prompt and emitted tokens (position i holds tokens[i])."""
@@ -147,13 +143,12 @@ def _halfway(limit: float) -> float:
 
 
 class Scheduler:
-    """Queue + slot table (+ page pools in the paged form). Thread-safe; the step loop itself
+    """Queue + slot table + page pools. Thread-safe; the step loop itself
     (next_plan/on_result) runs in one thread."""
 
-    def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int,
-                 prefill_buckets: Sequence[int], clock: Callable[[], float] = time.monotonic,
-                 max_prefills_per_step: int | None = None, slot_order: Sequence[int] | None = None,
-                 decode_steps: int = 1, paging: Paging | None = None, vocab_size: int | None = None) -> None:
+    def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int, paging: Paging,
+                 clock: Callable[[], float] = time.monotonic, slot_order: Sequence[int] | None = None,
+                 decode_steps: int = 1, vocab_size: int | None = None) -> None:
         self.max_slots = max_slots
         self.vocab_size = vocab_size
         """The model's vocabulary: a prompt token id at or past it is refused at submit (None: not checked)."""
@@ -163,24 +158,18 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.max_queue = max_queue
-        self.buckets = sorted({min(b, max_seq_len) for b in prefill_buckets})
-        self.max_prompt_len = min(self.buckets[-1], max_seq_len - 1) if self.buckets else max_seq_len - 1
+        self.max_prompt_len = max_seq_len - 1
         self.clock = clock
-        self.max_prefills_per_step = max_prefills_per_step or max_slots
         self.decode_steps = decode_steps
         self.paging = paging
-        self.pools: list[PagePool] = []
-        if paging is not None:
-            self._check_paging(paging)
-            self.max_prompt_len = max_seq_len - 1
-            self.pools = [PagePool(paging.pages_per_group, paging.page_size, g) for g in range(paging.groups)]
+        self._check_paging(paging)
+        self.pools = [PagePool(paging.pages_per_group, paging.page_size, g) for g in range(paging.groups)]
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: deque[_Queued] = deque()
         self._slots: list[_Running | None] = [None] * max_slots
         self._release: list[int] = []
-        self._inflight: dict[int, tuple[list[int], list[int]]] = {}  # step_id -> (prefill slots, decode slots)
-        self._paged_inflight: dict[int, list[tuple[int, _Running]]] = {}  # step_id -> (slot, request) per seq
+        self._inflight: dict[int, list[tuple[int, _Running]]] = {}  # step_id -> (slot, request) per seq
         self._prefilling: list[int] = []  # paged: slots whose prompt is not fully computed, in arrival order
         self._step_id = 0
         # paged: plans with decode rows while a prompt prefills (an "episode"): when it began, its decode passes
@@ -191,17 +180,17 @@ class Scheduler:
         self._recent_passes: deque[float] = deque(maxlen=DECODE_PASS_WINDOW)
         self._held_passes: deque[float] = deque(maxlen=DECODE_PASS_WINDOW)  # this episode's, per pass (`_pace`)
         self.decode_pass_s: float | None = None
-        """Paged form: seconds per decode pass of a decode-only plan of `decode_steps` passes while no prompt
+        """seconds per decode pass of a decode-only plan of `decode_steps` passes while no prompt
         prefills beside the streams, the median of the last `DECODE_PASS_WINDOW`: the pace `max_decode_slowdown`
         is a factor of (a median, as the plans just before a long prompt's first chunk run slower while its
         request is read and tokenized beside them; a moving average took that in). Passes
         between a prompt's chunks do not count: they run slower than undisturbed ones (measured: 5-10% on CPU,
         caches the chunk step evicted), and counting them let the streams drift past the limit."""
         self.chunk_step_s: float | None = None
-        """Paged form: seconds of the last step that carried prompt chunks beside decode rows."""
+        """seconds of the last step that carried prompt chunks beside decode rows."""
         self._chunk_growth_s = 0.0  # how much the last chunk step took over the one before (0 if less)
         self.held_floor = 1
-        """Paged form: the fewest passes a decode-only plan holding a prompt back may have. Every plan costs time
+        """the fewest passes a decode-only plan holding a prompt back may have. Every plan costs time
         beyond its passes (gathering inputs, the hosts' round trip, streaming tokens); a plan cut short to end
         where the prompt may go on spreads that over fewer tokens. Where it ran the streams slower per token than
         halfway from their pace to the limit, waiting in such plans makes the wait grow instead of end (measured:
@@ -213,9 +202,9 @@ class Scheduler:
         self.tokens_generated = 0
         self.prefills = 0
         self.prefill_tokens = 0
-        """Paged form: prompt tokens computed (prefix-cache hits excluded)."""
+        """prompt tokens computed (prefix-cache hits excluded)."""
         self.prefix_hit_tokens = 0
-        """Paged form: prompt tokens not computed because their pages were in the prefix cache."""
+        """prompt tokens not computed because their pages were in the prefix cache."""
         self.requests_failed = 0
         """Requests ended by a failure of their own (`step_failed`, `fail_step`), not by a gang failure."""
         self.ttft_s: deque[float] = deque(maxlen=256)
@@ -232,22 +221,17 @@ class Scheduler:
 
     @classmethod
     def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic) -> Scheduler:
-        """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids, the order to fill slots in; pages
-        when the engine is paged) with the config's queue, buckets and decode steps."""
-        paging = None
-        if hasattr(engine, "pages_per_group"):
-            # a model whose sliding-window layers keep rings cannot reuse a prefix (its window is not in them)
-            prefix = cfg.engine.prefix_caching and not getattr(engine, "window_rings", False)
-            paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
-                            prefix, getattr(engine, "mixed_step_tokens", None),
-                            cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
-        return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue,
-                   cfg.engine.prefill_buckets, clock=clock, slot_order=engine.slot_order,
-                   decode_steps=cfg.engine.decode_steps, paging=paging,
-                   vocab_size=getattr(engine, "vocab_size", None))
+        """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids, the order to fill slots in, its pages
+        and step sizes) with the config's queue, decode steps and pacing."""
+        # a model whose sliding-window layers keep rings cannot reuse a prefix (its window is not in them)
+        prefix = cfg.engine.prefix_caching and not engine.window_rings
+        paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
+                        prefix, engine.mixed_step_tokens, cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
+        return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue, paging, clock=clock,
+                   slot_order=engine.slot_order, decode_steps=cfg.engine.decode_steps, vocab_size=engine.vocab_size)
 
     def stats(self) -> dict[str, Any]:
-        """Counters for metrics and /status (the paged form adds its pages and prefix cache, summed over the
+        """Counters for metrics and /status (with the pages and the prefix cache, summed over the
         dp groups: hits, misses and evictions count pages)."""
         ttft = sorted(self.ttft_s)
         out: dict[str, Any] = {
@@ -255,18 +239,17 @@ class Scheduler:
             "steps": self.steps, "tokens_generated": self.tokens_generated, "prefills": self.prefills,
             "requests_failed": self.requests_failed,
             "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
-        if self.paging is not None:
-            with self._lock:
-                for pool in self.pools:
-                    for k, v in pool.stats().items():
-                        out[k] = out.get(k, 0) + v
-            out["slots_in_use_per_group"] = self._rows_per_group(self.paging.groups)
-            out["prefill_tokens"] = self.prefill_tokens
-            out["prefix_hit_tokens"] = self.prefix_hit_tokens
-            # the step times the chunk hold-back (max_decode_slowdown) works from
-            for name, secs in (("decode_pass_ms", self.decode_pass_s), ("chunk_step_ms", self.chunk_step_s)):
-                out[name] = None if secs is None else round(1e3 * secs, 2)
-            out["held_floor_passes"] = self.held_floor
+        with self._lock:
+            for pool in self.pools:
+                for k, v in pool.stats().items():
+                    out[k] = out.get(k, 0) + v
+        out["slots_in_use_per_group"] = self._rows_per_group(self.paging.groups)
+        out["prefill_tokens"] = self.prefill_tokens
+        out["prefix_hit_tokens"] = self.prefix_hit_tokens
+        # the step times the chunk hold-back (max_decode_slowdown) works from
+        for name, secs in (("decode_pass_ms", self.decode_pass_s), ("chunk_step_ms", self.chunk_step_s)):
+            out[name] = None if secs is None else round(1e3 * secs, 2)
+        out["held_floor_passes"] = self.held_floor
         return out
 
     # -- counters
@@ -303,10 +286,8 @@ class Scheduler:
         if n == 0:
             raise refuse("prompt is empty (prompt_token_ids has no tokens)")
         if n > self.max_prompt_len:
-            limit = (f"largest prefill bucket {self.buckets[-1] if self.buckets else 'none'}, "
-                     if self.paging is None else "")
             raise refuse(f"prompt has {n} tokens, more than the {self.max_prompt_len} this engine accepts "
-                         f"(max_seq_len {self.max_seq_len}, {limit}at least one token must be generated)")
+                         f"(max_seq_len {self.max_seq_len}, at least one token must be generated)")
         if req.max_tokens < 1:
             raise refuse(f"max_tokens must be >= 1, found {req.max_tokens}")
         if self.vocab_size is not None:
@@ -315,13 +296,12 @@ class Scheduler:
             if bad.size:
                 raise refuse(f"prompt token id {int(bad[0])} is outside the model's vocabulary (ids "
                              f"0..{self.vocab_size - 1}, vocab_size {self.vocab_size})")
-        if self.paging is not None:
-            ps = self.paging.page_size
-            need = -(-self._reserve_for(n, req.max_tokens) // ps)
-            if need > self.paging.pages_per_group:
-                raise refuse(f"needs up to {need} KV pages of {ps} tokens (prompt {n} + max_tokens {req.max_tokens}), "
-                             f"more than the {self.paging.pages_per_group} pages of a dp group's pool "
-                             f"(engine.num_pages); lower max_tokens or shorten the prompt")
+        ps = self.paging.page_size
+        need = -(-self._reserve_for(n, req.max_tokens) // ps)
+        if need > self.paging.pages_per_group:
+            raise refuse(f"needs up to {need} KV pages of {ps} tokens (prompt {n} + max_tokens {req.max_tokens}), "
+                         f"more than the {self.paging.pages_per_group} pages of a dp group's pool "
+                         f"(engine.num_pages); lower max_tokens or shorten the prompt")
 
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
         """Queue a request; raises `RequestFailed` (never runs here: a ValueError) or QueueFullError (try later)."""
@@ -374,7 +354,6 @@ class Scheduler:
             # The engine's slot table is gone with the gang, or it is cleared by these releases.
             self._release = [s for s in range(self.max_slots)]
             self._inflight.clear()
-            self._paged_inflight.clear()
             self._work.notify_all()
         self._emit(events)
 
@@ -393,31 +372,16 @@ class Scheduler:
                 return False
             self._planned_at.pop(plan.step_id, None)
             self._release = list(dict.fromkeys([*plan.release, *self._release]))
-            if plan.step_id in self._paged_inflight:
-                entries = self._paged_inflight.pop(plan.step_id)
-                for seq, (slot, run) in zip(plan.seqs, entries, strict=True):
-                    if self._slots[slot] is not run:
-                        continue  # aborted while the step ran
-                    if slot in named or run.req.request_id in ids:
-                        events.append((run.sink, self._fail_one(slot, plan, failure)))
-                        continue
-                    run.resend_row = True
-                    if seq.sampling is not None:  # its first chunk never reached the engine: send it as first again
-                        run.started = False
-            else:
-                prefill_slots, decode_slots = self._inflight.pop(plan.step_id, ([], []))
-                requeue: list[_Queued] = []
-                for slot in dict.fromkeys([*prefill_slots, *decode_slots]):
-                    held = self._slots[slot]
-                    if held is None:
-                        continue
-                    if slot in named or held.req.request_id in ids:
-                        events.append((held.sink, self._fail_one(slot, plan, failure)))
-                    elif slot in prefill_slots:  # never prefilled: back to the head of the queue, in order
-                        requeue.append(_Queued(held.req, held.sink, held.submitted_s))
-                        self._slots[slot] = None
-                        self._release.append(slot)
-                self._queue.extendleft(reversed(requeue))
+            entries = self._inflight.pop(plan.step_id)
+            for seq, (slot, run) in zip(plan.seqs, entries, strict=True):
+                if self._slots[slot] is not run:
+                    continue  # aborted while the step ran
+                if slot in named or run.req.request_id in ids:
+                    events.append((run.sink, self._fail_one(slot, plan, failure)))
+                    continue
+                run.resend_row = True
+                if seq.sampling is not None:  # its first chunk never reached the engine: send it as first again
+                    run.started = False
             self._release = list(dict.fromkeys(self._release))
             self._work.notify_all()
         self._emit(events)
@@ -425,13 +389,7 @@ class Scheduler:
 
     def _names_a_request(self, plan: StepPlan, slots: set[int], ids: set[str]) -> bool:
         """Under the lock: whether a row of `plan` is in `slots`, or its request (unless aborted since) in `ids`."""
-        if plan.step_id in self._paged_inflight:
-            rows: list[tuple[int, str | None]] = [(slot, run.req.request_id)
-                                                  for slot, run in self._paged_inflight[plan.step_id]]
-        else:
-            prefill_slots, decode_slots = self._inflight.get(plan.step_id, ([], []))
-            rows = [(s, r.req.request_id if (r := self._slots[s]) is not None else None)
-                    for s in [*prefill_slots, *decode_slots]]
+        rows = [(slot, run.req.request_id) for slot, run in self._inflight.get(plan.step_id, [])]
         return any(slot in slots or rid in ids for slot, rid in rows)
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
@@ -440,11 +398,7 @@ class Scheduler:
         events: list[tuple[Sink, TokenEvent]] = []
         with self._lock:
             self._planned_at.pop(plan.step_id, None)
-            if plan.step_id in self._paged_inflight:
-                slots = [slot for slot, run in self._paged_inflight.pop(plan.step_id) if self._slots[slot] is run]
-            else:
-                prefill_slots, decode_slots = self._inflight.pop(plan.step_id, ([], []))
-                slots = [s for s in dict.fromkeys([*prefill_slots, *decode_slots]) if self._slots[s] is not None]
+            slots = [slot for slot, run in self._inflight.pop(plan.step_id, []) if self._slots[slot] is run]
             for slot in slots:
                 run = self._slots[slot]
                 assert run is not None
@@ -490,7 +444,7 @@ class Scheduler:
         after the first (nothing to wait for before a pass was measured), or until the queue holds a request for
         every slot. A burst sent at once reaches rank 0 over tens of milliseconds (HTTP, the proxy, the replica):
         every request of it that misses the first step waits a whole step behind it."""
-        frac = 0.0 if self.paging is None else self.paging.burst_wait
+        frac = self.paging.burst_wait
         if not frac or not self.decode_pass_s:
             return
         gap, cap = frac * self.decode_pass_s, BURST_MAX_PASSES * self.decode_pass_s
@@ -504,50 +458,14 @@ class Scheduler:
 
     # -- the step loop
     def next_plan(self) -> StepPlan | None:
-        """The next step: releases, prefills of queued requests into free slots, decode of running slots."""
-        if self.paging is not None:
-            return self._next_paged_plan(self.paging)
-        with self._lock:
-            prefills: list[PrefillItem] = []
-            prefill_slots: list[int] = []
-            free = [i for i in self.slot_order if self._slots[i] is None]
-            while self._queue and free and len(prefills) < self.max_prefills_per_step:
-                q = self._queue.popleft()
-                req = q.req
-                slot = free.pop(0)
-                self._slots[slot] = _Running(req, q.sink, len(req.prompt_token_ids), q.submitted_s,
-                                             stop_ids=self._stop_ids(req))
-                prefills.append(PrefillItem(slot, np.asarray(req.prompt_token_ids, np.int32), req.sampling))
-                prefill_slots.append(slot)
-            decode_slots = [i for i, r in enumerate(self._slots) if r is not None]
-            release = tuple(self._release)
-            self._release = []
-            if not prefills and not decode_slots and not release:
-                return None
-            # A slot whose prefill token already ends it would decode once in vain; that is cheaper than a
-            # second plan, and its decode token is dropped in on_result.
-            plan = StepPlan(self._step_id, tuple(prefills), decode=bool(decode_slots), release=release,
-                            decode_steps=self._decode_steps(bool(prefills), decode_slots))
-            self._inflight[plan.step_id] = (prefill_slots, decode_slots)
-            self._step_id += 1
-            return plan
+        """The next step: releases, the decode rows of running streams, and prompt chunks of started and newly
+        admitted requests (None when there is nothing to do)."""
+        return self._next_paged_plan(self.paging)
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else self.eos_ids)
 
-    def _decode_steps(self, prefilling: bool, decode_slots: list[int]) -> int:
-        """Decode steps for the next plan: one while prompts are starting (their first token comes with the
-        plan, so a long plan would delay it); otherwise `decode_steps`, but no more than the running requests
-        still need and never past any slot's room in max_seq_len."""
-        if prefilling or not decode_slots:
-            return 1
-        runs = [r for r in (self._slots[s] for s in decode_slots) if r is not None]
-        # A running request has emitted `generated` tokens; all but the last are in its slot's cache.
-        room = min(self.max_seq_len - (r.prompt_len + r.generated - 1) for r in runs)
-        wanted = max(r.req.max_tokens - r.generated for r in runs)
-        return max(1, min(self.decode_steps, room, wanted))
-
-    # -- the paged form
+    # -- planning
     def _next_paged_plan(self, p: Paging) -> StepPlan | None:
         """Decode rows of every running stream, then prompt chunks (started prompts first, then queued requests
         admitted while a slot, their pages and the group's token budget allow), then the page-table changes."""
@@ -625,7 +543,7 @@ class Scheduler:
                 return None
             plan = StepPlan(self._step_id, release=release, decode_steps=steps, seqs=tuple(seqs),
                             pages=tuple(updates))
-            self._paged_inflight[plan.step_id] = entries
+            self._inflight[plan.step_id] = entries
             self._step_id += 1
             return plan
 
@@ -713,8 +631,8 @@ class Scheduler:
 
     @property
     def _slowdown_limit(self) -> float:
-        """`max_decode_slowdown` (0 for the slot form: nothing is held)."""
-        return 0.0 if self.paging is None else self.paging.max_decode_slowdown
+        """`max_decode_slowdown` (0: nothing is held)."""
+        return self.paging.max_decode_slowdown
 
     def _pace(self, limit: float) -> float | None:
         """The decode pass time the limit is a factor of: the pace before the prompt (`decode_pass_s`), unless
@@ -763,7 +681,7 @@ class Scheduler:
         return max(1, min(self.decode_steps, room, wanted))
 
     def _on_paged_result(self, plan: StepPlan, result: StepResult, events: list, now: float) -> None:
-        entries = self._paged_inflight.pop(plan.step_id, [])
+        entries = self._inflight.pop(plan.step_id, [])
         self._timed(plan.step_id, now)
         if result.tokens is None:
             raise ValueError(f"step {plan.step_id}: the engine returned no tokens for a paged plan")
@@ -797,7 +715,7 @@ class Scheduler:
 
     def _commit(self, run: _Running) -> None:
         """Cache the request's pages that are now full and computed."""
-        if run.pages is not None and self.paging is not None and self.paging.prefix_caching:
+        if run.pages is not None and self.paging.prefix_caching:
             run.pages.commit(run.tokens, run.computed)
 
     def on_result(self, plan: StepPlan, result: StepResult) -> None:
@@ -806,29 +724,9 @@ class Scheduler:
         now = self.clock()
         with self._lock:
             self.steps += 1
-            if plan.step_id in self._paged_inflight:
-                self._on_paged_result(plan, result, events, now)
-            else:
-                self._on_slot_result(plan, result, events, now)
+            self._on_paged_result(plan, result, events, now)
             self._work.notify_all()
         self._emit(events)
-
-    def _on_slot_result(self, plan: StepPlan, result: StepResult, events: list, now: float) -> None:
-        prefill_slots, decode_slots = self._inflight.pop(plan.step_id, ([], []))
-        self.prefills += len(prefill_slots)
-        for i, slot in enumerate(prefill_slots):
-            run = self._slots[slot]
-            if run is not None:
-                run.first_token_s = now
-                self.ttft_s.append(now - run.submitted_s)
-                self._token(slot, int(result.prefill_tokens[i]), float(result.prefill_logprobs[i]), events)
-        if plan.decode and result.decode_tokens is not None:
-            for k in range(result.decode_tokens.shape[0]):  # tokens after a slot finished are dropped
-                for slot in decode_slots:
-                    if self._slots[slot] is not None:
-                        lp = (float(result.decode_logprobs[k, slot]) if result.decode_logprobs is not None
-                              else None)
-                        self._token(slot, int(result.decode_tokens[k, slot]), lp, events)
 
     # -- internals (lock held)
     def _token(self, slot: int, token: int, logprob: float | None, events: list) -> None:
@@ -849,7 +747,7 @@ class Scheduler:
             self._finish(slot, reason)
 
     def _finish(self, slot: int, reason: FinishReason) -> TokenEvent:
-        """Take a request out of its slot: its slot is released in the next plan; in the paged form its
+        """Take a request out of its slot: its slot is released in the next plan; its
         computed full pages are cached and every page and reservation goes back to the pool."""
         run = self._slots[slot]
         assert run is not None

@@ -1,8 +1,7 @@
 """The per-step control message every host executes, and what a step returns.
 
-Two plan forms share `StepPlan` while the engine moves from slot windows to a paged KV cache: the slot form
-(`prefills`, `decode`) and the paged form (`seqs`, `pages`: one ragged mixed step of prefill chunks and decode
-rows, with the page-table changes the scheduler made). A plan uses one form, never both.
+A `StepPlan` is one ragged mixed step over the paged KV cache (`seqs`: prefill chunks and decode rows) with the
+page-table changes the scheduler made (`pages`).
 
 The coordinator (rank 0) decides one `StepPlan` per engine step; the dispatcher broadcasts it (as the bytes
 of `StepPlan.to_bytes`) and every host runs `Engine.step(plan)` with it, in the same order, so all hosts
@@ -13,7 +12,7 @@ serialise; they never hold device arrays or Python objects from the scheduler.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import msgpack
@@ -70,15 +69,6 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"sampling fields {unknown} are not among {known}")
         return cls(**{n: type(getattr(neutral, n))(x) for n, x in v.items()})
-
-
-@dataclass(frozen=True)
-class PrefillItem:
-    """Prefill `tokens` (unpadded int32 prompt ids) into batch slot `slot`, sampling its first token."""
-
-    slot: int
-    tokens: np.ndarray
-    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -142,54 +132,41 @@ class PageUpdate:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One engine step: release slots, prefill zero or more prompts into slots, then decode all active slots
-    `decode_steps` times in a row (several tokens per plan: the per-plan costs, broadcast to the hosts and the
-    tokens' readback, are paid once for all of them)."""
+    """One engine step: release slots, apply the page-table changes, then run each sequence's work in one ragged
+    step; a plan of decode rows only runs `decode_steps` passes in a row (several tokens per plan: the per-plan
+    costs, broadcast to the hosts and the tokens' readback, are paid once for all of them)."""
 
     step_id: int
-    prefills: tuple[PrefillItem, ...] = ()
-    decode: bool = False
     release: tuple[int, ...] = ()
     shutdown: bool = False
     decode_steps: int = 1
     seqs: tuple[SeqStep, ...] = ()
-    """Paged form: each sequence's work this step (prefill chunks and decode rows in one ragged step)."""
+    """Each sequence's work this step (prefill chunks and decode rows in one ragged step)."""
     pages: tuple[PageUpdate, ...] = ()
-    """Paged form: page-table changes, applied before the step runs."""
+    """Page-table changes, applied before the step runs."""
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([
-            self.step_id,
-            [[p.slot, np.asarray(p.tokens, np.int32).tobytes(), p.sampling.to_wire()] for p in self.prefills],
-            self.decode, list(self.release), self.shutdown, self.decode_steps,
+            self.step_id, list(self.release), self.shutdown, self.decode_steps,
             [q.to_wire() for q in self.seqs], [u.to_list() for u in self.pages],
         ], use_bin_type=True)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StepPlan:
-        step_id, prefills, decode, release, shutdown, decode_steps, seqs, pages = msgpack.unpackb(data, raw=False)
-        items = tuple(PrefillItem(int(s), np.frombuffer(t, np.int32), SamplingParams.from_wire(sp))
-                      for s, t, sp in prefills)
-        return cls(int(step_id), items, bool(decode), tuple(int(r) for r in release), bool(shutdown),
-                   int(decode_steps), tuple(SeqStep.from_wire(q) for q in seqs),
-                   tuple(PageUpdate.from_list(u) for u in pages))
+        step_id, release, shutdown, decode_steps, seqs, pages = msgpack.unpackb(data, raw=False)
+        return cls(int(step_id), tuple(int(r) for r in release), bool(shutdown), int(decode_steps),
+                   tuple(SeqStep.from_wire(q) for q in seqs), tuple(PageUpdate.from_list(u) for u in pages))
 
 
 @dataclass
 class StepResult:
     """Tokens a step produced, as host numpy arrays (read on rank 0; followers may skip reading them).
 
-    prefill_tokens[i] is the first generated token of plan.prefills[i]. decode_tokens[k, s] is slot s's token
-    from the plan's k-th decode step ([decode_steps, slots]; meaningless for inactive slots). The logprobs are the log-probabilities of those chosen tokens
-    under the unfiltered, temperature-1 distribution.
+    tokens[k, i] is plan.seqs[i]'s token from the plan's k-th pass ([decode_steps, len(plan.seqs)]; meaningful
+    where the sequence samples). The logprobs are the log-probabilities of those chosen tokens under the
+    unfiltered, temperature-1 distribution, shaped like `tokens`.
     """
 
     step_id: int
-    prefill_tokens: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.int32))
-    prefill_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.float32))
-    decode_tokens: np.ndarray | None = None
-    decode_logprobs: np.ndarray | None = None
     tokens: np.ndarray | None = None
-    """Paged form: [decode_steps, len(plan.seqs)] int32; column i is plan.seqs[i] (meaningful where it samples)."""
     logprobs: np.ndarray | None = None
-    """Paged form: the chosen tokens' logprobs, shaped like `tokens`."""

@@ -64,8 +64,7 @@ class PoisonTokenEngine:
         return getattr(self.engine, name)
 
     def step(self, plan: Any) -> Any:
-        rows = [item.slot for item in plan.prefills if np.any(np.asarray(item.tokens) == self.token)]
-        rows += [q.slot for q in plan.seqs if np.any(np.asarray(q.tokens) == self.token)]
+        rows = [q.slot for q in plan.seqs if np.any(np.asarray(q.tokens) == self.token)]
         if rows:
             self.raised += 1
             raise RequestFailed(f"fault injected: the plan carries token id {self.token}", slots=tuple(rows))

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from raydeploy.engine.step import StepPlan, StepResult
+from raydeploy.engine.step import SeqStep, StepPlan, StepResult
 
 TOY_VOCAB = 256
 
@@ -73,31 +73,33 @@ class ToyEngine:
         return {"programs": 1}
 
     def step(self, plan: StepPlan) -> StepResult:
+        """Releases, then each sequence of the plan: a prompt's chunk sets its slot's last token (its last chunk
+        samples the next), and the decode rows run `decode_steps` passes of the sharded step. No pages: the
+        toy keeps no cache beyond each slot's last token."""
         for s in plan.release:
             self._last[s] = 0
-        prefill_tokens = []
-        for item in plan.prefills:
-            self._last[item.slot] = int(item.tokens[-1]) if len(item.tokens) else 0
-            nxt = int(toy_next_token(self._last[item.slot]))
-            self._last[item.slot] = nxt
-            prefill_tokens.append(nxt)
-        out = StepResult(step_id=plan.step_id, prefill_tokens=np.asarray(prefill_tokens, np.int32),
-                         prefill_logprobs=np.zeros((len(prefill_tokens),), np.float32))
-        if plan.decode:
+        tokens = np.zeros((plan.decode_steps, len(plan.seqs)), np.int32)
+        rows: list[tuple[int, int]] = []  # (column, slot) of the decode rows
+        for i, q in enumerate(plan.seqs):
+            new = np.asarray(q.tokens).reshape(-1)
+            if new.size == 0:
+                rows.append((i, q.slot))
+                continue
+            self._last[q.slot] = int(new[-1])
+            if q.sample:
+                self._last[q.slot] = tokens[0, i] = int(toy_next_token(self._last[q.slot]))
+        for k in range(plan.decode_steps if rows else 0):
             decoded = self._run(self._last)
-            fresh = {item.slot: self._last[item.slot] for item in plan.prefills}
-            self._last = decoded.astype(np.int32).copy()
-            for slot, tok in fresh.items():  # a slot prefilled in this step decodes from the next step on
-                self._last[slot] = tok
-            out.decode_tokens = decoded[None]  # the toy scheduler plans one decode step per plan
-            out.decode_logprobs = np.zeros((1, self.max_slots), np.float32)
-        return out
+            for i, s in rows:
+                self._last[s] = tokens[k, i] = decoded[s]
+        return StepResult(plan.step_id, tokens=tokens, logprobs=np.zeros(tokens.shape, np.float32))
 
 
 class ToyScheduler:
     """A minimal FIFO scheduler with the real scheduler's interface (submit/abort/next_plan/on_result/fail_all).
 
-    One prefill per step, then decode of every active slot; finishes on max_tokens or eos. Host-agnostic and
+    One whole prompt per step (one chunk that samples), beside a decode row for every slot past its first token;
+    finishes on max_tokens or eos. Host-agnostic and
     JAX-free in behaviour; used with the toy engine to test the gang without the model.
     """
 
@@ -136,18 +138,16 @@ class ToyScheduler:
         return False
 
     def next_plan(self) -> StepPlan | None:
-        from raydeploy.engine.step import PrefillItem
-
-        prefills = []
+        seqs = [SeqStep(s, np.zeros(0, np.int32), len(v[0].prompt_token_ids) + v[2] - 1, True)
+                for s, v in self.active.items() if v[2] > 0]
         free = [s for s in range(self.max_slots) if s not in self.active]
         if self.queue and free:
             req, sink = self.queue.popleft()
             self.active[free[0]] = [req, sink, 0]
-            prefills.append(PrefillItem(free[0], np.asarray(req.prompt_token_ids, np.int32), req.sampling))
-        decode = any(v[2] > 0 for v in self.active.values())
-        if not prefills and not decode and not self.release:
+            seqs.append(SeqStep(free[0], np.asarray(req.prompt_token_ids, np.int32), 0, True, req.sampling))
+        if not seqs and not self.release:
             return None
-        plan = StepPlan(self.step_id, tuple(prefills), decode, tuple(self.release))
+        plan = StepPlan(self.step_id, release=tuple(self.release), seqs=tuple(seqs))
         self.release = []
         self.step_id += 1
         return plan
@@ -168,14 +168,11 @@ class ToyScheduler:
             self.release.append(slot)
 
     def on_result(self, plan: StepPlan, result: StepResult) -> None:
-        decoding = [s for s, v in self.active.items() if v[2] > 0]
-        for item, tok in zip(plan.prefills, result.prefill_tokens, strict=True):
-            if item.slot in self.active:
-                self._emit(item.slot, int(tok))
-        if plan.decode and result.decode_tokens is not None:
-            for s in decoding:
-                if s in self.active:
-                    self._emit(s, int(result.decode_tokens[0, s]))
+        if result.tokens is None:
+            raise ValueError(f"step {plan.step_id}: the engine returned no tokens")
+        for i, q in enumerate(plan.seqs):
+            if q.slot in self.active:
+                self._emit(q.slot, int(result.tokens[0, i]))
 
     def fail_all(self, error: str, retriable: bool) -> None:
         from raydeploy.engine.request import TokenEvent
@@ -188,11 +185,8 @@ class ToyScheduler:
         self.active.clear()
 
     def _rows(self, plan: StepPlan) -> list[int]:
-        """The active slots `plan` carries: its prefills, and (decoding) every slot past its first token."""
-        rows = [item.slot for item in plan.prefills]
-        if plan.decode:
-            rows += [s for s, v in self.active.items() if v[2] > 0 and s not in rows]
-        return [s for s in rows if s in self.active]
+        """The active slots `plan` carries (its prompts and its decode rows)."""
+        return [q.slot for q in plan.seqs if q.slot in self.active]
 
     def _fail_slot(self, slot: int, plan: StepPlan, message: str, invalid: bool) -> None:
         from raydeploy.engine.request import TokenEvent
@@ -204,7 +198,7 @@ class ToyScheduler:
                         error=f"request {req.request_id} failed in step {plan.step_id}: {why}"))
 
     def step_failed(self, plan: StepPlan, failure: Any) -> bool:
-        """As `Scheduler.step_failed`: fail the named rows; the plan's other prefills go back to the queue's head
+        """As `Scheduler.step_failed`: fail the named rows; the plan's other prompts go back to the queue's head
         (the engine never ran them) and its releases go out again."""
         named = [s for s in self._rows(plan)
                  if s in failure.slots or self.active[s][0].request_id in failure.request_ids]
@@ -213,11 +207,11 @@ class ToyScheduler:
         self.release = list(dict.fromkeys([*plan.release, *self.release]))
         for s in named:
             self._fail_slot(s, plan, failure.message, failure.invalid)
-        for item in reversed(plan.prefills):
-            if item.slot in self.active:
-                req, sink, _ = self.active.pop(item.slot)
+        for q in reversed(plan.seqs):
+            if len(q.tokens) and q.slot in self.active:
+                req, sink, _ = self.active.pop(q.slot)
                 self.queue.appendleft((req, sink))
-                self.release.append(item.slot)
+                self.release.append(q.slot)
         self._work.set()
         return True
 
