@@ -5,6 +5,7 @@ obvious."""
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -583,7 +584,7 @@ def test_a_prompt_that_fits_a_step_is_not_held_when_others_split_it():
     c = runner.submit(req("c", prompt=prompt_of(6, 3), max_tokens=2))
     runner.step_once()
     assert sorted(len(q.tokens) for q in eng.plans[-1].seqs) == [0, 1, 6]  # a decodes, b whole, c's first token
-    assert sched._wait_passes() > 0  # a long prompt would be held now
+    assert sched.pacing.wait_passes() > 0  # a long prompt would be held now
     runner.step_once()
     assert sorted(len(q.tokens) for q in eng.plans[-1].seqs) == [0, 0, 5]  # c's rest, at once
     runner.run_until_idle()
@@ -983,10 +984,10 @@ def test_real_model_exhausted_pool_queues_requests_that_complete_later_unchanged
     assert st["pages_used"] == 0 and st["pages_reserved"] == 0 and st["tokens_generated"] == 3 * 24
 
 
-def _burst_scheduler(eng: PagedTokenEngine, burst_wait: float) -> Scheduler:
+def _burst_scheduler(eng: PagedTokenEngine, burst_wait: float, clock=None, wait_clock=time.monotonic) -> Scheduler:
     paging = Paging(eng.page_size, eng.pages_per_group, eng.groups, eng.max_step_tokens, True, burst_wait=burst_wait)
-    return Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 16, clock=Clock(), slot_order=eng.slot_order,
-                     paging=paging)
+    return Scheduler(eng.max_slots, eng.max_seq_len, eng.eos_ids, 16, clock=clock or Clock(),
+                     slot_order=eng.slot_order, paging=paging, wait_clock=wait_clock)
 
 
 def _burst_shares_the_first_step(gaps_s: list[float]) -> None:
@@ -1027,19 +1028,18 @@ def test_a_burst_that_keeps_arriving_keeps_the_idle_engine_waiting():
     _burst_shares_the_first_step([1.2, 1.2, 1.2])
 
 
-def test_a_burst_that_never_stops_arriving_waits_at_most_burst_max_passes(monkeypatch):
+def test_a_burst_that_never_stops_arriving_waits_at_most_burst_max_passes():
     """Arrivals every half pass, each within the burst wait (a whole pass) of the last, at an idle engine with
     a slot for each of them: the wait still ends BURST_MAX_PASSES passes after the first request. The clock
-    is the test's: each wait moves it on by its timeout, at most half a pass, and a request arrives."""
+    is the test's (both the plans' clock and the burst wait's): each wait moves it on by its timeout, at most
+    half a pass, and a request arrives."""
     from raydeploy.engine import scheduler as scheduler_mod
 
     pass_s, now = 0.01, [1000.0]
-    monkeypatch.setattr(scheduler_mod.time, "monotonic", lambda: now[0])
     eng = PagedTokenEngine(max_slots=64, groups=2, step_tokens=64, pages_per_group=256)
-    sched = _burst_scheduler(eng, 1.0)
+    sched = _burst_scheduler(eng, 1.0, clock=lambda: now[0], wait_clock=lambda: now[0])
     sched.max_queue = 64
     sched.decode_pass_s = pass_s
-    sched.clock = lambda: now[0]
     arrivals = iter(range(1, 64))
 
     class Arriving(_RecordingCondition):

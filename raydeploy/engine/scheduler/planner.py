@@ -1,0 +1,489 @@
+"""The planner: the scheduler's request lifecycle and its plans, over admission (`admission`), placement
+(`placement`) and pacing (`pacing`). The package's docstring (`raydeploy.engine.scheduler`) tells the whole
+story; no JAX here."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from raydeploy.engine.pages import PagePool
+from raydeploy.engine.request import FinishReason, GenerationRequest, RequestFailed, TokenEvent
+from raydeploy.engine.scheduler.admission import Admission, QueueFullError
+from raydeploy.engine.scheduler.pacing import Pacing
+from raydeploy.engine.scheduler.placement import Placement, rows_per_group
+from raydeploy.engine.scheduler.records import Paging, Queued, Running, Sink
+from raydeploy.engine.step import PageUpdate, SeqStep, StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from raydeploy.config import Config
+
+class Scheduler:
+    """Queue + slot table + page pools. Thread-safe; the step loop itself
+    (next_plan/on_result) runs in one thread."""
+
+    def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int, paging: Paging,
+                 clock: Callable[[], float] = time.monotonic, slot_order: Sequence[int] | None = None,
+                 decode_steps: int = 1, vocab_size: int | None = None,
+                 wait_clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_slots = max_slots
+        self.slot_order = list(range(max_slots)) if slot_order is None else [int(s) for s in slot_order]
+        if sorted(self.slot_order) != list(range(max_slots)):
+            raise ValueError(f"slot_order must list each of the {max_slots} slots once, got {self.slot_order}")
+        self.max_seq_len = max_seq_len
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.max_queue = max_queue
+        self.decode_steps = decode_steps
+        self.paging = paging
+        paging.check(max_slots)
+        self.admission = Admission(max_seq_len, paging, decode_steps, vocab_size)
+        self.max_prompt_len = self.admission.max_prompt_len
+        self.pools = [PagePool(paging.pages_per_group, paging.page_size, g) for g in range(paging.groups)]
+        self.placement = Placement(paging, self.pools, self.slot_order, max_seq_len)
+        self.pacing = Pacing(decode_steps, paging.max_decode_slowdown, paging.burst_wait, clock, wait_clock)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: deque[Queued] = deque()
+        self._slots: list[Running | None] = [None] * max_slots
+        self._release: list[int] = []
+        self._inflight: dict[int, list[tuple[int, Running]]] = {}  # step_id -> (slot, request) per seq
+        self._prefilling: list[int] = []  # slots whose prompt is not fully computed, in arrival order
+        self._step_id = 0
+        # counters
+        self.steps = 0
+        self.tokens_generated = 0
+        self.prefills = 0
+        self.prefill_tokens = 0
+        """prompt tokens computed (prefix-cache hits excluded)."""
+        self.prefix_hit_tokens = 0
+        """prompt tokens not computed because their pages were in the prefix cache."""
+        self.requests_failed = 0
+        """Requests ended by a failure of their own (`step_failed`, `fail_step`), not by a gang failure."""
+        self.ttft_s: deque[float] = deque(maxlen=256)
+        """Recent times from submit to first token (seconds), for metrics."""
+
+    @classmethod
+    def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic) -> Scheduler:
+        """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids, the order to fill slots in, its pages
+        and step sizes) with the config's queue, decode steps and pacing."""
+        # a model whose sliding-window layers keep rings cannot reuse a prefix (its window is not in them)
+        prefix = cfg.engine.prefix_caching and not engine.window_rings
+        paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
+                        prefix, engine.mixed_step_tokens, cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
+        return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue, paging, clock=clock,
+                   slot_order=engine.slot_order, decode_steps=cfg.engine.decode_steps, vocab_size=engine.vocab_size)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock plans are timed and requests stamped with (the pacing's)."""
+        return self.pacing.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.pacing.clock = clock
+
+    @property
+    def decode_pass_s(self) -> float | None:
+        """Seconds per undisturbed decode pass (`Pacing.decode_pass_s`)."""
+        return self.pacing.decode_pass_s
+
+    @decode_pass_s.setter
+    def decode_pass_s(self, seconds: float | None) -> None:
+        self.pacing.decode_pass_s = seconds
+
+    @property
+    def chunk_step_s(self) -> float | None:
+        """Seconds of the last step of prompt chunks beside decode rows (`Pacing.chunk_step_s`)."""
+        return self.pacing.chunk_step_s
+
+    @property
+    def held_floor(self) -> int:
+        """The fewest passes of a plan that holds a prompt back (`Pacing.held_floor`)."""
+        return self.pacing.held_floor
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.admission.vocab_size
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and /status (with the pages and the prefix cache, summed over the
+        dp groups: hits, misses and evictions count pages)."""
+        ttft = sorted(self.ttft_s)
+        out: dict[str, Any] = {
+            "queue_depth": self.queue_depth, "slots_in_use": self.slots_in_use, "max_slots": self.max_slots,
+            "steps": self.steps, "tokens_generated": self.tokens_generated, "prefills": self.prefills,
+            "requests_failed": self.requests_failed,
+            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
+        with self._lock:
+            for pool in self.pools:
+                for k, v in pool.stats().items():
+                    out[k] = out.get(k, 0) + v
+        out["slots_in_use_per_group"] = rows_per_group(self._slots, self.paging.groups)
+        out["prefill_tokens"] = self.prefill_tokens
+        out["prefix_hit_tokens"] = self.prefix_hit_tokens
+        out.update(self.pacing.stats())  # the step times the chunk hold-back (max_decode_slowdown) works from
+        return out
+
+    # -- counters
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not (self._queue or self._busy())
+
+    # -- requests
+    def validate(self, req: GenerationRequest) -> None:
+        """Raise `RequestFailed` (a ValueError, HTTP 400) for a request that can never run here (`Admission`)."""
+        self.admission.validate(req)
+
+    def submit(self, req: GenerationRequest, sink: Sink) -> None:
+        """Queue a request; raises `RequestFailed` (never runs here: a ValueError) or QueueFullError (try later)."""
+        self.validate(req)
+        with self._lock:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(len(self._queue), self.max_queue)
+            self._queue.append(Queued(req, sink, self.clock()))
+            self._work.notify_all()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a queued or running request (its sink gets a final "abort" event); False if unknown."""
+        events: list[tuple[Sink, TokenEvent]] = []
+        with self._lock:
+            for i, q in enumerate(self._queue):
+                if q.req.request_id == request_id:
+                    del self._queue[i]
+                    events.append((q.sink, TokenEvent(request_id, None, index=0, finish_reason="abort")))
+                    break
+            else:
+                for slot, run in enumerate(self._slots):
+                    if run is not None and run.req.request_id == request_id:
+                        events.append((run.sink, self._finish(slot, "abort")))
+                        break
+            self._work.notify_all()
+        self._emit(events)
+        return bool(events)
+
+    def fail_all(self, error: str, retriable: bool) -> None:
+        """End every queued and running request with an error event (the gang failed, or shut down)."""
+        events: list[tuple[Sink, TokenEvent]] = []
+        with self._lock:
+            while self._queue:
+                q = self._queue.popleft()
+                events.append((q.sink, TokenEvent(q.req.request_id, None, finish_reason="error", error=error,
+                                                  retriable=retriable)))
+            for slot, run in enumerate(self._slots):
+                if run is not None:
+                    events.append((run.sink, TokenEvent(run.req.request_id, None, index=run.generated,
+                                                        finish_reason="error", error=error, retriable=retriable)))
+                    if run.pages is not None:
+                        run.pages.free()
+                    self._slots[slot] = None
+            # The device cache is gone with the gang or no longer trusted: forget every cached prefix.
+            for pool in self.pools:
+                pool.clear_cache()
+            self._prefilling.clear()
+            self.pacing.reset()  # plans that will never report back
+            # The engine's slot table is gone with the gang, or it is cleared by these releases.
+            self._release = [s for s in range(self.max_slots)]
+            self._inflight.clear()
+            self._work.notify_all()
+        self._emit(events)
+
+    def step_failed(self, plan: StepPlan, failure: RequestFailed) -> bool:
+        """Undo `plan`, whose engine raised `failure` before any device work: the requests it names (by plan row or
+        id) end with a non-retriable error; every other request of the plan is planned again as it was, and the
+        plan's releases go out again (the engine may or may not have applied them: a release, like a whole
+        page-table row, is idempotent). The prefix cache stays: no device page was written. Returns whether
+        `failure` names a request of the plan (if not, nothing was undone: the caller must treat the failure as
+        one it cannot attribute, or the same plan would fail again)."""
+        events: list[tuple[Sink, TokenEvent]] = []
+        named = set(failure.slots)
+        ids = set(failure.request_ids)
+        with self._lock:
+            if not self._names_a_request(plan, named, ids):
+                return False
+            self.pacing.forget(plan.step_id)
+            self._release = list(dict.fromkeys([*plan.release, *self._release]))
+            entries = self._inflight.pop(plan.step_id)
+            for seq, (slot, run) in zip(plan.seqs, entries, strict=True):
+                if self._slots[slot] is not run:
+                    continue  # aborted while the step ran
+                if slot in named or run.req.request_id in ids:
+                    events.append((run.sink, self._fail_one(slot, plan, failure)))
+                    continue
+                run.resend_row = True
+                if seq.sampling is not None:  # its first chunk never reached the engine: send it as first again
+                    run.started = False
+            self._release = list(dict.fromkeys(self._release))
+            self._work.notify_all()
+        self._emit(events)
+        return True
+
+    def _names_a_request(self, plan: StepPlan, slots: set[int], ids: set[str]) -> bool:
+        """Under the lock: whether a row of `plan` is in `slots`, or its request (unless aborted since) in `ids`."""
+        rows = [(slot, run.req.request_id) for slot, run in self._inflight.get(plan.step_id, [])]
+        return any(slot in slots or rid in ids for slot, rid in rows)
+
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        """End every request of `plan` with a non-retriable error: its step raised and the failure could not be
+        followed to one request, so none of them is sent again (another gang would fail it alike)."""
+        events: list[tuple[Sink, TokenEvent]] = []
+        with self._lock:
+            self.pacing.forget(plan.step_id)
+            slots = [slot for slot, run in self._inflight.pop(plan.step_id, []) if self._slots[slot] is run]
+            for slot in slots:
+                run = self._slots[slot]
+                assert run is not None
+                events.append((run.sink, self._fail_one(slot, plan, RequestFailed(error))))
+            self._release = list(dict.fromkeys(self._release))
+            self._work.notify_all()
+        self._emit(events)
+
+    def _fail_one(self, slot: int, plan: StepPlan, failure: RequestFailed) -> TokenEvent:
+        """Under the lock: end the request in `slot` with a non-retriable error naming it and the step. Its pages go
+        back uncached (what the failed step would have written is not there)."""
+        run = self._slots[slot]
+        assert run is not None
+        self._slots[slot] = None
+        self._release.append(slot)
+        if run.pages is not None:
+            run.pages.free()
+        if slot in self._prefilling:
+            self._prefilling.remove(slot)
+        self.requests_failed += 1
+        rid = run.req.request_id
+        why = failure.message.removeprefix(f"request {rid}: ")
+        return TokenEvent(rid, None, index=run.generated, finish_reason="error", retriable=False,
+                          invalid=failure.invalid, error=f"request {rid} failed in step {plan.step_id}: {why}")
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until there may be a plan to run (or timeout); True if there is work. Requests that find the
+        engine idle are held for the burst wait (`Paging.burst_wait`) before this returns."""
+        with self._lock:
+            if not (self._queue or self._busy()):
+                self._work.wait(timeout_s)
+            if self._queue and not self._busy():
+                self._gather_burst()
+            return bool(self._queue or self._busy())
+
+    def _busy(self) -> bool:
+        """Under the lock: requests are running or slots wait to be released (a plan is due whatever the queue)."""
+        return bool(self.slots_in_use or self._release)
+
+    def _gather_burst(self) -> None:
+        """Under the lock, with requests queued at an idle engine: hold them for the burst wait
+        (`Pacing.gather_burst`), until a request for every slot is queued."""
+        self.pacing.gather_burst(self._queue[0].submitted_s, lambda: len(self._queue), self.max_slots,
+                                 self._work.wait)
+
+    # -- the step loop
+    def next_plan(self) -> StepPlan | None:
+        """The next step: releases, the decode rows of running streams, and prompt chunks of started and newly
+        admitted requests (None when there is nothing to do)."""
+        return self._next_plan(self.paging)
+
+    def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
+        return frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else self.eos_ids)
+
+    # -- planning
+    def _next_plan(self, p: Paging) -> StepPlan | None:
+        """Decode rows of every running stream, then prompt chunks (started prompts first, then queued requests
+        admitted while a slot, their pages and the group's token budget allow), then the page-table changes."""
+        with self._lock:
+            per_group = self.max_slots // p.groups
+            budget = [p.max_step_tokens] * p.groups
+            seqs: list[SeqStep] = []
+            entries: list[tuple[int, Running]] = []
+            updates: list[PageUpdate] = []
+            decoding: list[tuple[int, Running]] = []
+            for slot in self.slot_order:
+                run = self._slots[slot]
+                if run is not None and run.started and run.computed >= run.prompt_len:
+                    decoding.append((slot, run))
+            one_step = p.max_step_tokens if p.mixed_step_tokens is None else min(p.max_step_tokens,
+                                                                                 p.mixed_step_tokens)
+            if decoding:  # a step costs its largest group's tokens
+                budget = [one_step] * p.groups
+            for slot, _ in decoding:
+                budget[slot // per_group] -= 1
+            wait = self.pacing.wait_passes() if decoding else 0
+            held = False  # a started prompt's next chunk waits for decode passes (max_decode_slowdown)
+            for slot in list(self._prefilling):
+                run = self._slots[slot]
+                assert run is not None
+                # only a prompt longer than a step beside the streams waits: one that fits a step but was split
+                # because other prompts shared its step goes on at once
+                if wait and run.started and run.prompt_len > one_step:
+                    held = True
+                    continue
+                n = min(run.prompt_len - run.computed, budget[slot // per_group])
+                if n > 0:
+                    budget[slot // per_group] -= n
+                    seqs.append(self._chunk(slot, run, n, updates))
+                    entries.append((slot, run))
+            while self._queue:  # admission: a slot and pages (its prefill starts when its group has budget)
+                head = self._queue[0]
+                cap = self.admission.reserve_for(len(head.req.prompt_token_ids), head.req.max_tokens)
+                placed = self.placement.place(head, cap, self._slots, budget)
+                if placed is None:
+                    break  # first come, first served: later requests wait behind the first that cannot start
+                q = self._queue.popleft()
+                slot, pages = placed
+                run = Running(q.req, q.sink, len(q.req.prompt_token_ids), q.submitted_s,
+                               stop_ids=self._stop_ids(q.req), pages=pages, tokens=list(q.req.prompt_token_ids),
+                               computed=pages.shared * p.page_size, cap=cap)
+                self.prefix_hit_tokens += run.computed
+                self._slots[slot] = run
+                self._prefilling.append(slot)
+                n = min(run.prompt_len - run.computed, budget[slot // per_group])
+                if n > 0:  # else it holds its slot and pages and starts when its group has budget again
+                    budget[slot // per_group] -= n
+                    seqs.append(self._chunk(slot, run, n, updates))
+                    entries.append((slot, run))
+            steps = 1 if seqs else self._decode_steps([r for _, r in decoding])
+            if held and not seqs:  # a decode-only plan ends where the held prompts may go on (`held_floor`)
+                steps = self.pacing.held_steps(steps, wait)
+            # (seqs holds the prompt chunks so far) the plan's duration feeds the chunk hold-back
+            self.pacing.planned(self._step_id, self.clock(), bool(decoding), bool(self._prefilling), bool(seqs), steps)
+            for slot, run in decoding:
+                self._grow(slot, run, run.computed + steps, updates)
+                seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True))
+                entries.append((slot, run))
+            release = tuple(self._release)
+            self._release = []
+            if not seqs and not release:
+                return None
+            plan = StepPlan(self._step_id, release=release, decode_steps=steps, seqs=tuple(seqs),
+                            pages=tuple(updates))
+            self._inflight[plan.step_id] = entries
+            self._step_id += 1
+            return plan
+
+    def _grow(self, slot: int, run: Running, positions: int, updates: list[PageUpdate]) -> None:
+        """Give `run` pages for `positions` positions (from its reservation); the new entries of its row go
+        into the plan. A first chunk sends the whole row, shared prefix pages included."""
+        assert run.pages is not None
+        before = len(run.pages.pages)
+        new = run.pages.grow(positions)
+        if not run.started or run.resend_row:
+            run.resend_row = False
+            updates.append(PageUpdate(slot, 0, np.asarray(run.pages.pages, np.int32)))
+        elif new:
+            updates.append(PageUpdate(slot, before, np.asarray(new, np.int32)))
+
+    def _chunk(self, slot: int, run: Running, n: int, updates: list[PageUpdate]) -> SeqStep:
+        """The next `n` prompt tokens of `run` as a SeqStep (the first chunk carries sampling and the tokens
+        of the reused prefix, for the repetition penalty)."""
+        start = run.computed
+        self._grow(slot, run, start + n, updates)
+        first = not run.started
+        run.started = True
+        prompt = run.req.prompt_token_ids
+        return SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
+                       run.req.sampling if first else None,
+                       np.asarray(prompt[:start], np.int32) if first and start > 0 else None)
+
+    def _decode_steps(self, runs: list[Running]) -> int:
+        """Steps of a decode-only plan: `decode_steps`, but no more than the running requests still want and
+        never past a request's reserved positions (which include max_seq_len's bound)."""
+        if not runs:
+            return 1
+        room = min(r.cap - r.computed for r in runs)
+        wanted = max(r.req.max_tokens - r.generated for r in runs)
+        return max(1, min(self.decode_steps, room, wanted))
+
+    def _on_result(self, plan: StepPlan, result: StepResult, events: list, now: float) -> None:
+        entries = self._inflight.pop(plan.step_id, [])
+        self.pacing.timed(plan.step_id, now)
+        if result.tokens is None:
+            raise ValueError(f"step {plan.step_id}: the engine returned no tokens for a paged plan")
+        if result.tokens.shape != (plan.decode_steps, len(entries)):
+            raise ValueError(f"step {plan.step_id}: tokens shaped {result.tokens.shape}, expected "
+                             f"{(plan.decode_steps, len(entries))} (decode_steps, sequences)")
+        lps = result.logprobs
+        for i, (seq, (slot, run)) in enumerate(zip(plan.seqs, entries, strict=True)):
+            n = int(np.asarray(seq.tokens).shape[0])
+            if n:  # a prompt chunk
+                if self._slots[slot] is not run:
+                    continue  # aborted (or failed) while the step ran
+                run.computed += n
+                self.prefill_tokens += n
+                if seq.sample:
+                    self._prefilling.remove(slot)
+                    self.prefills += 1
+                    run.first_token_s = now
+                    self.ttft_s.append(now - run.submitted_s)
+                    self._token(slot, int(result.tokens[0, i]), None if lps is None else float(lps[0, i]), events)
+                if self._slots[slot] is run:
+                    self._commit(run)
+                continue
+            for k in range(plan.decode_steps):  # tokens after a request finished are dropped
+                if self._slots[slot] is not run:
+                    break
+                run.computed += 1
+                self._token(slot, int(result.tokens[k, i]), None if lps is None else float(lps[k, i]), events)
+            if self._slots[slot] is run:
+                self._commit(run)
+
+    def _commit(self, run: Running) -> None:
+        """Cache the request's pages that are now full and computed."""
+        if run.pages is not None and self.paging.prefix_caching:
+            run.pages.commit(run.tokens, run.computed)
+
+    def on_result(self, plan: StepPlan, result: StepResult) -> None:
+        """Turn a step's tokens into events; finish requests on stop tokens, max_tokens or max_seq_len."""
+        events: list[tuple[Sink, TokenEvent]] = []
+        now = self.clock()
+        with self._lock:
+            self.steps += 1
+            self._on_result(plan, result, events, now)
+            self._work.notify_all()
+        self._emit(events)
+
+    # -- internals (lock held)
+    def _token(self, slot: int, token: int, logprob: float | None, events: list) -> None:
+        run = self._slots[slot]
+        assert run is not None
+        if token in run.stop_ids:
+            events.append((run.sink, self._finish(slot, "stop")))
+            return
+        run.generated += 1
+        self.tokens_generated += 1
+        if run.pages is not None:
+            run.tokens.append(token)
+        reason: FinishReason | None = None
+        if run.generated >= run.req.max_tokens or run.prompt_len + run.generated >= self.max_seq_len:
+            reason = "length"
+        events.append((run.sink, TokenEvent(run.req.request_id, token, logprob, run.generated - 1, reason)))
+        if reason is not None:
+            self._finish(slot, reason)
+
+    def _finish(self, slot: int, reason: FinishReason) -> TokenEvent:
+        """Take a request out of its slot: its slot is released in the next plan; its
+        computed full pages are cached and every page and reservation goes back to the pool."""
+        run = self._slots[slot]
+        assert run is not None
+        self._slots[slot] = None
+        self._release.append(slot)
+        if run.pages is not None:
+            self._commit(run)
+            run.pages.free()
+            if slot in self._prefilling:
+                self._prefilling.remove(slot)
+        return TokenEvent(run.req.request_id, None, index=run.generated, finish_reason=reason)
+
+    @staticmethod
+    def _emit(events: list[tuple[Sink, TokenEvent]]) -> None:
+        for sink, ev in events:
+            sink(ev)
