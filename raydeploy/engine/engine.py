@@ -32,6 +32,7 @@ import numpy as np
 from raydeploy.config import Config, EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
 from raydeploy.engine.attention import Attention
+from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.kv_cache import PageTables, StepInputs, allocate_pool, build_inputs
 from raydeploy.engine.programs import MIXED_STEP_CAP_PLATFORMS, ProgramSet, ProgramShape
 from raydeploy.engine.request import RequestFailed
@@ -263,6 +264,17 @@ class Engine:
     def program_counts(self) -> dict[str, int]:
         sources = [p["source"] for p in self.programs.values()]
         return {"loaded": sources.count("cache"), "compiled": sources.count("compiled")}
+
+    @property
+    def geometry(self) -> EngineGeometry:
+        """The engine's slots, pages and step sizes (`ProgramSet.geometry`)."""
+        return self.programs_set.geometry
+
+    def status(self) -> dict[str, Any]:
+        """What a host reports of its engine: the matmul choice, the KV dtype, and the step programs compiled so far
+        by source (`programs`: loaded from the cache or compiled; `program_sources`: name -> seconds, source)."""
+        return {"matmul": self.matmul, "kv_dtype": self.kv_dtype, "programs": self.program_counts(),
+                "program_sources": dict(self.programs)}
 
     # -- host side
     def _put(self, x: np.ndarray, sharding: Any) -> jax.Array:

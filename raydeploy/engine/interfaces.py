@@ -9,9 +9,10 @@ concrete class. No JAX here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.request import GenerationRequest, RequestFailed, TokenEvent
 from raydeploy.engine.step import StepPlan, StepResult
 
@@ -21,9 +22,25 @@ not block."""
 
 
 class StepEngine(Protocol):
-    """Runs one plan on the devices (on every host, in the same order) and returns what it sampled."""
+    """What a host calls of its engine: compile its programs, run one plan on the devices (on every host, in the
+    same order) and return what it sampled, describe its geometry and report its status."""
 
     def step(self, plan: StepPlan) -> StepResult: ...
+
+    def warmup(self, threads: int = 1) -> Mapping[str, Any]:
+        """Compile (or load) every program the engine will run, before the first plan; what it did, by name."""
+        ...
+
+    @property
+    def geometry(self) -> EngineGeometry | None:
+        """Slots, pages and step sizes (`raydeploy.engine.geometry`); None for an engine without KV pages (the
+        stand-in of raydeploy.testing.toy)."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """What the host's status reports of the engine (the real one: `matmul`, `kv_dtype`, `programs` by
+        source, `program_sources`); {} when there is nothing to say."""
+        ...
 
 
 class StepScheduler(Protocol):

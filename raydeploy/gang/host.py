@@ -212,14 +212,15 @@ class HostActor:
         return await self._phase("compile", self._compile_sync)
 
     def _compile_sync(self) -> dict[str, Any]:
-        if self.cfg.engine.warmup and self.engine is not None and hasattr(self.engine, "warmup"):
+        if self.cfg.engine.warmup and self.engine is not None:
             from raydeploy.engine.engine import compile_threads
 
-            info = self.engine.warmup(compile_threads(self.cfg.engine.compile_threads, self.cfg.cluster.platform))
-            out = dict(info) if isinstance(info, dict) else {}
-            if hasattr(self.engine, "program_counts"):  # the real engine: which programs came from the cache
-                self.programs = dict(self.engine.program_counts())
-                self.program_sources = dict(getattr(self.engine, "programs", {}))  # name -> {seconds, source}
+            out = dict(self.engine.warmup(compile_threads(self.cfg.engine.compile_threads,
+                                                          self.cfg.cluster.platform)))
+            status = self.engine.status()
+            if "programs" in status:  # which programs came from the cache
+                self.programs = dict(status["programs"])
+                self.program_sources = dict(status.get("program_sources", {}))  # name -> {seconds, source}
                 out["programs"] = self.programs
             return out
         return {}
@@ -288,11 +289,10 @@ class HostActor:
                                "phase_s": {k: round(v, 3) for k, v in self.phase_times_s.items()},
                                "init": self.init_info, "load": self.load_stats,
                                "preflight": self.preflight_info}
-        matmul = getattr(self.engine, "matmul", None)  # the real engine: "native" or "xla (why)"
-        if isinstance(matmul, str):
-            out["matmul"] = matmul
-        if isinstance(kv_dtype := getattr(self.engine, "kv_dtype", None), str):
-            out["kv_dtype"] = kv_dtype
+        engine = self.engine.status() if self.engine is not None else {}
+        for key in ("matmul", "kv_dtype"):  # the real engine: "native" or "xla (why)"; the KV pools' dtype
+            if key in engine:
+                out[key] = engine[key]
         if self.programs is not None:
             out["programs_loaded"] = self.programs.get("loaded", 0)
             out["programs_compiled"] = self.programs.get("compiled", 0)

@@ -79,6 +79,9 @@ class HangingEngine:
         self.hang_at_step = hang_at_step
         self.n = 0
 
+    def __getattr__(self, name: str) -> Any:  # the wrapped engine's geometry, status, figures
+        return getattr(self.engine, name)
+
     def step(self, plan: Any) -> Any:
         if self.n == self.hang_at_step:
             while True:

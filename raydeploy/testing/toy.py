@@ -72,6 +72,14 @@ class ToyEngine:
         self._run(np.zeros((self.max_slots,), np.int32))
         return {"programs": 1}
 
+    @property
+    def geometry(self) -> None:
+        """No KV pages: the toy keeps each slot's last token only."""
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
     def step(self, plan: StepPlan) -> StepResult:
         """Releases, then each sequence of the plan: a prompt's chunk sets its slot's last token (its last chunk
         samples the next), and the decode rows run `decode_steps` passes of the sharded step. No pages: the
