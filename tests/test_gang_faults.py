@@ -23,6 +23,7 @@ from raydeploy.config import load_config
 from raydeploy.engine.request import GenerationRequest
 from raydeploy.gang.feed import Feeds, stream_events
 from raydeploy.gang.gang import start_gang
+from raydeploy.testing.faults import FaultyEngine
 from raydeploy.testing.toy import toy_expected_tokens
 
 pytestmark = pytest.mark.ray
@@ -160,7 +161,7 @@ def test_host_killed_mid_generation_fails_request_and_gang_restarts(ray_cluster,
 
 def test_a_step_failing_for_one_request_fails_it_alone_and_both_hosts_go_on_in_lockstep(ray_cluster):
     poison = 201
-    gang = start_gang(_cfg(), engine="toy", faults={r: {"raise_on_token": poison} for r in (0, 1)})
+    gang = start_gang(_cfg(), engine=FaultyEngine("toy", faults={r: {"raise_on_token": poison} for r in (0, 1)}))
     try:
         gang.wait_ready(120)
 
@@ -202,7 +203,7 @@ def test_a_step_failing_for_one_request_fails_it_alone_and_both_hosts_go_on_in_l
 
 
 def test_rank_that_never_joins_fails_within_init_timeout(ray_cluster):
-    gang = start_gang(_cfg("cluster.max_restarts=0"), engine="toy", faults={1: {"never_join": 120}})
+    gang = start_gang(_cfg("cluster.max_restarts=0"), engine=FaultyEngine("toy", faults={1: {"never_join": 120}}))
     t0 = time.monotonic()
     try:
         with pytest.raises(Exception) as info:
@@ -222,7 +223,7 @@ def test_fingerprint_mismatch_is_refused_without_restart(ray_cluster):
                                "cluster.step_timeout_s=4", "cluster.restart_backoff_s=0.2",
                                "cluster.max_restarts=2", "engine.max_slots=2", "model.max_seq_len=1024",
                                "engine.prefill_buckets=[32,1024]"])
-    gang = start_gang(cfg, engine="toy", host_configs={1: other})
+    gang = start_gang(cfg, engine=FaultyEngine("toy", host_configs={1: other}))
     try:
         with pytest.raises(Exception) as info:
             gang.wait_ready(120)
@@ -236,7 +237,7 @@ def test_fingerprint_mismatch_is_refused_without_restart(ray_cluster):
 
 
 def test_stuck_host_is_caught_by_the_watchdog(ray_cluster):
-    gang = start_gang(_cfg(), engine="toy", faults={1: {"hang_at_step": 3}})
+    gang = start_gang(_cfg(), engine=FaultyEngine("toy", faults={1: {"hang_at_step": 3}}))
     try:
         gang.wait_ready(120)
         events = gang.generate(_long_request("stuck"), timeout_s=60)

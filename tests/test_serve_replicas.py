@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from raydeploy.config import load_config
+from raydeploy.testing.faults import FaultyEngine
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]
 
@@ -92,8 +93,8 @@ def two_gangs(demo_checkpoint):
     t0 = time.monotonic()
     try:
         cfg = replica_cfg(_free_port(), "replicas.min=2", "replicas.max=2")
-        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint), engine="toy",
-                                faults={0: {"raise_on_token": POISON}})
+        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint),
+                                engine=FaultyEngine("toy", faults={0: {"raise_on_token": POISON}}))
         serving.wait_ready(READY_TIMEOUT_S, count=2)
         wait_http_ready(serving.url, READY_TIMEOUT_S)
         print(f"two gangs ready after {time.monotonic() - t0:.1f}s")

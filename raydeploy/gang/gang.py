@@ -13,6 +13,7 @@ from typing import Any
 from raydeploy.config import Config
 from raydeploy.engine.request import GenerationRequest, TokenEvent
 from raydeploy.gang.bringup import GangError
+from raydeploy.gang.engines import EngineSource, engine_source
 from raydeploy.gang.feed import stream_events
 from raydeploy.gang.supervisor import NAMESPACE, SUPERVISOR_NAME, GangSupervisor
 
@@ -92,39 +93,34 @@ class Gang:
             ray.kill(self.supervisor, no_restart=True)
 
 
-def create_supervisor(cfg: Config, *, name: str, engine: str = "real", checkpoint_path: str | None = None,
-                      faults: dict[int, dict[str, Any]] | None = None,
-                      host_configs: dict[int, Config] | None = None, poll_s: float = 0.5, detached: bool = False,
+def create_supervisor(cfg: Config, *, name: str, engine: str | EngineSource = "real",
+                      checkpoint_path: str | None = None, poll_s: float = 0.5, detached: bool = False,
                       placement_group: Any = None) -> Any:
     """Create the supervisor actor `name` (namespace "raydeploy") without starting it or waiting (call its
     `start`). With `placement_group`, the gang's hosts go into that group's bundles (one per rank), which the
     caller reserved and removes (a Serve replica's group); otherwise the supervisor reserves its own.
 
-    `engine` names the engine factory (raydeploy.gang.runtime.ENGINES: "real", "toy", or "module:function");
-    only "real" reads the checkpoint."""
+    `engine` names the engine factory (raydeploy.gang.runtime.ENGINES: "real", "toy", or "module:function"), or
+    is an engine source (raydeploy.gang.engines); only "real" reads the checkpoint."""
     import ray
 
-    check_engine(engine)
-    path = (checkpoint_path or resolve_checkpoint_path(cfg)) if engine == "real" else None
+    source = engine_source(engine)
+    path = (checkpoint_path or resolve_checkpoint_path(cfg)) if source.reads_checkpoint else None
     lifetime = {"lifetime": "detached"} if detached else {}
     # an actor handle: Ray's stubs type its methods as the plain methods, not as `.remote`-callables
     sup: Any = ray.remote(GangSupervisor).options(name=name, namespace=NAMESPACE, num_cpus=0,
                                                   max_concurrency=64, **lifetime).remote(
-        cfg, path, faults=faults, host_configs=host_configs, poll_s=poll_s, name=name,
-        placement_group=placement_group, engine=engine)
+        cfg, path, poll_s=poll_s, name=name, placement_group=placement_group, engine=source)
     return sup
 
 
-def check_engine(engine: str) -> None:
-    """A known engine name or "module:function" (imported on the hosts, not here: no JAX in the driver)."""
-    from raydeploy.gang.runtime import ENGINES
-
-    if engine not in ENGINES and (":" not in engine or engine.startswith(":") or engine.endswith(":")):
-        raise ValueError(f"engine must be one of {sorted(ENGINES)} or 'module:function', found {engine!r}")
+def check_engine(engine: str | EngineSource) -> EngineSource:
+    """`engine` as a checked engine source: a known engine name or "module:function" (imported on the hosts, not
+    here: no JAX in the driver), or a source wrapping one."""
+    return engine_source(engine)
 
 
-def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None = None,
-               faults: dict[int, dict[str, Any]] | None = None, host_configs: dict[int, Config] | None = None,
+def start_gang(cfg: Config, *, engine: str | EngineSource = "real", checkpoint_path: str | None = None,
                poll_s: float = 0.5, detached: bool = False, name: str = SUPERVISOR_NAME) -> Gang:
     """Start a supervisor named `name` and its gang; returns at once (see wait_ready). For batch jobs, tests
     and benchmarks; `raydeploy serve` runs one gang per Serve replica instead (raydeploy.serve.replica).
@@ -133,8 +129,8 @@ def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None
     different names run side by side, each on its own hosts (on TPU, each on its own slice). `detached`
     makes the supervisor outlive the process that starts it.
 
-    engine "toy" runs the stand-in engine without a checkpoint (tests, control benchmarks); `faults` and
-    `host_configs` inject per-rank failures and configs for tests.
+    engine "toy" runs the stand-in engine without a checkpoint (tests, control benchmarks); tests inject per-rank
+    failures and configs with an engine source that wraps the factory (raydeploy.testing.faults.FaultyEngine).
     """
     import ray
 
@@ -148,7 +144,7 @@ def start_gang(cfg: Config, *, engine: str = "real", checkpoint_path: str | None
             ray.get(old.shutdown.remote(), timeout=cfg.cluster.rpc_timeout_s)
         finally:
             ray.kill(old, no_restart=True)
-    sup = create_supervisor(cfg, name=name, engine=engine, checkpoint_path=checkpoint_path, faults=faults,
-                            host_configs=host_configs, poll_s=poll_s, detached=detached)
+    sup = create_supervisor(cfg, name=name, engine=engine, checkpoint_path=checkpoint_path, poll_s=poll_s,
+                            detached=detached)
     ray.get(sup.start.remote(), timeout=cfg.cluster.rpc_timeout_s)
     return Gang(sup, cfg)

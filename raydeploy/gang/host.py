@@ -10,8 +10,9 @@ Bring-up phases (called by raydeploy.gang.bringup in this order, on every host c
 `process_info` -> `preflight` (environment and devices, before JAX starts) -> `fingerprint` -> `init_distributed` -> `load` -> `compile` -> `serve` (the long-lived call: rank 0 runs
 the coordinator loop, followers the step loop; it returns on shutdown and raises on failure, which is
 how the supervisor notices a dead or broken host). Rank 0 also answers `generate`/`abort`/`stats`.
-`engine` names the engine factory (raydeploy.gang.runtime.ENGINES, or "module:function"); `faults` injects
-failures for tests through raydeploy.testing.faults (never join, fail the load, hang in a step).
+`engine` is where the engine comes from (raydeploy.gang.engines.EngineSource, or a factory name: one of
+raydeploy.gang.runtime.ENGINES or "module:function"); tests inject failures by wrapping it
+(raydeploy.testing.faults.FaultyEngine: never join, fail the load, hang in a step).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from raydeploy.config import Config
 from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.gang.engines import EngineSource, engine_source
 
 if TYPE_CHECKING:  # names for annotations only: this module must not import JAX
     from jax.sharding import Mesh
@@ -92,17 +94,12 @@ class HostActor:
     """One host of the gang. Create with `ray.remote(HostActor).options(**actor_options(...))`."""
 
     def __init__(self, cfg: Config, rank: int, generation: int, checkpoint_path: str | None,
-                 faults: dict[str, Any] | None = None, engine: str = "real") -> None:
+                 engine: str | EngineSource = "real") -> None:
         self.cfg = cfg
         self.rank = rank
         self.generation = generation
         self.checkpoint_path = checkpoint_path
-        self.engine_factory = engine
-        self.faults = dict(faults or {})
-        if self.faults:
-            from raydeploy.testing.faults import check_faults
-
-            check_faults(self.faults)
+        self.engine_source = engine_source(engine)
         self.phase = "created"
         self.phase_times_s: dict[str, float] = {}
         self.init_info: dict[str, Any] = {}
@@ -175,10 +172,7 @@ class HostActor:
         return host_fingerprint(self.cfg, ckpt, library_versions())
 
     async def init_distributed(self, coordinator_address: str) -> dict[str, Any]:
-        if self.faults:
-            from raydeploy.testing.faults import before_init
-
-            await before_init(self.faults, self.rank)
+        await self.engine_source.before_init(self.rank, self.generation)
         return await self._phase("init", self._init_sync, coordinator_address)
 
     def _init_sync(self, coordinator_address: str) -> dict[str, Any]:
@@ -197,13 +191,7 @@ class HostActor:
         return await self._phase("load", self._load_sync)
 
     def _load_sync(self) -> dict[str, Any]:
-        from raydeploy.gang.runtime import load_engine
-
-        if self.faults:
-            from raydeploy.testing.faults import before_load
-
-            before_load(self.faults, self.rank)
-        self.loaded = load_engine(self.engine_factory, self.cfg, self.mesh, self.checkpoint_path)
+        self.loaded = self.engine_source.load(self.cfg, self.mesh, self.checkpoint_path, self.rank, self.generation)
         self.engine, self.load_stats = self.loaded.engine, self.loaded.load_stats
         self.eos_token_ids = self.loaded.eos_token_ids
         return self.load_stats
@@ -241,10 +229,6 @@ class HostActor:
         self.clock = StepClock()
         client = jax_kv_client()
         engine = self._loaded_engine()
-        if self.faults:
-            from raydeploy.testing.faults import wrap_engine
-
-            engine = wrap_engine(self.faults, engine)
         self.phase = "serving"
         if self.rank == 0:
             from raydeploy.gang.coordinator import Coordinator

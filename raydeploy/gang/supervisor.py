@@ -29,6 +29,7 @@ from typing import Any
 
 from raydeploy.config import Config
 from raydeploy.gang.bringup import GangError, _root, bring_up
+from raydeploy.gang.engines import EngineSource, engine_source
 
 SUPERVISOR_NAME = "raydeploy-supervisor"
 EXIT_WAIT_S = 30.0
@@ -57,18 +58,15 @@ class RestartPolicy:
 class GangSupervisor:
     """Create with `ray.remote(GangSupervisor).options(name=..., namespace=..., num_cpus=0)` (see gang.start_gang)."""
 
-    def __init__(self, cfg: Config, checkpoint_path: str | None, faults: dict[int, dict[str, Any]] | None = None,
-                 host_configs: dict[int, Config] | None = None, poll_s: float = 0.5,
+    def __init__(self, cfg: Config, checkpoint_path: str | None, poll_s: float = 0.5,
                  sleep: Callable[[float], Awaitable[None]] | None = None, name: str = "raydeploy",
-                 placement_group: Any = None, engine: str = "real") -> None:
+                 placement_group: Any = None, engine: str | EngineSource = "real") -> None:
         self.cfg = cfg
         self.checkpoint_path = checkpoint_path
-        self.faults = faults or {}
-        self.host_configs = host_configs or {}
         self.poll_s = poll_s
         self.name = name
-        self.engine = engine
-        """The engine factory every host loads with (raydeploy.gang.runtime.ENGINES, or "module:function")."""
+        self.engine = engine_source(engine)
+        """Where every host's engine comes from (raydeploy.gang.engines: a factory name, or a source wrapping one)."""
         self.placement_group = placement_group
         """A placement group reserved for this gang elsewhere (Serve's, for the replica owning the gang), or None."""
         self.procs: list[dict[str, Any]] = []  # per rank: pid, node_id, node_ip, started_at
@@ -212,10 +210,9 @@ class GangSupervisor:
             opts = actor_options(self.cfg, rank, self.group.bundle(rank), self.group.scheduling_strategy(rank),
                                  self.generation)
             opts.pop("name")
-            cfg = self.host_configs.get(rank, self.cfg)
-            faults = self.faults.get(rank) if self.generation == 1 else None  # injected into the first gang only
+            cfg = self.engine.config_for(self.cfg, rank)
             self.hosts.append(remote_cls.options(**opts).remote(cfg, rank, self.generation, self.checkpoint_path,
-                                                                faults, self.engine))
+                                                                self.engine))
         await self._record_procs()
         self.phase_s["actors_s"] = time.perf_counter() - t0
         self.bringup_info = await bring_up(self.cfg, self.hosts, self.phase_s, on_phase=self._on_phase)

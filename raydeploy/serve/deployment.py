@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ray import serve
 
@@ -36,6 +36,9 @@ from raydeploy.serve.generation import Limits, ServingCore
 from raydeploy.serve.limits import PROBE_HEADROOM, FrontDoorLimits, ingress_bound
 from raydeploy.serve.metrics import ServingMetrics
 from raydeploy.serve.text import TextCodec
+
+if TYPE_CHECKING:
+    from raydeploy.gang.engines import EngineSource
 
 log = logging.getLogger("raydeploy.serve")
 
@@ -132,13 +135,13 @@ def gang_deployment_options(cfg: Config) -> dict[str, Any]:
 
 
 def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s: float | None = None,
-                    engine: str = "real", faults: dict[int, dict[str, Any]] | None = None) -> Any:
+                    engine: str | EngineSource = "real") -> Any:
     """The bound Serve application (pass to `serve.run(app, name=APP_NAME, route_prefix="/")`): the ingress
     over the gang replicas.
 
     `ready_timeout_s`: each gang replica starts serving only once its gang is ready (waiting at most that long).
-    engine "toy" runs the gangs' stand-in engine (no weights; the checkpoint still gives the tokenizer); `faults`
-    (tests) go to every gang replica's first gang (raydeploy.testing.faults)."""
+    engine "toy" runs the gangs' stand-in engine (no weights; the checkpoint still gives the tokenizer); tests
+    inject faults into every gang replica's first gang with an engine source (raydeploy.testing.faults)."""
     keys = load_api_keys(cfg.serving)  # fail in the driver, with the config key named, before any replica starts
     if cfg.serving.max_concurrent_per_key and not keys:
         raise ConfigError("a per-key limit needs API keys: set serving.api_keys_env or serving.api_keys_file",
@@ -146,10 +149,10 @@ def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s:
     from raydeploy.gang.gang import check_engine
     from raydeploy.serve.replica import GangReplica
 
-    check_engine(engine)
+    source = check_engine(engine)
     gang_replica = cast(serve.Deployment, serve.deployment(GangReplica))  # a class becomes a Deployment
     gangs = gang_replica.options(**gang_deployment_options(cfg)).bind(
-        cfg, str(checkpoint_dir) if engine == "real" else None, engine, ready_timeout_s, faults)
+        cfg, str(checkpoint_dir) if source.reads_checkpoint else None, source, ready_timeout_s)
     # the decorators made the class a Deployment; mypy keeps the type of a decorated class
     ingress = cast(serve.Deployment, ServeIngress)
     # the front door refuses beyond ingress_bound at once (503); Serve's own cap is above it, so probes and the

@@ -33,11 +33,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raydeploy.config import Config
 from raydeploy.engine.request import GenerationRequest, TokenEvent
 from raydeploy.engine.scheduler import QueueFullError
+
+if TYPE_CHECKING:
+    from raydeploy.gang.engines import EngineSource
 
 log = logging.getLogger("raydeploy.serve")
 
@@ -48,8 +51,8 @@ class GangReplica:
     """The Serve deployment class (bound with options by raydeploy.serve.deployment.gang_deployment)."""
 
     # Serve awaits an async constructor (the supervisor's start is awaited, not blocked on)
-    async def __init__(self, cfg: Config, checkpoint_path: str | None, engine: str = "real",  # type: ignore[misc]
-                       ready_timeout_s: float | None = None, faults: dict[int, dict[str, Any]] | None = None) -> None:
+    async def __init__(self, cfg: Config, checkpoint_path: str | None,  # type: ignore[misc]
+                       engine: str | EngineSource = "real", ready_timeout_s: float | None = None) -> None:
         from ray import serve
         from ray.util import get_current_placement_group
 
@@ -64,7 +67,7 @@ class GangReplica:
         # a TPU slice is pinned by the supervisor itself (the slice is known only once its head is held)
         pg = None if pins_tpu_slice(cfg.cluster) else get_current_placement_group()
         self.supervisor = create_supervisor(cfg, name=self.name, engine=engine, checkpoint_path=checkpoint_path,
-                                            placement_group=pg, faults=faults)  # faults: tests only
+                                            placement_group=pg)
         self.rpc_timeout_s = min(cfg.cluster.rpc_timeout_s, 30.0)
         await asyncio.wait_for(_await(self.supervisor.start.remote()), self.rpc_timeout_s)
         self._state: dict[str, Any] = {"state": "starting"}

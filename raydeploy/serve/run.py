@@ -26,9 +26,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raydeploy.config import Config
+
+if TYPE_CHECKING:
+    from raydeploy.gang.engines import EngineSource
 
 DRAIN_TIMEOUT_S = 30.0
 """Seconds Serve waits for in-flight requests to finish at shutdown (beside the margin below)."""
@@ -93,13 +96,14 @@ def connect_ray(address: str | None, *, temp_dir: str | None = None, num_cpus: i
     return True
 
 
-def start_serving(cfg: Config, *, checkpoint_path: str | None = None, engine: str = "real",
-                  faults: dict[int, dict[str, Any]] | None = None) -> Serving:
+def start_serving(cfg: Config, *, checkpoint_path: str | None = None,
+                  engine: str | EngineSource = "real") -> Serving:
     """Deploy the gang replicas and the HTTP ingress on cfg.serving.host:port (Ray must be initialised);
     returns once the replicas have started (their gangs go on starting: see `Serving.wait_ready`).
 
     engine "toy" runs the gangs' stand-in engine (no weights) behind the real HTTP stack; the checkpoint
-    still provides the tokenizer. `faults` (tests) go to every gang replica's first gang.
+    still provides the tokenizer. Tests inject faults into every gang replica's first gang with an engine source
+    (raydeploy.testing.faults.FaultyEngine).
     """
     from ray import serve
 
@@ -108,7 +112,7 @@ def start_serving(cfg: Config, *, checkpoint_path: str | None = None, engine: st
     from raydeploy.serve.deployment import APP_NAME, build_serve_app
 
     path = checkpoint_path or resolve_checkpoint_path(cfg)
-    app = build_serve_app(cfg, path, engine=engine, faults=faults)  # checks the API key source before anything starts
+    app = build_serve_app(cfg, path, engine=engine)  # checks the API key source before anything starts
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
     try:
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
