@@ -4,7 +4,6 @@ given to them; which programs exist and their abstract arguments are `ProgramSet
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -16,11 +15,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.engine.attention import Attention, get_attention
 from raydeploy.engine.kv_cache import PoolLayout, StepInputs, to_pool_dtype
-from raydeploy.engine.matmul import pallas_gpu as stacked_matmul
+from raydeploy.engine.matmul import Matmul, MatmulChoice
 from raydeploy.engine.programs.kernels import KernelChoice
 from raydeploy.engine.sampling import RowSampling, sample
-from raydeploy.model import native
-from raydeploy.model.llama import ActivationSharding, unroll_layers
+from raydeploy.model.llama import ActivationSharding
+from raydeploy.model.scan import unroll_layers
 
 
 def pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
@@ -61,10 +60,11 @@ class StepBodies:
         self.dp_axes = shard.slot_axes
         self.graphdef = graphdef
         self.param_treedef = param_treedef
-        self.native_matmul = kernels.native_matmul
-        self.stacked_matmul = kernels.stacked_matmul
+        self.matmul = MatmulChoice(kernels.native_matmul, kernels.stacked_matmul, self.platform)
+        """The projections' matmul backend, chosen once (`raydeploy.engine.matmul`); each traced step hands the model
+        its backend (`MatmulChoice.backend`), and the native one's decode-row kernel goes to the XLA attention."""
         self.layer_specs = layer_specs
-        self.attention = attention
+        self.attention = attention.with_decode_rows(self.matmul.decode_rows)
         self.layout = layout
         self.groups = groups
         self.max_slots = max_slots
@@ -231,13 +231,11 @@ class StepBodies:
         attention = self.attention.single_token if single_token else self.attention.ragged
         if attention is None:
             raise ValueError("a single-token step program needs an attention with a single-token path")
-        with (native.rows_over(self.mesh, self.dp_axes, packed) if self.native_matmul is None
-              else contextlib.nullcontext()), \
-                (stacked_matmul.rows_over(self.mesh, self.dp_axes, self.platform != "gpu", self.layer_specs)
-                 if self.stacked_matmul is None else contextlib.nullcontext()):
-            return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer, attention)
+        matmul = self.matmul.backend(self.mesh, self.dp_axes, packed, self.layer_specs)
+        return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer, attention, matmul)
 
-    def _step_body(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer, attention: AttentionFn):
+    def _step_body(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer, attention: AttentionFn,
+                   matmul: Matmul):
         model = self.model(leaves)
         if per_layer is not None:
             unroll_layers(model.layers, per_layer)
@@ -246,11 +244,11 @@ class StepBodies:
         r = inp.kv_lens.shape[0] // g
         tokens = self._per_group(_last_token_inputs, 3)(last_tokens, inp.from_last, inp.tokens)
         h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool,
-                                     static_kinds=self.attention.static_layer_kinds)
+                                     static_kinds=self.attention.static_layer_kinds, matmul=matmul)
         hg = h.reshape(g, t, h.shape[-1])
         last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices
-        logits = model.logits(last, self.shard)
+        logits = model.logits(last, self.shard, matmul)
         tail = partial(_sample_rows, max_slots=self.max_slots, vocab_chunks=self.vocab_chunks)
         presence, last_tokens, tok, lp = self._per_group(tail, 7, replicated=2)(
             logits, presence, last_tokens, inp.reset, tokens, inp.token_slot, inp.sampling, inp.any_sampled,

@@ -12,8 +12,9 @@ import jax
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine.matmul import pallas_gpu as stacked_matmul
 from raydeploy.model import native
-from raydeploy.model.llama import EMBEDDING, in_out_kernels
+from raydeploy.model.llama import EMBEDDING
 from raydeploy.model.registry import Family
+from raydeploy.model.scan import in_out_kernels
 
 
 def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str, native_weights: tuple[str, ...] = ()
