@@ -113,7 +113,7 @@ def serve(port: int) -> None:
     from raydeploy.serve.text import TextCodec
 
     print(f"serving raydeploy from {Path(raydeploy.__file__).parent}", flush=True)
-    cfg = load_config(None, ["model.max_seq_len=128", "engine.prefill_buckets=[32,128]", "engine.max_new_tokens=64"])
+    cfg = load_config(None, ["model.max_seq_len=128", "engine.max_new_tokens=64"])
     codec = TextCodec.from_dir(tokenizer_dir())
     backend = FakeBackend(codec.encode(" Hello.") + list(codec.eos_token_ids), codec.eos_token_ids[0])
     core = ServingCore(backend, codec, Limits.from_config(cfg, "bench"))

@@ -156,7 +156,7 @@ def bench_ours(new_tokens: int, dtype: str, sampling: dict) -> dict:
     t0 = time.perf_counter()
     params, _ = reader.load(reader.param_specs(), mesh, rules, dtype, 4, progress=False)
     model_cfg = ModelConfig(dtype="float32", param_dtype=dtype, max_seq_len=512)  # float32 activations
-    engine_cfg = EngineConfig(max_slots=8, prefill_buckets=[64, 512], max_new_tokens=256)
+    engine_cfg = EngineConfig(max_slots=8, max_new_tokens=256)
     engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, model_cfg, engine_cfg)
     load_s = time.perf_counter() - t0
     compile_s = engine.warmup()

@@ -53,7 +53,7 @@ def overrides(mesh: str) -> list[str]:
         devices *= int(v)
     # 2 hosts share the mesh's devices; the demo model's 9/3 heads do not split over tp, so attention is replicated
     return [f"mesh.axes={{{axes}}}", f"cluster.devices_per_host={devices // 2}",
-            "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}", "model.max_seq_len=256", "engine.prefill_buckets=[256]",
+            "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}", "model.max_seq_len=256",
             "engine.max_new_tokens=64", "engine.max_slots=2", "engine.warmup=false", "cluster.init_timeout_s=120",
             # no persistent compile cache: the engine build after the read compiles the same programs every
             # run, whatever another run left in the cache (this measures the read)

@@ -45,7 +45,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
     if n % args.hosts:
         raise SystemExit(f"--mesh {args.mesh} has {n} devices, which do not split over --hosts {args.hosts}")
     return [f"mesh.axes={{{axes}}}", f"cluster.num_hosts={args.hosts}", f"cluster.devices_per_host={n // args.hosts}",
-            "model.max_seq_len=256", "engine.prefill_buckets=[64, 256]",
+            "model.max_seq_len=256",
             "engine.max_new_tokens=200", f"engine.max_slots={args.batch}", "cluster.init_timeout_s=120",
             f"engine.decode_steps={args.decode_steps}"]
 

@@ -172,7 +172,7 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
     t0 = time.perf_counter()
     params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "bfloat16", 8, progress=False)
     model_cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", max_seq_len=MAX_SEQ_LEN)
-    engine_cfg = EngineConfig(max_slots=slots, prefill_buckets=[64, MAX_SEQ_LEN], max_new_tokens=new_tokens,
+    engine_cfg = EngineConfig(max_slots=slots, max_new_tokens=new_tokens,
                               attention=attention, compilation_cache_dir=None, prefill_chunk=chunk,
                               gpu_matmul=gpu_matmul)
     engine = Engine(family, cfg, params, mesh, rules, model_cfg, engine_cfg)

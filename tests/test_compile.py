@@ -227,7 +227,7 @@ def test_depth_does_not_grow_the_programs(tmp_path: Path):
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**src, "num_hidden_layers": layers}))
         r = _run("configs/tpu-v5e-16.yaml", "--json", "--only", "step", "--set", f"model.hf_config={d}/config.json",
-                 "--set", "engine.prefill_buckets=[512]", "--set", "model.max_seq_len=512",
+                 "--set", "model.max_seq_len=512",
                  # one slot per dp group and a 4-token chunk: two step programs (1 and 4 tokens) per depth
                  "--set", "engine.max_slots=4", "--set", "engine.prefill_chunk=4", "--set", "engine.max_new_tokens=256")
         assert r.returncode == 0, r.stderr[-2000:]
@@ -242,7 +242,7 @@ def test_depth_does_not_grow_the_programs(tmp_path: Path):
 def test_cpu_target_compiles_the_embedded_default_like_bring_up(tmp_path: Path):
     """A CPU config compiles over this process's CPU devices; --out writes a compilation cache."""
     r = _run("configs/local.yaml", "--json", "--only", "step", "--out", str(tmp_path / "cache"),
-             "--set", "engine.prefill_buckets=[64]", "--set", "model.max_seq_len=64",
+             "--set", "model.max_seq_len=64",
              "--set", "engine.max_new_tokens=32", "--set", "engine.prefill_chunk=16")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(r.stdout)
@@ -255,7 +255,7 @@ def test_cpu_target_compiles_the_embedded_default_like_bring_up(tmp_path: Path):
 def test_plan_with_compile_uses_the_compiled_memory_figures():
     base = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "TPU_SKIP_MDS_QUERY")}
     r = subprocess.run([sys.executable, "-m", "raydeploy", "plan", "configs/local.yaml", "--compile",
-                        "--set", "engine.prefill_buckets=[64]", "--set", "model.max_seq_len=64",
+                        "--set", "model.max_seq_len=64",
                         "--set", "engine.max_new_tokens=32"], cwd=REPO, capture_output=True, text=True,
                        timeout=900, env=base)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -311,7 +311,6 @@ def test_bring_up_loads_the_programs_that_compile_wrote(tmp_path: Path, demo_che
     text = (REPO / "configs/local.yaml").read_text()
     for old, new in [("num_hosts: 2", "num_hosts: 1"), ("devices_per_host: 1", "devices_per_host: 2"),
                      ("max_seq_len: 2048", "max_seq_len: 256"), ("max_new_tokens: 256", "max_new_tokens: 64"),
-                     ("prefill_buckets: [64, 256, 1024, 2048]", "prefill_buckets: [64, 256]"),
                      ("engine:\n", f"engine:\n  compilation_cache_dir: {cache}\n  prefill_chunk: 64\n")]:
         assert old in text, old
         text = text.replace(old, new, 1)

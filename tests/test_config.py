@@ -112,9 +112,16 @@ def test_burst_wait_is_a_fraction_of_a_pass(tmp_path: Path, value: str) -> None:
     assert load_config(_write(tmp_path, "engine: {burst_wait: 0}\n")).engine.burst_wait == 0
 
 
-def test_buckets_must_cover_max_seq_len(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="largest prefill bucket 512 is smaller than model.max_seq_len 2048"):
-        load_config(_write(tmp_path, "engine: {prefill_buckets: [128, 512]}\n"))
+def test_a_removed_key_is_refused_naming_it_and_why(tmp_path: Path) -> None:
+    path = _write(tmp_path, "engine: {prefill_buckets: [128, 512]}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert "engine.prefill_buckets" in msg and str(path) in msg
+    assert "this key was removed (prompts are computed in chunks of engine.prefill_chunk tokens" in msg
+    assert "delete it from the config" in msg
+    with pytest.raises(ConfigError, match=r"engine.prefill_buckets.*this key was removed"):
+        load_config(None, ["engine.prefill_buckets=[64]"])
 
 
 def test_overrides_apply_and_are_checked(tmp_path: Path) -> None:
@@ -145,8 +152,8 @@ TYPE_CASES = [
     ("engine:\n  sampling:\n    temperature: hot\n", "engine.sampling.temperature", "expected a number, found 'hot'"),
     ("engine:\n  sampling:\n    temperature: false\n", "engine.sampling.temperature",
      "expected a number, found False"),
-    ("engine:\n  prefill_buckets: [64, big]\n", "engine.prefill_buckets[1]", "expected an integer, found 'big'"),
-    ("engine:\n  prefill_buckets: 64\n", "engine.prefill_buckets", "expected a list, found 64"),
+    ("serving:\n  cors_origins: [a, 3]\n", "serving.cors_origins[1]", "expected a string, found 3"),
+    ("serving:\n  cors_origins: 64\n", "serving.cors_origins", "expected a list, found 64"),
     ("engine:\n  warmup: 1\n", "engine.warmup", "expected true or false, found 1"),
     ("engine:\n  attention: flash\n", "engine.attention", "must be one of 'auto', 'xla', 'pallas', found 'flash'"),
     ("engine: 4\n", "engine", "expected a mapping (section), found 4"),
@@ -206,8 +213,8 @@ def test_loaded_values_have_the_declared_types(tmp_path: Path) -> None:
 
 
 def test_tuples_are_not_lists() -> None:
-    with pytest.raises(ConfigError, match=r"key 'engine.prefill_buckets': expected a list, found \(64, 2048\)"):
-        config_from_dict({"engine": {"prefill_buckets": (64, 2048)}})
+    with pytest.raises(ConfigError, match=r"key 'serving.cors_origins': expected a list, found \('a', 'b'\)"):
+        config_from_dict({"serving": {"cors_origins": ("a", "b")}})
 
 
 def test_simulated_requires_cpu() -> None:

@@ -195,7 +195,7 @@ def test_gang_serves_moe_with_experts_across_hosts(tmp_path_factory):
     cache = tmp_path_factory.mktemp("gang-cache")
     cfg = load_config(None, [
         "cluster.devices_per_host=2", "mesh.axes={ep: 2, tp: 2}", f"model.checkpoint={case['ckpt']}",
-        f"model.max_seq_len={MAX_SEQ_LEN}", "engine.prefill_buckets=[64]", "engine.max_new_tokens=32",
+        f"model.max_seq_len={MAX_SEQ_LEN}", "engine.max_new_tokens=32",
         "engine.max_slots=2", "engine.page_size=8", "engine.prefill_chunk=16", "cluster.heartbeat_timeout_s=10",
         "cluster.init_timeout_s=60", "cluster.rpc_timeout_s=1200", f"engine.compilation_cache_dir={cache}"])
     temp = f"/tmp/rdf-{os.getpid()}"

@@ -11,8 +11,7 @@ import sys
 import pytest
 from conftest import REPO
 
-SMALL = ["--set", "model.max_seq_len=256", "--set", "engine.prefill_buckets=[64,256]",
-         "--set", "engine.max_new_tokens=128", "--set", "engine.max_slots=2"]
+SMALL = ["--set", "model.max_seq_len=256", "--set", "engine.max_new_tokens=128", "--set", "engine.max_slots=2"]
 
 
 def _run(*args: str, timeout_s: float = 900) -> subprocess.CompletedProcess:

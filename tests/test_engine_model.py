@@ -27,7 +27,7 @@ def _engine_cfgs():
     from raydeploy.config import EngineConfig, ModelConfig
 
     return (ModelConfig(max_seq_len=256),
-            EngineConfig(max_slots=4, prefill_buckets=[256], max_new_tokens=64, prefill_chunk=64))
+            EngineConfig(max_slots=4, max_new_tokens=64, prefill_chunk=64))
 
 
 def _build_engine(checkpoint, mesh_shape, rules_overrides, param_dtype="float32"):

@@ -179,7 +179,7 @@ def _build_engine(checkpoint, mesh_shape, max_seq_len=256, max_slots=4, prefill_
     params, _ = reader.load(reader.param_specs(), mesh, rules, param_dtype, 4, progress=False)
     if params_as is not None:
         params = jax.tree.map(lambda a: a.astype(params_as), params)
-    engine_cfg = EngineConfig(max_slots=max_slots, prefill_buckets=[max_seq_len], max_new_tokens=64,
+    engine_cfg = EngineConfig(max_slots=max_slots, max_new_tokens=64,
                               prefill_chunk=prefill_chunk, decode_steps=decode_steps, **engine_kw)
     model_cfg = ModelConfig(max_seq_len=max_seq_len,
                             param_dtype=param_dtype if params_as is None else np.dtype(params_as).name)

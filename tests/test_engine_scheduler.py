@@ -903,7 +903,7 @@ def real_paged(demo_checkpoint):
     reader = CheckpointReader(demo_checkpoint)
     params, _ = reader.load(reader.param_specs(), mesh, rules, "float32", 4, progress=False)
     cfg = Config(model=ModelConfig(max_seq_len=512),
-                 engine=EngineConfig(max_slots=4, prefill_buckets=[512], max_new_tokens=64, prefill_chunk=128,
+                 engine=EngineConfig(max_slots=4, max_new_tokens=64, prefill_chunk=128,
                                      decode_steps=4))
     engine = Engine(*from_hf_config(reader.hf_config), params, mesh, rules, cfg.model, cfg.engine)
     tok = AutoTokenizer.from_pretrained(str(demo_checkpoint), local_files_only=True)

@@ -45,7 +45,7 @@ def codec() -> TextCodec:
 
 @pytest.fixture(scope="module")
 def served(codec):
-    cfg = load_config(None, ["model.max_seq_len=128", "engine.prefill_buckets=[32,128]",
+    cfg = load_config(None, ["model.max_seq_len=128",
                              "engine.max_new_tokens=64", "engine.max_slots=4", "serving.max_queue=4",
                              "serving.max_body_bytes=65536"])
     backend = FakeBackend(codec.encode(SCRIPT) + list(codec.eos_token_ids), codec.eos_token_ids[0], step_s=0.0002)

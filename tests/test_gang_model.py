@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.model, pytest.mark.slow]
 
 HEARTBEAT_S = 5
 OVERRIDES = ["cluster.devices_per_host=2", "mesh.axes={fsdp: 2, tp: 2}",
-             "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}", "model.max_seq_len=256", "engine.prefill_buckets=[256]",
+             "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}", "model.max_seq_len=256",
              "engine.max_new_tokens=64", "engine.max_slots=2", f"cluster.heartbeat_timeout_s={HEARTBEAT_S}",
              "cluster.init_timeout_s=60", "cluster.restart_backoff_s=0.2", "cluster.max_restarts=2",
              "cluster.rpc_timeout_s=1200"]  # a cold compile on a busy 2-core machine can pass 300 s

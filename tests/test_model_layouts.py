@@ -140,7 +140,7 @@ def _paged_engine(mesh_shape, rules_overrides, **engine_kw):
 
     mesh = _mesh(mesh_shape)
     rules = merge_rules(rules_overrides)
-    kw = {"max_slots": 4, "prefill_buckets": [64], "max_new_tokens": 16, "page_size": 4, "prefill_chunk": 8,
+    kw = {"max_slots": 4, "max_new_tokens": 16, "page_size": 4, "prefill_chunk": 8,
           "decode_steps": 3, **engine_kw}
     from raydeploy.model.registry import LLAMA
 

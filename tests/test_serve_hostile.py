@@ -183,7 +183,7 @@ def _serve(tokenizer: Any, *, nan_logprobs: bool = False) -> Any:
     from raydeploy.serve.generation import Limits, ServingCore
     from raydeploy.serve.text import TextCodec
 
-    cfg = load_config(None, ["model.max_seq_len=128", "engine.prefill_buckets=[32,128]", "engine.max_new_tokens=64",
+    cfg = load_config(None, ["model.max_seq_len=128", "engine.max_new_tokens=64",
                              "engine.max_slots=4", "serving.max_queue=2", "serving.max_body_bytes=4194304"])
     codec = TextCodec(tokenizer, model_vocab_size=MODEL_VOCAB)
     script = [t for t in tokenizer.inner.encode(" Hi there.") if t < MODEL_VOCAB] + [codec.eos_token_ids[0]]
@@ -346,7 +346,7 @@ def test_responses_write_non_finite_logprobs_as_null(real_tokenizer, caplog):
 def test_a_page_pool_smaller_than_one_sequence_is_a_config_error():
     from raydeploy.config import ConfigError, load_config
 
-    base = ["model.max_seq_len=128", "engine.prefill_buckets=[32,128]", "engine.max_new_tokens=64"]
+    base = ["model.max_seq_len=128", "engine.max_new_tokens=64"]
     with pytest.raises(ConfigError, match=r"engine.num_pages.*is 7 pages, fewer than one sequence of "
                                           r"model.max_seq_len 128 needs \(8 pages of engine.page_size 16\)"):
         load_config(None, [*base, "engine.num_pages=7"])

@@ -58,7 +58,7 @@ def codec() -> TextCodec:
 
 @pytest.fixture(scope="module")
 def cfg():
-    return load_config(None, ["model.max_seq_len=128", "engine.prefill_buckets=[32,128]", "engine.max_new_tokens=32",
+    return load_config(None, ["model.max_seq_len=128", "engine.max_new_tokens=32",
                               "engine.max_slots=4", "serving.max_queue=64"])
 
 

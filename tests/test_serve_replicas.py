@@ -51,7 +51,7 @@ def replica_cfg(port: int, *extra: str):
         "cluster.heartbeat_timeout_s=10", "cluster.init_timeout_s=60", "cluster.restart_backoff_s=0.5",
         "cluster.max_restarts=3", "replicas.routing_stats_period_s=0.5", "replicas.health_check_period_s=2",
         # the stand-in engine holds no KV cache: a long context costs nothing and lets a stream run for minutes
-        "model.max_seq_len=1000000", "engine.prefill_buckets=[64,1000000]", "engine.max_new_tokens=999000", *extra])
+        "model.max_seq_len=1000000", "engine.max_new_tokens=999000", *extra])
 
 
 def expected_text(codec, n: int) -> str:

@@ -47,7 +47,7 @@ class GangWithAddresses(FakeBackend):
 @pytest.fixture(scope="module")
 def server():
     codec = TextCodec.from_dir(tokenizer_dir())
-    cfg = load_config(None, ["model.max_seq_len=128", "engine.prefill_buckets=[32,128]", "engine.max_new_tokens=64",
+    cfg = load_config(None, ["model.max_seq_len=128", "engine.max_new_tokens=64",
                              "engine.max_slots=4",
                              "cluster.coordinator_bind_address=10.12.3.4", "cluster.ray_address=10.12.0.2:6379"])
     backend = GangWithAddresses(codec.encode(" Hi.") + list(codec.eos_token_ids), codec.eos_token_ids[0])

@@ -80,10 +80,20 @@ def _config_adapter() -> pydantic.TypeAdapter[Config]:
     return pydantic.TypeAdapter(Config)
 
 
+REMOVED_KEYS = {
+    "engine.prefill_buckets": "prompts are computed in chunks of engine.prefill_chunk tokens and never padded to "
+                              "bucket lengths",
+}
+"""Keys that configs once set, and why they are gone: a config that still sets one fails naming it."""
+
+
 def _config_error(exc: pydantic.ValidationError, raw: dict[str, Any], source: str) -> ConfigError:
     """The first of pydantic's errors in the file's order, as file + dotted key + what was expected and found."""
     located = [_locate(err["loc"], raw) for err in exc.errors()]
     _, key, tp, value, section = min(located, key=lambda item: item[0])
+    if key in REMOVED_KEYS:
+        return ConfigError(f"this key was removed ({REMOVED_KEYS[key]}); delete it from the config", file=source,
+                           key=key)
     if section is not None:
         known = ", ".join(f.name for f in dataclasses.fields(section) if f.name != "source")
         return ConfigError(f"unknown key; known keys here are: {known}", file=source, key=key)

@@ -153,13 +153,10 @@ class SamplingDefaults(_Section):
 
 @dataclass(frozen=True)
 class EngineConfig(_Section):
-    """The jitted engine: slots, prompt buckets, limits."""
+    """The jitted engine: slots, limits, step sizes, kernels."""
 
     max_slots: int = 8
     """Batch slots decoded together (continuous batching); must divide evenly over dp."""
-    prefill_buckets: list[int] = field(default_factory=lambda: [64, 256, 1024, 2048])
-    """Deprecated: prompts are computed in chunks of prefill_chunk tokens and never padded to these lengths; kept so
-    existing configs load (the last must still be >= max_seq_len)."""
     max_new_tokens: int = 256
     """Default and upper bound of tokens generated per request."""
     decode_steps: int = 4

@@ -52,14 +52,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"simulated hosts run on virtual CPU devices; platform is {c.platform!r}",
                           file=src, key="cluster.simulated")
     mesh = resolve_mesh_axes(cfg.mesh.axes, cfg.total_devices, src)
-    buckets = e.prefill_buckets
-    if not buckets or any(b <= 0 for b in buckets) or sorted(set(buckets)) != buckets:
-        raise ConfigError(f"must be a non-empty strictly increasing list of positive lengths, found {buckets}",
-                          file=src, key="engine.prefill_buckets")
-    if buckets[-1] < m.max_seq_len:
-        raise ConfigError(
-            f"largest prefill bucket {buckets[-1]} is smaller than model.max_seq_len {m.max_seq_len}; "
-            f"add a bucket >= {m.max_seq_len} or lower max_seq_len", file=src, key="engine.prefill_buckets")
     if e.max_new_tokens >= m.max_seq_len:
         raise ConfigError(f"max_new_tokens {e.max_new_tokens} leaves no room for a prompt in max_seq_len {m.max_seq_len}",
                           file=src, key="engine.max_new_tokens")

@@ -106,7 +106,7 @@ def parse_line(line: InputLine, codec: Any, cfg: Config, default_max_tokens: int
         admits = AdmissionLimits.from_config(cfg)
         if max_tokens > admits.max_new_tokens:
             raise ValueError(f'"max_tokens" {max_tokens} exceeds engine.max_new_tokens {admits.max_new_tokens}')
-        limit = min(admits.max_seq_len - max_tokens, cfg.engine.prefill_buckets[-1])
+        limit = admits.max_seq_len - max_tokens
         if not ids:
             raise ValueError("the prompt has no tokens")
         if len(ids) > limit:
