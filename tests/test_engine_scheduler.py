@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -269,6 +270,9 @@ class PagedTokenEngine:
         self.slot_order = [g * self.slots_per_group + r for r in range(self.slots_per_group) for g in range(groups)]
         self.eos_ids = (EOS,)
         self.vocab_size, self.window_rings, self.mixed_step_tokens = V, False, None
+        self.geometry = SimpleNamespace(max_slots=max_slots, max_seq_len=max_seq_len, page_size=page_size,
+                                        pages_per_group=pages_per_group, groups=groups, max_step_tokens=step_tokens,
+                                        mixed_step_tokens=None)  # the fields of EngineGeometry the scheduler reads
         self.pool = np.full((groups, pages_per_group, page_size), -1, np.int64)
         self.table = np.full((max_slots, self.max_pages_per_seq), -1, np.int64)
         self.last = np.zeros(max_slots, np.int64)
@@ -1119,8 +1123,6 @@ def test_token_buckets_are_finer_for_prompts_on_cpu(slots, chunk, platform, want
 def test_quarter_chunk_beside_running_streams_only_on_cpu(platform, buckets, want):
     """`Engine.mixed_step_tokens` over a stand-in program set (the real CPU engine's 32 is checked with the demo
     model above; tests/test_gpu.py checks None on a real GPU)."""
-    from types import SimpleNamespace
-
     from raydeploy.engine.engine import Engine
 
     engine = SimpleNamespace(max_step_tokens=max(buckets),

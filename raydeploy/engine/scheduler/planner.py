@@ -69,13 +69,13 @@ class Scheduler:
 
     @classmethod
     def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic) -> Scheduler:
-        """A scheduler sized for `engine` (max_slots, max_seq_len, eos ids, the order to fill slots in, its pages
-        and step sizes) with the config's queue, decode steps and pacing."""
+        """A scheduler sized for `engine` (its geometry: slots, max_seq_len, pages and step sizes; its eos ids, the
+        order to fill slots in and its vocabulary) with the config's queue, decode steps and pacing."""
+        g = engine.geometry
         # a model whose sliding-window layers keep rings cannot reuse a prefix (its window is not in them)
         prefix = cfg.engine.prefix_caching and not engine.window_rings
-        paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
-                        prefix, engine.mixed_step_tokens, cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
-        return cls(engine.max_slots, engine.max_seq_len, engine.eos_ids, cfg.serving.max_queue, paging, clock=clock,
+        paging = Paging.from_geometry(g, prefix, cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
+        return cls(g.max_slots, g.max_seq_len, engine.eos_ids, cfg.serving.max_queue, paging, clock=clock,
                    slot_order=engine.slot_order, decode_steps=cfg.engine.decode_steps, vocab_size=engine.vocab_size)
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.pages import SequencePages
 from raydeploy.engine.request import GenerationRequest, TokenEvent
 
@@ -35,6 +36,14 @@ class Paging:
     burst_wait: float = 0.0
     """A request that finds the engine idle waits this fraction of a measured decode pass for others arriving
     with it (`engine.burst_wait`); 0 = its step starts at once."""
+
+    @classmethod
+    def from_geometry(cls, geometry: EngineGeometry, prefix_caching: bool = True, max_decode_slowdown: float = 0.0,
+                      burst_wait: float = 0.0) -> Paging:
+        """The engine's pages and step sizes from its geometry (`raydeploy.engine.geometry`), with the config's
+        prefix caching and pacing."""
+        return cls(geometry.page_size, geometry.pages_per_group, geometry.groups, geometry.max_step_tokens,
+                   prefix_caching, geometry.mixed_step_tokens, max_decode_slowdown, burst_wait)
 
     def check(self, max_slots: int) -> None:
         """Raise ValueError if these figures cannot serve `max_slots` slots."""
