@@ -221,7 +221,8 @@ def test_fingerprint_mismatch_is_refused_without_restart(ray_cluster):
     cfg = _cfg()
     other = load_config(None, [f"cluster.heartbeat_timeout_s={HEARTBEAT_S}", "cluster.init_timeout_s=6",
                                "cluster.step_timeout_s=4", "cluster.restart_backoff_s=0.2",
-                               "cluster.max_restarts=2", "engine.max_slots=2", "model.max_seq_len=1024"])
+                               "cluster.max_restarts=2", "engine.max_slots=2", "model.max_seq_len=1024",
+                               "engine.max_new_tokens=128"])  # an engine and a model key differ from host 0's
     gang = start_gang(cfg, engine=FaultyEngine("toy", host_configs={1: other}))
     try:
         with pytest.raises(Exception) as info:
