@@ -123,7 +123,6 @@ LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("raydeploy.plan", "raydeploy.engine.attention"): _JAX,
     ("raydeploy.plan", "raydeploy.engine.kv_cache"): _JAX,
     ("raydeploy.plan", "raydeploy.model.native.packing"): _JAX,
-    ("raydeploy.predict.run", "raydeploy.gang.bringup"): _PREDICT,
     ("raydeploy.predict.run", "raydeploy.gang.feed"): _PREDICT,
     ("raydeploy.predict.run", "raydeploy.gang.gang"): _PREDICT,
     ("raydeploy.predict.run", "raydeploy.serve.run"): _PREDICT,
@@ -150,7 +149,6 @@ LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("raydeploy.serve.run", "raydeploy.serve.launcher"):
         "used only when `raydeploy serve` starts Ray itself (it may re-run the command in its own session)",
     ("raydeploy.testing.toy", "raydeploy.engine.request"): _TOY,
-    ("raydeploy.testing.toy", "raydeploy.engine.step"): _TOY,
     ("raydeploy.testing.toy", "raydeploy.gang.runtime"): _TOY,
 }
 
