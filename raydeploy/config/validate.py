@@ -8,7 +8,7 @@ from raydeploy.config.schema import (
     ReplicasConfig,
     resolve_mesh_axes,
 )
-from raydeploy.engine.geometry import DEFAULT_SLOT_RULE, SLOT_AXIS, slots_problem
+from raydeploy.config.slots import DEFAULT_SLOT_RULE, SLOT_AXIS, slots_problem
 
 
 def validate(cfg: Config) -> None:

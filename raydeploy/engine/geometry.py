@@ -4,10 +4,11 @@ step's token budgets and what one engine admits.
 
 `ProgramSet` compiles its programs from it, `raydeploy plan` lists its `problems()` before anything starts, the
 scheduler sizes its groups and page pools by it, the serve limits and `predict` read its admission limits, and
-the gang's bring-up fingerprint includes it. Every divisibility rule of the slots lives here, once
-(`slots_problem`): the config's load, the plan and the engine ask it.
+the gang's bring-up fingerprint includes it. The one divisibility rule of the slots (`slots_problem`) is the
+config's own (raydeploy.config.slots, below everything that reads a config): the config's load, the plan and the
+engine ask it, and the geometry lists it among its `problems()`.
 
-Imports no JAX and nothing that imports the config (the config's validation asks `slots_problem` too).
+Imports no JAX.
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from raydeploy.config.slots import DEFAULT_SLOT_RULE, SLOT_AXIS, slot_axes, slot_groups, slots_problem
 from raydeploy.model.spec import pages_per_seq, resolve_num_pages
 
-SLOT_AXIS = "cache_batch"
-"""The logical axis of the KV cache's slots (and pages): the mesh axes it maps to split the slots into dp groups."""
-DEFAULT_SLOT_RULE = "dp"
-"""`raydeploy.model.sharding.DEFAULT_RULES`' rule for the slot axis (the config's validation cannot import it)."""
-
+__all__ = ["DEFAULT_SLOT_RULE", "SLOT_AXIS", "AdmissionLimits", "EngineGeometry", "slot_axes", "slot_groups",
+           "slots_problem"]
 
 def default_decode_rows(slots_per_group: int, min_rows: int = 1) -> list[int]:
     """Decode row buckets per slot group: powers of four from `min_rows` below the group size, and the size.
@@ -95,30 +94,6 @@ def default_page_buckets(max_pages: int, page_size: int) -> list[int]:
         out.append(p)
         p *= PAGE_BUCKET_FACTOR
     return out + [max_pages]
-
-
-def slot_axes(rules: Mapping[str, Any], mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
-    """The mesh axes of size > 1 that `rules` map the slot axis (`cache_batch`) to."""
-    rule = rules.get(SLOT_AXIS)
-    axes = () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
-    return tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
-
-
-def slot_groups(rules: Mapping[str, Any], mesh_shape: Mapping[str, int]) -> int:
-    """dp groups: shards of the slot axis, each holding one run of consecutive slots and its own pages."""
-    return math.prod(mesh_shape[a] for a in slot_axes(rules, mesh_shape))
-
-
-def slots_problem(max_slots: int, rules: Mapping[str, Any], mesh_shape: Mapping[str, int]) -> str | None:
-    """The one divisibility rule of the slots: `engine.max_slots` splits evenly over the dp groups (the mesh axes
-    `mesh.rules.cache_batch` maps to). None when it does."""
-    axes = slot_axes(rules, mesh_shape)
-    groups = math.prod(mesh_shape[a] for a in axes)
-    if max_slots % groups == 0:
-        return None
-    over = " x ".join(f"{a}={mesh_shape[a]}" for a in axes) or "1 group"
-    return (f"engine.max_slots {max_slots} is not divisible by mesh {over} (the dp groups of the KV cache's slots, "
-            f"mesh.rules.cache_batch)")
 
 
 @dataclass(frozen=True)
