@@ -18,6 +18,10 @@ What is here, and why no public API does the job (jax 0.10.2, Ray 2.60.0):
   do not). XLA:CPU gangs need every process to write its own entries (see raydeploy.engine.compile_cache).
 - `batched_device_put()`: jax's internal last step of `jax.make_array_from_callback`, a faster path for the
   checkpoint reader. Optional: None when this jax lacks it, and the reader uses the public call.
+- `disable_ray_auto_init()`: Ray starts a new local cluster when any Ray call runs in a process that is not
+  connected (`ray._private.auto_init_hook`). The switch is the environment variable `RAY_ENABLE_AUTO_CONNECT`,
+  but Ray reads it once, when it is first imported; a process that has imported Ray already also needs the
+  module's flag set.
 - `serve_request_router()`: Serve's request-router extension (`ray.serve.request_router`,
   `ray.serve.config.RequestRouterConfig`), public but marked alpha, so it may change between Ray releases.
 
@@ -253,3 +257,21 @@ def serve_request_router() -> ServeRouterAPI:
     if absent:
         raise _missing("ray", "Serve's request-router API", "RequestRouterConfig", f"no field {', '.join(absent)}")
     return ServeRouterAPI(RequestRouter, FIFOMixin, PendingRequest, RunningReplica, RequestRouterConfig)
+
+
+def disable_ray_auto_init() -> None:
+    """From now on no Ray call in this process starts a local Ray by itself. `raydeploy serve` needs this: a call
+    left running in a thread when a stop signal also stopped Ray's processes would otherwise start a second local
+    Ray while the server exits (and keep the process alive)."""
+    import os
+    import sys
+
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"  # read by Ray when it is first imported
+    hook = sys.modules.get("ray._private.auto_init_hook")
+    if hook is None:
+        return
+    if not hasattr(hook, "enable_auto_connect"):
+        raise _missing("ray", "the auto-connect switch (ray._private.auto_init_hook.enable_auto_connect)",
+                       "ray._private.auto_init_hook", "no such attribute")
+    setattr(hook, "enable_auto_connect", False)  # noqa: B010 - a module attribute the type checker cannot see
+

@@ -6,6 +6,7 @@ APIs."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -324,3 +325,19 @@ def test_private_api_grep_can_fail() -> None:
         assert _private_uses(text), text
     assert not _private_uses('"request_router_config": compat.serve_request_router().RequestRouterConfig(')
     assert not _private_uses("from ray.serve.config import AutoscalingConfig\nx = RequestRouterConfig")
+
+
+def test_ray_auto_init_can_be_switched_off_after_ray_is_imported():
+    """`raydeploy serve` relies on this: once switched off, a Ray call in a process that is not connected raises
+    instead of starting a new local Ray (a subprocess: this one may hold a Ray connection)."""
+    code = ("import ray\n"
+            "from raydeploy.compat import disable_ray_auto_init\n"
+            "disable_ray_auto_init()\n"
+            "try:\n"
+            "    ray.put(1)\n"
+            "except Exception as e:\n"
+            "    print('raised', type(e).__name__)\n"
+            "print('initialized', ray.is_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_ENABLE_AUTO_CONNECT": ""})
+    assert "raised" in out.stdout and "initialized False" in out.stdout, out.stdout + out.stderr

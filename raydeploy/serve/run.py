@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from raydeploy.compat import disable_ray_auto_init
 from raydeploy.config import Config
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ def _watch(serving: Serving, stop: threading.Event, outcome: dict[str, Any], t0:
     stop.set()
 
 
-def _teardown(serving: Serving | None, started_ray: bool, gcs_address: str) -> None:
+def _teardown(serving: Serving | None, started_ray: bool, gcs_address: str) -> bool:
     """Drain and stop Serve, then the local Ray (when started here), each bounded. A signal sent to the whole
     process group (systemd, `kill -- -PGID`) also stops Ray's own processes; then there is nothing left to
     drain, and waiting on the dead GCS would only end, a minute later, in an error."""
@@ -243,18 +244,27 @@ def _teardown(serving: Serving | None, started_ray: bool, gcs_address: str) -> N
     def gcs_gone() -> bool:
         return not gcs_reachable(gcs_address, timeout_s=0.5)
 
+    gone = False
     if serving is not None:
         if gcs_gone():
+            gone = True
             _say("Ray's processes have already stopped (the signal reached them too); nothing left to drain")
         else:
             _say("shutting down (in-flight requests drain first)")
             how = run_bounded(serving.shutdown, DRAIN_TIMEOUT_S + SHUTDOWN_MARGIN_S, gcs_gone)
             if how == "gave up":
+                gone = True
                 _say("Ray's processes stopped while draining (the signal reached them too); stopping")
             elif how == "timeout":
                 _say(f"draining took longer than {DRAIN_TIMEOUT_S + SHUTDOWN_MARGIN_S:.0f}s; stopping", err=True)
     if started_ray and run_bounded(ray.shutdown, SHUTDOWN_MARGIN_S, lambda: False) != "done":
         _say(f"the local Ray did not stop within {SHUTDOWN_MARGIN_S:.0f}s", err=True)
+    return gone
+
+
+def _exit_status(raised: BaseException | None, outcome: dict[str, Any]) -> int:
+    """What `run_serve` would have returned: 1 on an error (raised, or a failed bring-up), else 0."""
+    return 1 if raised is not None or "error" in outcome else 0
 
 
 def run_serve(cfg: Config, args: argparse.Namespace) -> int:
@@ -284,12 +294,17 @@ def run_serve(cfg: Config, args: argparse.Namespace) -> int:
     started_ray = connect_ray(address)
     import ray
 
+    # a Ray call still running in a thread when a signal stops Ray's processes must not start a new local Ray
+    disable_ray_auto_init()
+
     gcs_address: str = ray.get_runtime_context().gcs_address
     # After ray.init: Ray's driver installs its own SIGTERM handling (exit at once), which would skip draining.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signals[sig] = signal.signal(sig, on_signal)
     serving: Serving | None = None
     started: list[Serving] = []
+
+    ray_gone = False
 
     def gcs_gone_after_signal() -> bool:
         return stop.is_set() and not gcs_reachable(gcs_address, timeout_s=0.5)
@@ -300,6 +315,7 @@ def run_serve(cfg: Config, args: argparse.Namespace) -> int:
         how = run_bounded(lambda: started.append(start_serving(cfg, engine=getattr(args, "engine", "real"))),
                           _bringup_timeout_s(cfg), gcs_gone_after_signal)
         if how == "gave up":
+            ray_gone = True
             _say("Ray's processes have stopped while the server was starting (the signal reached them too)")
             return 0
         if how == "timeout":
@@ -321,7 +337,13 @@ def run_serve(cfg: Config, args: argparse.Namespace) -> int:
         return 0
     finally:
         stop.set()
-        _teardown(serving, started_ray, gcs_address)
+        ray_gone = _teardown(serving, started_ray, gcs_address) or ray_gone
         for sig, handler in signals.items():
             signal.signal(sig, handler)
         _say("stopped")
+        if ray_gone:
+            # Ray's processes died under this one: the interpreter's exit would run Ray's own exit hooks against
+            # them (and wait on a call still stuck in a thread), so leave now, with the status already decided
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_exit_status(sys.exc_info()[1], outcome))
