@@ -318,6 +318,99 @@ def test_queue_limit_answers_503_with_retry_after(live):
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in results if r.status_code == 200)
 
 
+def _admitted(live) -> int:
+    """The ingress's admission count, from /metrics (cheap: no gang is asked for it)."""
+    text = httpx.get(live.url + "/metrics", timeout=60).text
+    line = next(x for x in text.splitlines() if x.startswith("raydeploy_sequences_admitted "))
+    return int(float(line.split()[1]))
+
+
+def _wait_admitted(live, n: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (now := _admitted(live)) != n:
+        assert time.monotonic() < deadline, f"admitted stays {now}, expected {n}"
+        time.sleep(0.1)
+
+
+def _raw_post(live, body: bytes, length: int | None = None) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body) if length is None else length}\r\n\r\n"
+            ).encode() + body
+
+
+def test_streams_dropped_before_their_first_token_release_their_admission(live):
+    """Through the Serve proxy and the real gang: 8 rounds of 16 streams (8 running, 8 waiting in Serve's router
+    with no token yet: all the room there is), every client gone at once. Then, idle, nothing stays admitted, and
+    two waves of 16 new requests all succeed (one admission leaked would turn one of them away)."""
+    from urllib.parse import urlsplit
+
+    _wait_idle(live)
+    where = urlsplit(live.url)
+    stream = _raw_post(live, json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True,
+                                         "stream": True}).encode())
+
+    async def round_of_16() -> None:
+        writers = []
+        for _ in range(16):
+            _, w = await asyncio.open_connection(where.hostname, where.port)
+            w.write(stream)
+            await w.drain()
+            writers.append(w)
+        await asyncio.to_thread(_wait_admitted, live, 16)
+        for w in writers:
+            w.close()
+
+    for _ in range(8):
+        asyncio.run(round_of_16())
+        _wait_admitted(live, 0)
+    _wait_idle(live)
+    assert _admitted(live) == 0
+
+    async def wave() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
+            body = {"prompt": "Once upon a time", "max_tokens": 8}
+            return list(await asyncio.gather(*[c.post(live.url + "/v1/completions", json=body) for _ in range(16)]))
+
+    for _ in range(2):
+        codes = [r.status_code for r in asyncio.run(wave())]
+        assert codes == [200] * 16, codes
+
+
+def test_slow_bodies_through_the_serve_proxy_get_408(live):
+    """Serve's proxy does not buffer a body: the ingress replica pulls it as the app reads, so the replica's
+    deadline (serving.body_read_timeout_s, 10 s by default) holds there too, and a normal request is answered
+    meanwhile."""
+    from urllib.parse import urlsplit
+
+    _wait_idle(live)
+    where = urlsplit(live.url)
+
+    async def go() -> tuple[httpx.Response, list[bool], list[bytes]]:
+        slow = []
+        for _ in range(20):
+            r, w = await asyncio.open_connection(where.hostname, where.port)
+            w.write(_raw_post(live, b'{"prompt": ', length=100))
+            await w.drain()
+            slow.append((r, w))
+        answers = [asyncio.create_task(r.read()) for r, _ in slow]
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+            normal = await c.post(live.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+        before = [t.done() for t in answers]
+        got = await asyncio.wait_for(asyncio.gather(*answers), timeout=120)
+        for _, w in slow:
+            w.close()
+        return normal, before, got
+
+    normal, answered_before, got = asyncio.run(go())
+    assert normal.status_code == 200, normal.text
+    assert not any(answered_before)
+    for raw in got:
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), raw[:300]
+        assert json.loads(body)["error"]["message"] == (
+            "the request body did not arrive within 10 s (serving.body_read_timeout_s)")
+
+
 def test_chat_page_streams_an_answer_in_headless_chromium(live):
     from headless_chromium import chat_in_page, chromium_path
 
