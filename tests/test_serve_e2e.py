@@ -318,62 +318,10 @@ def test_queue_limit_answers_503_with_retry_after(live):
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in results if r.status_code == 200)
 
 
-def _admitted(live) -> int:
-    """The ingress's admission count, from /metrics (cheap: no gang is asked for it)."""
-    text = httpx.get(live.url + "/metrics", timeout=60).text
-    line = next(x for x in text.splitlines() if x.startswith("raydeploy_sequences_admitted "))
-    return int(float(line.split()[1]))
-
-
-def _wait_admitted(live, n: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (now := _admitted(live)) != n:
-        assert time.monotonic() < deadline, f"admitted stays {now}, expected {n}"
-        time.sleep(0.1)
-
-
 def _raw_post(live, body: bytes, length: int | None = None) -> bytes:
     return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body) if length is None else length}\r\n\r\n"
             ).encode() + body
-
-
-def test_streams_dropped_before_their_first_token_release_their_admission(live):
-    """Through the Serve proxy and the real gang: 8 rounds of 16 streams (8 running, 8 waiting in Serve's router
-    with no token yet: all the room there is), every client gone at once. Then, idle, nothing stays admitted, and
-    two waves of 16 new requests all succeed (one admission leaked would turn one of them away)."""
-    from urllib.parse import urlsplit
-
-    _wait_idle(live)
-    where = urlsplit(live.url)
-    stream = _raw_post(live, json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 128, "ignore_eos": True,
-                                         "stream": True}).encode())
-
-    async def round_of_16() -> None:
-        writers = []
-        for _ in range(16):
-            _, w = await asyncio.open_connection(where.hostname, where.port)
-            w.write(stream)
-            await w.drain()
-            writers.append(w)
-        await asyncio.to_thread(_wait_admitted, live, 16)
-        for w in writers:
-            w.close()
-
-    for _ in range(8):
-        asyncio.run(round_of_16())
-        _wait_admitted(live, 0)
-    _wait_idle(live)
-    assert _admitted(live) == 0
-
-    async def wave() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
-            body = {"prompt": "Once upon a time", "max_tokens": 8}
-            return list(await asyncio.gather(*[c.post(live.url + "/v1/completions", json=body) for _ in range(16)]))
-
-    for _ in range(2):
-        codes = [r.status_code for r in asyncio.run(wave())]
-        assert codes == [200] * 16, codes
 
 
 def test_slow_bodies_through_the_serve_proxy_get_408(live):
