@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from raydeploy.constraints.spec import Constraint
 from raydeploy.engine.step import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -32,6 +33,9 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     """Extra stop ids; the model's eos ids always stop (unless ignore_eos)."""
     ignore_eos: bool = False
+    constraint: Constraint | None = None
+    """Structured output: what the generated text must match (`raydeploy.constraints`); rank 0's scheduler
+    keeps a matcher for it and masks each draw."""
 
 
 @dataclass(frozen=True)

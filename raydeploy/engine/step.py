@@ -81,6 +81,12 @@ class SeqStep:
     chunk, or a decode row). `sampling` is set on a request's first chunk only: the engine keeps it for the
     slot and resets the slot's repetition-penalty set to `prefix_tokens`, the prompt ids [0, start) that reused
     (prefix-cached) pages already hold.
+
+    `allowed`: set on a sampling row of a constrained request (structured outputs, `raydeploy.constraints`):
+    the tokens its next draw may take, as packed bits (uint32 words [ceil(vocab / 32)], token i allowed when bit
+    i % 32 of word i // 32 is set; the model's vocabulary, tokens past the grammar's vocabulary cleared). Rank 0
+    computes it from the request's matcher, every host applies the same bits in the jitted sampler. A plan with
+    such a row runs one pass (`decode_steps` 1): the next mask needs this token.
     """
 
     slot: int
@@ -89,6 +95,7 @@ class SeqStep:
     sample: bool
     sampling: SamplingParams | None = None
     prefix_tokens: np.ndarray | None = None
+    allowed: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,14 +110,17 @@ class SeqStep:
             out["sampling"] = self.sampling.to_wire()
         if self.prefix_tokens is not None:
             out["prefix_tokens"] = np.asarray(self.prefix_tokens, np.int32).tobytes()
+        if self.allowed is not None:
+            out["allowed"] = np.asarray(self.allowed, np.uint32).tobytes()
         return out
 
     @classmethod
     def from_wire(cls, v: Mapping[str, Any]) -> SeqStep:
-        sampling, prefix = v.get("sampling"), v.get("prefix_tokens")
+        sampling, prefix, allowed = v.get("sampling"), v.get("prefix_tokens"), v.get("allowed")
         return cls(int(v["slot"]), np.frombuffer(v["tokens"], np.int32), int(v["start"]), bool(v["sample"]),
                    None if sampling is None else SamplingParams.from_wire(sampling),
-                   None if prefix is None else np.frombuffer(prefix, np.int32))
+                   None if prefix is None else np.frombuffer(prefix, np.int32),
+                   None if allowed is None else np.frombuffer(allowed, np.uint32))
 
 
 @dataclass(frozen=True)
