@@ -6,6 +6,8 @@ matcher the scheduler advances token by token. No JAX here.
 """
 
 from raydeploy.constraints.grammar import ConstraintError, check, to_grammar
+from raydeploy.constraints.matcher import GrammarEngine, Matcher, words_for
 from raydeploy.constraints.spec import KINDS, Constraint, ConstraintKind
 
-__all__ = ["KINDS", "Constraint", "ConstraintError", "ConstraintKind", "check", "to_grammar"]
+__all__ = ["KINDS", "Constraint", "ConstraintError", "ConstraintKind", "GrammarEngine", "Matcher", "check",
+           "to_grammar", "words_for"]

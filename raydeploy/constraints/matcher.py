@@ -1,0 +1,176 @@
+"""Rank 0's grammar engine: constraints compiled against the model's tokenizer, and per-request matchers that
+give the packed allowed-token bits of each draw and follow the tokens drawn.
+
+`GrammarEngine` is built once per deployment from the checkpoint's tokenizer (or a Hugging Face tokenizer) and
+the model's vocabulary size; `GrammarEngine.matcher(c)` compiles `c` (compiled grammars are kept by
+`Constraint.key`, least recently used dropped first) and hands out a fresh `Matcher` for one request. The
+scheduler fills `SeqStep.allowed` from `Matcher.fill` and advances the matcher with `Matcher.accept` only
+when a token is emitted, so a step that fails and is planned again finds its matcher where it was.
+
+The masks are over the MODEL's vocabulary (its logits' width), which may differ from the tokenizer's: padded
+embedding rows past the tokenizer's last id are never allowed. The model's eos ids are the grammar's end
+tokens: llguidance allows them exactly where the grammar may end. No JAX here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+
+from raydeploy.constraints.grammar import ConstraintError, to_grammar
+from raydeploy.constraints.spec import Constraint
+
+COMPILED_CACHE_SIZE = 256
+"""Compiled grammars kept (by `Constraint.key`); agent frameworks send the same few schemas again and again."""
+
+
+def words_for(vocab_size: int) -> int:
+    """uint32 words of a packed mask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def _first_line(message: str) -> str:
+    # llguidance's errors go on with a dump of the parser state and the whole grammar
+    return message.strip().splitlines()[0] if message.strip() else "unknown grammar error"
+
+
+def _clear_from(words: np.ndarray, first: int) -> None:
+    """Clear the bits of tokens `first` and above."""
+    w, bit = divmod(first, 32)
+    if w < words.shape[0]:
+        words[w] &= np.uint32((1 << bit) - 1)
+        words[w + 1:] = 0
+
+
+class Matcher:
+    """One request's position in its grammar. Not thread-safe: the scheduler's step loop alone uses it."""
+
+    def __init__(self, ll: LLMatcher, vocab_size: int, tokenizer_vocab: int, llg_vocab: int) -> None:
+        self._ll = ll
+        self.vocab_size = vocab_size
+        """The model's vocabulary: `fill` writes words_for(vocab_size) words."""
+        self._tokenizer_vocab = tokenizer_vocab
+        self._llg_words = words_for(llg_vocab)
+        self._scratch = None if self._llg_words == words_for(vocab_size) else np.zeros(self._llg_words, np.uint32)
+        self.tokens = 0
+        """Tokens accepted so far."""
+        self._refused: str | None = None  # a token id no grammar can take (llguidance is never given it)
+
+    @property
+    def done(self) -> bool:
+        """The grammar has ended: no further token but the end (eos) can follow."""
+        return self._refused is None and self._ll.is_stopped() and not self._ll.is_error()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a token the grammar does not allow, a parser limit), or None."""
+        if self._refused is not None:
+            return self._refused
+        return _first_line(self._ll.get_error()) if self._ll.is_error() else None
+
+    def fill(self, words: np.ndarray) -> None:
+        """Write the allowed next tokens into `words` (uint32 [words_for(vocab_size)], token i allowed iff bit
+        i % 32 of word i // 32 is set). A failed matcher allows nothing."""
+        n = words_for(self.vocab_size)
+        if words.dtype != np.uint32 or words.shape != (n,) or not words.flags.c_contiguous:
+            raise ValueError(f"mask buffer must be contiguous uint32 [{n}], found {words.dtype} {words.shape}")
+        if self._refused is not None or self._ll.is_error():
+            words[:] = 0
+            return
+        if self._scratch is None:
+            self._ll.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        else:
+            self._ll.unsafe_compute_mask_ptr(self._scratch.ctypes.data, self._scratch.nbytes)
+            m = min(n, self._llg_words)
+            words[:m] = self._scratch[:m]
+            words[m:] = 0
+        _clear_from(words, min(self._tokenizer_vocab, self.vocab_size))
+
+    def mask(self) -> np.ndarray:
+        """A new mask array filled by `fill`."""
+        words = np.empty(words_for(self.vocab_size), np.uint32)
+        self.fill(words)
+        return words
+
+    def accept(self, token: int) -> bool:
+        """Advance past `token`; False (and `error` says why) when the grammar does not allow it."""
+        if self.error is not None:
+            return False
+        known = min(self._tokenizer_vocab, self.vocab_size)
+        if not 0 <= token < known:
+            self._refused = f"token {token} is outside the grammar's vocabulary (ids 0..{known - 1})"
+            return False
+        ok = bool(self._ll.consume_token(int(token)))
+        if ok:
+            self.tokens += 1
+        return ok
+
+    def __repr__(self) -> str:
+        return f"Matcher(tokens={self.tokens}, done={self.done}, error={self.error!r})"
+
+
+class GrammarEngine:
+    """Compiles constraints against one tokenizer, for a model with `vocab_size` logits."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int],
+                 cache_size: int = COMPILED_CACHE_SIZE) -> None:
+        eos = [int(e) for e in eos_ids] or None
+        self.tokenizer_vocab = LLTokenizer(tokenizer_json, eos_token=eos, slices=[]).vocab_size
+        """Ids the tokenizer knows (its added tokens included)."""
+        self.vocab_size = int(vocab_size)
+        """The model's logits width (the masks' length in tokens)."""
+        # over a larger model vocabulary llguidance's masks take its width at once (the extra ids never allowed)
+        n_vocab = max(self.vocab_size, self.tokenizer_vocab)
+        self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=eos)
+        self.eos_ids = tuple(self.tokenizer.eos_tokens)
+        self.cache_size = cache_size
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0
+        """Grammars compiled (cache misses)."""
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, vocab_size: int, eos_ids: Sequence[int]) -> GrammarEngine:
+        """From the tokenizer.json of a checkpoint directory."""
+        f = Path(path) / "tokenizer.json"
+        try:
+            text = f.read_text()
+        except OSError as e:
+            raise ValueError(f"structured outputs need the checkpoint's tokenizer: cannot read {f}: {e}") from None
+        return cls(text, vocab_size, eos_ids)
+
+    @classmethod
+    def from_hf(cls, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int] | None = None) -> GrammarEngine:
+        """From a fast Hugging Face tokenizer (its Rust tokenizer's JSON, added tokens included); eos ids default
+        to the tokenizer's."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"structured outputs need a fast tokenizer, found {type(tokenizer).__name__}")
+        if eos_ids is None:
+            eos_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        return cls(backend.to_str(), vocab_size, eos_ids)
+
+    def matcher(self, c: Constraint) -> Matcher:
+        """A fresh matcher for `c` at the start of its grammar; ConstraintError naming the problem when `c` does
+        not compile. Compiling takes the GIL off for its duration (llguidance), so callers compile outside
+        their locks."""
+        with self._lock:
+            compiled = self._compiled.get(c.key)
+            if compiled is not None:
+                self._compiled.move_to_end(c.key)
+        if compiled is None:
+            compiled = LLMatcher(self.tokenizer, to_grammar(c), log_level=0)
+            if compiled.is_error():
+                raise ConstraintError(f"{c.kind} constraint does not compile: {_first_line(compiled.get_error())}")
+            with self._lock:
+                self.compiles += 1
+                self._compiled[c.key] = compiled
+                while len(self._compiled) > self.cache_size:
+                    self._compiled.popitem(last=False)
+        return Matcher(compiled.deep_copy(), self.vocab_size, self.tokenizer_vocab, self.tokenizer.vocab_size)
