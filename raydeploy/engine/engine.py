@@ -33,9 +33,10 @@ from raydeploy.config import Config, EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
 from raydeploy.engine.attention import Attention
 from raydeploy.engine.geometry import EngineGeometry
-from raydeploy.engine.kv_cache import PageTables, StepInputs, allocate_pool, build_inputs
+from raydeploy.engine.kv_cache import ALLOWED_FIELD, PageTables, StepInputs, allocate_pool, build_inputs
 from raydeploy.engine.programs import MIXED_STEP_CAP_PLATFORMS, ProgramSet, ProgramShape
 from raydeploy.engine.request import RequestFailed
+from raydeploy.engine.sampling import mask_words
 from raydeploy.engine.step import SeqStep, StepPlan, StepResult
 from raydeploy.model.registry import Family
 
@@ -134,6 +135,7 @@ class Engine:
         self._shardings = ps.input_shardings()
         self._executables: dict[ProgramShape, Any] = {}
         self._gathers: dict[tuple[int, int], Any] = {}
+        self._all_allowed_by_rows: dict[int, jax.Array] = {}
         self.compile_s: dict[str, float] = {}
         self.programs: dict[str, dict[str, Any]] = {}
 
@@ -251,6 +253,7 @@ class Engine:
         ps = self.programs_set
         for rows in sorted({ps.groups * ps.rows_for(t) for t in ps.token_buckets}):
             self._gather_exe(self.decode_steps, rows)
+            self._all_allowed(rows)
         return dict(self.compile_s)
 
     @contextmanager
@@ -281,11 +284,54 @@ class Engine:
         """A global array from host data that is identical on every host."""
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
-    def _device_inputs(self, arrays: Mapping[str, np.ndarray]) -> StepInputs:
-        return StepInputs.from_flat({n: self._put(a, self._shardings[n]) for n, a in arrays.items()})
+    def _device_inputs(self, arrays: Mapping[str, np.ndarray], rows: int) -> StepInputs:
+        """The step's inputs on the devices; a step without constrained rows (no `allowed` among `arrays`) takes
+        the device-resident all-ones mask of its `rows` (G*R), so it moves no mask."""
+        inputs = {n: self._put(a, self._shardings[n]) for n, a in arrays.items()}
+        if ALLOWED_FIELD not in inputs:
+            inputs[ALLOWED_FIELD] = self._all_allowed(rows)
+        return StepInputs.from_flat(inputs)
+
+    def _all_allowed(self, rows: int) -> jax.Array:
+        """An all-ones allowed-token mask [rows, ceil(vocab / 32)], made once on the devices per row count and
+        kept: what every step without a constrained row passes (its `any_constrained` is false, so the program
+        does not unpack it either)."""
+        ones = self._all_allowed_by_rows.get(rows)
+        if ones is None:
+            shape = (rows, mask_words(self.vocab_size))
+            ones = jax.jit(lambda: jnp.full(shape, np.iinfo(np.uint32).max, jnp.uint32),
+                           out_shardings=self._shardings[ALLOWED_FIELD])()
+            self._all_allowed_by_rows[rows] = ones
+        return ones
+
+    def _check_allowed(self, plan: StepPlan) -> None:
+        """The plan's allowed-token masks: each on a sampling row of a one-pass plan (the next mask needs this
+        token: ValueError naming the slot), each of ceil(vocab / 32) words (`RequestFailed` naming the rows
+        whose mask has another length). Checked before any device work, so every host raises alike."""
+        words = mask_words(self.vocab_size)
+        bad = []
+        for q in plan.seqs:
+            if q.allowed is None:
+                continue
+            if not q.sample:
+                raise ValueError(f"plan {plan.step_id}: slot {q.slot} carries an allowed-token mask but does not "
+                                 f"sample")
+            if plan.decode_steps > 1:
+                raise ValueError(f"plan {plan.step_id}: slot {q.slot} carries an allowed-token mask in a plan of "
+                                 f"decode_steps {plan.decode_steps}; a constrained row needs each token before its "
+                                 f"next mask, so its plan runs one pass")
+            n = int(np.asarray(q.allowed).size)
+            if n != words:
+                bad.append((q.slot, n))
+        if bad:
+            slot, n = bad[0]
+            raise RequestFailed(f"slot {slot}: its allowed-token mask has {n} words, the model's vocabulary of "
+                                f"{self.vocab_size} tokens takes {words} (ceil(vocab / 32) uint32 words)",
+                                slots=tuple(s for s, _ in bad))
 
     def _check(self, plan: StepPlan) -> None:
         self._check_tokens(plan, [(q.slot, np.asarray(q.tokens).reshape(-1)) for q in plan.seqs])
+        self._check_allowed(plan)
         ps, t = self.programs_set, self.tables
         per_group = np.zeros(ps.groups, np.int64)
         seen: set[int] = set()
@@ -359,10 +405,12 @@ class Engine:
         params = (weights, self._layer_views) if ps.unrolled(shape) else weights
         outs, rows = [], []
         for k in range(steps):  # no host round trip between the steps of a plan
-            host = build_inputs(seqs, t, ps.page_size, tokens, ps.rows_for(tokens), pages, step=k,
-                                reset=reset if k == 0 else ())
+            rows_per_group = ps.rows_for(tokens)
+            host = build_inputs(seqs, t, ps.page_size, tokens, rows_per_group, pages, step=k,
+                                reset=reset if k == 0 else (), vocab=self.vocab_size)
             self.pool, self.presence, self.last_tokens, out = exe(
-                params, self.pool, self.presence, self.last_tokens, self._device_inputs(host.arrays))
+                params, self.pool, self.presence, self.last_tokens,
+                self._device_inputs(host.arrays, ps.groups * rows_per_group))
             outs.append(out)
             rows = host.rows
         packed = self._gather(outs)  # [steps, 2, G*R]

@@ -14,8 +14,9 @@ it sends page-table changes in the plan.
 `StepInputs` is one ragged step as a registered pytree of arrays (no positional packing): the tokens of every
 dp group's sequences laid out group after group ([groups * tokens_per_group]), with explicit positions, write
 addresses, per-sequence attention metadata in jax's ragged paged attention form, and per-row sampling (a
-`RowSampling` holding each row's `SamplingParams`, the one sampling type, as arrays). `build_inputs` makes it
-from a plan's `SeqStep`s, as one host array per name of `FIELD_LAYOUT`; `StepInputs.from_flat` nests them.
+`RowSampling` holding each row's `SamplingParams`, the one sampling type, as arrays) with each row's allowed-token
+bits (structured outputs). `build_inputs` makes it from a plan's `SeqStep`s, as one host array per name of
+`FIELD_LAYOUT`; `StepInputs.from_flat` nests them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from raydeploy.engine.sampling import NEUTRAL, ROW_DTYPES, RowSampling, row_value
+from raydeploy.engine.sampling import NEUTRAL, ROW_DTYPES, RowSampling, mask_words, row_value
 from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep
 from raydeploy.model.spec import POOL_RULES
 
@@ -204,6 +205,9 @@ class StepInputs:
     reset: jax.Array           # bool[max_slots] slots whose repetition-penalty set starts over this step
     any_sampled: jax.Array     # bool[] some row samples with temperature > 0
     any_filtered: jax.Array    # bool[] some sampling row has a top-k or a top-p
+    allowed: jax.Array         # u32[G*R, W] each row's allowed tokens, packed bits (W = ceil(vocab / 32)); all ones
+    #                            for a row without a constraint
+    any_constrained: jax.Array  # bool[] some sampling row carries an allowed-token mask (else the bits go unread)
 
     @classmethod
     def from_flat(cls, arrays: Mapping[str, Any]) -> StepInputs:
@@ -223,13 +227,15 @@ FIELD_LAYOUT = {
     "kv_lens": "rows", "page_indices": "rows", "ring_page_indices": "rows", "cu_q_lens": "rows", "num_seqs": "rows",
     "logit_index": "rows", "sampling.slot": "rows", "sampling.position": "rows",
     **{f"{PARAMS}.{n}": "rows" for n in ROW_DTYPES},
-    "reset": "replicated", "any_sampled": "replicated", "any_filtered": "replicated",
+    "allowed": "rows",
+    "reset": "replicated", "any_sampled": "replicated", "any_filtered": "replicated", "any_constrained": "replicated",
 }
 
 
-def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: int
+def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: int, vocab: int
                     ) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-    """Shape and dtype of every StepInputs field for one (tokens, rows, pages) program."""
+    """Shape and dtype of every StepInputs field for one (tokens, rows, pages) program over a model of `vocab`
+    tokens."""
     g, t, r = groups, tokens, rows
     i32 = np.dtype(np.int32)
     out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {n: ((g * t,), i32) for n, lay in FIELD_LAYOUT.items() if lay == "tokens"}
@@ -242,7 +248,14 @@ def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: 
     out["reset"] = ((max_slots,), np.dtype(bool))
     out["any_sampled"] = ((), np.dtype(bool))
     out["any_filtered"] = ((), np.dtype(bool))
+    out["allowed"] = ((g * r, mask_words(vocab)), np.dtype(np.uint32))
+    out["any_constrained"] = ((), np.dtype(bool))
     return out
+
+
+ALLOWED_FIELD = "allowed"
+"""The field `build_inputs` leaves out of a step without constrained rows: the engine passes a device-resident
+all-ones array of the step's shape instead (`Engine._all_allowed`), so unconstrained steps move no mask."""
 
 
 @dataclasses.dataclass
@@ -250,20 +263,28 @@ class HostStep:
     """A step's inputs on the host, and where each plan sequence's result lands ([G*R] rows)."""
 
     arrays: dict[str, np.ndarray]
+    """One array per `FIELD_LAYOUT` name; `allowed` only where some row is constrained (`any_constrained`)."""
     rows: list[int]
     """rows[i] = result row of plan.seqs[i]."""
 
 
 def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, tokens: int, rows: int,
-                 pages: int, step: int = 0, reset: Sequence[int] = ()) -> HostStep:
+                 pages: int, step: int = 0, reset: Sequence[int] = (), vocab: int = 0) -> HostStep:
     """The host arrays of one pass over `seqs` (pass `step` of a multi-step decode: every position + step).
 
     `tokens`, `rows`, `pages` are the program's static sizes per group (T, R, P); the caller chose them large
     enough. Padding token places write nowhere (their page id is out of range, so the write is dropped), and
-    padding rows have no tokens."""
+    padding rows have no tokens. `vocab`: the model's vocabulary (the width of the rows' allowed-token masks,
+    0: no row may be constrained). Only a pass with a constrained sampling row carries `allowed` (its rows'
+    words, every other row all ones); without one it is left out and `any_constrained` is false."""
     g_n, t_n, r_n, spg = tables.groups, tokens, rows, tables.slots_per_group
     ms = tables.max_slots
-    a = {n: np.zeros(shape, dt) for n, (shape, dt) in abstract_inputs(g_n, t_n, r_n, pages, ms).items()}
+    shapes = abstract_inputs(g_n, t_n, r_n, pages, ms, vocab)
+    constrained = any(q.sample and q.allowed is not None for q in seqs)
+    a = {n: np.zeros(shape, dt) for n, (shape, dt) in shapes.items() if n != ALLOWED_FIELD}
+    if constrained:
+        shape, dt = shapes[ALLOWED_FIELD]
+        a[ALLOWED_FIELD] = np.full(shape, np.iinfo(np.uint32).max, dt)
     a["from_last"][:] = -1
     a["token_slot"][:] = ms
     a["write_page"][:] = tables.pages_per_group
@@ -313,6 +334,12 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
                 column[row] = row_value(sp, name)
             any_sampled |= sp.temperature > 0
             any_filtered |= sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
+            if q.allowed is not None:
+                words = np.asarray(q.allowed, np.uint32).reshape(-1)
+                if words.size != a[ALLOWED_FIELD].shape[1]:
+                    raise ValueError(f"slot {q.slot}: an allowed-token mask of {words.size} words, the step's "
+                                     f"masks have {a[ALLOWED_FIELD].shape[1]} (vocabulary {vocab})")
+                a[ALLOWED_FIELD][row] = words
         fill_t[g] += n
         fill_r[g] += 1
         out_rows.append(row)
@@ -324,4 +351,5 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     a["reset"][list(reset)] = True
     a["any_sampled"] = np.asarray(any_sampled)
     a["any_filtered"] = np.asarray(any_filtered)
+    a["any_constrained"] = np.asarray(constrained)
     return HostStep(a, out_rows)

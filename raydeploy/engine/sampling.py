@@ -8,7 +8,11 @@ takes. Order follows Hugging Face: repetition penalty, temperature, top-k, top-p
 is a pure function of the request's seed and the token's position (`fold_in(key(seed), position)`), so every
 host of a gang draws the same token and a request replays identically whatever else shares the batch.
 The reported logprob is the chosen token's log-probability under the raw model distribution
-(temperature 1, no filters, no penalty).
+(temperature 1, no filters, no penalty, and no allowed-token mask).
+
+A constrained row (structured outputs) carries its allowed tokens as packed bits (`SeqStep.allowed`'s layout);
+`apply_allowed` sets every other token's logit to -inf before anything else, so the penalty, temperature, top-k,
+top-p and the greedy argmax all choose among the allowed tokens only.
 """
 
 from __future__ import annotations
@@ -54,6 +58,27 @@ class RowSampling:
     slot: jax.Array
     position: jax.Array
     params: SamplingParams
+
+
+BITS = 32
+"""Tokens per word of a packed allowed-token mask (uint32 words; token i is bit i % 32 of word i // 32)."""
+
+
+def mask_words(vocab: int) -> int:
+    """Words of a packed allowed-token mask over a vocabulary of `vocab` tokens."""
+    return -(-vocab // BITS)
+
+
+def apply_allowed(logits_bv: jax.Array, allowed_bw: jax.Array) -> jax.Array:
+    """logits [B, V] with every token whose bit in `allowed_bw` (uint32 [B, ceil(V / 32)]) is clear set to -inf.
+
+    The bits unpack by shifts of each word (no gather) into [B, W, 32], then [B, V]: elementwise with the logits,
+    so a vocabulary sharded over devices keeps its sharding and each device unpacks only its own words' bits."""
+    b, v = logits_bv.shape
+    shifts = jnp.arange(BITS, dtype=jnp.uint32)
+    bits = (allowed_bw.astype(jnp.uint32)[:, :, None] >> shifts[None, None, :]) & jnp.uint32(1)
+    keep = bits.reshape(b, -1)[:, :v] != 0
+    return jnp.where(keep, logits_bv, -jnp.inf)
 
 
 def apply_repetition_penalty(logits_bv: jax.Array, presence_bv: jax.Array, penalty_b: jax.Array) -> jax.Array:
@@ -169,7 +194,7 @@ def _bisection_mask(x: jax.Array, k: jax.Array, top_p_b: jax.Array) -> jax.Array
     it; the top-p threshold the largest with at least p of the top-k distribution's mass at or above it."""
     v = x.shape[-1]
     hi = jnp.max(x, axis=-1)
-    lo = jnp.min(x, axis=-1)
+    lo = jnp.min(jnp.where(jnp.isfinite(x), x, hi[:, None]), axis=-1)  # masked-out tokens (-inf) bound nothing
     kth = _bisect_threshold(lo, hi, lambda t: jnp.sum(x >= t[:, None], axis=-1) >= k)
     kth = jnp.where(k >= v, lo, kth)
     in_top_k = x >= kth[:, None]
@@ -209,7 +234,8 @@ def _first_argmax(x_bv: jax.Array) -> jax.Array:
 
 
 def sample(logits_bv: jax.Array, presence_bv: jax.Array, params: SamplingParams, position_b: jax.Array, *,
-           any_sampled: jax.Array | None = None, any_filtered: jax.Array | None = None, vocab_chunks: int = 1
+           any_sampled: jax.Array | None = None, any_filtered: jax.Array | None = None, vocab_chunks: int = 1,
+           allowed_bw: jax.Array | None = None, any_constrained: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array]:
     """Next token [B] int32 and its raw logprob [B] float32, for rows sampling with `params` (each field [B]) at
     `position_b` (the positions the tokens take). temperature 0 is greedy (argmax after penalty).
@@ -219,9 +245,19 @@ def sample(logits_bv: jax.Array, presence_bv: jax.Array, params: SamplingParams,
     it from rows that are sharded over devices would cost a cross-device reduction every step; `any_filtered`
     likewise says whether some sampling row has a top-k or top-p (the mask is skipped when none has).
     `vocab_chunks` (static): `chunks_for_shards(shards)` of a vocabulary sharded over devices, else 1.
+
+    `allowed_bw` (uint32 [B, ceil(V / 32)], packed bits; None: every token) restricts each row's draw to its
+    allowed tokens, applied first (`apply_allowed`), before the penalty, temperature, top-k, top-p and greedy;
+    an unconstrained row holds all ones. `any_constrained` (scalar bool, replicated) says whether some row is
+    constrained: when it is false the bits are not unpacked at all. The logprob stays the raw model
+    distribution's (the mask does not renormalise it), like the penalty and the filters.
     """
     logits_bv = logits_bv.astype(jnp.float32)
-    penalised = apply_repetition_penalty(logits_bv, presence_bv, jnp.asarray(params.repetition_penalty))
+    chosen_from = logits_bv
+    if allowed_bw is not None:
+        some = jnp.asarray(True) if any_constrained is None else any_constrained
+        chosen_from = jax.lax.cond(some, lambda: apply_allowed(logits_bv, allowed_bw), lambda: logits_bv)
+    penalised = apply_repetition_penalty(chosen_from, presence_bv, jnp.asarray(params.repetition_penalty))
     greedy = _first_argmax(penalised)
     sampling = jnp.asarray(params.temperature) > 0
     tokens = jax.lax.cond(

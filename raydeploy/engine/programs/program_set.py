@@ -264,12 +264,13 @@ class ProgramSet:
         out = {}
         for name, layout in FIELD_LAYOUT.items():
             out[name] = (self.replicated if layout == "replicated"
-                         else self.sharded_2d if name in ("page_indices", "ring_page_indices") else self.sharded_1d)
+                         else self.sharded_2d if name in ("page_indices", "ring_page_indices", "allowed") else self.sharded_1d)
         return out
 
     def abstract_inputs(self, tokens: int, pages: int) -> StepInputs:
         shard = self.input_shardings()
-        shapes = abstract_inputs(self.groups, tokens, self.rows_for(tokens), pages, self.max_slots)
+        shapes = abstract_inputs(self.groups, tokens, self.rows_for(tokens), pages, self.max_slots,
+                                 self.cfg.vocab_size)
         fields: dict[str, Any] = {n: jax.ShapeDtypeStruct(s, d, sharding=shard[n]) for n, (s, d) in shapes.items()}
         return StepInputs.from_flat(fields)
 
