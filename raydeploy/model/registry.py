@@ -19,6 +19,7 @@ Adding a dense family: one new module defining `FAMILY`, one line in `_ENTRIES` 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,19 @@ _ENTRIES: dict[str, str] = {
     "mixtral": "raydeploy.model.moe:MIXTRAL",
 }
 
+# model_type -> (tool-call format, reasoning markup) its chat models are tuned on; kept apart from the families so
+# the HTTP ingress reads it without importing a family module (they import JAX). One family may serve several
+# model_types that chat differently (the llama family serves Mistral's and Qwen2's models).
+_CHAT: dict[str, tuple[str, str | None]] = {
+    "llama": ("llama3_json", None),
+    "mistral": ("mistral", None),
+    "qwen2": ("hermes", None),
+    "qwen3": ("hermes", "think"),
+    "gemma3_text": ("gemma3", None),
+    "qwen3_moe": ("hermes", "think"),
+    "mixtral": ("mistral", None),
+}
+
 
 class UnknownModelType(ValueError):
     """A config's model_type that no family serves."""
@@ -76,6 +90,8 @@ class Family:
     num_experts: Callable[[Any], int] | None = None  # mixture-of-experts families: experts per layer
     experts_per_token: Callable[[Any], int] | None = None  # ... and how many each token is routed to
     kernel_layouts: tuple[str, ...] = ("in_out", "out_in")  # kernel layouts an engine may hold the kernels in
+    tool_format: str = "llama3_json"  # how its chat models write tool calls (raydeploy.serve.chat formats)
+    reasoning: str | None = None  # "think": reasoning between <think> and </think> (Qwen3); None: no reasoning markup
 
     def check_mesh(self, cfg: Any, mesh_shape: Mapping[str, int]) -> None:
         """Raise ValueError naming the numbers when the mesh cannot hold this model (e.g. ep vs experts)."""
@@ -261,7 +277,23 @@ def family_for(model_type: str) -> Family:
     fam = getattr(importlib.import_module(mod), attr)
     if not isinstance(fam, Family):
         raise TypeError(f"registry entry {entry} for {model_type!r} is not a Family")
+    tool_format, reasoning = _CHAT[model_type]
+    if (fam.tool_format, fam.reasoning) != (tool_format, reasoning):  # one Family object per model_type
+        fam = _CHAT_FAMILIES.setdefault(model_type, dataclasses.replace(fam, tool_format=tool_format,
+                                                                         reasoning=reasoning))
     return fam
+
+
+_CHAT_FAMILIES: dict[str, Family] = {}
+
+
+def chat_formats(model_type: str | None) -> tuple[str, str | None]:
+    """(tool-call format, reasoning markup) of `model_type`'s chat models (a family's name is taken too), without
+    importing its family; an unknown or missing one gets Family's defaults."""
+    names = {"gemma3": "gemma3_text"}
+    key = names.get(model_type or "", model_type or "")
+    default = Family.__dataclass_fields__
+    return _CHAT.get(key, (default["tool_format"].default, default["reasoning"].default))
 
 
 def from_hf_config(hf: Mapping[str, Any], source: str | None = None) -> tuple[Family, Any]:

@@ -25,6 +25,13 @@ class ChatTemplateError(ValueError):
     the message is the template's own."""
 
 
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                 "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                                 "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                 "tokenizer_kwargs"})
+"""apply_chat_template's own parameters: a request's template variables may not set them."""
+
+
 class TextCodec:
     """Encode prompts (raw or chat) and decode generated ids with the model's own tokenizer."""
 
@@ -54,17 +61,26 @@ class TextCodec:
         """A raw prompt: tokenized as is, with the tokenizer's own special-token convention."""
         return list(self.tokenizer.encode(text))
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to [{role, content}, ...] (as text, to report and to encode)."""
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template applied to [{role, content}, ...] (as text, to report and to encode). `tools` go to
+        the template as `tools=` (HF templates that render them); `template_kwargs` are extra template variables
+        (a request's chat_template_kwargs, e.g. enable_thinking)."""
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
+        if clash:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(clash)}")
         if not self.has_chat_template:
             # A model without a template: plain "role: content" lines, then the assistant's turn.
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
         from jinja2 import TemplateError
 
+        if tools:
+            extra["tools"] = tools
         try:
             return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **extra)
         except TemplateError as e:  # the template's own raise_exception(...), or an error in its logic
             raise ChatTemplateError(getattr(e, "message", None) or str(e) or type(e).__name__) from None
 
