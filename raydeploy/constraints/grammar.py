@@ -12,12 +12,16 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from llguidance import LLMatcher
 
 from raydeploy.constraints.spec import Constraint
 
-JSON_OPTIONS = {"whitespace_flexible": False}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 """llguidance's JSON compile options: compact JSON (no free whitespace between tokens). With free whitespace a
 sampled model can spend its whole budget on blanks inside an object and never close it; compact output still
 parses as the same JSON."""

@@ -137,13 +137,14 @@ class GrammarEngine:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, vocab_size: int, eos_ids: Sequence[int]) -> GrammarEngine:
-        """From the tokenizer.json of a checkpoint directory."""
+        """From the tokenizer.json of a checkpoint directory (the one the HTTP layer's tokenizer reads); a
+        directory without one goes through transformers' AutoTokenizer, which converts a slow tokenizer."""
         f = Path(path) / "tokenizer.json"
-        try:
-            text = f.read_text()
-        except OSError as e:
-            raise ValueError(f"structured outputs need the checkpoint's tokenizer: cannot read {f}: {e}") from None
-        return cls(text, vocab_size, eos_ids)
+        if not f.exists():
+            from transformers import AutoTokenizer
+
+            return cls.from_hf(AutoTokenizer.from_pretrained(str(path), local_files_only=True), vocab_size, eos_ids)
+        return cls(f.read_text(), vocab_size, eos_ids)
 
     @classmethod
     def from_hf(cls, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int] | None = None) -> GrammarEngine:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from raydeploy.config import Config
+from raydeploy.constraints.matcher import GrammarEngine
 
 
 def _prepare_cpu_devices(cfg: Config, needed: int) -> None:
@@ -101,7 +102,8 @@ def _generate(cfg: Config, args: argparse.Namespace) -> int:
     sampling = SamplingParams.resolve(cfg.engine.sampling, temperature=args.temperature, top_p=args.top_p,
                                       top_k=args.top_k, seed=args.seed)
     req = GenerationRequest("generate-0", tuple(prompt_ids), args.max_tokens, sampling)
-    runner = LocalRunner(engine, Scheduler.for_engine(engine, cfg))
+    grammar = GrammarEngine.from_hf(tokenizer, engine.vocab_size, engine.eos_ids)
+    runner = LocalRunner(engine, Scheduler.for_engine(engine, cfg, grammar=grammar))
     t1 = time.perf_counter()
     (out,) = runner.generate([req], timeout_s=cfg.serving.request_timeout_s)
     total_s = time.perf_counter() - t1

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raydeploy.config import Config
+from raydeploy.constraints.matcher import GrammarEngine
 from raydeploy.engine.interfaces import StepEngine, StepScheduler
 
 ENGINES = {"real": "raydeploy.gang.runtime:load_checkpoint_engine",
@@ -120,10 +121,11 @@ def load_checkpoint_engine(cfg: Config, mesh: Any, checkpoint_path: str | None) 
     built = build_engine(cfg, mesh, checkpoint_path)
     engine = built.engine
 
-    def make_scheduler() -> StepScheduler:
+    def make_scheduler() -> StepScheduler:  # on rank 0 only: it owns the requests' grammar matchers
         from raydeploy.engine.scheduler import Scheduler
 
-        return Scheduler.for_engine(engine, cfg)
+        grammar = GrammarEngine.from_checkpoint(checkpoint_path, engine.vocab_size, engine.eos_ids)
+        return Scheduler.for_engine(engine, cfg, grammar=grammar)
 
     return LoadedEngine(engine, _stats_dict(built.load_stats, built.load_s), engine.eos_ids, make_scheduler)
 

@@ -9,7 +9,8 @@ No JAX here. The local runner and the gang's coordinator (on rank 0) both drive 
 New requests join free slots between decode steps. A request's events: one per generated token
 (`token_id` set, `index` 0, 1, ...); the last event carries `finish_reason`:
 - "length": max_tokens or max_seq_len reached; that event still carries the last token.
-- "stop": an eos / stop token was sampled; that event has `token_id=None` (stop tokens are not output).
+- "stop": an eos / stop token was sampled; that event has `token_id=None` (stop tokens are not output). Or a
+  constrained request's grammar ended: that event carries the grammar's last token.
 - "abort" (after `abort`) and "error" (after `fail_all`, `step_failed` or `fail_step`, with `error` and
   `retriable`): `token_id=None`.
 `submit`, `abort` and `fail_all` may be called from other threads; sinks are called outside the lock and must
@@ -30,6 +31,13 @@ The parts: `records` (Paging, and what is kept per queued and running request), 
 ask, its page reservation, QueueFullError), `placement` (which group's slot and pages a request takes), `pacing`
 (the decode pace, the chunk hold-back and the burst wait, from measured step times, with injected clocks) and
 `planner` (`Scheduler`: the request lifecycle and the plans, over the others).
+
+Structured outputs: a request with a constraint gets a matcher at submit (`raydeploy.constraints`, compiled by
+the scheduler's `GrammarEngine` outside its lock; no engine, or a constraint that does not compile: `RequestFailed`,
+invalid). Each of its sampling rows (its last prompt chunk, its decode rows) carries the packed allowed tokens of
+its next draw (`SeqStep.allowed`), and a plan with such a row runs one pass (the next mask needs this token). The
+matcher advances only when a token is emitted, so undoing a failed step leaves it where it was. A grammar that
+allows no next token, or an emitted token it does not allow, ends the request with an error naming it.
 
 Failures (docs/gang.md, "A step that fails for one request"): a request whose prompt holds a token id past the
 model's vocabulary (`vocab_size`) is refused at submit with `RequestFailed`. A step whose engine raised

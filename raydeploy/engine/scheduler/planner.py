@@ -4,6 +4,7 @@ story; no JAX here."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from raydeploy.constraints.grammar import ConstraintError
+from raydeploy.constraints.matcher import GrammarEngine, Matcher
 from raydeploy.engine.pages import PagePool
 from raydeploy.engine.request import FinishReason, GenerationRequest, RequestFailed, TokenEvent
 from raydeploy.engine.scheduler.admission import Admission, QueueFullError
@@ -30,7 +33,7 @@ class Scheduler:
     def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int, paging: Paging,
                  clock: Callable[[], float] = time.monotonic, slot_order: Sequence[int] | None = None,
                  decode_steps: int = 1, vocab_size: int | None = None,
-                 wait_clock: Callable[[], float] = time.monotonic) -> None:
+                 wait_clock: Callable[[], float] = time.monotonic, grammar: GrammarEngine | None = None) -> None:
         self.max_slots = max_slots
         self.slot_order = list(range(max_slots)) if slot_order is None else [int(s) for s in slot_order]
         if sorted(self.slot_order) != list(range(max_slots)):
@@ -46,6 +49,8 @@ class Scheduler:
         self.pools = [PagePool(paging.pages_per_group, paging.page_size, g) for g in range(paging.groups)]
         self.placement = Placement(paging, self.pools, self.slot_order, max_seq_len)
         self.pacing = Pacing(decode_steps, paging.max_decode_slowdown, paging.burst_wait, clock, wait_clock)
+        self.grammar = grammar
+        """Compiles requests' constraints (structured outputs); None: a constrained request is refused."""
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: deque[Queued] = deque()
@@ -66,17 +71,24 @@ class Scheduler:
         """Requests ended by a failure of their own (`step_failed`, `fail_step`), not by a gang failure."""
         self.ttft_s: deque[float] = deque(maxlen=256)
         """Recent times from submit to first token (seconds), for metrics."""
+        self.masks = 0
+        """Allowed-token masks computed for constrained rows."""
+        self.mask_s = 0.0
+        """Seconds spent computing them (inside planning, on the step loop's thread)."""
 
     @classmethod
-    def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic) -> Scheduler:
+    def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic,
+                   grammar: GrammarEngine | None = None) -> Scheduler:
         """A scheduler sized for `engine` (its geometry: slots, max_seq_len, pages and step sizes; its eos ids, the
-        order to fill slots in and its vocabulary) with the config's queue, decode steps and pacing."""
+        order to fill slots in and its vocabulary) with the config's queue, decode steps and pacing; `grammar`
+        compiles constrained requests (built over the same tokenizer and vocabulary)."""
         g = engine.geometry
         # a model whose sliding-window layers keep rings cannot reuse a prefix (its window is not in them)
         prefix = cfg.engine.prefix_caching and not engine.window_rings
         paging = Paging.from_geometry(g, prefix, cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
         return cls(g.max_slots, g.max_seq_len, engine.eos_ids, cfg.serving.max_queue, paging, clock=clock,
-                   slot_order=engine.slot_order, decode_steps=cfg.engine.decode_steps, vocab_size=engine.vocab_size)
+                   slot_order=engine.slot_order, decode_steps=cfg.engine.decode_steps, vocab_size=engine.vocab_size,
+                   grammar=grammar)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -117,7 +129,8 @@ class Scheduler:
         out: dict[str, Any] = {
             "queue_depth": self.queue_depth, "slots_in_use": self.slots_in_use, "max_slots": self.max_slots,
             "steps": self.steps, "tokens_generated": self.tokens_generated, "prefills": self.prefills,
-            "requests_failed": self.requests_failed,
+            "requests_failed": self.requests_failed, "constraint_masks": self.masks,
+            "constraint_mask_s": self.mask_s,
             "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
         with self._lock:
             for pool in self.pools:
@@ -148,13 +161,28 @@ class Scheduler:
         self.admission.validate(req)
 
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
-        """Queue a request; raises `RequestFailed` (never runs here: a ValueError) or QueueFullError (try later)."""
+        """Queue a request; raises `RequestFailed` (never runs here: a ValueError) or QueueFullError (try later).
+        A constrained request's grammar is compiled here, in the caller's thread and outside the lock (a
+        constraint that does not compile, or one sent to a scheduler without a grammar engine, is refused)."""
         self.validate(req)
+        matcher = None if req.constraint is None else self._compile(req)
         with self._lock:
             if len(self._queue) >= self.max_queue:
                 raise QueueFullError(len(self._queue), self.max_queue)
-            self._queue.append(Queued(req, sink, self.clock()))
+            self._queue.append(Queued(req, sink, self.clock(), matcher=matcher))
             self._work.notify_all()
+
+    def _compile(self, req: GenerationRequest) -> Matcher:
+        c = req.constraint
+        assert c is not None
+        rid = req.request_id
+        if self.grammar is None:
+            raise RequestFailed(f"request {rid}: structured output ({c.kind} constraint) is not available: this "
+                                f"engine has no grammar engine", request_ids=(rid,), invalid=True)
+        try:
+            return self.grammar.matcher(c)
+        except ConstraintError as e:
+            raise RequestFailed(f"request {rid}: {e}", request_ids=(rid,), invalid=True) from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a queued or running request (its sink gets a final "abort" event); False if unknown."""
@@ -291,15 +319,20 @@ class Scheduler:
     def next_plan(self) -> StepPlan | None:
         """The next step: releases, the decode rows of running streams, and prompt chunks of started and newly
         admitted requests (None when there is nothing to do)."""
-        return self._next_plan(self.paging)
+        events: list[tuple[Sink, TokenEvent]] = []
+        plan = self._next_plan(self.paging, events)
+        self._emit(events)  # requests whose grammar allowed no next token
+        return plan
 
     def _stop_ids(self, req: GenerationRequest) -> frozenset[int]:
         return frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else self.eos_ids)
 
     # -- planning
-    def _next_plan(self, p: Paging) -> StepPlan | None:
+    def _next_plan(self, p: Paging, events: list[tuple[Sink, TokenEvent]]) -> StepPlan | None:
         """Decode rows of every running stream, then prompt chunks (started prompts first, then queued requests
-        admitted while a slot, their pages and the group's token budget allow), then the page-table changes."""
+        admitted while a slot, their pages and the group's token budget allow), then the page-table changes.
+        A constrained request's sampling row carries its allowed tokens (one whose grammar allows none ends with
+        an error event in `events`), and a plan with such a row runs one pass."""
         with self._lock:
             per_group = self.max_slots // p.groups
             budget = [p.max_step_tokens] * p.groups
@@ -329,8 +362,11 @@ class Scheduler:
                     continue
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
                 if n > 0:
+                    allowed = self._allowed(slot, run, events) if run.computed + n == run.prompt_len else None
+                    if self._slots[slot] is not run:
+                        continue  # its grammar allowed no first token
                     budget[slot // per_group] -= n
-                    seqs.append(self._chunk(slot, run, n, updates))
+                    seqs.append(self._chunk(slot, run, n, updates, allowed))
                     entries.append((slot, run))
             while self._queue:  # admission: a slot and pages (its prefill starts when its group has budget)
                 head = self._queue[0]
@@ -342,14 +378,17 @@ class Scheduler:
                 slot, pages = placed
                 run = Running(q.req, q.sink, len(q.req.prompt_token_ids), q.submitted_s,
                                stop_ids=self._stop_ids(q.req), pages=pages, tokens=list(q.req.prompt_token_ids),
-                               computed=pages.shared * p.page_size, cap=cap)
+                               computed=pages.shared * p.page_size, cap=cap, matcher=q.matcher)
                 self.prefix_hit_tokens += run.computed
                 self._slots[slot] = run
                 self._prefilling.append(slot)
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
                 if n > 0:  # else it holds its slot and pages and starts when its group has budget again
+                    allowed = self._allowed(slot, run, events) if run.computed + n == run.prompt_len else None
+                    if self._slots[slot] is not run:
+                        continue  # its grammar allowed no first token
                     budget[slot // per_group] -= n
-                    seqs.append(self._chunk(slot, run, n, updates))
+                    seqs.append(self._chunk(slot, run, n, updates, allowed))
                     entries.append((slot, run))
             steps = 1 if seqs else self._decode_steps([r for _, r in decoding])
             if held and not seqs:  # a decode-only plan ends where the held prompts may go on (`held_floor`)
@@ -357,8 +396,11 @@ class Scheduler:
             # (seqs holds the prompt chunks so far) the plan's duration feeds the chunk hold-back
             self.pacing.planned(self._step_id, self.clock(), bool(decoding), bool(self._prefilling), bool(seqs), steps)
             for slot, run in decoding:
+                allowed = self._allowed(slot, run, events)
+                if self._slots[slot] is not run:
+                    continue  # its grammar allowed no next token
                 self._grow(slot, run, run.computed + steps, updates)
-                seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True))
+                seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True, allowed=allowed))
                 entries.append((slot, run))
             release = tuple(self._release)
             self._release = []
@@ -382,9 +424,37 @@ class Scheduler:
         elif new:
             updates.append(PageUpdate(slot, before, np.asarray(new, np.int32)))
 
-    def _chunk(self, slot: int, run: Running, n: int, updates: list[PageUpdate]) -> SeqStep:
+    def _allowed(self, slot: int, run: Running, events: list[tuple[Sink, TokenEvent]]) -> np.ndarray | None:
+        """Under the lock: the packed allowed tokens of `run`'s next draw from its matcher (None when it has no
+        constraint). A grammar that allows no token (or a failed matcher) ends the request with an error event
+        naming it, instead of a draw from nothing or a wait that never ends; the caller then leaves it out."""
+        if run.matcher is None:
+            return None
+        t0 = time.perf_counter()
+        allowed = run.matcher.mask()
+        self.mask_s += time.perf_counter() - t0
+        self.masks += 1
+        if not allowed.any():
+            kind = run.req.constraint.kind if run.req.constraint is not None else "grammar"
+            why = run.matcher.error or "no token of the vocabulary can continue the output"
+            events.append((run.sink, self._end_with_error(
+                slot, f"its {kind} constraint allows no next token after {run.generated} generated: {why}",
+                invalid=run.matcher.error is None)))
+            return None
+        return allowed
+
+    def _end_with_error(self, slot: int, why: str, invalid: bool) -> TokenEvent:
+        """Under the lock: end the request in `slot` (not for a failed step: its computed pages are good) with a
+        non-retriable error naming it; `invalid`: its own content is at fault (HTTP 400)."""
+        event = self._finish(slot, "error")
+        self.requests_failed += 1
+        return dataclasses.replace(event, error=f"request {event.request_id} failed: {why}", invalid=invalid)
+
+    def _chunk(self, slot: int, run: Running, n: int, updates: list[PageUpdate],
+               allowed: np.ndarray | None = None) -> SeqStep:
         """The next `n` prompt tokens of `run` as a SeqStep (the first chunk carries sampling and the tokens
-        of the reused prefix, for the repetition penalty)."""
+        of the reused prefix, for the repetition penalty; a last chunk of a constrained request its allowed
+        tokens)."""
         start = run.computed
         self._grow(slot, run, start + n, updates)
         first = not run.started
@@ -392,12 +462,14 @@ class Scheduler:
         prompt = run.req.prompt_token_ids
         return SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
                        run.req.sampling if first else None,
-                       np.asarray(prompt[:start], np.int32) if first and start > 0 else None)
+                       np.asarray(prompt[:start], np.int32) if first and start > 0 else None, allowed)
 
     def _decode_steps(self, runs: list[Running]) -> int:
         """Steps of a decode-only plan: `decode_steps`, but no more than the running requests still want and
-        never past a request's reserved positions (which include max_seq_len's bound)."""
-        if not runs:
+        never past a request's reserved positions (which include max_seq_len's bound); one with a constrained
+        row runs one pass (its next mask needs this token). Unconstrained rows beside it then pay the per-plan
+        costs for each token: measured in benchmarks/results (grammar_mask)."""
+        if not runs or any(r.matcher is not None for r in runs):
             return 1
         room = min(r.cap - r.computed for r in runs)
         wanted = max(r.req.max_tokens - r.generated for r in runs)
@@ -455,7 +527,14 @@ class Scheduler:
     def _token(self, slot: int, token: int, logprob: float | None, events: list) -> None:
         run = self._slots[slot]
         assert run is not None
-        if token in run.stop_ids:
+        if run.matcher is not None and not run.matcher.accept(token):
+            # the engine drew a token its mask did not allow: an engine fault, not the request's
+            kind = run.req.constraint.kind if run.req.constraint is not None else "grammar"
+            events.append((run.sink, self._end_with_error(
+                slot, f"token {token} (output position {run.generated}) is not allowed by its {kind} constraint: "
+                      f"{run.matcher.error}", invalid=False)))
+            return
+        if token in run.stop_ids:  # eos where the grammar may end
             events.append((run.sink, self._finish(slot, "stop")))
             return
         run.generated += 1
@@ -463,7 +542,9 @@ class Scheduler:
         if run.pages is not None:
             run.tokens.append(token)
         reason: FinishReason | None = None
-        if run.generated >= run.req.max_tokens or run.prompt_len + run.generated >= self.max_seq_len:
+        if run.matcher is not None and run.matcher.done:
+            reason = "stop"  # the grammar has ended: this token is its last
+        elif run.generated >= run.req.max_tokens or run.prompt_len + run.generated >= self.max_seq_len:
             reason = "length"
         events.append((run.sink, TokenEvent(run.req.request_id, token, logprob, run.generated - 1, reason)))
         if reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from raydeploy.constraints.matcher import Matcher
 from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.pages import SequencePages
 from raydeploy.engine.request import GenerationRequest, TokenEvent
@@ -63,6 +64,8 @@ class Queued:
     submitted_s: float
     keys: list[bytes] | None = None
     """The prompt's prefix keys, computed once."""
+    matcher: Matcher | None = None
+    """The request's constraint compiled at submit (structured outputs), at the start of its grammar."""
 
 
 @dataclass
@@ -85,3 +88,6 @@ class Running:
     """Its first chunk was planned (the engine has its sampling parameters)."""
     resend_row: bool = False
     """A step that carried it failed before the engine ran it: its next plan sends its page-table row whole."""
+    matcher: Matcher | None = None
+    """Its constraint's matcher (structured outputs): fills each sampling row's allowed tokens and follows the
+    emitted tokens only (it advances when a token is emitted, never when one is planned)."""
