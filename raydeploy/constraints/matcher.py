@@ -121,6 +121,8 @@ class GrammarEngine:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int],
                  cache_size: int = COMPILED_CACHE_SIZE) -> None:
         eos = [int(e) for e in eos_ids] or None
+        self.tokenizer_json = tokenizer_json
+        """The tokenizer (Hugging Face tokenizers' JSON) the grammars are compiled against."""
         self.tokenizer_vocab = LLTokenizer(tokenizer_json, eos_token=eos, slices=[]).vocab_size
         """Ids the tokenizer knows (its added tokens included)."""
         self.vocab_size = int(vocab_size)
