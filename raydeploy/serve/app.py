@@ -4,7 +4,8 @@ and the chat page, assembled from their routers.
 `create_app(core)` builds a FastAPI app over a `ServingCore` (which talks to the gang through a `Backend`); the
 Ray Serve deployment and the unit tests (with an in-process fake backend) both use it. The routes live in
 :mod:`raydeploy.serve.routes`: `openai` (/v1), `legacy` (/chat, /instruct) and `ops` (probes, /status,
-/metrics, the page), sharing one `Ingress` (`routes.shared`: the core, keys, body limit, tokenizer threads).
+/metrics, the page), sharing one `Ingress` (`routes.shared`: the core, keys, body limit, tokenizer threads, and
+the deployment's `ChatFormat`, built once here: `chat_format_for`).
 This module adds what wraps every route: the front door (`raydeploy.serve.limits`), CORS, the response
 counts, and the error mapping (every failure an OpenAI-shaped JSON error, `raydeploy.serve.errors`). Nothing
 here imports JAX.
@@ -12,6 +13,9 @@ here imports JAX.
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,7 +23,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from raydeploy.config import Config
 from raydeploy.serve.auth import ApiKeyCheck
+from raydeploy.serve.chat import ChatFormat
 from raydeploy.serve.errors import APIError, NotFound, error_response
 from raydeploy.serve.generation import ServingCore
 from raydeploy.serve.limits import FrontDoor, FrontDoorLimits
@@ -32,17 +38,24 @@ from raydeploy.serve.protocol import (
 )
 from raydeploy.serve.routes import legacy, openai, ops
 from raydeploy.serve.routes.shared import SCHEMA_REF, Ingress, ServerInfo
+from raydeploy.serve.text import TextCodec
 
-__all__ = ["ServerInfo", "create_app"]
+__all__ = ["ServerInfo", "chat_format_for", "create_app"]
+
+log = logging.getLogger("raydeploy.serve")
 
 
 def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_body_bytes: int = 1_048_576,
                info: ServerInfo | None = None, cors_origins: list[str] | None = None,
-               front_door: FrontDoorLimits | None = None, metrics_refresh_s: float = 5.0) -> FastAPI:
+               front_door: FrontDoorLimits | None = None, metrics_refresh_s: float = 5.0,
+               chat: ChatFormat | None = None) -> FastAPI:
+    """The app over `core`. `chat`: the deployment's chat format (`chat_format_for`); None takes the codec's
+    template with the fallback tool format, as for a model of unknown family."""
     app = FastAPI(title="raydeploy", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     keys = api_keys or ApiKeyCheck(())
     app.state.ingress = Ingress(core, keys, max_body_bytes, info or ServerInfo(),
-                                GangFigures(core.backend, metrics_refresh_s))
+                                GangFigures(core.backend, metrics_refresh_s),
+                                chat or ChatFormat.create(core.codec, None))
     core.metrics.admitted.set_function(lambda: core.in_flight)
     app.state.front_door = None  # the middleware instance, built by Starlette when the app first runs
 
@@ -67,6 +80,26 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
         app.include_router(module.router)
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     return app
+
+
+def chat_format_for(cfg: Config, checkpoint_dir: str | Path, codec: TextCodec) -> ChatFormat:
+    """The deployment's chat format: the checkpoint's model_type (config.json) picks the family's tool-call and
+    reasoning formats, `model.tool_parser` / `model.reasoning_parser` override them. A ValueError names a
+    parser the model's template cannot serve."""
+    return ChatFormat.create(codec, checkpoint_model_type(checkpoint_dir),
+                             tool_parser=getattr(cfg.model, "tool_parser", "auto"),
+                             reasoning_parser=getattr(cfg.model, "reasoning_parser", "auto"))
+
+
+def checkpoint_model_type(checkpoint_dir: str | Path) -> str | None:
+    """`model_type` of the checkpoint's config.json (None when it has none: the chat format falls back)."""
+    path = Path(checkpoint_dir) / "config.json"
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("no model_type in %s (%s); tool calls use the fallback format", path.name, type(e).__name__)
+        return None
+    return model_type if isinstance(model_type, str) else None
 
 
 class CountResponses:

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from raydeploy.config import Config
+from raydeploy.constraints.spec import Constraint
 from raydeploy.engine.geometry import AdmissionLimits
 from raydeploy.engine.request import GenerationRequest
 from raydeploy.engine.step import SamplingParams
@@ -78,6 +79,8 @@ class Job:
     ignore_eos: bool = False
     timeout_s: float = 300.0
     request_id: str = ""
+    constraint: Constraint | None = None
+    """What the generated text must match (structured outputs, a forced tool call); checked already."""
 
 
 @dataclass
@@ -204,7 +207,8 @@ class ServingCore:
         if it ends early."""
         req = GenerationRequest(request_id=job.request_id, prompt_token_ids=tuple(job.prompt_ids),
                                 max_tokens=job.max_tokens, sampling=job.sampling,
-                                stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos)
+                                stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
+                                constraint=job.constraint)
         end_ids = set(job.stop_token_ids) | (set() if job.ignore_eos else set(self.codec.eos_token_ids))
         detok = self.codec.detokenizer()
         stopper = StopMatcher(job.stop)

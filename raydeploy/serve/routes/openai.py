@@ -2,7 +2,10 @@
 
 Bodies are read and strictly parsed by :mod:`raydeploy.serve.body`, validated with the pydantic models of
 :mod:`raydeploy.serve.protocol`; a request's sampling fields go to `ServingCore.sampling` by name, which
-takes what a request leaves out from `engine.sampling`.
+takes what a request leaves out from `engine.sampling`. Structured outputs and forced tool calls become the
+request's constraint (:mod:`raydeploy.serve.structured`, checked after admission on a tokenizer thread); chat
+prompts render through the deployment's `ChatFormat`, which also splits the answer into content, reasoning and
+tool calls (:mod:`raydeploy.serve.responses`).
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from typing import Any, cast
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from raydeploy.constraints.spec import KINDS
+from raydeploy.serve.chat import ChatFormat
 from raydeploy.serve.errors import InvalidRequest
 from raydeploy.serve.generation import new_id
 from raydeploy.serve.limits import Admission
 from raydeploy.serve.protocol import ChatCompletionRequest, CompletionRequest
 from raydeploy.serve.responses import ChatBuilder, CompletionBuilder
 from raydeploy.serve.routes.shared import ServerInfo, ingress, json_body
+from raydeploy.serve.structured import chat_constraint, output_constraint, tool_dicts
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -40,12 +46,13 @@ async def completions(request: Request) -> Response:
     ing.check_ids(body.stop_token_ids or [], "stop_token_ids")
 
     async def work(ticket: Admission) -> Response:
+        constraint = await ing.off_loop(output_constraint, body)
         prompts = await ing.off_loop(_encode_prompts, items, core.codec)
         jobs = ing.make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt",
                              max_param="max_tokens", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
                              sampling_args=_sampling_args(body), stop=_stops(body),
                              stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                             timeout_s=body.timeout_s, request_id=new_id("cmpl"))
+                             timeout_s=body.timeout_s, request_id=new_id("cmpl"), constraint=constraint)
         builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
                                     body.logprobs is not None)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -65,21 +72,23 @@ async def chat_completions(request: Request) -> Response:
     core.check_model(body.model)
     if not body.messages:
         raise InvalidRequest("'messages' must hold at least one message", param="messages", code="empty_prompt")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages]
-    if not any(m["content"].strip() for m in messages):
+    if not any(m.text().strip() or m.tool_calls for m in body.messages):
         raise InvalidRequest("'messages' has no text in any message", param="messages", code="empty_prompt")
+    messages = [m.as_template_message() for m in body.messages]
+    tools = tool_dicts(body) if body.tools_on else None
     ing.check_ids(body.stop_token_ids or [], "stop_token_ids")
 
     async def work(ticket: Admission) -> Response:
-        _, ids = await ing.off_loop(ing.chat_ids, messages, body.add_generation_prompt, "messages")
+        constraint = await ing.off_loop(chat_constraint, body, ing.chat)
+        prompt, ids = await ing.off_loop(ing.chat_ids, messages, body.add_generation_prompt, "messages", tools,
+                                         body.chat_template_kwargs)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         jobs = ing.make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages", max_param=param,
                              default_max=None, sampling_args=_sampling_args(body), stop=_stops(body),
                              stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                             timeout_s=body.timeout_s, request_id=new_id("chatcmpl"))
+                             timeout_s=body.timeout_s, request_id=new_id("chatcmpl"), constraint=constraint)
         builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
-                              body.logprobs)
+                              body.logprobs, chat=ing.chat, tools=body.tools_on, prompt=prompt)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await ing.respond(ticket, jobs, builder, len(ids), body.stream, include_usage, arrived)
 
@@ -91,7 +100,7 @@ async def models(request: Request) -> Response:
     ing = ingress(request)
     ing.authorize(request)
     lim = ing.core.limits
-    return JSONResponse({"object": "list", "data": [_model_card(lim.model_name, lim.max_seq_len, ing.info)]})
+    return JSONResponse({"object": "list", "data": [_model_card(lim.model_name, lim.max_seq_len, ing.info, ing.chat)]})
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -100,7 +109,7 @@ async def model(model_id: str, request: Request) -> Response:
     ing.authorize(request)
     ing.core.check_model(model_id)
     lim = ing.core.limits
-    return JSONResponse(_model_card(lim.model_name, lim.max_seq_len, ing.info))
+    return JSONResponse(_model_card(lim.model_name, lim.max_seq_len, ing.info, ing.chat))
 
 
 def _sampling_args(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
@@ -132,6 +141,13 @@ def _encode_prompts(items: list[str | list[int]], codec: Any) -> list[list[int]]
     return [codec.encode(item) if isinstance(item, str) else [int(t) for t in item] for item in items]
 
 
-def _model_card(name: str, max_seq_len: int, info: ServerInfo) -> dict[str, Any]:
+def _model_card(name: str, max_seq_len: int, info: ServerInfo, chat: ChatFormat) -> dict[str, Any]:
+    """The model as /v1/models shows it, with what this deployment does beyond text: the structured outputs it
+    enforces (`response_format` json_schema/json_object, `structured_outputs` regex/choice/grammar too), tool
+    calls and the format it parses them in, and whether reasoning goes to `reasoning_content`."""
     return {"id": name, "object": "model", "created": int(info.started_at), "owned_by": "raydeploy",
-            "max_model_len": max_seq_len}
+            "max_model_len": max_seq_len,
+            "capabilities": {"structured_outputs": list(KINDS), "tool_calling": True,
+                             "tool_choice": ["none", "auto", "required", "function"], "parallel_tool_calls": True,
+                             "tool_parser": chat.tool_format, "tools_in_template": chat.template_has_tools,
+                             "reasoning": chat.reasoning is not None}}

@@ -21,8 +21,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
+from raydeploy.constraints.spec import Constraint
 from raydeploy.serve.auth import ApiKeyCheck
 from raydeploy.serve.body import read_json_object
+from raydeploy.serve.chat import ChatFormat
 from raydeploy.serve.errors import APIError, InvalidRequest, Unauthorized, pydantic_error
 from raydeploy.serve.generation import Job, Piece, ServingCore
 from raydeploy.serve.limits import Admission
@@ -55,6 +57,8 @@ class Ingress:
     max_body_bytes: int
     info: ServerInfo
     figures: GangFigures
+    chat: ChatFormat
+    """How this deployment's model chats: its template (with tools), its tool-call and reasoning formats."""
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="raydeploy-tokenize"))
 
@@ -80,12 +84,14 @@ class Ingress:
         """Tokenizer work, on the tokenizer threads."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
-    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool, param: str
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool, param: str,
+                 tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None
                  ) -> tuple[str, list[int]]:
-        """The rendered chat template and its ids (on a tokenizer thread); a template that refuses is a 400."""
+        """The rendered chat template (through the chat format: the model's template, with `tools` shown to the
+        model when given) and its ids, on a tokenizer thread; a template that refuses is a 400."""
         codec = self.core.codec
         try:
-            text = codec.chat_prompt(messages, add_generation_prompt)
+            text = self.chat.render(messages, tools, add_generation_prompt, template_kwargs)
         except ChatTemplateError as e:
             raise InvalidRequest(f"the model's chat template refused '{param}': {e}", param=param,
                                  code="invalid_chat_template") from None
@@ -104,9 +110,9 @@ class Ingress:
     def make_jobs(self, prompts: list[list[int]], n: int, *, max_tokens: int | None, prompt_param: str,
                   max_param: str, default_max: int | None, sampling_args: dict[str, Any], stop: list[str] | None,
                   stop_token_ids: list[int] | None, ignore_eos: bool, timeout_s: float | None,
-                  request_id: str) -> list[Job]:
+                  request_id: str, constraint: Constraint | None = None) -> list[Job]:
         """`n` jobs per prompt, each with its sampling (`ServingCore.sampling`: the request's values over
-        `engine.sampling`; choice k of a seeded request is seeded seed + k)."""
+        `engine.sampling`; choice k of a seeded request is seeded seed + k) and the request's constraint."""
         core = self.core
         jobs = []
         seed = sampling_args.pop("seed", None)
@@ -117,7 +123,8 @@ class Ingress:
                 sp = core.sampling(**sampling_args, seed=None if seed is None else seed + k)
                 jobs.append(Job(index=p * n + k, prompt_ids=ids, max_tokens=mt, sampling=sp, stop=stop or [],
                                 stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
-                                timeout_s=core.timeout_for(timeout_s), request_id=f"{request_id}-{p * n + k}"))
+                                timeout_s=core.timeout_for(timeout_s), request_id=f"{request_id}-{p * n + k}",
+                                constraint=constraint))
         return jobs
 
     async def respond(self, ticket: Admission, jobs: list[Job], builder: CompletionBuilder | ChatBuilder,
@@ -159,7 +166,7 @@ async def _sse_body(first: tuple[int, list[Piece]], pieces: AsyncGenerator[tuple
     def events(index: int, batch: list[Piece]) -> str:
         nonlocal n_tokens
         n_tokens += sum(p.token_id is not None for p in batch)
-        return "".join(sse(builder.chunk(index, p, include_usage)) for p in batch)
+        return "".join(sse(chunk) for p in batch for chunk in builder.chunks(index, p, include_usage))
 
     try:
         yield events(*first)
@@ -192,7 +199,7 @@ def validation_error(e: ValidationError) -> InvalidRequest:
             return InvalidRequest(f"'{where}' {cause}", param=where, code="too_many_items")
         param = getattr(cause, "param", None)
         if param:
-            return InvalidRequest(str(cause), param=param, code="unsupported_value")
+            return InvalidRequest(str(cause), param=param, code=getattr(cause, "code", "unsupported_value"))
     return pydantic_error(e)
 
 
