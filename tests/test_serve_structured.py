@@ -317,3 +317,20 @@ def test_model_card_says_what_the_deployment_supports(served):
     assert set(caps["structured_outputs"]) == {"json_schema", "json_object", "regex", "choice", "grammar"}
     assert caps["tool_calling"] is True and caps["tool_parser"] == "hermes" and caps["reasoning"] is False
     assert caps["tools_in_template"] is False
+
+
+def test_reasoning_goes_to_reasoning_content_whole_and_streamed(codec):
+    """A deployment whose family reasons in <think> blocks (qwen3's markup, over SmolLM2's template): the thought
+    is `reasoning_content`, the rest `content`; streamed, the pieces come as those two delta fields."""
+    cfg = load_config(None, ["model.max_seq_len=1024", "engine.max_new_tokens=128", "engine.max_slots=4"])
+    backend = FakeBackend(_script(codec, "<think>Paris is in France.</think>It is sunny."), codec.eos_token_ids[0])
+    app = create_app(ServingCore(backend, codec, Limits.from_config(cfg, MODEL)), api_keys=ApiKeyCheck((KEY,)),
+                     chat=ChatFormat.create(codec, "qwen3"))
+    with ThreadedServer(app) as server:
+        msg = _chat(server).json()["choices"][0]["message"]
+        assert msg["reasoning_content"].strip() == "Paris is in France." and msg["content"].strip() == "It is sunny."
+        deltas = [e["choices"][0]["delta"] for e in _events(_chat(server, stream=True))]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas).strip() == "Paris is in France."
+        assert "".join(d.get("content") or "" for d in deltas).strip() == "It is sunny."
+        card = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+        assert card["data"][0]["capabilities"]["reasoning"] is True
