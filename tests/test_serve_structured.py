@@ -137,7 +137,8 @@ def test_chat_structured_and_tool_errors_name_the_problem(served, body, param, c
     ([*USER, {"role": "tool", "content": "sunny"}], ["tool_call_id"]),
     ([*USER, {"role": "user", "content": None}], ["needs 'content'"]),
     ([*USER, {"role": "user", "content": "x", "tool_call_id": "call_1"}], ["belongs to 'tool' messages"]),
-    ([{"role": "user", "content": "x", "tool_calls": []}], ["belongs to 'assistant' messages"]),
+    ([{"role": "user", "content": "x", "tool_calls": []}], ["'tool_calls' belongs to 'assistant' messages"]),
+    ([{"role": "user", "content": "x", "reasoning_content": "hm"}], ["'reasoning_content' belongs to 'assistant'"]),
 ])
 def test_tool_history_errors_name_the_message(served, messages, contains):
     server, _ = served
@@ -301,6 +302,12 @@ def test_openai_sdk_reads_tool_calls_whole_and_streamed(served, answers):
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGS
     assert out.choices[0].finish_reason == "tool_calls"
+    # the SDK's message object sent back as history (OpenAI's documented loop) is accepted as it is
+    answers(PLAIN)
+    history = [*USER, out.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=100)
+    assert again.choices[0].message.content == PLAIN and again.choices[0].finish_reason == "stop"
+    answers(CALL)
     args, names = "", []
     for chunk in client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], max_tokens=100,
                                                 stream=True):
@@ -334,3 +341,12 @@ def test_reasoning_goes_to_reasoning_content_whole_and_streamed(codec):
         assert "".join(d.get("content") or "" for d in deltas).strip() == "It is sunny."
         card = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
         assert card["data"][0]["capabilities"]["reasoning"] is True
+        # the SDK's message object, reasoning_content and all, sent back as history
+        from openai import OpenAI
+
+        client = OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        first = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=100).choices[0].message
+        assert first.model_dump()["reasoning_content"].strip() == "Paris is in France."
+        history = [*USER, first, {"role": "user", "content": "And tomorrow?"}]
+        again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=100)
+        assert again.choices[0].message.content.strip() == "It is sunny."

@@ -257,13 +257,16 @@ class ToolCallItem(_Strict):
 
 class ChatMessage(_Strict):
     """One message of the history. `tool` messages carry the result of the call named by `tool_call_id`;
-    assistant messages may carry `tool_calls`, and then their content may be null or absent."""
+    assistant messages may carry `tool_calls`, and then their content may be null or absent, and the
+    `reasoning_content` this server answered with (a client that sends the SDK's message object back sends
+    it; templates that show past reasoning read it)."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     _content_count = _at_most("content", MAX_TEXT_PARTS, "text parts")
     _tool_calls_count = _at_most("tool_calls", MAX_TOOL_CALLS, "tool calls")
@@ -283,8 +286,10 @@ class ChatMessage(_Strict):
             raise ValueError("a 'tool' message needs 'tool_call_id' (the id of the call it answers)")
         if self.role != "tool" and self.tool_call_id is not None:
             raise ValueError(f"'tool_call_id' belongs to 'tool' messages, not to a '{self.role}' message")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"'tool_calls' belongs to 'assistant' messages, not to a '{self.role}' message")
+        for only_assistant in ("tool_calls", "reasoning_content"):
+            if getattr(self, only_assistant) is not None and self.role != "assistant":
+                raise ValueError(f"'{only_assistant}' belongs to 'assistant' messages, not to a '{self.role}' "
+                                 f"message")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a '{self.role}' message needs 'content' (only an assistant message with "
                              f"'tool_calls' may have none)")
@@ -309,6 +314,8 @@ class ChatMessage(_Strict):
                                  for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
