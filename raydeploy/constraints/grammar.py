@@ -92,6 +92,7 @@ MAX_MESSAGE_CHARS = 600
 
 
 def _brief(message: str) -> str:
+    """`message` bounded to MAX_MESSAGE_CHARS."""
     message = message.strip()
     return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + " ..."
 

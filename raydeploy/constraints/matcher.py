@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-from raydeploy.constraints.grammar import ConstraintError, to_grammar
+from raydeploy.constraints.grammar import ConstraintError, _brief, check, to_grammar
 from raydeploy.constraints.spec import Constraint
 
 COMPILED_CACHE_SIZE = 256
@@ -36,8 +36,9 @@ def words_for(vocab_size: int) -> int:
 
 
 def _first_line(message: str) -> str:
-    # llguidance's errors go on with a dump of the parser state and the whole grammar
-    return message.strip().splitlines()[0] if message.strip() else "unknown grammar error"
+    """llguidance's error without the dump of the parser state and the whole grammar that follows it."""
+    message = message.split("<state>")[0].split("<grammar>")[0].strip()
+    return _brief(message) if message else "unknown grammar error"
 
 
 def _clear_from(words: np.ndarray, first: int) -> None:
@@ -168,6 +169,7 @@ class GrammarEngine:
             if compiled is not None:
                 self._compiled.move_to_end(c.key)
         if compiled is None:
+            check(c)  # the ingress's message for a constraint it would refuse (cached by key)
             compiled = LLMatcher(self.tokenizer, to_grammar(c), log_level=0)
             if compiled.is_error():
                 raise ConstraintError(f"{c.kind} constraint does not compile: {_first_line(compiled.get_error())}")
