@@ -135,6 +135,10 @@ class ModelConfig(_Section):
     """Reader threads per host when loading the checkpoint."""
     verify_checksums: bool = True
     """Verify each tensor's checksum as it is read."""
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral", "gemma3"] = "auto"
+    """How tool calls are written and read (docs/structured-outputs.md): auto = the model family's format when the chat template renders tools, else the fallback prompt with hermes `<tool_call>` blocks."""
+    reasoning_parser: Literal["auto", "none", "think"] = "auto"
+    """Reasoning split into reasoning_content: think = between `<think>` and `</think>` (Qwen3); auto = the model family's; none = all output is content."""
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,7 @@ def family_for(model_type: str) -> Family:
 
 
 _CHAT_FAMILIES: dict[str, Family] = {}
+_CHAT_DEFAULT: tuple[str, str | None] = (Family.tool_format, Family.reasoning)  # the dataclass's defaults
 
 
 def chat_formats(model_type: str | None) -> tuple[str, str | None]:
@@ -292,8 +293,7 @@ def chat_formats(model_type: str | None) -> tuple[str, str | None]:
     importing its family; an unknown or missing one gets Family's defaults."""
     names = {"gemma3": "gemma3_text"}
     key = names.get(model_type or "", model_type or "")
-    default = Family.__dataclass_fields__
-    return _CHAT.get(key, (default["tool_format"].default, default["reasoning"].default))
+    return _CHAT.get(key, _CHAT_DEFAULT)
 
 
 def from_hf_config(hf: Mapping[str, Any], source: str | None = None) -> tuple[Family, Any]:

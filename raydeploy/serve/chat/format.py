@@ -17,7 +17,7 @@ from raydeploy.constraints.spec import Constraint
 from raydeploy.model.registry import chat_formats
 from raydeploy.serve.chat import gemma3, hermes, llama3, mistral
 from raydeploy.serve.chat.fallback import fallback_messages
-from raydeploy.serve.chat.streaming import ChatStreamer, collect, opens_thinking
+from raydeploy.serve.chat.streaming import THINK_CLOSE, THINK_OPEN, ChatStreamer, collect, opens_thinking
 from raydeploy.serve.chat.syntax import ToolSyntax, function_of
 from raydeploy.serve.chat.types import ChatOutput
 from raydeploy.serve.text import TextCodec
@@ -40,24 +40,27 @@ def template_renders_tools(chat_template: Any) -> bool:
 
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for a template that renders tools: call arguments as objects (what HF templates expect: Llama's
-    and Mistral's `tojson` would quote a JSON text a second time)."""
+    """Messages as HF templates that render tools expect them: call arguments as objects (Llama's and Mistral's
+    `tojson` would quote a JSON text a second time), no keys set to None (Llama's template tests `'tool_calls' in
+    message`), and content "" where a client sent null (Gemma's raises on a content that is not text)."""
     out = []
     for m in messages:
+        m = {k: v for k, v in m.items() if v is not None or k == "content"}
+        if m.get("content") is None:
+            m["content"] = ""
         calls = m.get("tool_calls")
-        if not calls:
-            out.append(m)
-            continue
-        fixed = []
-        for c in calls:
-            fn = dict(c.get("function") or {})
-            if isinstance(fn.get("arguments"), str):
-                try:
-                    fn["arguments"] = json.loads(fn["arguments"])
-                except ValueError:
-                    pass  # the client's text stays as sent
-            fixed.append({**c, "function": fn})
-        out.append({**m, "tool_calls": fixed})
+        if calls:
+            fixed = []
+            for c in calls:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass  # the client's text stays as sent
+                fixed.append({**c, "function": fn})
+            m["tool_calls"] = fixed
+        out.append(m)
     return out
 
 
@@ -130,11 +133,12 @@ class ChatFormat:
     # -- output
     def parse(self, text: str, tools: bool, prompt: str | None = None) -> ChatOutput:
         """A finished message split into content, reasoning and calls (`tools` False: no call parsing). `prompt`,
-        the rendered prompt, tells whether the template opened a `<think>` block the output starts inside."""
-        streamer = self.streamer(tools, prompt=prompt)
+        the rendered prompt, tells whether the template opened a `<think>` block the output starts inside; a whole
+        message that closes `</think>` without opening it started inside one too."""
+        inside = opens_thinking(prompt) or (THINK_CLOSE in text and THINK_OPEN not in text)
+        streamer = ChatStreamer(self._syntax if tools else None, self.reasoning == "think", inside)
         return collect(streamer.feed(text) + streamer.finish())
 
     def streamer(self, tools: bool, prompt: str | None = None) -> ChatStreamer:
         """A fresh streaming splitter for one choice (see `parse` for `prompt`)."""
-        return ChatStreamer(self._syntax if tools else None, self.reasoning == "think", opens_thinking(prompt)
-                            if self.reasoning == "think" else False)
+        return ChatStreamer(self._syntax if tools else None, self.reasoning == "think", opens_thinking(prompt))

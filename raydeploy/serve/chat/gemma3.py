@@ -1,7 +1,8 @@
 """Gemma 3 tool calls, Python style (what Google's function-calling prompt for Gemma 3 asks for, and vLLM's
-pythonic parser reads): a list of calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`, usually
-in a ```` ```tool_code ```` block; a single call and a `print(...)` wrapper are taken too. Values are Python
-literals; JSON's true/false/null are accepted as well (our grammar writes argument values as JSON)."""
+pythonic parser reads): a list of calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`, bare (as
+vLLM's Gemma 3 tool template asks: "DO NOT USE MARKDOWN SYNTAX") or in a ```` ```tool_code ```` block (Google's own
+prompt); a single call and a `print(...)` wrapper are taken too. Values are Python literals; JSON's true/false/null
+are accepted as well, since the grammar (the bare list) writes argument values as JSON."""
 
 from __future__ import annotations
 
@@ -107,8 +108,7 @@ class Gemma3(ToolSyntax):
             items.append(f"{lark_literal(fn['name'] + '(')} {kwargs} {lark_literal(')')}".replace("  ", " "))
             rules += more
         body = "call" if not parallel else 'call (", " call)*'
-        head = [f'start: {lark_literal(FENCE_OPEN + chr(10) + "[")} {body} {lark_literal("]" + chr(10) + FENCE_CLOSE)}',
-                "call: " + " | ".join(items)]
+        head = [f'start: "[" {body} "]"', "call: " + " | ".join(items)]  # the bare list the template asks for
         return "\n".join(head + rules) + "\n"
 
 
@@ -119,7 +119,7 @@ def _kwargs_rule(k: int, schema: dict[str, Any]) -> tuple[str, list[str]]:
     props: dict[str, Any] = schema.get("properties") or {}
     required = [p for p in props if p in (schema.get("required") or [])]
     optional = [p for p in props if p not in required]
-    defs = {d: schema[d] for d in ("$defs", "definitions") if d in schema}
+    defs: dict[str, Any] = {d: schema[d] for d in ("$defs", "definitions") if d in schema}
     rules, parts = [], []
     for j, p in enumerate(required + optional):
         rule = f"a{k}_{j}"

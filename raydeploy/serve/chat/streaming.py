@@ -41,6 +41,7 @@ class ReasoningSplitter:
     def __init__(self, inside: bool = False) -> None:
         self.inside = inside
         self._started = inside  # past the point where `<think>` may open
+        self._closed = False  # just past `</think>`: the blank lines templates put after it are not content
         self._pending = ""
 
     def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
@@ -61,13 +62,18 @@ class ReasoningSplitter:
                 i = self._pending.find(THINK_CLOSE)
                 if i >= 0:
                     out.append(("reasoning", self._pending[:i]))
-                    self._pending = self._pending[i + len(THINK_CLOSE):].lstrip("\n")
-                    self.inside = False
+                    self._pending = self._pending[i + len(THINK_CLOSE):]
+                    self.inside, self._closed = False, True
                     continue
                 hold = 0 if final else held_prefix(self._pending, (THINK_CLOSE,))
                 out.append(("reasoning", self._pending[:len(self._pending) - hold]))
                 self._pending = self._pending[len(self._pending) - hold:]
                 break
+            if self._closed:
+                self._pending = self._pending.lstrip("\n")
+                if not self._pending:
+                    break
+                self._closed = False
             out.append(("content", self._pending))
             self._pending = ""
         if final and self._pending:
