@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ray import serve
 
 from raydeploy.config import Config, ConfigError
-from raydeploy.serve.app import ServerInfo, create_app
+from raydeploy.serve.app import ServerInfo, chat_format_for, create_app
 from raydeploy.serve.auth import ApiKeyCheck, load_api_keys
 from raydeploy.serve.backend import ReplicaBackend
 from raydeploy.serve.generation import Limits, ServingCore
@@ -78,7 +78,8 @@ class ServeIngress:
                           mesh=cfg.mesh_shape)
         self._fastapi = create_app(self.core, api_keys=keys, max_body_bytes=cfg.serving.max_body_bytes, info=info,
                                    cors_origins=cfg.serving.cors_origins, front_door=FrontDoorLimits.from_config(cfg),
-                                   metrics_refresh_s=cfg.serving.metrics_refresh_s)
+                                   metrics_refresh_s=cfg.serving.metrics_refresh_s,
+                                   chat=chat_format_for(cfg, checkpoint_dir, codec))
         log.info("raydeploy ingress ready: model %s, API keys %s", name, "on" if keys.enabled else "off")
 
     def __serve_build_asgi_app__(self) -> Any:
