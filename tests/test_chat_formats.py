@@ -444,3 +444,15 @@ def test_tool_call_ids_are_fresh(formats: dict[str, ChatFormat]) -> None:
     a = formats["demo"].parse(SAMPLES["hermes"][0], tools=True).tool_calls[0]
     b = formats["demo"].parse(SAMPLES["hermes"][0], tools=True).tool_calls[0]
     assert isinstance(a, ToolCall) and a.id != b.id and (a.name, a.arguments) == (b.name, b.arguments)
+
+
+def test_gemma3_brackets_inside_arguments(formats: dict[str, ChatFormat]) -> None:
+    gemma = formats["gemma3_text"]
+    text = '[find(query="a ] b (", tags=["x", "y]"], nested={"k": [1, [2]]}, flag=None), ping()] Done.'
+    want = [("find", {"query": "a ] b (", "tags": ["x", "y]"], "nested": {"k": [1, [2]]}, "flag": None}),
+            ("ping", {})]
+    out = gemma.parse(text, tools=True)
+    assert _calls(out) == want and out.content == "Done."
+    for seed in range(5):
+        content, _, calls = _joined(_stream(gemma, text, seed=seed)[0])
+        assert [(n, json.loads(a)) for _, n, a in calls] == want and content.strip() == "Done."

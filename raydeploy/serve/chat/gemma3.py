@@ -64,15 +64,25 @@ def parse_calls(source: str) -> list[ParsedCall] | None:
 
 
 def _whole_list_end(text: str) -> int | None:
-    """End of the shortest prefix of `text` (which starts with `[` after blanks) that is a whole Python list."""
-    j = text.find("]")
-    while j >= 0:
-        try:
-            if isinstance(ast.parse(text[:j + 1].strip(), mode="eval").body, ast.List):
-                return j + 1
-        except SyntaxError:
-            pass  # not closed yet: try the next bracket
-        j = text.find("]", j + 1)
+    """End of the bracketed list `text` starts with (after blanks): the `]` that closes its `[`, brackets inside
+    string literals not counted; None while it is open. One pass: a stream calls this on every piece."""
+    depth, quote, i = 0, "", 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[({":
+            depth += 1
+        elif ch in "])}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
     return None
 
 
