@@ -10,7 +10,14 @@ import ast
 import json
 from typing import Any
 
-from raydeploy.serve.chat.syntax import ParsedCall, ToolSyntax, function_of, lark_json_rule, lark_literal
+from raydeploy.serve.chat.syntax import (
+    ParsedCall,
+    ToolSyntax,
+    function_of,
+    lark_calls,
+    lark_json_rule,
+    lark_literal,
+)
 
 FENCE_OPEN, FENCE_CLOSE = "```tool_code", "```"
 _NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
@@ -117,9 +124,8 @@ class Gemma3(ToolSyntax):
             kwargs, more = _kwargs_rule(k, fn.get("parameters") or {})
             items.append(f"{lark_literal(fn['name'] + '(')} {kwargs} {lark_literal(')')}".replace("  ", " "))
             rules += more
-        body = "call" if not parallel else 'call (", " call)*'
-        head = [f'start: "[" {body} "]"', "call: " + " | ".join(items)]  # the bare list the template asks for
-        return "\n".join(head + rules) + "\n"
+        # the bare list the template asks for
+        return "\n".join([lark_calls(items, parallel, ", ", open_="[", close="]"), *rules]) + "\n"
 
 
 def _kwargs_rule(k: int, schema: dict[str, Any]) -> tuple[str, list[str]]:

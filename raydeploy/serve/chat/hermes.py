@@ -10,11 +10,7 @@ from raydeploy.serve.chat.syntax import (
     ParsedCall,
     ToolSyntax,
     call_from_object,
-    function_of,
-    lark_alternatives,
-    lark_json_rule,
-    lark_literal,
-    parameters_of,
+    json_call_grammar,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -42,12 +38,7 @@ class Hermes(ToolSyntax):
         return None if call is None else [call]
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        items, rules = [], []
-        for k, tool in enumerate(tools):
-            head = f'{OPEN}\n{{"name": {json.dumps(function_of(tool)["name"], ensure_ascii=False)}, "arguments": '
-            items.append(f"{lark_literal(head)} args{k} {lark_literal('}' + chr(10) + CLOSE)}")
-            rules.append(lark_json_rule(f"args{k}", parameters_of(tool)))
-        return "\n".join([lark_alternatives("call", items, parallel, "\n"), *rules]) + "\n"
+        return json_call_grammar(tools, parallel, "arguments", "\n", before=OPEN + "\n", after="\n" + CLOSE)
 
 
 SYNTAX = Hermes()

@@ -5,7 +5,6 @@ not parse as calls stays content."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from raydeploy.serve.chat.syntax import (
@@ -13,11 +12,7 @@ from raydeploy.serve.chat.syntax import (
     ToolSyntax,
     call_from_object,
     decode_json_prefix,
-    function_of,
-    lark_alternatives,
-    lark_json_rule,
-    lark_literal,
-    parameters_of,
+    json_call_grammar,
     skip_blank,
 )
 
@@ -52,12 +47,7 @@ class Llama3Json(ToolSyntax):
         return calls or None
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        items, rules = [], []
-        for k, tool in enumerate(tools):
-            head = f'{{"name": {json.dumps(function_of(tool)["name"], ensure_ascii=False)}, "parameters": '
-            items.append(f"{lark_literal(head)} args{k} {lark_literal('}')}")
-            rules.append(lark_json_rule(f"args{k}", parameters_of(tool)))
-        return "\n".join([lark_alternatives("call", items, parallel, "; "), *rules]) + "\n"
+        return json_call_grammar(tools, parallel, "parameters", "; ")
 
 
 SYNTAX = Llama3Json()

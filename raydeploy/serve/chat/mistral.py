@@ -5,7 +5,6 @@ does not parse stays content."""
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -14,11 +13,7 @@ from raydeploy.serve.chat.syntax import (
     ToolSyntax,
     call_from_object,
     decode_json_prefix,
-    function_of,
-    lark_alternatives,
-    lark_json_rule,
-    lark_literal,
-    parameters_of,
+    json_call_grammar,
     skip_blank,
 )
 
@@ -63,14 +58,8 @@ class Mistral(ToolSyntax):
         return None if any(c is None for c in calls) else [c for c in calls if c is not None]
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        items, rules = [], []
-        for k, tool in enumerate(tools):
-            head = f'{{"name": {json.dumps(function_of(tool)["name"], ensure_ascii=False)}, "arguments": '
-            items.append(f"{lark_literal(head)} args{k} {lark_literal('}')}")
-            rules.append(lark_json_rule(f"args{k}", parameters_of(tool)))
-        calls = lark_alternatives("call", items, parallel, ", ").replace("start: ", 'start: "[" (', 1)
-        calls = calls.replace("\ncall:", ') "]"\ncall:', 1)
-        return "\n".join([calls, *rules]) + "\n"
+        # `[TOOL_CALLS]` is a special token, which a grammar over text cannot write: the bare list (`parse` reads it)
+        return json_call_grammar(tools, parallel, "arguments", ", ", open_="[", close="]")
 
 
 SYNTAX = Mistral()

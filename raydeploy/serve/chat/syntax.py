@@ -110,7 +110,23 @@ def lark_json_rule(rule: str, schema: dict[str, Any]) -> str:
     return f"{rule}: %json {json.dumps(schema, ensure_ascii=False)}"
 
 
-def lark_alternatives(rule: str, items: list[str], parallel: bool, sep: str) -> str:
-    """`start` as one `rule` (or, with `parallel`, one or more separated by `sep`) plus `rule`'s alternatives."""
-    body = rule if not parallel else f"{rule} ({lark_literal(sep)} {rule})*"
-    return f"start: {body}\n{rule}: " + " | ".join(items)
+def lark_calls(items: list[str], parallel: bool, sep: str, open_: str = "", close: str = "") -> str:
+    """`start`: one `call` (or, with `parallel`, one or more separated by `sep`) between `open_` and `close`;
+    `call`: one of `items` (Lark expressions, one per function)."""
+    body = "call" if not parallel else f"call ({lark_literal(sep)} call)*"
+    ends = [lark_literal(t) for t in (open_, close)]
+    start = " ".join(p for p in (ends[0] if open_ else "", body, ends[1] if close else "") if p)
+    return f"start: {start}\ncall: " + " | ".join(items)
+
+
+def json_call_grammar(tools: list[dict[str, Any]], parallel: bool, args_key: str, sep: str, before: str = "",
+                      after: str = "", open_: str = "", close: str = "") -> str:
+    """Calls written as JSON objects `{"name": <name>, <args_key>: <arguments>}`, each between `before` and
+    `after`, several separated by `sep`, all between `open_` and `close`; the arguments are JSON valid against
+    the function's schema."""
+    items, rules = [], []
+    for k, tool in enumerate(tools):
+        head = f'{before}{{"name": {json.dumps(function_of(tool)["name"], ensure_ascii=False)}, "{args_key}": '
+        items.append(f"{lark_literal(head)} args{k} {lark_literal('}' + after)}")
+        rules.append(lark_json_rule(f"args{k}", parameters_of(tool)))
+    return "\n".join([lark_calls(items, parallel, sep, open_, close), *rules]) + "\n"
