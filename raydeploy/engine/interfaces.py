@@ -47,7 +47,8 @@ class StepScheduler(Protocol):
     """Requests in, plans out, results back into per-request events."""
 
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
-        """Queue a request (raises QueueFullError when its queue is full)."""
+        """Queue a request (raises QueueFullError when its queue is full, RequestFailed when it can never run here:
+        the real scheduler also compiles a constrained request's grammar here, outside its lock)."""
         ...
 
     def abort(self, request_id: str) -> bool: ...
