@@ -4,8 +4,9 @@ give the packed allowed-token bits of each draw and follow the tokens drawn.
 `GrammarEngine` is built once per deployment from the checkpoint's tokenizer (or a Hugging Face tokenizer) and
 the model's vocabulary size; `GrammarEngine.matcher(c)` compiles `c` (compiled grammars are kept by
 `Constraint.key`, least recently used dropped first) and hands out a fresh `Matcher` for one request. The
-scheduler fills `SeqStep.allowed` from `Matcher.fill` and advances the matcher with `Matcher.accept` only
-when a token is emitted, so a step that fails and is planned again finds its matcher where it was.
+scheduler fills `SeqStep.allowed` from `Matcher.fill` (one row) or `GrammarEngine.fill` (several rows at once, on
+llguidance's thread pool) and advances the matcher with `Matcher.accept` only when a token is emitted, so a step
+that fails and is planned again finds its matcher where it was.
 
 The masks are over the MODEL's vocabulary (its logits' width), which may differ from the tokenizer's: padded
 embedding rows past the tokenizer's last id are never allowed. The model's eos ids are the grammar's end
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from raydeploy.constraints.grammar import ConstraintError, _brief, check, to_grammar
 from raydeploy.constraints.spec import Constraint
@@ -42,11 +43,11 @@ def _first_line(message: str) -> str:
 
 
 def _clear_from(words: np.ndarray, first: int) -> None:
-    """Clear the bits of tokens `first` and above."""
+    """Clear the bits of tokens `first` and above (of one mask [words], or of each row of masks [rows, words])."""
     w, bit = divmod(first, 32)
-    if w < words.shape[0]:
-        words[w] &= np.uint32((1 << bit) - 1)
-        words[w + 1:] = 0
+    if w < words.shape[-1]:
+        words[..., w] &= np.uint32((1 << bit) - 1)
+        words[..., w + 1:] = 0
 
 
 class Matcher:
@@ -135,6 +136,7 @@ class GrammarEngine:
         self.cache_size = cache_size
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self._executor: LLExecutor | None = None  # llguidance's thread pool for `fill`, built on first use
         self.compiles = 0
         """Grammars compiled (cache misses)."""
 
@@ -179,3 +181,35 @@ class GrammarEngine:
                 while len(self._compiled) > self.cache_size:
                     self._compiled.popitem(last=False)
         return Matcher(compiled.deep_copy(), self.vocab_size, self.tokenizer_vocab, self.tokenizer.vocab_size)
+
+    def fill(self, matchers: Sequence[Matcher], words: np.ndarray) -> None:
+        """Write each matcher's allowed next tokens into its row of `words` (uint32 [len(matchers),
+        words_for(vocab_size)]), all rows in one call on llguidance's thread pool: the same bits as
+        `Matcher.fill` row by row (a failed matcher allows nothing; ids past the tokenizer's are never allowed),
+        in about the time of the slowest row where cores allow. The matchers must be this engine's, and no other
+        thread may use them meanwhile."""
+        rows, n = len(matchers), words_for(self.vocab_size)
+        if words.dtype != np.uint32 or words.shape != (rows, n) or not words.flags.c_contiguous:
+            raise ValueError(f"mask buffer must be contiguous uint32 [{rows}, {n}] (one row per matcher), found "
+                             f"{words.dtype} {words.shape}")
+        llg_words = words_for(self.tokenizer.vocab_size)
+        for m in matchers:
+            if (m.vocab_size, m._tokenizer_vocab, m._llg_words) != (self.vocab_size, self.tokenizer_vocab, llg_words):
+                raise ValueError(f"{m!r} was not made by this grammar engine (vocabulary {m.vocab_size} over a "
+                                 f"tokenizer of {m._tokenizer_vocab}, this engine's: {self.vocab_size} over "
+                                 f"{self.tokenizer_vocab})")
+        live = [(m._ll, i) for i, m in enumerate(matchers) if m._refused is None and not m._ll.is_error()]
+        # llguidance writes masks of its own width: wider than the model's when the tokenizer knows more ids
+        target = words if llg_words == n else np.empty((rows, llg_words), np.uint32)
+        target[:] = 0  # rows of failed matchers allow nothing
+        if live:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = LLExecutor()
+                executor = self._executor
+            executor.unsafe_compute_mask_ptr(live, target.ctypes.data, llg_words * 4, rows)
+        if target is not words:
+            m = min(n, llg_words)
+            words[:, :m] = target[:, :m]
+            words[:, m:] = 0
+        _clear_from(words, min(self.tokenizer_vocab, self.vocab_size))

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raydeploy.constraints.grammar import ConstraintError
-from raydeploy.constraints.matcher import GrammarEngine, Matcher
+from raydeploy.constraints.matcher import GrammarEngine
 from raydeploy.engine.pages import PagePool
 from raydeploy.engine.request import FinishReason, GenerationRequest, RequestFailed, TokenEvent
 from raydeploy.engine.scheduler.admission import Admission, QueueFullError
+from raydeploy.engine.scheduler.constrained import ConstrainedDraws
 from raydeploy.engine.scheduler.pacing import Pacing
 from raydeploy.engine.scheduler.placement import Placement, rows_per_group
 from raydeploy.engine.scheduler.records import Paging, Queued, Running, Sink
@@ -49,8 +49,8 @@ class Scheduler:
         self.pools = [PagePool(paging.pages_per_group, paging.page_size, g) for g in range(paging.groups)]
         self.placement = Placement(paging, self.pools, self.slot_order, max_seq_len)
         self.pacing = Pacing(decode_steps, paging.max_decode_slowdown, paging.burst_wait, clock, wait_clock)
-        self.grammar = grammar
-        """Compiles requests' constraints (structured outputs); None: a constrained request is refused."""
+        self.constrained = ConstrainedDraws(grammar)
+        """Constrained requests' matchers and masks (structured outputs)."""
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: deque[Queued] = deque()
@@ -71,10 +71,6 @@ class Scheduler:
         """Requests ended by a failure of their own (`step_failed`, `fail_step`), not by a gang failure."""
         self.ttft_s: deque[float] = deque(maxlen=256)
         """Recent times from submit to first token (seconds), for metrics."""
-        self.masks = 0
-        """Allowed-token masks computed for constrained rows."""
-        self.mask_s = 0.0
-        """Seconds spent computing them (inside planning, on the step loop's thread)."""
 
     @classmethod
     def for_engine(cls, engine: Any, cfg: Config, clock: Callable[[], float] = time.monotonic,
@@ -122,6 +118,11 @@ class Scheduler:
     def vocab_size(self) -> int | None:
         return self.admission.vocab_size
 
+    @property
+    def grammar(self) -> GrammarEngine | None:
+        """Compiles requests' constraints (structured outputs); None: a constrained request is refused."""
+        return self.constrained.grammar
+
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and /status (with the pages and the prefix cache, summed over the
         dp groups: hits, misses and evictions count pages)."""
@@ -129,8 +130,8 @@ class Scheduler:
         out: dict[str, Any] = {
             "queue_depth": self.queue_depth, "slots_in_use": self.slots_in_use, "max_slots": self.max_slots,
             "steps": self.steps, "tokens_generated": self.tokens_generated, "prefills": self.prefills,
-            "requests_failed": self.requests_failed, "constraint_masks": self.masks,
-            "constraint_mask_s": self.mask_s,
+            "requests_failed": self.requests_failed, "constraint_masks": self.constrained.masks,
+            "constraint_mask_s": self.constrained.mask_s,
             "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
         with self._lock:
             for pool in self.pools:
@@ -162,27 +163,16 @@ class Scheduler:
 
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
         """Queue a request; raises `RequestFailed` (never runs here: a ValueError) or QueueFullError (try later).
-        A constrained request's grammar is compiled here, in the caller's thread and outside the lock (a
-        constraint that does not compile, or one sent to a scheduler without a grammar engine, is refused)."""
+        A constrained request's grammar is compiled here with its first mask, in the caller's thread and outside
+        the lock (a constraint that does not compile, or one sent to a scheduler without a grammar engine, is
+        refused)."""
         self.validate(req)
-        matcher = None if req.constraint is None else self._compile(req)
+        matcher, first = (None, None) if req.constraint is None else self.constrained.compile(req)
         with self._lock:
             if len(self._queue) >= self.max_queue:
                 raise QueueFullError(len(self._queue), self.max_queue)
-            self._queue.append(Queued(req, sink, self.clock(), matcher=matcher))
+            self._queue.append(Queued(req, sink, self.clock(), matcher=matcher, allowed=first))
             self._work.notify_all()
-
-    def _compile(self, req: GenerationRequest) -> Matcher:
-        c = req.constraint
-        assert c is not None
-        rid = req.request_id
-        if self.grammar is None:
-            raise RequestFailed(f"request {rid}: structured output ({c.kind} constraint) is not available: this "
-                                f"engine has no grammar engine", request_ids=(rid,), invalid=True)
-        try:
-            return self.grammar.matcher(c)
-        except ConstraintError as e:
-            raise RequestFailed(f"request {rid}: {e}", request_ids=(rid,), invalid=True) from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a queued or running request (its sink gets a final "abort" event); False if unknown."""
@@ -318,7 +308,12 @@ class Scheduler:
     # -- the step loop
     def next_plan(self) -> StepPlan | None:
         """The next step: releases, the decode rows of running streams, and prompt chunks of started and newly
-        admitted requests (None when there is nothing to do)."""
+        admitted requests (None when there is nothing to do). The masks of the constrained streams that draw in
+        it are filled first, with the lock released (`constrained`): only this thread touches their matchers, and a
+        request aborted meanwhile is simply not planned."""
+        with self._lock:
+            decoding = [run for _, run in self._decoding()]
+        self.constrained.fill(decoding)
         events: list[tuple[Sink, TokenEvent]] = []
         plan = self._next_plan(self.paging, events)
         self._emit(events)  # requests whose grammar allowed no next token
@@ -339,11 +334,7 @@ class Scheduler:
             seqs: list[SeqStep] = []
             entries: list[tuple[int, Running]] = []
             updates: list[PageUpdate] = []
-            decoding: list[tuple[int, Running]] = []
-            for slot in self.slot_order:
-                run = self._slots[slot]
-                if run is not None and run.started and run.computed >= run.prompt_len:
-                    decoding.append((slot, run))
+            decoding = self._decoding()
             one_step = p.max_step_tokens if p.mixed_step_tokens is None else min(p.max_step_tokens,
                                                                                  p.mixed_step_tokens)
             if decoding:  # a step costs its largest group's tokens
@@ -361,13 +352,8 @@ class Scheduler:
                     held = True
                     continue
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
-                if n > 0:
-                    allowed = self._allowed(slot, run, events) if run.computed + n == run.prompt_len else None
-                    if self._slots[slot] is not run:
-                        continue  # its grammar allowed no first token
+                if n > 0 and self._chunk(slot, run, n, seqs, entries, updates, events):
                     budget[slot // per_group] -= n
-                    seqs.append(self._chunk(slot, run, n, updates, allowed))
-                    entries.append((slot, run))
             while self._queue:  # admission: a slot and pages (its prefill starts when its group has budget)
                 head = self._queue[0]
                 cap = self.admission.reserve_for(len(head.req.prompt_token_ids), head.req.max_tokens)
@@ -378,18 +364,15 @@ class Scheduler:
                 slot, pages = placed
                 run = Running(q.req, q.sink, len(q.req.prompt_token_ids), q.submitted_s,
                                stop_ids=self._stop_ids(q.req), pages=pages, tokens=list(q.req.prompt_token_ids),
-                               computed=pages.shared * p.page_size, cap=cap, matcher=q.matcher)
+                               computed=pages.shared * p.page_size, cap=cap, matcher=q.matcher,
+                               allowed=q.allowed)
                 self.prefix_hit_tokens += run.computed
                 self._slots[slot] = run
                 self._prefilling.append(slot)
                 n = min(run.prompt_len - run.computed, budget[slot // per_group])
-                if n > 0:  # else it holds its slot and pages and starts when its group has budget again
-                    allowed = self._allowed(slot, run, events) if run.computed + n == run.prompt_len else None
-                    if self._slots[slot] is not run:
-                        continue  # its grammar allowed no first token
+                # n == 0: it holds its slot and pages and starts when its group has budget again
+                if n > 0 and self._chunk(slot, run, n, seqs, entries, updates, events):
                     budget[slot // per_group] -= n
-                    seqs.append(self._chunk(slot, run, n, updates, allowed))
-                    entries.append((slot, run))
             steps = 1 if seqs else self._decode_steps([r for _, r in decoding])
             if held and not seqs:  # a decode-only plan ends where the held prompts may go on (`held_floor`)
                 steps = self.pacing.held_steps(steps, wait)
@@ -424,24 +407,22 @@ class Scheduler:
         elif new:
             updates.append(PageUpdate(slot, before, np.asarray(new, np.int32)))
 
+    def _decoding(self) -> list[tuple[int, Running]]:
+        """Under the lock: (slot, request) of the streams past their prompt (each draws in the next plan)."""
+        runs = [(slot, self._slots[slot]) for slot in self.slot_order]
+        return [(slot, run) for slot, run in runs if run is not None and run.started and run.computed >= run.prompt_len]
+
     def _allowed(self, slot: int, run: Running, events: list[tuple[Sink, TokenEvent]]) -> np.ndarray | None:
-        """Under the lock: the packed allowed tokens of `run`'s next draw from its matcher (None when it has no
+        """Under the lock: the packed allowed tokens of `run`'s next draw, filled ahead (None when it has no
         constraint). A grammar that allows no token (or a failed matcher) ends the request with an error event
         naming it, instead of a draw from nothing or a wait that never ends; the caller then leaves it out."""
         if run.matcher is None:
             return None
-        t0 = time.perf_counter()
-        allowed = run.matcher.mask()
-        self.mask_s += time.perf_counter() - t0
-        self.masks += 1
-        if not allowed.any():
-            kind = run.req.constraint.kind if run.req.constraint is not None else "grammar"
-            why = run.matcher.error or "no token of the vocabulary can continue the output"
-            events.append((run.sink, self._end_with_error(
-                slot, f"its {kind} constraint allows no next token after {run.generated} generated: {why}",
-                invalid=run.matcher.error is None)))
+        refusal = self.constrained.refusal(run)
+        if refusal is not None:
+            events.append((run.sink, self._end_with_error(slot, *refusal)))
             return None
-        return allowed
+        return run.allowed
 
     def _end_with_error(self, slot: int, why: str, invalid: bool) -> TokenEvent:
         """Under the lock: end the request in `slot` (not for a failed step: its computed pages are good) with a
@@ -450,19 +431,24 @@ class Scheduler:
         self.requests_failed += 1
         return dataclasses.replace(event, error=f"request {event.request_id} failed: {why}", invalid=invalid)
 
-    def _chunk(self, slot: int, run: Running, n: int, updates: list[PageUpdate],
-               allowed: np.ndarray | None = None) -> SeqStep:
-        """The next `n` prompt tokens of `run` as a SeqStep (the first chunk carries sampling and the tokens
-        of the reused prefix, for the repetition penalty; a last chunk of a constrained request its allowed
-        tokens)."""
+    def _chunk(self, slot: int, run: Running, n: int, seqs: list[SeqStep], entries: list[tuple[int, Running]],
+               updates: list[PageUpdate], events: list[tuple[Sink, TokenEvent]]) -> bool:
+        """Plan the next `n` prompt tokens of `run` (the first chunk carries sampling and the tokens of the reused
+        prefix, for the repetition penalty; a last chunk of a constrained request its allowed tokens). False
+        when its grammar allows no first token (it has ended with an error in `events`)."""
         start = run.computed
+        allowed = self._allowed(slot, run, events) if start + n == run.prompt_len else None
+        if self._slots[slot] is not run:
+            return False
         self._grow(slot, run, start + n, updates)
         first = not run.started
         run.started = True
         prompt = run.req.prompt_token_ids
-        return SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
-                       run.req.sampling if first else None,
-                       np.asarray(prompt[:start], np.int32) if first and start > 0 else None, allowed)
+        seqs.append(SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
+                            run.req.sampling if first else None,
+                            np.asarray(prompt[:start], np.int32) if first and start > 0 else None, allowed))
+        entries.append((slot, run))
+        return True
 
     def _decode_steps(self, runs: list[Running]) -> int:
         """Steps of a decode-only plan: `decode_steps`, but no more than the running requests still want and
@@ -527,12 +513,9 @@ class Scheduler:
     def _token(self, slot: int, token: int, logprob: float | None, events: list) -> None:
         run = self._slots[slot]
         assert run is not None
-        if run.matcher is not None and not run.matcher.accept(token):
-            # the engine drew a token its mask did not allow: an engine fault, not the request's
-            kind = run.req.constraint.kind if run.req.constraint is not None else "grammar"
-            events.append((run.sink, self._end_with_error(
-                slot, f"token {token} (output position {run.generated}) is not allowed by its {kind} constraint: "
-                      f"{run.matcher.error}", invalid=False)))
+        refused = None if run.matcher is None else self.constrained.accept(run, token)
+        if refused is not None:  # the engine drew a token its mask did not allow: an engine fault
+            events.append((run.sink, self._end_with_error(slot, refused, invalid=False)))
             return
         if token in run.stop_ids:  # eos where the grammar may end
             events.append((run.sink, self._finish(slot, "stop")))
@@ -542,7 +525,7 @@ class Scheduler:
         if run.pages is not None:
             run.tokens.append(token)
         reason: FinishReason | None = None
-        if run.matcher is not None and run.matcher.done:
+        if self.constrained.ended(run):
             reason = "stop"  # the grammar has ended: this token is its last
         elif run.generated >= run.req.max_tokens or run.prompt_len + run.generated >= self.max_seq_len:
             reason = "length"

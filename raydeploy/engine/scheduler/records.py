@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from raydeploy.constraints.matcher import Matcher
 from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.pages import SequencePages
@@ -66,6 +68,8 @@ class Queued:
     """The prompt's prefix keys, computed once."""
     matcher: Matcher | None = None
     """The request's constraint compiled at submit (structured outputs), at the start of its grammar."""
+    allowed: np.ndarray | None = None
+    """Its first draw's allowed tokens (packed), computed at submit with the matcher."""
 
 
 @dataclass
@@ -91,3 +95,6 @@ class Running:
     matcher: Matcher | None = None
     """Its constraint's matcher (structured outputs): fills each sampling row's allowed tokens and follows the
     emitted tokens only (it advances when a token is emitted, never when one is planned)."""
+    allowed: np.ndarray | None = None
+    """Its next draw's allowed tokens (packed), computed before planning and outside the scheduler's lock
+    (`constrained`); None until then, and again once a token is emitted."""
