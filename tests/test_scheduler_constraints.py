@@ -1,18 +1,20 @@
 """The scheduler's constrained requests (structured outputs) with the real grammar engine over the demo tokenizer,
 driven by a fake engine: masks ride only on constrained sampling rows, plans with one pass once, the grammar's end
 finishes "stop", an empty mask or a refused token fails just that request, a failed step leaves the matcher where
-it was, and unconstrained rows beside them get what they get alone. Then the real demo engine through LocalRunner:
-sampled JSON under a schema always validates (`model`, slow)."""
+it was, and unconstrained rows beside them get what they get alone. Masks are filled in one batch with the bits of
+row-by-row fills, and outside the scheduler's lock (`submit` and `abort` do not wait on them). Then the real demo
+engine through LocalRunner: sampled JSON under a schema always validates (`model`, slow)."""
 
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from raydeploy.constraints import Constraint, GrammarEngine
+from raydeploy.constraints import Constraint, GrammarEngine, words_for
 from raydeploy.engine.local import LocalRunner
 from raydeploy.engine.request import GenerationRequest, RequestFailed, TokenEvent
 from raydeploy.engine.scheduler import Paging, Scheduler
@@ -197,9 +199,96 @@ def test_for_engine_passes_the_grammar_engine(grammar):
     engine = SimpleNamespace(geometry=geometry, window_rings=False, eos_ids=(EOS,), slot_order=[0, 1],
                              vocab_size=VOCAB)
     sched = Scheduler.for_engine(engine, load_config(None), grammar=grammar)
-    assert sched.grammar is grammar
+    assert sched.grammar is grammar and sched.constrained.grammar is grammar
     sched.submit(req("a", JSON_C), lambda ev: None)
     assert sched.queue_depth == 1
+
+
+@pytest.mark.parametrize("model_vocab", [VOCAB + 100, VOCAB - 152], ids=["wider", "narrower"])
+def test_a_batch_fill_gives_the_bits_of_row_by_row_fills(demo_checkpoint, model_vocab):
+    """Matchers of several grammars at different positions (one at its start, one failed), over a model vocabulary
+    wider than the tokenizer's (padded ids never allowed) and a narrower one (llguidance's wider rows cut)."""
+    g = GrammarEngine.from_checkpoint(demo_checkpoint, model_vocab, [EOS])
+    walks = [(JSON_C, '{"color":"re'), (JSON_C, ""), (Constraint("regex", "ab+c"), "abbb"),
+             (Constraint("choice", '["yes", "no"]'), "n"), (Constraint("json_object", ""), '{"a":[1,{"b"'),
+             (JSON_C, '{"color":"blue","n":')]
+    matchers = []
+    for c, prefix in walks:
+        m = g.matcher(c)
+        for t in g.tokenizer.tokenize_str(prefix):
+            assert m.accept(t), (c, prefix)
+        matchers.append(m)
+    failed = g.matcher(JSON_C)
+    assert not failed.accept(model_vocab - 1)  # past the tokenizer's ids (narrower: a real id the grammar refuses)
+    matchers.append(failed)
+    words = np.full((len(matchers), words_for(model_vocab)), 0xFFFFFFFF, np.uint32)  # stale bits to overwrite
+    g.fill(matchers, words)
+    for row, m in zip(words, matchers, strict=True):
+        assert np.array_equal(row, m.mask())
+    counts = [len(allowed_ids(row)) for row in words]
+    assert counts[-1] == 0 and all(0 < n < g.tokenizer_vocab for n in counts[:-1])
+    assert len(set(counts[:-1])) > 2  # different positions, different masks
+    assert allowed_ids(words[1]).max() < min(model_vocab, g.tokenizer_vocab)
+    assert [m.tokens for m in matchers[:3]] == [len(g.tokenizer.tokenize_str(p)) for _, p in walks[:3]]  # unmoved
+    with pytest.raises(ValueError, match=r"mask buffer must be contiguous uint32 \[7, "):
+        g.fill(matchers, words[:, :-1].copy())
+    other = GrammarEngine.from_checkpoint(demo_checkpoint, VOCAB, [EOS])
+    with pytest.raises(ValueError, match="was not made by this grammar engine"):
+        other.fill([matchers[0]], np.zeros((1, words_for(VOCAB)), np.uint32))
+
+
+class GatedGrammar(GrammarEngine):
+    """The real grammar engine whose batch fill, once `armed`, says it started (`entered`) and waits for `release`
+    (bounded) before filling."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def fill(self, matchers, words) -> None:
+        if self.armed:
+            self.entered.set()
+            assert self.release.wait(10), "the test never released the fill"
+        super().fill(matchers, words)
+
+
+def test_submit_and_abort_do_not_wait_for_masks_being_filled(demo_checkpoint):
+    """While the step loop fills a running constrained stream's mask, another thread submits a request and aborts
+    the stream: both return at once; the plan made after the fill leaves the aborted stream out and admits the
+    new request."""
+    gated = GatedGrammar.from_checkpoint(demo_checkpoint, VOCAB, [EOS])
+    sched, eng, runner = make(gated, decode_steps=1)
+    c = runner.submit(req("c", JSON_C))
+    runner.step_once()  # c's prompt and first token: it decodes next, its mask filled before planning
+    assert sched.stats()["constraint_masks"] == 1
+    gated.armed = True
+    plans: list[StepPlan | None] = []
+    loop = threading.Thread(target=lambda: plans.append(sched.next_plan()), daemon=True)
+    loop.start()
+    try:
+        assert gated.entered.wait(10)
+        p_events: list[TokenEvent] = []
+        aborted: list[bool] = []
+        other = threading.Thread(target=lambda: (sched.submit(req("p", max_tokens=2), p_events.append),
+                                                 aborted.append(sched.abort("c"))), daemon=True)
+        other.start()
+        other.join(5)
+        assert not other.is_alive() and aborted == [True], "submit or abort waited for the mask fill"
+        assert loop.is_alive() and not plans  # the fill still waits
+        assert sched.queue_depth == 1
+    finally:
+        gated.release.set()
+        loop.join(10)
+    assert not loop.is_alive()
+    (plan,) = plans
+    assert plan is not None and [q.allowed for q in plan.seqs] == [None]  # p's prompt only: c is gone
+    assert c.result(5).finish_reason == "abort"
+    sched.on_result(plan, eng.step(plan))
+    gated.armed = False
+    runner.run_until_idle()
+    assert [e.finish_reason for e in p_events] == [None, "length"] and sched.slots_in_use == 0
 
 
 # -- the real demo engine
