@@ -125,7 +125,7 @@ def test_an_unconstrained_step_moves_no_mask(engine, prompt_ids):
     seqs = [SeqStep(0, np.asarray(prompt_ids[0][:8], np.int32), 0, True, SamplingParams())]
     host = build_inputs(seqs, engine.tables, ps.page_size, 16, ps.rows_for(16), ps.page_buckets[0],
                         vocab=engine.vocab_size)
-    assert ALLOWED_FIELD not in host.arrays and not host.arrays["any_constrained"]
+    assert ALLOWED_FIELD not in host.arrays
     rows = ps.groups * ps.rows_for(16)
     a, b = engine._device_inputs(host.arrays, rows), engine._device_inputs(host.arrays, rows)
     assert a.allowed is b.allowed and a.allowed.shape == (rows, mask_words(engine.vocab_size))
@@ -133,7 +133,7 @@ def test_an_unconstrained_step_moves_no_mask(engine, prompt_ids):
     masked = [SeqStep(0, seqs[0].tokens, 0, True, SamplingParams(), allowed=pack_bits([3, 40], engine.vocab_size))]
     host = build_inputs(masked, engine.tables, ps.page_size, 16, ps.rows_for(16), ps.page_buckets[0],
                         vocab=engine.vocab_size)
-    assert host.arrays["any_constrained"] and host.arrays[ALLOWED_FIELD][0, :2].tolist() == [1 << 3, 1 << 8]
+    assert host.arrays[ALLOWED_FIELD][0, :2].tolist() == [1 << 3, 1 << 8]
     assert (host.arrays[ALLOWED_FIELD][1:] == np.uint32(0xFFFFFFFF)).all()
 
 
@@ -193,3 +193,42 @@ def test_every_mesh_applies_the_same_masks(engine, demo_checkpoint, prompt_ids):
             vocab = other.vocab_size
             wide = [(kind, s) for kind, c in found.items() for s in c.shapes if str(vocab) in s]
             assert wide == [("all-gather", f"f32[2,{vocab}]")], wide
+
+
+def test_the_sampler_keeps_to_the_mask_on_every_filter_path():
+    """On logits alone (a small vocabulary not a multiple of 32): greedy, top-k within the candidates, top-p, and
+    top-k past the candidates (the bisection path, whose bounds must ignore the masked -inf logits) all draw
+    allowed tokens only, within their filter, over many seeds; the logprob is the unmasked log-softmax's."""
+    import jax
+    import jax.numpy as jnp
+
+    from raydeploy.engine.sampling import ROW_DTYPES, row_value, sample
+
+    vocab, rows = 300, 4
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
+    allowed = [5, 31, 32, 64, 150, 299]
+    words = np.stack([pack_bits(allowed, vocab)] * rows)
+    fn = jax.jit(sample)
+    # the last row: 250 allowed tokens and a top-k of 150 at a high temperature, so its threshold comes from the
+    # bisection and a draw past the 150 best allowed tokens is likely if that threshold were wrong
+    wide = np.sort(rng.choice(vocab, 250, replace=False))
+    words[-1] = pack_bits(wide, vocab)
+    best_wide = set(wide[np.argsort(-logits[-1, wide])[:150]].tolist())
+    drawn = []
+    for seed in range(25):
+        params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=50, seed=seed),
+                  SamplingParams(temperature=1.5, top_p=0.99, seed=seed),
+                  SamplingParams(temperature=5.0, top_k=150, seed=seed)]
+        cols = SamplingParams(**{n: jnp.asarray(np.asarray([row_value(p, n) for p in params], dt))
+                                 for n, dt in ROW_DTYPES.items()})
+        tok, lp = fn(jnp.asarray(logits), jnp.zeros((rows, vocab), bool), cols, jnp.full(rows, seed, jnp.int32),
+                     allowed_bw=jnp.asarray(words))
+        tok = np.asarray(tok)
+        assert set(tok[:3].tolist()) <= set(allowed), (seed, tok)
+        assert tok[0] == allowed[int(np.argmax(logits[0, allowed]))]
+        assert int(tok[3]) in best_wide, (seed, int(tok[3]))
+        drawn.append(int(tok[3]))
+        raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))[np.arange(rows), tok]
+        np.testing.assert_allclose(np.asarray(lp), raw, rtol=1e-5, atol=1e-5)
+    assert len(set(drawn)) > 10  # the hot row really spreads over its top-k

@@ -207,7 +207,6 @@ class StepInputs:
     any_filtered: jax.Array    # bool[] some sampling row has a top-k or a top-p
     allowed: jax.Array         # u32[G*R, W] each row's allowed tokens, packed bits (W = ceil(vocab / 32)); all ones
     #                            for a row without a constraint
-    any_constrained: jax.Array  # bool[] some sampling row carries an allowed-token mask (else the bits go unread)
 
     @classmethod
     def from_flat(cls, arrays: Mapping[str, Any]) -> StepInputs:
@@ -228,7 +227,7 @@ FIELD_LAYOUT = {
     "logit_index": "rows", "sampling.slot": "rows", "sampling.position": "rows",
     **{f"{PARAMS}.{n}": "rows" for n in ROW_DTYPES},
     "allowed": "rows",
-    "reset": "replicated", "any_sampled": "replicated", "any_filtered": "replicated", "any_constrained": "replicated",
+    "reset": "replicated", "any_sampled": "replicated", "any_filtered": "replicated",
 }
 
 
@@ -249,7 +248,6 @@ def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: 
     out["any_sampled"] = ((), np.dtype(bool))
     out["any_filtered"] = ((), np.dtype(bool))
     out["allowed"] = ((g * r, mask_words(vocab)), np.dtype(np.uint32))
-    out["any_constrained"] = ((), np.dtype(bool))
     return out
 
 
@@ -263,7 +261,7 @@ class HostStep:
     """A step's inputs on the host, and where each plan sequence's result lands ([G*R] rows)."""
 
     arrays: dict[str, np.ndarray]
-    """One array per `FIELD_LAYOUT` name; `allowed` only where some row is constrained (`any_constrained`)."""
+    """One array per `FIELD_LAYOUT` name; `allowed` only where some sampling row is constrained."""
     rows: list[int]
     """rows[i] = result row of plan.seqs[i]."""
 
@@ -276,7 +274,7 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     enough. Padding token places write nowhere (their page id is out of range, so the write is dropped), and
     padding rows have no tokens. `vocab`: the model's vocabulary (the width of the rows' allowed-token masks,
     0: no row may be constrained). Only a pass with a constrained sampling row carries `allowed` (its rows'
-    words, every other row all ones); without one it is left out and `any_constrained` is false."""
+    words, every other row all ones); without one it is left out (the engine passes its cached all-ones array)."""
     g_n, t_n, r_n, spg = tables.groups, tokens, rows, tables.slots_per_group
     ms = tables.max_slots
     shapes = abstract_inputs(g_n, t_n, r_n, pages, ms, vocab)
@@ -351,5 +349,4 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     a["reset"][list(reset)] = True
     a["any_sampled"] = np.asarray(any_sampled)
     a["any_filtered"] = np.asarray(any_filtered)
-    a["any_constrained"] = np.asarray(constrained)
     return HostStep(a, out_rows)

@@ -250,9 +250,9 @@ class StepBodies:
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices
         logits = model.logits(last, self.shard, matmul)
         tail = partial(_sample_rows, max_slots=self.max_slots, vocab_chunks=self.vocab_chunks)
-        presence, last_tokens, tok, lp = self._per_group(tail, 8, replicated=3)(
+        presence, last_tokens, tok, lp = self._per_group(tail, 8, replicated=2)(
             logits, presence, last_tokens, inp.reset, tokens, inp.token_slot, inp.sampling, inp.allowed,
-            inp.any_sampled, inp.any_filtered, inp.any_constrained)
+            inp.any_sampled, inp.any_filtered)
         return pool, presence, last_tokens, pack(tok, lp)
 
 
@@ -271,12 +271,12 @@ def _last_token_inputs(last_tokens: jax.Array, from_last: jax.Array, tokens: jax
 
 def _sample_rows(logits: jax.Array, presence: jax.Array, last_tokens: jax.Array, reset: jax.Array,
                  tokens: jax.Array, token_slot: jax.Array, rows: RowSampling, allowed: jax.Array,
-                 any_sampled: jax.Array, any_filtered: jax.Array, any_constrained: jax.Array, *, max_slots: int,
-                 vocab_chunks: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                 any_sampled: jax.Array, any_filtered: jax.Array, *, max_slots: int, vocab_chunks: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """A group's sampling: its slots' repetition-penalty sets take this step's tokens (`tokens` in `token_slot`,
     after the slots in `reset` start over), its rows sample with their `SamplingParams` (`rows`: one array per
-    field, passed through `shard_map` whole) among their allowed tokens (`allowed`, packed bits, unpacked only
-    when `any_constrained`), and each sampled token joins its slot's set and becomes the slot's last token."""
+    field, passed through `shard_map` whole) among their allowed tokens (`allowed`, packed bits; all ones for
+    an unconstrained row), and each sampled token joins its slot's set and becomes the slot's last token."""
     spg = presence.shape[0]
     tslot = _group_slot(token_slot, max_slots, spg)
     rslot = _group_slot(rows.slot, max_slots, spg)
@@ -284,7 +284,7 @@ def _sample_rows(logits: jax.Array, presence: jax.Array, last_tokens: jax.Array,
     presence = presence.at[tslot, tokens].set(True, mode="drop")
     seen = presence[jnp.minimum(rslot, spg - 1)]
     tok, lp = sample(logits, seen, rows.params, rows.position, any_sampled=any_sampled, any_filtered=any_filtered,
-                     vocab_chunks=vocab_chunks, allowed_bw=allowed, any_constrained=any_constrained)
+                     vocab_chunks=vocab_chunks, allowed_bw=allowed)
     presence = presence.at[rslot, tok].set(True, mode="drop")
     last_tokens = last_tokens.at[rslot].set(tok, mode="drop")
     return presence, last_tokens, tok, lp
