@@ -79,6 +79,12 @@ class Capital(BaseModel):
     city: str = Field(max_length=40)
 
 
+class CapitalCity(BaseModel):
+    """The capital city of a country."""
+
+    capital: str = Field(max_length=40)
+
+
 class GetWeather(BaseModel):
     """Get the current weather in a city."""
 
@@ -171,12 +177,18 @@ def test_openai_sdk_parse_returns_the_pydantic_object(live):
     assert not msg.tool_calls
 
 
-def test_langchain_bind_tools_and_structured_output(live):
+def _langchain(live):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=live.url + "/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=MAX_NEW,
-                     max_retries=0, timeout=300)
-    reply = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("What is the weather like in Paris?")
+    return ChatOpenAI(base_url=live.url + "/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=MAX_NEW,
+                      max_retries=0, timeout=300)
+
+
+def test_langchain_bind_tools_returns_tool_calls(live):
+    """A pydantic tool as LangChain users bind it: its schema leaves additionalProperties out (no strict mode),
+    so the forced call's arguments must still end after the declared properties."""
+    reply = _langchain(live).bind_tools([GetWeather], tool_choice="GetWeather").invoke(
+        "What is the weather like in Paris?")
     assert len(reply.tool_calls) >= 1, reply
     for call in reply.tool_calls:
         assert call["name"] == "GetWeather" and call["id"], call
@@ -184,18 +196,24 @@ def test_langchain_bind_tools_and_structured_output(live):
         GetWeather.model_validate(call["args"])
     assert reply.response_metadata.get("finish_reason") == "tool_calls", reply.response_metadata
 
-    capital = llm.with_structured_output(Capital).invoke("What is the capital of Italy? Answer in JSON.")
+
+def test_langchain_with_structured_output_returns_the_object(live):
+    capital = _langchain(live).with_structured_output(Capital).invoke("What is the capital of Italy? Answer in JSON.")
     assert isinstance(capital, Capital), capital
 
 
 def test_instructor_json_mode_returns_the_object(live):
+    """JSON mode asks only for some JSON object (response_format json_object) and puts the schema in a system
+    prompt; one example turn is what it takes the demo model to fill this schema rather than describe it."""
     import instructor
 
     client = instructor.from_openai(_client(live), mode=instructor.Mode.JSON)
-    capital = client.chat.completions.create(
-        model=MODEL, response_model=Capital, max_retries=0, temperature=0, max_tokens=MAX_NEW,
-        messages=[{"role": "user", "content": "What is the capital of Spain?"}])
-    assert isinstance(capital, Capital), capital
+    answer = client.chat.completions.create(
+        model=MODEL, response_model=CapitalCity, max_retries=0, temperature=0, max_tokens=80,
+        messages=[{"role": "user", "content": "What is the capital of Italy?"},
+                  {"role": "assistant", "content": '{"capital": "Rome"}'},
+                  {"role": "user", "content": "What is the capital of Spain?"}])
+    assert isinstance(answer, CapitalCity) and answer.capital == "Madrid", answer
 
 
 # -- sampled outputs under a schema ---------------------------------------------------------------------------
