@@ -209,7 +209,7 @@ class GrammarEngine:
                 executor = self._executor
             executor.unsafe_compute_mask_ptr(live, target.ctypes.data, llg_words * 4, rows)
         if target is not words:
-            m = min(n, llg_words)
-            words[:, :m] = target[:, :m]
-            words[:, m:] = 0
+            kept = min(n, llg_words)
+            words[:, :kept] = target[:, :kept]
+            words[:, kept:] = 0
         _clear_from(words, min(self.tokenizer_vocab, self.vocab_size))
