@@ -329,8 +329,9 @@ def test_streamed_tool_call(live):
 # -- every host applies the same mask --------------------------------------------------------------------------
 
 
-def _local_tokens(mesh_overrides: list[str], devices: int, checkpoint: str, req: GenerationRequest) -> list[int]:
-    """`req`'s tokens from an engine built in this process over `devices` of its virtual CPU devices, with the
+def _local_tokens(mesh_overrides: list[str], devices: int, checkpoint: str,
+                  reqs: list[GenerationRequest]) -> list[list[int]]:
+    """`reqs`' tokens from an engine built in this process over `devices` of its virtual CPU devices, with the
     scheduler (and its grammar engine) the gang's rank 0 builds."""
     import jax
 
@@ -342,15 +343,16 @@ def _local_tokens(mesh_overrides: list[str], devices: int, checkpoint: str, req:
                              *mesh_overrides])
     mesh = build_mesh(cfg.mesh_shape, jax.devices()[:devices])
     loaded = load_checkpoint_engine(cfg, mesh, checkpoint)
-    (out,) = LocalRunner(loaded.engine, loaded.make_scheduler()).generate([req], timeout_s=600)
-    assert out.finish_reason == "stop" and out.error is None, out
-    return out.token_ids
+    outs = LocalRunner(loaded.engine, loaded.make_scheduler()).generate(reqs, timeout_s=600)
+    assert all(o.error is None for o in outs), outs
+    return [o.token_ids for o in outs]
 
 
 def test_constrained_sampling_is_the_same_on_every_mesh(live, demo_checkpoint):
     """A sampled (temperature 1.0, fixed seed) request under a JSON schema: HTTP on the dp=2 gang, the gang
     directly, a 1-device engine and an fsdp=2 x tp=2 engine all give the same tokens. A host that applied
-    another mask (or none) would draw other tokens from the same key."""
+    another mask (or none) would draw other tokens from the same key: the same request without its constraint
+    draws others."""
     from raydeploy.gang.gang import resolve_checkpoint_path
     from raydeploy.serve.text import TextCodec
 
@@ -372,8 +374,10 @@ def test_constrained_sampling_is_the_same_on_every_mesh(live, demo_checkpoint):
     gang_ids = [e.token_id for e in events if e.token_id is not None]
     assert codec.decode(gang_ids) == http_text and body["usage"]["completion_tokens"] == len(gang_ids)
 
-    one = _local_tokens(["mesh.axes={dp: 1}"], 1, ckpt, req)
-    fsdp_tp = _local_tokens(["mesh.axes={fsdp: 2, tp: 2}",
-                             "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}"], 4, ckpt, req)
+    free = GenerationRequest("mask-parity-free", prompt, max_tokens, req.sampling)
+    one, one_free = _local_tokens(["mesh.axes={dp: 1}"], 1, ckpt, [req, free])
+    (fsdp_tp,) = _local_tokens(["mesh.axes={fsdp: 2, tp: 2}",
+                                "mesh.rules={q_heads: null, kv_heads: null, cache_kv_heads: null}"], 4, ckpt, [req])
     assert one == gang_ids, (codec.decode(one), http_text)
     assert fsdp_tp == gang_ids, (codec.decode(fsdp_tp), http_text)
+    assert one_free[:len(one)] != one, codec.decode(one_free)
