@@ -22,14 +22,21 @@ import time
 from typing import Literal
 
 import httpx
+import jax
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
 from raydeploy.config import load_config
 from raydeploy.constraints.spec import Constraint
+from raydeploy.engine.local import LocalRunner
 from raydeploy.engine.request import GenerationRequest
 from raydeploy.engine.step import SamplingParams
+from raydeploy.gang.gang import resolve_checkpoint_path
+from raydeploy.gang.runtime import load_checkpoint_engine
+from raydeploy.model.sharding import build_mesh
+from raydeploy.serve.run import connect_ray, start_serving
+from raydeploy.serve.text import TextCodec
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
 
@@ -101,8 +108,6 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def live(demo_checkpoint):
     import ray
-
-    from raydeploy.serve.run import connect_ray, start_serving
 
     os.environ[KEYS_ENV] = KEY  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [*ENGINE_OVERRIDES, "serving.max_queue=16", f"serving.port={_free_port()}",
@@ -333,12 +338,6 @@ def _local_tokens(mesh_overrides: list[str], devices: int, checkpoint: str,
                   reqs: list[GenerationRequest]) -> list[list[int]]:
     """`reqs`' tokens from an engine built in this process over `devices` of its virtual CPU devices, with the
     scheduler (and its grammar engine) the gang's rank 0 builds."""
-    import jax
-
-    from raydeploy.engine.local import LocalRunner
-    from raydeploy.gang.runtime import load_checkpoint_engine
-    from raydeploy.model.sharding import build_mesh
-
     cfg = load_config(None, [*ENGINE_OVERRIDES, "cluster.num_hosts=1", f"cluster.devices_per_host={devices}",
                              *mesh_overrides])
     mesh = build_mesh(cfg.mesh_shape, jax.devices()[:devices])
@@ -353,8 +352,6 @@ def test_constrained_sampling_is_the_same_on_every_mesh(live, demo_checkpoint):
     directly, a 1-device engine and an fsdp=2 x tp=2 engine all give the same tokens. A host that applied
     another mask (or none) would draw other tokens from the same key: the same request without its constraint
     draws others."""
-    from raydeploy.gang.gang import resolve_checkpoint_path
-    from raydeploy.serve.text import TextCodec
 
     seed, max_tokens = 4321, 120
     body = _ok(_post(live, "/v1/chat/completions", {
