@@ -82,6 +82,12 @@ class SeqStep:
     slot and resets the slot's repetition-penalty set to `prefix_tokens`, the prompt ids [0, start) that reused
     (prefix-cached) pages already hold.
 
+    Logprobs beyond the sampled token's (`raydeploy.engine.logprobs`): `top_logprobs` on a sampling row asks for
+    the `MAX_TOP_LOGPROBS` most likely tokens of the distribution it draws from (the host trims to the request's
+    count); `prompt_logprobs` on a prompt chunk asks for the logprob of the token after each of its places (with
+    alternatives): the chunk's own tokens after its first, then `next_token`, the prompt token after the chunk
+    (-1 on the prompt's last chunk, whose last place predicts the sampled token).
+
     `allowed`: set on a sampling row of a constrained request (structured outputs, `raydeploy.constraints`):
     the tokens its next draw may take, as packed bits (uint32 words [ceil(vocab / 32)], token i allowed when bit
     i % 32 of word i // 32 is set; the model's vocabulary, tokens past the grammar's vocabulary cleared). Rank 0
@@ -96,6 +102,9 @@ class SeqStep:
     sampling: SamplingParams | None = None
     prefix_tokens: np.ndarray | None = None
     allowed: np.ndarray | None = None
+    top_logprobs: bool = False
+    prompt_logprobs: bool = False
+    next_token: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +121,11 @@ class SeqStep:
             out["prefix_tokens"] = np.asarray(self.prefix_tokens, np.int32).tobytes()
         if self.allowed is not None:
             out["allowed"] = np.asarray(self.allowed, np.uint32).tobytes()
+        if self.top_logprobs:
+            out["top_logprobs"] = True
+        if self.prompt_logprobs:
+            out["prompt_logprobs"] = True
+            out["next_token"] = self.next_token
         return out
 
     @classmethod
@@ -120,7 +134,9 @@ class SeqStep:
         return cls(int(v["slot"]), np.frombuffer(v["tokens"], np.int32), int(v["start"]), bool(v["sample"]),
                    None if sampling is None else SamplingParams.from_wire(sampling),
                    None if prefix is None else np.frombuffer(prefix, np.int32),
-                   None if allowed is None else np.frombuffer(allowed, np.uint32))
+                   None if allowed is None else np.frombuffer(allowed, np.uint32),
+                   bool(v.get("top_logprobs", False)), bool(v.get("prompt_logprobs", False)),
+                   int(v.get("next_token", -1)))
 
 
 @dataclass(frozen=True)
@@ -180,3 +196,27 @@ class StepResult:
     step_id: int
     tokens: np.ndarray | None = None
     logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    """[decode_steps, len(plan.seqs), MAX_TOP_LOGPROBS] int32: the most likely tokens of each sampled token's
+    distribution (the same raw one), most likely first; None when no row of the plan asked (`SeqStep.top_logprobs`)."""
+    top_logprobs: np.ndarray | None = None
+    """Their logprobs, shaped like `top_ids` (descending)."""
+    prompt: tuple[PromptLogprobs | None, ...] | None = None
+    """Per plan sequence, the prompt logprobs of a chunk that asked (`SeqStep.prompt_logprobs`); None otherwise."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt chunk's logprobs: entry i is the token after the chunk's place i (position start + i + 1) under the
+    raw model distribution at place i, with its rank (1 = the most likely) and the `MAX_TOP_LOGPROBS` most likely
+    tokens there; a chunk of n places has n entries (the prompt's last chunk n - 1: its last place predicts the
+    sampled token)."""
+
+    logprob: np.ndarray
+    """[n] float32."""
+    rank: np.ndarray
+    """[n] int32."""
+    top_ids: np.ndarray
+    """[n, K] int32, most likely first."""
+    top_logprobs: np.ndarray
+    """[n, K] float32, descending."""
