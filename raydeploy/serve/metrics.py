@@ -8,15 +8,31 @@ made for that scrape from `GangFigures`, the figures a background refresh read (
 exported as `raydeploy_gang_figures_age_seconds`): the deployment's (`raydeploy_gang_ready` is 1 while any gang is ready,
 `raydeploy_gangs_ready`, `raydeploy_gangs`, restarts and the coordinators' figures summed over gangs), and
 each gang's own with a `gang` label (`raydeploy_gang_up`, `raydeploy_gang_restarts_by_gang`,
-`raydeploy_gang_slots_in_use`, ...). No label ever carries user input (gang labels are supervisor names).
+`raydeploy_gang_slots_in_use`, ...). No label ever carries user input (gang labels are supervisor names, and
+`model_name` is the served model's name from the config).
 
-Why `prometheus_client` and not `ray.util.metrics`: Ray exports its metrics only through each node's
-metrics agent, under names prefixed `ray_`, and only inside a Ray worker; this keeps the metric names of
-`/metrics` unchanged, works in the ingress without Ray (tests, other ASGI servers), and leaves the text
-format and the histogram arithmetic to the library. Each `ServingMetrics` has its own registry, so one
-process can hold several apps. The gang figures are the same from every ingress replica (they come from
-the gang); the request figures are the replica's own, so with `serving.ingress_replicas > 1` a scrape
-through the Serve proxy sees one replica's share (sum over replicas in Prometheus when each is scraped).
+vLLM's names, beside ours: dashboards, autoscaling rules and inference gateways written for vLLM read
+`vllm:*` series with a `model_name` label (`VLLM_NAMES`, with vLLM's own buckets). Where the meaning is the
+same they are the same observations as ours; `vllm:num_requests_running` is the gangs' slots in use,
+`vllm:num_requests_waiting` the sequences the ingresses admitted that hold no slot yet (in Serve's router or a
+gang's queue), `vllm:kv_cache_usage_perc` the gangs' KV pages held by running sequences over all pages (cached
+idle pages count as free, as vLLM counts them). Of vLLM's two inter-token names: `vllm:inter_token_latency_seconds`
+(its current name) has one observation per output token after the first, and `vllm:time_per_output_token_seconds`
+(the name before vLLM 0.11) the same observations, so a dashboard of either version works;
+`vllm:request_time_per_output_token_seconds` has one per request (its mean). Tokens that reach the ingress
+together (one gang message holds a plan's tokens) share the gap since the previous message.
+
+Several ingress replicas: each replica is its own process, and the Serve proxy sends a scrape to one of them.
+With `PROMETHEUS_MULTIPROC_DIR` set in the replicas' environment (`multiprocess_env`, in the ingress's
+runtime_env), `prometheus_client`'s multiprocess mode keeps every replica's figures in files in that directory
+and any replica answers a scrape with their sums (counters and histograms of every replica that ever ran, so
+a restarted replica's counts stay counted and the sums never go down; the in-flight gauges of live replicas
+only: files of processes that are gone are dropped at scrape time). The directory is per node: replicas on
+one node add up exactly; with ingress replicas on several nodes, scrape each node's Serve proxy (which
+prefers its local replicas) and sum in PromQL. Why not `ray.util.metrics`: Ray exports those only through each
+node's metrics agent and renames them (a `ray_` prefix; `:` in a name is deprecated there), so the `vllm:`
+names that dashboards look for could not be kept. Without the variable (tests, other ASGI servers) each
+`ServingMetrics` has its own registry, so one process can hold several apps.
 
 `requests_served` counts generations answered successfully (completions, chat, /chat, /instruct), not
 probes, status polls or scrapes.
@@ -27,15 +43,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import re
+import tempfile
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "raydeploy"
@@ -44,6 +64,36 @@ GENERATION_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/c
 PER_GANG_STATS = ("slots_in_use", "queue_depth", "tokens_generated", "requests_done", "steps_done")
 """Coordinator figures also exported per gang (labelled `gang`)."""
 log = logging.getLogger("raydeploy.serve")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""Where the ingress replicas of a node keep their figures (prometheus_client's multiprocess mode), when set."""
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+"""vLLM's buckets for vllm:time_to_first_token_seconds (vllm/v1/metrics/loggers.py)."""
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+"""vLLM's buckets for its inter-token and time-per-output-token histograms."""
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's buckets for vllm:e2e_request_latency_seconds."""
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""vLLM's `finished_reason` values: stop (an end token or stop string), length (max_tokens or the context),
+abort (the client went away, a timeout, the gang ended the stream) and error (the request failed)."""
+VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+              "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
+              "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+              "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
+              "vllm:e2e_request_latency_seconds")
+"""The vLLM metric families /metrics exports (counters get vLLM's `_total` samples), each labelled `model_name`."""
+
+
+def multiprocess_env(app_name: str) -> dict[str, str]:
+    """The environment that makes an application's ingress replicas add up their figures: a directory new to
+    this deployment (a fresh one per `serve` run, so no earlier run's counts are summed in), for the replicas'
+    runtime_env. Its path is the same on every node; each node's replicas share their node's copy."""
+    base = os.path.join(tempfile.gettempdir(), "raydeploy-metrics")
+    return {MULTIPROC_ENV: os.path.join(base, f"{_name_part(app_name)}-{uuid.uuid4().hex[:12]}")}
+
 
 RECENT_SAMPLES = 4096
 """How many recent latencies /status keeps for its p50/p99 (the histograms keep every observation)."""
@@ -69,9 +119,13 @@ class _Recent:
 
 
 class ServingMetrics:
-    """Counters and histograms of one ingress replica, in a registry of its own."""
+    """Counters and histograms of one ingress replica, in a registry of its own (or, with MULTIPROC_ENV set
+    when the process started, in that directory beside its sibling replicas', summed at scrape time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.multiproc_dir = os.environ.get(MULTIPROC_ENV) or None
+        if self.multiproc_dir:
+            os.makedirs(self.multiproc_dir, exist_ok=True)
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self._ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time from request arrival to its first token.",
@@ -89,17 +143,51 @@ class ServingMetrics:
                                "Generation requests answered without error (not probes, status polls or scrapes).",
                                registry=reg)
         self._in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Requests admitted by this ingress and not finished.",
-                                registry=reg)
+                                registry=reg, multiprocess_mode="livesum")
         self._waiting = Gauge(f"{PREFIX}_requests_waiting_first_token",
-                              "Admitted requests that have no token yet (queued or prefilling).", registry=reg)
+                              "Admitted requests that have no token yet (queued or prefilling).", registry=reg,
+                              multiprocess_mode="livesum")
         self.admitted = Gauge(f"{PREFIX}_sequences_admitted",
-                              "Sequences admitted by this ingress and not yet released (n counts each choice).",
-                              registry=reg)
-        """Read from the ServingCore's count at scrape time (`create_app` sets its function)."""
+                              "Sequences admitted by the ingress and not yet released (n counts each choice).",
+                              registry=reg, multiprocess_mode="livesum")
+        """Moved by `sequences_admitted` (ServingCore's admission); `create_app` may also read the count at
+        scrape time (a function, which a multiprocess scrape does not see: there the moves count)."""
+        self._vllm_families(reg)
+        self.model_name = ""
+        self.set_model_name(model_name)
         self._recent_ttft, self._recent_tpot = _Recent(), _Recent()
         self._lock = threading.Lock()
         self._now_in_flight = 0
         self.peak_in_flight = 0
+
+    def _vllm_families(self, reg: CollectorRegistry) -> None:
+        """vLLM's names for the same figures (VLLM_NAMES; the gangs' three gauges come with the gang figures)."""
+        label = ("model_name",)
+        self._v_prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=reg)
+        self._v_gen = Counter("vllm:generation_tokens", "Number of generation tokens processed.", label,
+                              registry=reg)
+        self._v_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                  (*label, "finished_reason"), registry=reg)
+        self._v_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                 label, buckets=TTFT_BUCKETS_S, registry=reg)
+        self._v_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                label, buckets=ITL_BUCKETS_S, registry=reg)
+        self._v_tpot_old = Histogram("vllm:time_per_output_token_seconds",
+                                     "Histogram of time per output token in seconds (vLLM's name before "
+                                     "vllm:inter_token_latency_seconds; the same observations).",
+                                     label, buckets=ITL_BUCKETS_S, registry=reg)
+        self._v_tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                                 "Histogram of time_per_output_token_seconds per request.", label,
+                                 buckets=ITL_BUCKETS_S, registry=reg)
+        self._v_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                label, buckets=E2E_BUCKETS_S, registry=reg)
+
+    def set_model_name(self, model_name: str) -> None:
+        """The `model_name` label of the vLLM series (the served model's name); each finished_reason is shown
+        from the start at 0, so a dashboard's panel is not empty and a rate has a first point."""
+        self.model_name = _label_value(model_name)
+        for reason in FINISH_REASONS:
+            self._v_success.labels(self.model_name, reason)
 
     # -- recording -------------------------------------------------------------------------------------
     def started(self) -> None:
@@ -109,13 +197,32 @@ class ServingMetrics:
             self._now_in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self._now_in_flight)
 
+    def sequences_admitted(self, delta: int) -> None:
+        """`delta` sequences admitted (positive) or released (negative) by the ServingCore."""
+        self.admitted.inc(delta)
+
     def first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)
+        self._v_ttft.labels(self.model_name).observe(ttft_s)
         self._recent_ttft.add(ttft_s)
         self._waiting.dec()
 
+    def tokens_arrived(self, count: int, gap_s: float | None) -> None:
+        """`count` output tokens reached the ingress together, `gap_s` after the previous ones (None: the first
+        token is among them, and the others of its message arrived with it, a gap of 0)."""
+        if count <= 0:
+            return
+        self._v_gen.labels(self.model_name).inc(count)
+        later = count - 1 if gap_s is None else count
+        each = 0.0 if gap_s is None else gap_s / count
+        itl, old = self._v_itl.labels(self.model_name), self._v_tpot_old.labels(self.model_name)
+        for _ in range(later):
+            itl.observe(each)
+            old.observe(each)
+
     def finished(self, *, got_first_token: bool, prompt_tokens: int, output_tokens: int,
-                 duration_s: float, decode_s: float) -> None:
+                 duration_s: float, decode_s: float, finish_reason: str = "abort") -> None:
+        """One job ended; `finish_reason` as in FINISH_REASONS (what vllm:request_success_total counts by)."""
         self._in_flight.dec()
         with self._lock:
             self._now_in_flight -= 1
@@ -123,11 +230,15 @@ class ServingMetrics:
             self._waiting.dec()
         self._tokens.inc(output_tokens)
         self._prompt_tokens.inc(prompt_tokens)
+        self._v_prompt.labels(self.model_name).inc(prompt_tokens)
+        self._v_success.labels(self.model_name, _name_part(finish_reason)).inc()  # the engine's reasons, no input
         if output_tokens > 0:
             self._e2e.observe(duration_s)
+            self._v_e2e.labels(self.model_name).observe(duration_s)
         if output_tokens > 1:
             tpot = decode_s / (output_tokens - 1)
             self._tpot.observe(tpot)
+            self._v_tpot.labels(self.model_name).observe(tpot)
             self._recent_tpot.add(tpot)
 
     def count_response(self, endpoint: str, status: int) -> None:
@@ -145,7 +256,7 @@ class ServingMetrics:
         return int(self._value("requests_served_total"))
 
     def snapshot(self) -> dict[str, Any]:
-        """Figures for /status."""
+        """Figures for /status (this replica's own)."""
         return {
             "requests_served": self.requests_served,
             "in_flight": int(self._value("requests_in_flight")),
@@ -155,12 +266,74 @@ class ServingMetrics:
             "tpot_s": {"p50": self._recent_tpot.quantile(0.5), "p99": self._recent_tpot.quantile(0.99)},
         }
 
+    def exported(self) -> CollectorRegistry:
+        """What a scrape reports of the requests: this registry, or with MULTIPROC_ENV every replica's sums."""
+        if not self.multiproc_dir:
+            return self.registry
+        _forget_dead_processes(self.multiproc_dir)
+        summed = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(summed, path=self.multiproc_dir)
+        return summed
+
     def render(self, gang_state: Mapping[str, Any], engine_stats: Mapping[str, Any],
                figures_age_s: float | None = None) -> str:
-        """The Prometheus text: this replica's registry, then the gang figures (read `figures_age_s` ago)."""
+        """The Prometheus text: the requests' figures (`exported`), then the gang figures (read `figures_age_s`
+        ago) and vLLM's three gauges of them."""
+        requests = self.exported()
+        admitted = requests.get_sample_value(f"{PREFIX}_sequences_admitted")
         scrape = CollectorRegistry(auto_describe=False)
         scrape.register(_GangFigures(gang_state, engine_stats, figures_age_s))
-        return (generate_latest(self.registry) + generate_latest(scrape)).decode("utf-8")
+        scrape.register(_VllmGangGauges(self.model_name, engine_stats, admitted))
+        return (generate_latest(requests) + generate_latest(scrape)).decode("utf-8")
+
+
+class _VllmGangGauges:
+    """vllm:num_requests_running, vllm:num_requests_waiting and vllm:kv_cache_usage_perc for one scrape, from the
+    gangs' figures (summed over gangs) and the sequences the ingresses hold."""
+
+    def __init__(self, model_name: str, engine_stats: Mapping[str, Any], admitted: float | None) -> None:
+        self.model_name, self.stats, self.admitted = model_name, engine_stats, admitted
+
+    def collect(self) -> Iterator[Metric]:
+        running, queued = _number(self.stats.get("slots_in_use")), _number(self.stats.get("queue_depth"))
+        total, used = _number(self.stats.get("pages_total")), _number(self.stats.get("pages_used"))
+        if running is not None:
+            g = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
+                                  labels=["model_name"])
+            g.add_metric([self.model_name], running)
+            yield g
+            # admitted by an ingress but in no slot: in Serve's router or a gang's queue (figures read at
+            # slightly different times, hence the floor)
+            waiting = max(0.0, (self.admitted or 0.0) - running, queued or 0.0)
+            g = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                                  labels=["model_name"])
+            g.add_metric([self.model_name], waiting)
+            yield g
+        if total and used is not None:
+            g = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=["model_name"])
+            g.add_metric([self.model_name], used / total)
+            yield g
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _forget_dead_processes(path: str) -> None:
+    """Drop the live gauges of replicas that are gone (their counters stay summed): prometheus_client keeps a
+    file per process and only `mark_process_dead` removes a gone one's `livesum` figures."""
+    for name in os.listdir(path):
+        m = re.fullmatch(r"gauge_live\w*?_(\d+)\.db", name)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            mark_process_dead(pid, path)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 class _GangFigures:
@@ -292,6 +465,11 @@ _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 def _name_part(text: str) -> str:
     """`text` as part of a metric name or a label value: letters, digits and '_' only, at most 64."""
     return _NOT_NAME.sub("_", text)[:64]
+
+
+def _label_value(text: str) -> str:
+    """A config-given name as a label value: printable, at most 128 characters."""
+    return "".join(c for c in text if c.isprintable())[:128]
 
 
 def _numbers(d: Mapping[str, Any], prefix: str, depth: int = 0) -> dict[str, float]:
