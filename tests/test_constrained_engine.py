@@ -232,3 +232,34 @@ def test_the_sampler_keeps_to_the_mask_on_every_filter_path():
         raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))[np.arange(rows), tok]
         np.testing.assert_allclose(np.asarray(lp), raw, rtol=1e-5, atol=1e-5)
     assert len(set(drawn)) > 10  # the hot row really spreads over its top-k
+
+
+def test_the_toy_engine_honours_masks_as_the_real_one_refuses_them():
+    """The toy engine (serve tests' stand-in) draws its natural token where the mask allows it, else the mask's
+    next allowed id (`toy_allowed_token`), over masks of any vocabulary; it refuses a mask in a multi-pass plan
+    and fails a request whose mask allows nothing, as the real engine's plan checks do."""
+    import jax
+
+    from raydeploy.model.sharding import build_mesh
+    from raydeploy.testing.toy import ToyEngine, toy_allowed_token, toy_next_token
+
+    toy = ToyEngine(build_mesh({"dp": 1}, jax.devices()[:1]), 4)
+    vocab = 49152  # a tokenizer's vocabulary, wider than the toy's own
+    prompt = np.asarray([10, 11], np.int32)
+    natural = int(toy_next_token(11))
+    free = SeqStep(1, prompt, 0, True)
+    # the natural token allowed: kept; not allowed: the next allowed id above it, or wrapping to the smallest
+    for allowed, want in (([natural, 3], natural), ([natural + 5, 3], natural + 5), ([3, 7], 3),
+                          ([40000], 40000)):
+        res = toy.step(StepPlan(1, seqs=(SeqStep(0, prompt, 0, True, allowed=pack_bits(allowed, vocab)), free)))
+        assert res.tokens[0].tolist() == [want, natural], allowed
+        assert toy_allowed_token(natural, pack_bits(allowed, vocab)) == want
+    toy.step(StepPlan(2, seqs=(SeqStep(0, prompt, 0, True),)))
+    decode = SeqStep(0, np.zeros(0, np.int32), 2, True, allowed=pack_bits([9], vocab))
+    assert toy.step(StepPlan(3, seqs=(decode,))).tokens.tolist() == [[9]]
+    with pytest.raises(ValueError, match=r"plan 4: slot 0 carries an allowed-token mask in a plan of decode_steps 2"):
+        toy.step(StepPlan(4, seqs=(decode,), decode_steps=2))
+    nothing = SeqStep(0, np.zeros(0, np.int32), 3, True, allowed=np.zeros(mask_words(vocab), np.uint32))
+    with pytest.raises(RequestFailed, match=r"slot 0: its allowed-token mask allows no token") as err:
+        toy.step(StepPlan(5, seqs=(nothing,)))
+    assert err.value.slots == (0,)

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from raydeploy.engine.request import RequestFailed
 from raydeploy.engine.step import SeqStep, StepPlan, StepResult
 
 TOY_VOCAB = 256
@@ -27,6 +28,18 @@ TOY_VOCAB = 256
 def toy_next_token(last: np.ndarray | int) -> np.ndarray:
     """What the toy step returns for a slot whose previous token is `last` (the test oracle)."""
     return (np.asarray(last, np.int64) * 7 + 3) % TOY_VOCAB
+
+
+def toy_allowed_token(natural: int, allowed: np.ndarray) -> int | None:
+    """What the toy draws for a constrained row (the test oracle): its natural next token if the packed bits
+    `allowed` (`SeqStep.allowed`'s layout, over any vocabulary) allow it, else the smallest allowed id above it,
+    else the smallest allowed id; None when no bit is set."""
+    bits = np.unpackbits(np.asarray(allowed, np.uint32).reshape(-1).astype("<u4").view(np.uint8), bitorder="little")
+    ids = np.flatnonzero(bits)
+    if ids.size == 0:
+        return None
+    above = ids[ids >= natural]
+    return int(above[0] if above.size else ids[0])
 
 
 def toy_expected_tokens(prompt_ids: list[int] | tuple[int, ...], max_tokens: int,
@@ -83,7 +96,10 @@ class ToyEngine:
     def step(self, plan: StepPlan) -> StepResult:
         """Releases, then each sequence of the plan: a prompt's chunk sets its slot's last token (its last chunk
         samples the next), and the decode rows run `decode_steps` passes of the sharded step. No pages: the
-        toy keeps no cache beyond each slot's last token."""
+        toy keeps no cache beyond each slot's last token. A row with an allowed-token mask draws
+        `toy_allowed_token` (its plan must run one pass, as the real engine's; a mask that allows nothing fails
+        the row's request), so serve tests over the toy can check that masks reach the engine."""
+        self._check_allowed(plan)
         for s in plan.release:
             self._last[s] = 0
         tokens = np.zeros((plan.decode_steps, len(plan.seqs)), np.int32)
@@ -100,7 +116,26 @@ class ToyEngine:
             decoded = self._run(self._last)
             for i, s in rows:
                 self._last[s] = tokens[k, i] = decoded[s]
+        for i, q in enumerate(plan.seqs):  # constrained rows: the natural token, or the mask's choice
+            if q.sample and q.allowed is not None:
+                chosen = toy_allowed_token(int(tokens[0, i]), q.allowed)
+                assert chosen is not None  # `_check_allowed` failed the requests of masks that allow nothing
+                self._last[q.slot] = tokens[0, i] = chosen
         return StepResult(plan.step_id, tokens=tokens, logprobs=np.zeros(tokens.shape, np.float32))
+
+
+    @staticmethod
+    def _check_allowed(plan: StepPlan) -> None:
+        """The real engine's rules for masks, before anything runs: one pass per plan with a mask (ValueError
+        naming the slot), and a mask that allows some token (`RequestFailed` naming the slots)."""
+        masked = [q for q in plan.seqs if q.allowed is not None]
+        if masked and plan.decode_steps > 1:
+            raise ValueError(f"plan {plan.step_id}: slot {masked[0].slot} carries an allowed-token mask in a plan of "
+                             f"decode_steps {plan.decode_steps}; a constrained row needs each token before its "
+                             f"next mask, so its plan runs one pass")
+        empty = tuple(q.slot for q in masked if not np.asarray(q.allowed).any())
+        if empty:
+            raise RequestFailed(f"slot {empty[0]}: its allowed-token mask allows no token", slots=empty)
 
 
 class ToyScheduler:
