@@ -116,9 +116,9 @@ def test_sampling_respects_top_k_over_many_draws():
     assert got <= allowed and len(got) >= 2
 
 
-@pytest.mark.parametrize("seed", [0, 2**32 + 5, 2**40])
-def test_large_seeds_are_reduced_not_rejected(seed):
-    """A step's rows take the request's seed modulo 2**32 (the PRNG key's uint32)."""
+@pytest.mark.parametrize("seed", [0, 2**32 + 5, 2**40, 2**64 - 1, 2**64 + 7, -1])
+def test_large_seeds_travel_as_two_words(seed):
+    """A step's rows take the request's seed modulo 2**64 as its (low, high) uint32 words."""
     from raydeploy.engine.kv_cache import PageTables, build_inputs
     from raydeploy.engine.step import SeqStep
 
@@ -126,7 +126,28 @@ def test_large_seeds_are_reduced_not_rejected(seed):
     tables.sampling[1] = SamplingParams(temperature=1.0, seed=seed)
     host = build_inputs([SeqStep(1, np.arange(3, dtype=np.int32), 0, True)], tables, 4, 4, 2, 4)
     seeds = host.arrays["sampling.params.seed"]
-    assert seeds.dtype == np.uint32 and int(seeds[host.rows[0]]) == seed % 2**32
+    lo, hi = (int(w) for w in seeds[host.rows[0]])
+    assert seeds.dtype == np.uint32 and seeds.shape == (2, 2)
+    assert lo + (hi << 32) == seed % 2**64
+
+
+def test_seeds_below_2_32_keep_their_keys_and_seeds_2_32_apart_differ():
+    """A seed below 2**32 keys its draws as before the high word existed (fold_in(key(seed), position)); seeds
+    2**32 apart (2**40 and 2**40 + 2**32 share a low word) draw differently."""
+    from raydeploy.engine.sampling import row_keys, seed_words
+
+    positions = jnp.arange(6, dtype=jnp.int32)
+    for seed in (0, 7, 2**31 + 3, 2**32 - 1):
+        words = jnp.asarray(np.stack([seed_words(seed)] * 6))
+        got = jax.random.key_data(row_keys(words, positions))
+        want = jax.random.key_data(jax.vmap(lambda p, s=seed: jax.random.fold_in(
+            jax.random.key(jnp.uint32(s)), p))(positions))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {seed}")
+    lg = np.tile(_logits(1), (1, 1)) / 3
+    a = [int(_sample(lg, [SamplingParams(temperature=1.0, seed=2**40)], [p])[0][0]) for p in range(30)]
+    b = [int(_sample(lg, [SamplingParams(temperature=1.0, seed=2**40 + 2**32)], [p])[0][0]) for p in range(30)]
+    c = [int(_sample(lg, [SamplingParams(temperature=1.0, seed=2**40)], [p])[0][0]) for p in range(30)]
+    assert a == c and a != b
 
 
 def test_step_inputs_say_whether_any_row_samples_or_filters():
@@ -263,7 +284,8 @@ def test_greedy_and_top_k_programs_sort_nothing():
     """The compiled sampling has no sort of the vocabulary: top-k goes through lax.top_k."""
     lg = jnp.zeros((4, 5000), jnp.float32)
     params = SamplingParams(temperature=jnp.ones(4), top_p=jnp.ones(4), top_k=jnp.full((4,), 40, jnp.int32),
-                            repetition_penalty=jnp.ones(4), seed=jnp.zeros(4, jnp.uint32))
+                            repetition_penalty=jnp.ones(4), seed=jnp.zeros((4, 2), jnp.uint32),
+                            presence_penalty=jnp.zeros(4), frequency_penalty=jnp.zeros(4), min_p=jnp.zeros(4))
     args = (lg, jnp.zeros((4, 5000), bool), params, jnp.zeros(4, jnp.int32))
     hlo = jax.jit(sample).lower(*args).as_text()
     assert "topk" in hlo.replace("_", "").lower()

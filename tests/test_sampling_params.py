@@ -16,8 +16,14 @@ from raydeploy.predict.input import Example
 def test_wire_form_is_named_and_round_trips():
     sp = SamplingParams(0.5, 0.9, 4, 1.1, 3)
     wire = msgpack.unpackb(msgpack.packb(sp.to_wire()), raw=False)
-    assert wire == {"temperature": 0.5, "top_p": 0.9, "top_k": 4, "repetition_penalty": 1.1, "seed": 3}
+    assert wire == {"temperature": 0.5, "top_p": 0.9, "top_k": 4, "repetition_penalty": 1.1, "seed": 3,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "logit_bias": [],
+                    "min_tokens": 0}
     assert SamplingParams.from_wire(wire) == sp
+    full = SamplingParams(0.5, seed=2**64 - 1, presence_penalty=-1.5, frequency_penalty=2.0, min_p=0.1,
+                          logit_bias={7: -100, 3: 2.5}, min_tokens=4)
+    assert full.logit_bias == ((3, 2.5), (7, -100.0))  # a mapping kept as sorted pairs
+    assert SamplingParams.from_wire(msgpack.unpackb(msgpack.packb(full.to_wire()), raw=False)) == full
     assert SamplingParams.from_wire({"temperature": 1}) == SamplingParams(temperature=1.0)  # others: neutral
     with pytest.raises(ValueError, match=r"sampling fields \['min_q'\] are not among"):
         SamplingParams.from_wire({"temperature": 1.0, "min_q": 0.1})
@@ -65,3 +71,33 @@ def test_predict_requests_take_the_configs_sampling_unless_the_flag_says():
     assert make_request(ex, 0.0, cfg).sampling.temperature == 0.0
     greedy = load_config(None, overrides=["engine.sampling.temperature=0"])
     assert make_request(ex, None, greedy).sampling.temperature == 0.0
+
+
+def test_resolve_takes_the_openai_controls_by_name_and_refuses_what_the_engine_cannot_honour():
+    cfg = load_config(None)
+    d = cfg.engine.sampling
+    neutral = SamplingParams.resolve(d, seed=1)
+    assert (neutral.presence_penalty, neutral.frequency_penalty, neutral.min_p, neutral.logit_bias,
+            neutral.min_tokens) == (0.0, 0.0, 0.0, (), 0)
+    got = SamplingParams.resolve(d, seed=1, presence_penalty=0.5, frequency_penalty=-0.25, min_p=0.05,
+                                 logit_bias={"12": 5, 3: -100}, min_tokens=8)
+    assert (got.presence_penalty, got.frequency_penalty, got.min_p, got.logit_bias, got.min_tokens) == (
+        0.5, -0.25, 0.05, ((3, -100.0), (12, 5.0)), 8)
+    bad = [({"presence_penalty": 2.5}, r"presence_penalty 2.5 is outside \[-2, 2\]"),
+           ({"frequency_penalty": -3}, r"frequency_penalty -3.0 is outside \[-2, 2\]"),
+           ({"min_p": 1.5}, r"min_p 1.5 is outside \[0, 1\]"),
+           ({"logit_bias": {1: 101}}, r"logit_bias entry 1: 101.0 needs .* \[-100, 100\]"),
+           ({"logit_bias": {-1: 1}}, r"logit_bias entry -1"),
+           ({"logit_bias": {i: 1 for i in range(301)}}, r"logit_bias has 301 entries, at most 300"),
+           ({"min_tokens": -1}, r"min_tokens -1 is negative")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams.resolve(d, seed=1, **kwargs)
+
+
+def test_first_chunk_carries_min_tokens_stop_ids_on_the_wire():
+    q = SeqStep(0, np.arange(3, dtype=np.int32), 0, True, SamplingParams(min_tokens=2), None, None,
+                stop_ids=np.asarray([2, 9], np.int32), stop_until=5)
+    back = SeqStep.from_wire(msgpack.unpackb(msgpack.packb(q.to_wire(), use_bin_type=True), raw=False))
+    assert back.stop_ids.tolist() == [2, 9] and back.stop_until == 5
+    assert "stop_ids" not in SeqStep(0, np.zeros(0, np.int32), 3, True).to_wire()

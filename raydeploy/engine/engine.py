@@ -33,11 +33,21 @@ from raydeploy.config import Config, EngineConfig, ModelConfig
 from raydeploy.engine import compile_cache
 from raydeploy.engine.attention import Attention
 from raydeploy.engine.geometry import EngineGeometry
-from raydeploy.engine.kv_cache import ALLOWED_FIELD, PageTables, StepInputs, allocate_pool, build_inputs
+from raydeploy.engine.kv_cache import (
+    ALLOWED_FIELD,
+    BIAS_FIELDS,
+    BIAS_IDS,
+    PageTables,
+    StepInputs,
+    abstract_inputs,
+    allocate_pool,
+    build_inputs,
+)
+from raydeploy.engine.logprobs import MAX_TOP_LOGPROBS, PLACE_COLUMNS, ROW_COLUMNS
 from raydeploy.engine.programs import MIXED_STEP_CAP_PLATFORMS, ProgramSet, ProgramShape
 from raydeploy.engine.request import RequestFailed
-from raydeploy.engine.sampling import mask_words
-from raydeploy.engine.step import SeqStep, StepPlan, StepResult
+from raydeploy.engine.sampling import BIAS_PAD, STATE_DTYPE, mask_words
+from raydeploy.engine.step import PromptLogprobs, SeqStep, StepPlan, StepResult
 from raydeploy.model.registry import Family
 
 AttentionFn = Callable[..., jax.Array]
@@ -127,15 +137,17 @@ class Engine:
         self.pool = allocate_pool(family, cfg, ps.layout, ps.total_pages, ps.page_size, ps.max_slots, ps.kv_dtype, mesh,
                                   ps.rules)
         vocab = cfg.vocab_size
-        self.presence = jax.jit(lambda: jnp.zeros((ps.max_slots, vocab), bool),
+        # each slot's token state: in-sequence bit and generated counts (`STATE_DTYPE`, one byte a token)
+        self.presence = jax.jit(lambda: jnp.zeros((ps.max_slots, vocab), STATE_DTYPE),
                                 out_shardings=ps.presence_sharding)()
         self.last_tokens = jax.jit(lambda: jnp.zeros((ps.max_slots,), jnp.int32), out_shardings=ps.sharded_1d)()
         self.tables = PageTables(ps.max_slots, ps.groups, ps.max_pages_per_seq, ps.pages_per_group,
                                  ps.layout.ring_pages)
         self._shardings = ps.input_shardings()
         self._executables: dict[ProgramShape, Any] = {}
-        self._gathers: dict[tuple[int, int], Any] = {}
+        self._gathers: dict[tuple[int, int, int], Any] = {}
         self._all_allowed_by_rows: dict[int, jax.Array] = {}
+        self._neutral_bias_by_rows: dict[int, dict[str, jax.Array]] = {}
         self.compile_s: dict[str, float] = {}
         self.programs: dict[str, dict[str, Any]] = {}
 
@@ -253,6 +265,10 @@ class Engine:
         ps = self.programs_set
         for rows in sorted({ps.groups * ps.rows_for(t) for t in ps.token_buckets}):
             self._gather_exe(self.decode_steps, rows)
+            self._gather_exe(self.decode_steps, rows, ROW_COLUMNS)
+            self._neutral_bias(rows)
+        for t in ps.token_buckets:
+            self._gather_exe(1, ps.groups * t, PLACE_COLUMNS)
             self._all_allowed(rows)
         return dict(self.compile_s)
 
@@ -290,7 +306,26 @@ class Engine:
         inputs = {n: self._put(a, self._shardings[n]) for n, a in arrays.items()}
         if ALLOWED_FIELD not in inputs:
             inputs[ALLOWED_FIELD] = self._all_allowed(rows)
+        if BIAS_IDS not in inputs:
+            inputs.update(self._neutral_bias(rows))
         return StepInputs.from_flat(inputs)
+
+    def _neutral_bias(self, rows: int) -> dict[str, jax.Array]:
+        """Logit-bias tables [rows, MAX_LOGIT_BIAS] with every entry unused (`BIAS_FIELDS`), made once on the
+        devices per row count and kept: what every step without a logit_bias row passes (a fresh pair would be
+        2.4 KB a row every pass)."""
+        tables = self._neutral_bias_by_rows.get(rows)
+        if tables is None:
+            ps = self.programs_set
+            shapes = abstract_inputs(ps.groups, 1, rows // ps.groups, 1, ps.max_slots, self.vocab_size)
+            tables = {}
+            for name in BIAS_FIELDS:
+                shape, dt = shapes[name]
+                fill = BIAS_PAD if name == BIAS_IDS else 0
+                tables[name] = jax.jit(lambda shape=shape, dt=dt, fill=fill: jnp.full(shape, fill, dt),
+                                       out_shardings=self._shardings[name])()
+            self._neutral_bias_by_rows[rows] = tables
+        return tables
 
     def _all_allowed(self, rows: int) -> jax.Array:
         """An all-ones allowed-token mask [rows, ceil(vocab / 32)], made once on the devices per row count and
@@ -369,20 +404,21 @@ class Engine:
         t.release(plan.release)
         t.apply(plan.pages)
         self._check(plan)
-        toks, lps = self._run(list(plan.seqs), plan.decode_steps)
-        return StepResult(plan.step_id, tokens=toks, logprobs=lps)
+        result = self._run(list(plan.seqs), plan.decode_steps)
+        result.step_id = plan.step_id
+        return result
 
-    def _run(self, seqs: list[SeqStep], steps: int) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, seqs: list[SeqStep], steps: int) -> StepResult:
         """Run `steps` passes of one step program over `seqs`: tokens and logprobs [steps, len(seqs)] (zero
-        where a sequence does not sample)."""
+        where a sequence does not sample), and the alternatives and prompt logprobs the sequences asked for
+        (`_logprob_results`)."""
         ps, t = self.programs_set, self.tables
         if not seqs:
-            return np.zeros((steps, 0), np.int32), np.zeros((steps, 0), np.float32)
+            return StepResult(-1, np.zeros((steps, 0), np.int32), np.zeros((steps, 0), np.float32))
         reset = []
         for q in seqs:
             if q.sampling is not None:
-                t.sampling[q.slot] = q.sampling
-                t.started[q.slot] = True
+                t.start(q, self.vocab_size)
                 prefix = np.asarray(q.prefix_tokens if q.prefix_tokens is not None else (), np.int32).reshape(-1)
                 if prefix.size:
                     row = np.zeros(self.cfg.vocab_size, bool)
@@ -403,39 +439,73 @@ class Engine:
         exe = self.executable(shape)
         weights = (self._param_leaves, self._packed)
         params = (weights, self._layer_views) if ps.unrolled(shape) else weights
-        outs, rows = [], []
+        outs, alts, rows = [], [], []
+        places, host_places = None, []
         for k in range(steps):  # no host round trip between the steps of a plan
             rows_per_group = ps.rows_for(tokens)
             host = build_inputs(seqs, t, ps.page_size, tokens, rows_per_group, pages, step=k,
                                 reset=reset if k == 0 else (), vocab=self.vocab_size)
-            self.pool, self.presence, self.last_tokens, out = exe(
+            self.pool, self.presence, self.last_tokens, out, alt, places_k = exe(
                 params, self.pool, self.presence, self.last_tokens,
                 self._device_inputs(host.arrays, ps.groups * rows_per_group))
             outs.append(out)
-            rows = host.rows
+            alts.append(alt)
+            places = places if places is not None else places_k  # prompt chunks run in one-pass plans
+            rows, host_places = host.rows, host.places
         packed = self._gather(outs)  # [steps, 2, G*R]
         idx = np.asarray(rows)
         toks = packed[:, 0, :].view(np.int32)[:, idx]
         lps = packed[:, 1, :][:, idx]
         sampled = np.asarray([q.sample for q in seqs])
-        return np.where(sampled, toks, 0).astype(np.int32), np.where(sampled, lps, 0.0).astype(np.float32)
+        result = StepResult(-1, np.where(sampled, toks, 0).astype(np.int32),
+                            np.where(sampled, lps, 0.0).astype(np.float32))
+        self._logprob_results(result, seqs, alts, idx, places, host_places)
+        return result
 
-    def _gather_exe(self, width: int, rows: int) -> Any:
-        """The program that stacks `width` passes' packed results [2, rows] (each sharded over the groups) and
-        replicates them: one gather per plan. Tiny, so not counted among the step programs."""
-        exe = self._gathers.get((width, rows))
+    def _logprob_results(self, result: StepResult, seqs: list[SeqStep], alts: list[jax.Array], idx: np.ndarray,
+                         places: Any, first_places: list[int]) -> None:
+        """Read the alternatives and prompt logprobs back only when some sequence asked for them (so a step without
+        moves nothing more than its tokens) into `result`: [steps, seqs, K] ids and logprobs, and per sequence
+        its chunk's `PromptLogprobs`."""
+        k = MAX_TOP_LOGPROBS
+        if any(q.top_logprobs and q.sample for q in seqs):
+            both = self._gather(alts)[:, :, idx]  # [steps, 2K, seqs]
+            result.top_ids = np.ascontiguousarray(both[:, :k].view(np.int32).transpose(0, 2, 1))
+            result.top_logprobs = np.ascontiguousarray(both[:, k:].transpose(0, 2, 1))
+        if places is None or not any(q.prompt_logprobs for q in seqs):
+            return
+        table = self._gather([places], pad=False)[0]  # [2 + 2K, G*T]
+        out: list[PromptLogprobs | None] = []
+        for q, first in zip(seqs, first_places, strict=True):
+            n = int(np.asarray(q.tokens).shape[0])
+            if not (q.prompt_logprobs and n):
+                out.append(None)
+                continue
+            n -= int(q.next_token < 0)  # the prompt's last chunk: its last place predicts the sampled token
+            cols = table[:, first:first + n]
+            out.append(PromptLogprobs(cols[0].copy(), cols[1].astype(np.int32),
+                                      np.ascontiguousarray(cols[2:2 + k].view(np.int32).T),
+                                      np.ascontiguousarray(cols[2 + k:].T)))
+        result.prompt = tuple(out)
+
+    def _gather_exe(self, width: int, rows: int, height: int = 2) -> Any:
+        """The program that stacks `width` passes' results [height, rows] (each sharded over the groups) and
+        replicates them: one gather per plan (another for the alternatives or prompt logprobs, when asked).
+        Tiny, so not counted among the step programs."""
+        exe = self._gathers.get((width, rows, height))
         if exe is None:
             ps = self.programs_set
-            arg = jax.ShapeDtypeStruct((2, rows), jnp.float32, sharding=ps.sharded_rows)
+            arg = jax.ShapeDtypeStruct((height, rows), jnp.float32, sharding=ps.sharded_rows)
             exe = ps.gather_results.lower(*[arg] * width).compile()
-            self._gathers[(width, rows)] = exe
+            self._gathers[(width, rows, height)] = exe
         return exe
 
-    def _gather(self, outs: list[jax.Array]) -> np.ndarray:
-        """The passes' packed results [steps, 2, G*R] on the host. A plan of fewer passes than `decode_steps` pads
-        the list with its last entry (so one program per row count serves them), cut off here."""
-        width = max(len(outs), self.decode_steps)
-        exe = self._gather_exe(width, outs[0].shape[1])
+    def _gather(self, outs: list[jax.Array], pad: bool = True) -> np.ndarray:
+        """The passes' results [steps, height, columns] on the host. A plan of fewer passes than `decode_steps` pads
+        the list with its last entry (so one program per shape serves them), cut off here; `pad` False: no padding
+        (a one-pass result only)."""
+        width = max(len(outs), self.decode_steps) if pad else len(outs)
+        exe = self._gather_exe(width, outs[0].shape[1], outs[0].shape[0])
         return np.asarray(exe(*outs, *[outs[-1]] * (width - len(outs))))[: len(outs)]
 
     def step_hlo(self, tokens: int, pages: int) -> str:

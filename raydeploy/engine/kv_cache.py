@@ -28,7 +28,19 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from raydeploy.engine.sampling import NEUTRAL, ROW_DTYPES, RowSampling, mask_words, row_value
+from raydeploy.engine.sampling import (
+    BIAS_PAD,
+    BITS,
+    MAX_LOGIT_BIAS,
+    NEUTRAL,
+    ROW_DTYPES,
+    ROW_WIDTHS,
+    LogitBiasRows,
+    RowSampling,
+    bias_table,
+    mask_words,
+    row_value,
+)
 from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep
 from raydeploy.model.spec import POOL_RULES
 
@@ -157,6 +169,25 @@ class PageTables:
         self.table = np.zeros((max_slots, max_pages_per_seq), np.int32)
         self.sampling: list[SamplingParams] = [SamplingParams() for _ in range(max_slots)]
         self.started = np.zeros(max_slots, bool)
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_slots
+        """Each slot's logit-bias row (`bias_table`), None without a logit_bias."""
+        self.ban: list[tuple[np.ndarray, int] | None] = [None] * max_slots
+        """Each slot's min_tokens ban: the packed bits of its stop ids and the position its draws may take them
+        from (`SeqStep.stop_ids`, `stop_until`); None without one."""
+
+    def start(self, q: SeqStep, vocab: int) -> None:
+        """A request starts in `q.slot` (its first chunk): keep its sampling, logit-bias row and min_tokens ban."""
+        assert q.sampling is not None
+        self.sampling[q.slot] = q.sampling
+        self.started[q.slot] = True
+        self.bias[q.slot] = bias_table(q.sampling) if q.sampling.logit_bias else None
+        self.ban[q.slot] = None
+        if q.stop_ids is not None and q.stop_ids.size and vocab:
+            ids = np.asarray(q.stop_ids, np.int64).reshape(-1)
+            ids = ids[(ids >= 0) & (ids < vocab)]
+            bits = np.zeros(mask_words(vocab), np.uint32)
+            np.bitwise_or.at(bits, ids // BITS, (np.uint32(1) << (ids % BITS).astype(np.uint32)))
+            self.ban[q.slot] = (bits, int(q.stop_until))
 
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
@@ -204,20 +235,31 @@ class StepInputs:
     sampling: RowSampling      # [G*R] each row's slot (max_slots: no sample), token position and SamplingParams
     reset: jax.Array           # bool[max_slots] slots whose repetition-penalty set starts over this step
     any_sampled: jax.Array     # bool[] some row samples with temperature > 0
-    any_filtered: jax.Array    # bool[] some sampling row has a top-k or a top-p
+    any_filtered: jax.Array    # bool[] some sampling row has a top-k, a top-p or a min_p
+    any_adjusted: jax.Array    # bool[] some sampling row has a logit bias or a presence / frequency penalty
     allowed: jax.Array         # u32[G*R, W] each row's allowed tokens, packed bits (W = ceil(vocab / 32)); all ones
     #                            for a row without a constraint
+    next_token: jax.Array      # i32[G*R] a prompt chunk's next prompt token (its last place's logprob target), or -1
+    any_top_logprobs: jax.Array  # bool[] some sampling row asks for its alternatives (raydeploy.engine.logprobs)
+    any_prompt_logprobs: jax.Array  # bool[] some prompt chunk asks for its places' logprobs
 
     @classmethod
     def from_flat(cls, arrays: Mapping[str, Any]) -> StepInputs:
         """The step from one array per name of `FIELD_LAYOUT` (`sampling.params.top_p` for a nested field)."""
         params = SamplingParams(**{n: arrays[f"{PARAMS}.{n}"] for n in ROW_DTYPES})
-        sampling = RowSampling(slot=arrays["sampling.slot"], position=arrays["sampling.position"], params=params)
+        bias = LogitBiasRows(ids=arrays[BIAS_IDS], values=arrays[BIAS_VALUES])
+        sampling = RowSampling(slot=arrays["sampling.slot"], position=arrays["sampling.position"], params=params,
+                               bias=bias)
         return cls(sampling=sampling, **{n: arrays[n] for n in FIELD_LAYOUT if "." not in n})
 
 
 PARAMS = "sampling.params"
 """The flat name prefix of the rows' `SamplingParams` fields."""
+BIAS_IDS, BIAS_VALUES = "sampling.bias.ids", "sampling.bias.values"
+"""The flat names of the rows' logit-bias tables."""
+BIAS_FIELDS = (BIAS_IDS, BIAS_VALUES)
+"""Fields `build_inputs` leaves out of a step without a logit_bias row: the engine passes device-resident
+neutral tables instead (`Engine._neutral_bias`), so such a step moves no table."""
 
 # Leading-axis layout of each field by flat name: "tokens" = [G*T], "rows" = [G*R...], "replicated".
 FIELD_LAYOUT = {
@@ -225,9 +267,11 @@ FIELD_LAYOUT = {
     "write_page": "tokens", "write_offset": "tokens", "ring_write_page": "tokens",
     "kv_lens": "rows", "page_indices": "rows", "ring_page_indices": "rows", "cu_q_lens": "rows", "num_seqs": "rows",
     "logit_index": "rows", "sampling.slot": "rows", "sampling.position": "rows",
-    **{f"{PARAMS}.{n}": "rows" for n in ROW_DTYPES},
-    "allowed": "rows",
+    **{f"{PARAMS}.{n}": "rows" for n in ROW_DTYPES}, BIAS_IDS: "rows", BIAS_VALUES: "rows",
+    "any_adjusted": "replicated",
+    "allowed": "rows", "next_token": "rows",
     "reset": "replicated", "any_sampled": "replicated", "any_filtered": "replicated",
+    "any_top_logprobs": "replicated", "any_prompt_logprobs": "replicated",
 }
 
 
@@ -238,8 +282,12 @@ def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: 
     g, t, r = groups, tokens, rows
     i32 = np.dtype(np.int32)
     out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {n: ((g * t,), i32) for n, lay in FIELD_LAYOUT.items() if lay == "tokens"}
-    out.update({n: ((g * r,), i32) for n in ("kv_lens", "logit_index", "sampling.slot", "sampling.position")})
-    out.update({f"{PARAMS}.{n}": ((g * r,), dt) for n, dt in ROW_DTYPES.items()})
+    out.update({n: ((g * r,), i32) for n in ("kv_lens", "logit_index", "sampling.slot", "sampling.position",
+                                             "next_token")})
+    out.update({f"{PARAMS}.{n}": ((g * r, *ROW_WIDTHS.get(n, ())), dt) for n, dt in ROW_DTYPES.items()})
+    out[BIAS_IDS] = ((g * r, MAX_LOGIT_BIAS), i32)
+    out[BIAS_VALUES] = ((g * r, MAX_LOGIT_BIAS), np.dtype(np.float32))
+    out["any_adjusted"] = ((), np.dtype(bool))
     out["page_indices"] = ((g * r, pages), i32)
     out["ring_page_indices"] = ((g * r, pages), i32)
     out["cu_q_lens"] = ((g * (r + 1),), i32)
@@ -247,6 +295,8 @@ def abstract_inputs(groups: int, tokens: int, rows: int, pages: int, max_slots: 
     out["reset"] = ((max_slots,), np.dtype(bool))
     out["any_sampled"] = ((), np.dtype(bool))
     out["any_filtered"] = ((), np.dtype(bool))
+    out["any_top_logprobs"] = ((), np.dtype(bool))
+    out["any_prompt_logprobs"] = ((), np.dtype(bool))
     out["allowed"] = ((g * r, mask_words(vocab)), np.dtype(np.uint32))
     return out
 
@@ -264,6 +314,8 @@ class HostStep:
     """One array per `FIELD_LAYOUT` name; `allowed` only where some sampling row is constrained."""
     rows: list[int]
     """rows[i] = result row of plan.seqs[i]."""
+    places: list[int] = dataclasses.field(default_factory=list)
+    """places[i] = the flat token place ([G*T]) of plan.seqs[i]'s first token."""
 
 
 def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, tokens: int, rows: int,
@@ -274,28 +326,43 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     enough. Padding token places write nowhere (their page id is out of range, so the write is dropped), and
     padding rows have no tokens. `vocab`: the model's vocabulary (the width of the rows' allowed-token masks,
     0: no row may be constrained). Only a pass with a constrained sampling row carries `allowed` (its rows'
-    words, every other row all ones); without one it is left out (the engine passes its cached all-ones array)."""
+    words, every other row all ones); without one it is left out (the engine passes its cached all-ones array).
+
+    A row whose slot has a min_tokens ban (`PageTables.ban`) and whose draw takes a position below its end has
+    its stop ids' bits cleared (unless that leaves a constrained row nothing: the grammar's end wins), so the
+    pass carries `allowed` too; likewise only a pass with a logit_bias row carries the bias tables
+    (`BIAS_FIELDS`)."""
     g_n, t_n, r_n, spg = tables.groups, tokens, rows, tables.slots_per_group
     ms = tables.max_slots
+
+    def banned(q: SeqStep) -> np.ndarray | None:
+        ban = tables.ban[q.slot]
+        return ban[0] if q.sample and ban is not None and q.start + step + q.num_tokens < ban[1] else None
+
     shapes = abstract_inputs(g_n, t_n, r_n, pages, ms, vocab)
-    constrained = any(q.sample and q.allowed is not None for q in seqs)
-    a = {n: np.zeros(shape, dt) for n, (shape, dt) in shapes.items() if n != ALLOWED_FIELD}
+    constrained = any(q.sample and (q.allowed is not None or banned(q) is not None) for q in seqs)
+    biased = any(q.sample and tables.bias[q.slot] is not None for q in seqs)
+    left_out = ({} if constrained else {ALLOWED_FIELD: 0}) | ({} if biased else dict.fromkeys(BIAS_FIELDS, 0))
+    a = {n: np.zeros(shape, dt) for n, (shape, dt) in shapes.items() if n not in left_out}
     if constrained:
         shape, dt = shapes[ALLOWED_FIELD]
         a[ALLOWED_FIELD] = np.full(shape, np.iinfo(np.uint32).max, dt)
+    if biased:
+        a[BIAS_IDS][:] = BIAS_PAD
     a["from_last"][:] = -1
     a["token_slot"][:] = ms
     a["write_page"][:] = tables.pages_per_group
     ring = tables.ring_pages
     a["ring_write_page"][:] = spg * ring  # past the group's window pool: dropped
     a["sampling.slot"][:] = ms
+    a["next_token"][:] = -1
     params = {n: a[f"{PARAMS}.{n}"] for n in ROW_DTYPES}
     for name, column in params.items():  # rows that do not sample: the neutral params
         column[:] = row_value(NEUTRAL, name)
     fill_t = np.zeros(g_n, np.int64)
     fill_r = np.zeros(g_n, np.int64)
-    out_rows = []
-    any_sampled = any_filtered = False
+    out_rows, out_places = [], []
+    any_sampled = any_filtered = any_top = any_prompt = any_adjusted = False
     for q in seqs:
         g = q.slot // spg
         r, t0 = int(fill_r[g]), int(fill_t[g])
@@ -324,6 +391,9 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
             a["ring_page_indices"][row] = ring_base + np.arange(pages) % ring
         a["cu_q_lens"][g * (r_n + 1) + r + 1] = t0 + n
         a["logit_index"][row] = t0 + n - 1
+        if q.prompt_logprobs and not decode:
+            any_prompt = True
+            a["next_token"][row] = q.next_token
         if q.sample:
             sp = tables.sampling[q.slot]
             a["sampling.slot"][row] = q.slot
@@ -331,16 +401,27 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
             for name, column in params.items():
                 column[row] = row_value(sp, name)
             any_sampled |= sp.temperature > 0
-            any_filtered |= sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
+            any_filtered |= sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0)
+            bias = tables.bias[q.slot]
+            any_adjusted |= bias is not None or sp.presence_penalty != 0 or sp.frequency_penalty != 0
+            if bias is not None:
+                a[BIAS_IDS][row], a[BIAS_VALUES][row] = bias
+            any_top |= q.top_logprobs
             if q.allowed is not None:
                 words = np.asarray(q.allowed, np.uint32).reshape(-1)
                 if words.size != a[ALLOWED_FIELD].shape[1]:
                     raise ValueError(f"slot {q.slot}: an allowed-token mask of {words.size} words, the step's "
                                      f"masks have {a[ALLOWED_FIELD].shape[1]} (vocabulary {vocab})")
                 a[ALLOWED_FIELD][row] = words
+            ban = banned(q)
+            if ban is not None:
+                kept = a[ALLOWED_FIELD][row] & ~ban
+                if kept.any() or q.allowed is None:
+                    a[ALLOWED_FIELD][row] = kept
         fill_t[g] += n
         fill_r[g] += 1
         out_rows.append(row)
+        out_places.append(g * t_n + t0)
     for g in range(g_n):  # padding rows repeat the group's last offset (no tokens)
         base = g * (r_n + 1)
         r_live = int(fill_r[g])
@@ -349,4 +430,7 @@ def build_inputs(seqs: Sequence[SeqStep], tables: PageTables, page_size: int, to
     a["reset"][list(reset)] = True
     a["any_sampled"] = np.asarray(any_sampled)
     a["any_filtered"] = np.asarray(any_filtered)
-    return HostStep(a, out_rows)
+    a["any_adjusted"] = np.asarray(any_adjusted)
+    a["any_top_logprobs"] = np.asarray(any_top)
+    a["any_prompt_logprobs"] = np.asarray(any_prompt)
+    return HostStep(a, out_rows, out_places)

@@ -24,28 +24,73 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raydeploy.engine.step import SamplingParams
+from raydeploy.engine.step import MAX_LOGIT_BIAS, SamplingParams
 
-SEED_MODULUS = 2**32
-"""Seeds are reduced modulo 2**32 (a PRNG key takes a uint32); any integer seed is accepted."""
-
-jax.tree_util.register_dataclass(SamplingParams, data_fields=[f.name for f in fields(SamplingParams)],
-                                 meta_fields=[])
+SEED_MODULUS = 2**64
+"""Seeds are reduced modulo 2**64 and travel as two uint32 words (`seed_words`); any integer seed is accepted."""
 
 ROW_DTYPES: dict[str, np.dtype[Any]] = {
     "temperature": np.dtype(np.float32), "top_p": np.dtype(np.float32), "top_k": np.dtype(np.int32),
-    "repetition_penalty": np.dtype(np.float32), "seed": np.dtype(np.uint32)}
-"""Each `SamplingParams` field's dtype as a per-row array (a new field adds its dtype here)."""
-if set(ROW_DTYPES) != {f.name for f in fields(SamplingParams)}:
-    raise TypeError(f"ROW_DTYPES {sorted(ROW_DTYPES)} must name every SamplingParams field")
+    "repetition_penalty": np.dtype(np.float32), "seed": np.dtype(np.uint32),
+    "presence_penalty": np.dtype(np.float32), "frequency_penalty": np.dtype(np.float32),
+    "min_p": np.dtype(np.float32)}
+"""Each scalar `SamplingParams` field's dtype as a per-row array (a new field adds its dtype here)."""
+ROW_WIDTHS: dict[str, tuple[int, ...]] = {"seed": (2,)}
+"""Trailing shape of a field's per-row array where it is not a scalar: the seed's (low, high) words."""
+HOST_FIELDS = ("logit_bias", "min_tokens")
+"""`SamplingParams` fields that are not one array per field inside the programs: logit_bias becomes each row's
+`LogitBiasRows`, min_tokens a ban in the row's allowed-token bits (`raydeploy.engine.kv_cache.build_inputs`).
+In the programs' pytree they are static fields that keep their neutral values."""
+if set(ROW_DTYPES) | set(HOST_FIELDS) != {f.name for f in fields(SamplingParams)}:
+    raise TypeError(f"ROW_DTYPES {sorted(ROW_DTYPES)} and HOST_FIELDS {HOST_FIELDS} must name every "
+                    f"SamplingParams field once")
+
+jax.tree_util.register_dataclass(SamplingParams, data_fields=list(ROW_DTYPES), meta_fields=list(HOST_FIELDS))
+
 NEUTRAL = SamplingParams()
 """What a row that does not sample holds: greedy, no filter, no penalty."""
 
 
+def seed_words(seed: int) -> np.ndarray:
+    """A seed as the (low, high) uint32 words of its value modulo 2**64."""
+    s = int(seed) % SEED_MODULUS
+    return np.asarray([s & 0xFFFFFFFF, s >> 32], np.uint32)
+
+
 def row_value(params: SamplingParams, name: str) -> Any:
-    """One field of a request's params as its row holds it (the seed reduced to the key's uint32)."""
+    """One field of a request's params as its row holds it (the seed as its two words)."""
     value = getattr(params, name)
-    return value % SEED_MODULUS if name == "seed" else value
+    return seed_words(value) if name == "seed" else value
+
+
+BIAS_PAD = np.iinfo(np.int32).max
+"""The token id of an unused table entry: past any vocabulary, so its scatter is dropped."""
+BAN = -100.0
+"""A logit_bias value that bans its token exactly (-inf), as OpenAI's -100 does in practice."""
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LogitBiasRows:
+    """Each row's logit_bias as a fixed-width table, [B, MAX_LOGIT_BIAS] token ids (int32; `BIAS_PAD` where
+    unused) and values (float32; -inf for a ban), added to the logits before the penalties."""
+
+    ids: jax.Array
+    values: jax.Array
+
+
+def bias_table(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """One request's (ids, values) row of `LogitBiasRows` (-100 as -inf, unused entries padding)."""
+    ids = np.full(MAX_LOGIT_BIAS, BIAS_PAD, np.int32)
+    values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    n = len(params.logit_bias)
+    if n > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {n} entries, a row holds at most {MAX_LOGIT_BIAS}")
+    if n:
+        pairs = np.asarray(params.logit_bias, np.float64)
+        ids[:n] = pairs[:, 0]
+        values[:n] = np.where(pairs[:, 1] <= BAN, -np.inf, pairs[:, 1])
+    return ids, values
 
 
 @jax.tree_util.register_dataclass
@@ -53,11 +98,13 @@ def row_value(params: SamplingParams, name: str) -> Any:
 class RowSampling:
     """A step's sampling rows, each field an array with one value per sequence row ([G*R], laid out by dp group
     as the step's rows): the global slot a row's token goes to (`max_slots` for a row that does not sample),
-    the position that token takes (its randomness key), and the request's `SamplingParams`."""
+    the position that token takes (its randomness key), the request's `SamplingParams` and its logit-bias
+    table."""
 
     slot: jax.Array
     position: jax.Array
     params: SamplingParams
+    bias: LogitBiasRows
 
 
 BITS = 32
@@ -82,11 +129,61 @@ def apply_allowed(logits_bv: jax.Array, allowed_bw: jax.Array) -> jax.Array:
     return jnp.where(keep, logits_bv, -jnp.inf)
 
 
+STATE_DTYPE = jnp.uint8
+"""The per-slot token state [slots, vocab]: bit 0 says the token is in the sequence (prompt or generated: the
+repetition penalty's set), bits 1-7 count the times the request generated it (the frequency and presence
+penalties'), saturating at `COUNT_MAX`. One byte per token as the bool set took before: 128 KiB a slot at a 128k
+vocabulary, 32 MiB for 256 slots, nothing more for the counts. The saturation changes nothing that matters: at
+the largest |frequency_penalty| of 2, 127 repeats already move a logit by 254."""
+COUNT_MAX = 127
+
+
+def token_state(state_bv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(in the sequence [B, V] bool, generated count [B, V] float32) of a `STATE_DTYPE` state (a bool set: no
+    counts)."""
+    if state_bv.dtype == jnp.bool_:
+        return state_bv, jnp.zeros(state_bv.shape, jnp.float32)
+    return (state_bv & 1) != 0, (state_bv >> 1).astype(jnp.float32)
+
+
+def note_in_sequence(state: jax.Array, slot: jax.Array, tokens: jax.Array) -> jax.Array:
+    """State [slots, V] with `tokens` at `slot` marked as in the sequence (out of range slots dropped). A token
+    with a count is marked already, so the byte is 0 or odd, and max(byte, 1) sets bit 0."""
+    return state.at[slot, tokens].max(jnp.asarray(1, state.dtype), mode="drop")
+
+
+def note_generated(state: jax.Array, slot: jax.Array, tokens: jax.Array) -> jax.Array:
+    """State [slots, V] with each row's drawn token (one per slot, out of range slots dropped) in the sequence
+    and counted once more (saturating at `COUNT_MAX`)."""
+    old = state[jnp.minimum(slot, state.shape[0] - 1), tokens].astype(jnp.int32)
+    new = jnp.minimum(old + 2, 2 * COUNT_MAX) | 1
+    return state.at[slot, tokens].set(new.astype(state.dtype), mode="drop")
+
+
 def apply_repetition_penalty(logits_bv: jax.Array, presence_bv: jax.Array, penalty_b: jax.Array) -> jax.Array:
     """CTRL-style penalty on tokens already in the sequence: positive logits / p, negative logits * p."""
     p = penalty_b[:, None]
     penalised = jnp.where(logits_bv > 0, logits_bv / p, logits_bv * p)
     return jnp.where(presence_bv, penalised, logits_bv)
+
+
+def apply_logit_bias(logits_bv: jax.Array, bias: LogitBiasRows) -> jax.Array:
+    """logits + each row's bias table (a scatter-add of [B, K]; padding ids are dropped, a ban is -inf)."""
+    rows = jnp.broadcast_to(jnp.arange(logits_bv.shape[0])[:, None], bias.ids.shape)
+    return logits_bv.at[rows, bias.ids].add(bias.values, mode="drop")
+
+
+def apply_penalties(logits_bv: jax.Array, counts_bv: jax.Array, presence_b: jax.Array, frequency_b: jax.Array
+                    ) -> jax.Array:
+    """OpenAI's penalties over generated tokens: logit -= frequency * count + presence * (count > 0)."""
+    return logits_bv - frequency_b[:, None] * counts_bv - presence_b[:, None] * (counts_bv > 0)
+
+
+def min_p_mask(logits_bv: jax.Array, min_p_b: jax.Array) -> jax.Array:
+    """Tokens whose probability is at least min_p times the row's largest (0 keeps all): in logits,
+    logit >= max logit + log(min_p), no softmax needed (the ratio of two probabilities)."""
+    top = jnp.max(logits_bv, axis=-1, keepdims=True)
+    return logits_bv >= top + jnp.log(min_p_b)[:, None]
 
 
 BISECTION_STEPS = 40
@@ -115,7 +212,8 @@ bisection (`_bisection_mask`)."""
 
 
 def top_k_top_p_mask(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array,
-                     vocab_chunks: int = 1, any_filtered: jax.Array | None = None) -> jax.Array:
+                     vocab_chunks: int = 1, any_filtered: jax.Array | None = None,
+                     min_p_b: jax.Array | None = None) -> jax.Array:
     """Boolean mask of the tokens kept by top-k (0 = off) then top-p (1 = off), per row: top-k keeps the
     logits at or above the k-th largest, top-p the smallest prefix of the renormalised top-k distribution
     whose mass reaches p (as in Hugging Face). Ties at a threshold are all kept.
@@ -127,6 +225,12 @@ def top_k_top_p_mask(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Arra
     full-vocabulary sort cost most of a TPU program's compile time (Llama-3-8B decode on v5e: 25.7 s with the
     sort, 3.2 s without) and is slow to run there. `any_filtered` (scalar bool): whether some row filters, when
     the caller knows it from replicated inputs (as `sample`'s `any_sampled`).
+
+    `min_p_b` (0 = off) keeps, besides, only tokens at least min_p times as likely as the row's top one
+    (`min_p_mask`), in vLLM's (V0) order: top-k, top-p, then min_p. min_p's set depends only on each token's
+    ratio to the top token, the same before or after top-k / top-p renormalise, so the three masks intersect;
+    top-p's mass is the distribution's before min_p. It runs under the same `lax.cond` (`any_filtered` counts a
+    min_p row).
     """
     v = logits_bv.shape[-1]
     x = logits_bv.astype(jnp.float32)
@@ -138,10 +242,12 @@ def top_k_top_p_mask(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Arra
         lse = jax.nn.logsumexp(x, axis=-1)
         mass = jnp.sum(jnp.exp(vals - lse[:, None]), axis=-1)  # the candidates' share of the whole row
         from_candidates = jnp.all((k <= c) | ((k >= v) & ((top_p_b >= 1.0) | (mass >= top_p_b))))
-        return jax.lax.cond(from_candidates, lambda: _candidate_mask(x, k, top_p_b, vals, lse),
+        mask = jax.lax.cond(from_candidates, lambda: _candidate_mask(x, k, top_p_b, vals, lse),
                             lambda: _bisection_mask(x, k, top_p_b))
+        return mask if min_p_b is None else mask & min_p_mask(x, min_p_b)
 
-    some = jnp.any((k < v) | (top_p_b < 1.0)) if any_filtered is None else any_filtered
+    some = jnp.any((k < v) | (top_p_b < 1.0) | (False if min_p_b is None else jnp.any(min_p_b > 0))
+                   ) if any_filtered is None else any_filtered
     return jax.lax.cond(some, filtered, lambda: jnp.ones(x.shape, bool))
 
 
@@ -207,16 +313,25 @@ def _bisection_mask(x: jax.Array, k: jax.Array, top_p_b: jax.Array) -> jax.Array
     return x >= jnp.maximum(kth, pth)[:, None]
 
 
-def row_keys(seed_b: jax.Array, position_b: jax.Array) -> jax.Array:
-    """One PRNG key per row from (seed, position): no state, same on every host."""
-    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_b, position_b)
+def row_keys(seed_b2: jax.Array, position_b: jax.Array) -> jax.Array:
+    """One PRNG key per row from (seed, position): no state, same on every host. The seed is its (low, high)
+    uint32 words [B, 2] (`seed_words`): key(low), with the high word folded in when it is not zero, so a seed
+    below 2**32 keeps the key it always had and seeds 2**32 apart differ."""
+
+    def key(words: jax.Array, position: jax.Array) -> jax.Array:
+        base = jax.random.key(words[0])
+        wide = jax.random.fold_in(base, words[1])
+        data = jnp.where(words[1] == 0, jax.random.key_data(base), jax.random.key_data(wide))
+        return jax.random.fold_in(jax.random.wrap_key_data(data), position)
+
+    return jax.vmap(key)(seed_b2, position_b)
 
 
 def _sample_filtered(logits_bv: jax.Array, params: SamplingParams, position_b: jax.Array, vocab_chunks: int,
                      any_filtered: jax.Array | None) -> jax.Array:
     scaled = logits_bv / jnp.maximum(jnp.asarray(params.temperature), 1e-6)[:, None]
     mask = top_k_top_p_mask(scaled, jnp.asarray(params.top_k), jnp.asarray(params.top_p), vocab_chunks,
-                            any_filtered)
+                            any_filtered, jnp.asarray(params.min_p))
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits_bv.shape[-1],), jnp.float32))(
         row_keys(jnp.asarray(params.seed), position_b))
     return _first_argmax(jnp.where(mask, scaled + gumbel, -jnp.inf))
@@ -236,7 +351,8 @@ def _first_argmax(x_bv: jax.Array) -> jax.Array:
 
 def sample(logits_bv: jax.Array, presence_bv: jax.Array, params: SamplingParams, position_b: jax.Array, *,
            any_sampled: jax.Array | None = None, any_filtered: jax.Array | None = None, vocab_chunks: int = 1,
-           allowed_bw: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           allowed_bw: jax.Array | None = None, bias: LogitBiasRows | None = None,
+           any_adjusted: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Next token [B] int32 and its raw logprob [B] float32, for rows sampling with `params` (each field [B]) at
     `position_b` (the positions the tokens take). temperature 0 is greedy (argmax after penalty).
 
@@ -254,12 +370,32 @@ def sample(logits_bv: jax.Array, presence_bv: jax.Array, params: SamplingParams,
     +8.3 MB of temporaries per chip for 16 rows, against +0.9 MB peak without) and on a GPU a cond waits on its
     predicate. The logprob stays the raw model distribution's (the mask does not renormalise it), like the
     penalty and the filters.
+
+    `presence_bv`: each row's slot state (`STATE_DTYPE`: in-sequence bit and generated counts; a bool set has no
+    counts). After the mask come, in vLLM's order, the logit bias (`bias`, the rows' tables), the repetition
+    penalty, then OpenAI's frequency and presence penalties over generated tokens; the bias and those penalties
+    run under one `lax.cond` on `any_adjusted` (scalar bool, replicated: some row has a bias or a penalty), so
+    rows without them pay nothing but the predicate. min_p filters with top-k and top-p (`top_k_top_p_mask`).
     """
     logits_bv = logits_bv.astype(jnp.float32)
     chosen_from = logits_bv
     if allowed_bw is not None:
         chosen_from = apply_allowed(logits_bv, allowed_bw)
-    penalised = apply_repetition_penalty(chosen_from, presence_bv, jnp.asarray(params.repetition_penalty))
+    in_sequence, counts = token_state(presence_bv)
+    repetition = jnp.asarray(params.repetition_penalty)
+    presence_p, frequency_p = jnp.asarray(params.presence_penalty), jnp.asarray(params.frequency_penalty)
+
+    def adjusted() -> jax.Array:
+        x = chosen_from if bias is None else apply_logit_bias(chosen_from, bias)
+        x = apply_repetition_penalty(x, in_sequence, repetition)
+        return apply_penalties(x, counts, presence_p, frequency_p)
+
+    if any_adjusted is None:
+        any_adjusted = jnp.any((presence_p != 0) | (frequency_p != 0))
+        if bias is not None:
+            any_adjusted = any_adjusted | jnp.any(bias.ids != BIAS_PAD)
+    penalised = jax.lax.cond(any_adjusted, adjusted,
+                             lambda: apply_repetition_penalty(chosen_from, in_sequence, repetition))
     greedy = _first_argmax(penalised)
     sampling = jnp.asarray(params.temperature) > 0
     tokens = jax.lax.cond(

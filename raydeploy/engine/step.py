@@ -18,6 +18,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
+MAX_LOGIT_BIAS = 300
+"""Entries of one request's logit_bias (OpenAI's bound); each row of a step carries this many (`LogitBiasRows`)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,9 +35,11 @@ class SamplingParams:
     the neutral ones (what a slot with nothing to sample holds), not defaults for users: every command and the
     HTTP API take the values a request leaves out from `engine.sampling` of the config (`resolve`).
 
-    Further per-request controls (penalties, logit bias, logprobs) are further fields here, with their neutral
-    value as the default: `resolve` and `to_wire` carry them by name, `build_inputs` lays them out per row,
-    `sample` reads them.
+    Further per-request controls are further fields here, with their neutral value as the default: `resolve`
+    and `to_wire` carry them by name, `build_inputs` lays them out per row, `sample` reads them. Scalar fields
+    become one array per field; `logit_bias` becomes a fixed-width table per row and `min_tokens` a ban in the
+    row's allowed-token bits (`raydeploy.engine.kv_cache.build_inputs`), so inside the programs those two keep
+    their neutral values.
     """
 
     temperature: float = 0.0
@@ -42,22 +47,73 @@ class SamplingParams:
     top_k: int = 0
     repetition_penalty: float = 1.0
     seed: int = 0
+    """Any integer; reduced modulo 2**64 (`raydeploy.engine.sampling.seed_words`: the key takes both 32-bit
+    words, and a seed below 2**32 draws what it always drew)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from the logit of every token the request has generated so far (not its prompt)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time the request has generated it (not its prompt)."""
+    min_p: float = 0.0
+    """Keep only tokens whose probability (after temperature) is at least min_p times the most likely one's."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, value) pairs, sorted by id, added to the logits first; -100 is an exact ban. A mapping given
+    here is kept as its sorted pairs (the type stays frozen and hashable)."""
+    min_tokens: int = 0
+    """The request's stop tokens (eos unless ignored, and its stop ids) cannot be drawn before this many tokens
+    were generated (the scheduler sends them with the first chunk: `SeqStep.stop_ids`)."""
+
+    def __post_init__(self) -> None:
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
 
     @classmethod
     def resolve(cls, defaults: Any, *, temperature: float | None = None, top_p: float | None = None,
-                top_k: int | None = None, repetition_penalty: float | None = None, seed: int = 0
-                ) -> SamplingParams:
+                top_k: int | None = None, repetition_penalty: float | None = None, seed: int = 0,
+                presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                min_p: float | None = None, logit_bias: Mapping[int, float] | None = None,
+                min_tokens: int | None = None) -> SamplingParams:
         """A request's sampling: each value given, else the one of `defaults` (`engine.sampling`, a
-        `SamplingDefaults`, or another SamplingParams): the one rule for the HTTP API, `generate` and `predict`."""
-        return cls(temperature=float(defaults.temperature if temperature is None else temperature),
-                   top_p=float(defaults.top_p if top_p is None else top_p),
-                   top_k=int(defaults.top_k if top_k is None else top_k),
-                   repetition_penalty=float(defaults.repetition_penalty if repetition_penalty is None
-                                            else repetition_penalty),
-                   seed=int(seed))
+        `SamplingDefaults`, or another SamplingParams): the one rule for the HTTP API, `generate` and `predict`.
+        The OpenAI controls (penalties, min_p, logit_bias, min_tokens) have no config default: None is neutral.
+        A value out of its range is a ValueError naming the field (`check`)."""
+        out = cls(temperature=float(defaults.temperature if temperature is None else temperature),
+                  top_p=float(defaults.top_p if top_p is None else top_p),
+                  top_k=int(defaults.top_k if top_k is None else top_k),
+                  repetition_penalty=float(defaults.repetition_penalty if repetition_penalty is None
+                                           else repetition_penalty),
+                  seed=int(seed),
+                  presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
+                  frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
+                  min_p=0.0 if min_p is None else float(min_p),
+                  logit_bias=() if logit_bias is None else tuple(logit_bias.items()),
+                  min_tokens=0 if min_tokens is None else int(min_tokens))
+        out.check()
+        return out
 
-    def to_wire(self) -> dict[str, float | int]:
-        """The fields by name (msgpack-able)."""
+    def check(self) -> None:
+        """ValueError naming the first field outside what the engine honours: penalties in [-2, 2], min_p in
+        [0, 1], at most `MAX_LOGIT_BIAS` logit_bias entries with values in [-100, 100] and ids >= 0, min_tokens
+        >= 0."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"sampling {name} {v} is outside [-2, 2]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling min_p {self.min_p} is outside [0, 1]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"sampling logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise ValueError("sampling logit_bias names a token id more than once")
+        for t, b in self.logit_bias:
+            if t < 0 or not -100.0 <= b <= 100.0:
+                raise ValueError(f"sampling logit_bias entry {t}: {b} needs a token id >= 0 and a value in "
+                                 f"[-100, 100]")
+        if self.min_tokens < 0:
+            raise ValueError(f"sampling min_tokens {self.min_tokens} is negative")
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields by name (msgpack-able; logit_bias as [id, value] pairs)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
@@ -68,7 +124,8 @@ class SamplingParams:
         unknown = sorted(set(v) - set(known))
         if unknown:
             raise ValueError(f"sampling fields {unknown} are not among {known}")
-        return cls(**{n: type(getattr(neutral, n))(x) for n, x in v.items()})
+        return cls(**{n: (tuple((int(t), float(b)) for t, b in x) if n == "logit_bias"
+                          else type(getattr(neutral, n))(x)) for n, x in v.items()})
 
 
 @dataclass(frozen=True)
@@ -93,6 +150,11 @@ class SeqStep:
     i % 32 of word i // 32 is set; the model's vocabulary, tokens past the grammar's vocabulary cleared). Rank 0
     computes it from the request's matcher, every host applies the same bits in the jitted sampler. A plan with
     such a row runs one pass (`decode_steps` 1): the next mask needs this token.
+
+    `stop_ids`, `stop_until`: set on the first chunk of a request with `min_tokens`: the ids that would end it
+    (the model's eos unless ignored, and its stop ids) and the position before which its draws may not take them
+    (prompt length + min_tokens). The engine keeps them for the slot and clears those tokens' allowed bits in each
+    pass whose draw takes a position below `stop_until`, so the ban is exact in every pass of a multi-pass plan.
     """
 
     slot: int
@@ -105,6 +167,8 @@ class SeqStep:
     top_logprobs: bool = False
     prompt_logprobs: bool = False
     next_token: int = -1
+    stop_ids: np.ndarray | None = None
+    stop_until: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -126,17 +190,22 @@ class SeqStep:
         if self.prompt_logprobs:
             out["prompt_logprobs"] = True
             out["next_token"] = self.next_token
+        if self.stop_ids is not None:
+            out["stop_ids"] = np.asarray(self.stop_ids, np.int32).tobytes()
+            out["stop_until"] = self.stop_until
         return out
 
     @classmethod
     def from_wire(cls, v: Mapping[str, Any]) -> SeqStep:
         sampling, prefix, allowed = v.get("sampling"), v.get("prefix_tokens"), v.get("allowed")
+        stop_ids = v.get("stop_ids")
         return cls(int(v["slot"]), np.frombuffer(v["tokens"], np.int32), int(v["start"]), bool(v["sample"]),
                    None if sampling is None else SamplingParams.from_wire(sampling),
                    None if prefix is None else np.frombuffer(prefix, np.int32),
                    None if allowed is None else np.frombuffer(allowed, np.uint32),
                    bool(v.get("top_logprobs", False)), bool(v.get("prompt_logprobs", False)),
-                   int(v.get("next_token", -1)))
+                   int(v.get("next_token", -1)),
+                   None if stop_ids is None else np.frombuffer(stop_ids, np.int32), int(v.get("stop_until", 0)))
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ host.
 
 `Limits` is the one statement of what the deployment accepts, and `ServingCore` the one place that enforces
 it: the context and max_tokens checks, and admission: at most `max_slots` per ready gang plus `max_queue`
-requests at once, the rest refused at once with 503 + Retry-After. Below it nothing refuses or queues on its
-own account: each gang replica takes `max_slots` requests (Serve's `max_ongoing_requests`), so a gang's own
-queue stays empty, and the admitted requests beyond the free slots wait in Serve's router for the first
-free slot of any gang (raydeploy.serve.deployment).
+sequences at once; the requests beyond wait at the ingress in a bounded first-come-first-served line
+(`max_waiting` requests, `queue_wait_s` each, then 503 + Retry-After; raydeploy.serve.limits.CapacityQueue).
+Below it nothing refuses or queues on its own account: each gang replica takes `max_slots` requests (Serve's
+`max_ongoing_requests`), so a gang's own queue stays empty, and the admitted requests beyond the free slots
+wait in Serve's router for the first free slot of any gang (raydeploy.serve.deployment).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from raydeploy.config import Config
@@ -34,11 +35,10 @@ from raydeploy.serve.errors import (
     APIError,
     InternalError,
     InvalidRequest,
-    Overloaded,
     RequestTimeout,
     ServiceUnavailable,
 )
-from raydeploy.serve.limits import Admission
+from raydeploy.serve.limits import Admission, CapacityQueue, queue_wait_s, request_scope
 from raydeploy.serve.metrics import ServingMetrics
 from raydeploy.serve.text import StopMatcher, TextCodec
 
@@ -50,11 +50,17 @@ class Limits:
 
     model_name: str
     max_seq_len: int
-    max_new_tokens: int
+    max_new_tokens: int | None
+    """The operator's cap on tokens generated per request (`engine.max_new_tokens`); None: the context is the
+    only bound."""
     max_slots: int
     max_queue: int
     request_timeout_s: float
     default_sampling: SamplingParams
+    max_waiting: int = 2048
+    """Requests that may wait for room beyond the capacity (serving.max_waiting)."""
+    queue_wait_s: float = 300.0
+    """Seconds a request may wait for room (serving.queue_wait_s, or the request timeout)."""
 
     @classmethod
     def from_config(cls, cfg: Config, model_name: str) -> Limits:
@@ -63,7 +69,8 @@ class Limits:
         return cls(model_name=model_name, max_seq_len=admits.max_seq_len,
                    max_new_tokens=admits.max_new_tokens, max_slots=admits.max_slots,
                    max_queue=cfg.serving.max_queue, request_timeout_s=cfg.serving.request_timeout_s,
-                   default_sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.repetition_penalty, 0))
+                   default_sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.repetition_penalty, 0),
+                   max_waiting=cfg.serving.max_waiting, queue_wait_s=queue_wait_s(cfg))
 
 
 @dataclass
@@ -81,6 +88,10 @@ class Job:
     request_id: str = ""
     constraint: Constraint | None = None
     """What the generated text must match (structured outputs, a forced tool call); checked already."""
+    include_stop_str: bool = False
+    """The stop string that ended the text stays at its end (`include_stop_str_in_output`)."""
+    skip_special_tokens: bool = True
+    """Special tokens are left out of the text (the tokens themselves still count and carry logprobs)."""
 
 
 @dataclass
@@ -91,6 +102,8 @@ class Piece:
     token_id: int | None = None
     logprob: float | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None
+    """On a job's first piece: its prompt tokens the gang found in the prefix cache (`TokenEvent.cached_tokens`)."""
 
 
 @dataclass
@@ -103,6 +116,8 @@ class Choice:
     logprobs: list[float | None]
     finish_reason: str
     prompt_tokens: int
+    cached_tokens: int | None = None
+    """Prompt tokens the gang found in the prefix cache."""
 
 
 class ServingCore:
@@ -112,18 +127,26 @@ class ServingCore:
         self.codec = codec
         self.limits = limits
         self.metrics = metrics or ServingMetrics()
-        self._in_flight = 0
+        self.metrics.set_model_name(limits.model_name)
+        self.queue = CapacityQueue(limits.max_waiting, limits.queue_wait_s)
+        """Admission: sequences in flight against the capacity, and the requests waiting for room."""
         self._background: set[asyncio.Task] = set()
 
     # -- building jobs ---------------------------------------------------------------------------------
     def sampling(self, *, temperature: float | None, top_p: float | None, top_k: int | None,
-                 repetition_penalty: float | None, seed: int | None) -> SamplingParams:
+                 repetition_penalty: float | None, seed: int | None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, min_p: float | None = None,
+                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None) -> SamplingParams:
         """A request's sampling: the fields it sets over `engine.sampling` (`SamplingParams.resolve`, as every
-        command); a negative top_k is 0 (off), and a request without a seed gets a random one."""
+        command); a negative top_k is 0 (off), and a request without a seed gets a random one. The OpenAI
+        controls (penalties, min_p, logit_bias, min_tokens) pass through by name, None where the request leaves
+        them out (neutral); a value outside what the engine honours is resolve's ValueError naming the field."""
         return SamplingParams.resolve(self.limits.default_sampling, temperature=temperature, top_p=top_p,
                                       top_k=None if top_k is None else max(0, int(top_k)),
                                       repetition_penalty=repetition_penalty,
-                                      seed=random.randrange(2**31) if seed is None else int(seed))
+                                      seed=random.randrange(2**31) if seed is None else int(seed),
+                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                      min_p=min_p, logit_bias=logit_bias, min_tokens=min_tokens)
 
     def check_model(self, model: str | None) -> None:
         from raydeploy.serve.errors import ModelNotFound
@@ -133,7 +156,10 @@ class ServingCore:
 
     def max_tokens_for(self, prompt_len: int, max_tokens: int | None, *, prompt_param: str,
                        max_param: str = "max_tokens", default: int | None = None) -> int:
-        """Check a prompt's length and a max_tokens against the context and the server's limit."""
+        """The tokens a job may generate. The one rule: the prompt plus `max_tokens` must fit the context (a 400
+        naming both numbers otherwise), and `max_tokens` may not pass the operator's cap `engine.max_new_tokens`
+        when one is set. Left out, it is `default` (completions: OpenAI's 16), or else as many as the context
+        leaves (a stop or the end of the context ends the answer), within the cap."""
         lim = self.limits
         if prompt_len == 0:
             raise InvalidRequest(f"'{prompt_param}' must not be empty", param=prompt_param, code="empty_prompt")
@@ -142,12 +168,13 @@ class ServingCore:
                 f"'{prompt_param}' is {prompt_len} tokens; this model's context is {lim.max_seq_len} tokens "
                 f"and at least one must be left for the answer", param=prompt_param, code="context_length_exceeded")
         room = lim.max_seq_len - prompt_len
+        cap = lim.max_new_tokens if lim.max_new_tokens is not None else room
         if max_tokens is None:
-            return min(default or lim.max_new_tokens, lim.max_new_tokens, room)
-        if max_tokens > lim.max_new_tokens:
+            return min(default if default is not None else room, cap, room)
+        if lim.max_new_tokens is not None and max_tokens > lim.max_new_tokens:
             raise InvalidRequest(
                 f"'{max_param}' is {max_tokens}; this server generates at most {lim.max_new_tokens} tokens "
-                f"per request", param=max_param, code="invalid_value")
+                f"per request (engine.max_new_tokens)", param=max_param, code="invalid_value")
         if max_tokens > room:
             raise InvalidRequest(
                 f"the prompt ({prompt_len} tokens) plus '{max_param}' ({max_tokens}) is "
@@ -161,34 +188,38 @@ class ServingCore:
 
     # -- admission -----------------------------------------------------------------------------------
     async def admit(self, n_jobs: int) -> Admission:
-        """Reserve room for `n_jobs`: `max_slots` per ready gang plus `max_queue`, or answer 503 with
-        Retry-After at once; a request that could never fit is a 400. The returned ticket gives the room back
-        once, whoever releases it first (the stream's end, the response's close, the request's scope in the
-        front door, or garbage collection as a last resort)."""
+        """Reserve room for `n_jobs`: `max_slots` per ready gang plus `max_queue` (`capacity`); beyond it the
+        request waits in line, first come first served, at most `queue_wait_s` and behind at most `max_waiting`
+        others, before a 503 with Retry-After (raydeploy.serve.limits.CapacityQueue); a request that could never
+        fit is a 400. The returned ticket gives the room back once, whoever releases it first (the stream's end,
+        the response's close, the request's scope in the front door, or garbage collection as a last resort)."""
         lim = self.limits
         if n_jobs > lim.max_slots + lim.max_queue:  # could never be admitted: not a retriable 503
             raise InvalidRequest(f"the request asks for {n_jobs} sequences (n times the prompts); this server "
                                  f"holds at most {lim.max_slots + lim.max_queue} at once ({lim.max_slots} slots "
                                  f"and {lim.max_queue} queued)", param="n", code="invalid_value")
+        scope = request_scope()
+        return await self.queue.take(n_jobs, self.capacity, scope.client_gone if scope is not None else None)
+
+    async def capacity(self) -> int:
+        """Sequences admitted at once: `max_slots` per ready gang (one while none is: its requests then get the
+        gang's own answer) plus `max_queue`, the admitted requests that wait in Serve's router for a free slot."""
         gangs = max(1, int((await self.backend.state()).get("ready_gangs") or 0))
-        capacity = lim.max_slots * gangs + lim.max_queue
-        if self._in_flight + n_jobs > capacity:
-            raise Overloaded(f"the server is at capacity ({lim.max_slots} slots in each of {gangs} ready gang(s) "
-                             f"busy and {lim.max_queue} requests queued); retry shortly", retry_after_s=1.0)
-        self._in_flight += n_jobs
-        return Admission(n_jobs, self._give_back)
+        return self.limits.max_slots * gangs + self.limits.max_queue
 
     def release(self, ticket: Admission) -> None:
         """Give a ticket's room back (idempotent: a released ticket counts once)."""
         ticket.release()
 
-    def _give_back(self, n_jobs: int) -> None:
-        self._in_flight -= n_jobs
-
     @property
     def in_flight(self) -> int:
         """Sequences admitted and not yet released."""
-        return self._in_flight
+        return self.queue.in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room now."""
+        return self.queue.waiting
 
     # -- running ---------------------------------------------------------------------------------------
     async def pieces(self, job: Job, arrived_s: float) -> AsyncGenerator[Piece, None]:
@@ -210,10 +241,11 @@ class ServingCore:
                                 stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
                                 constraint=job.constraint)
         end_ids = set(job.stop_token_ids) | (set() if job.ignore_eos else set(self.codec.eos_token_ids))
-        detok = self.codec.detokenizer()
-        stopper = StopMatcher(job.stop)
+        detok = self.codec.detokenizer(job.skip_special_tokens)
+        stopper = StopMatcher(job.stop, job.include_stop_str)
         self.metrics.started()
         n_out, first_at, finished, done_in_gang = 0, None, False, False
+        last_at, end = 0.0, "abort"  # the metrics' view: last tokens' arrival, finished_reason
         deadline = arrived_s + job.timeout_s
         stream = self.backend.generate(req)
         try:
@@ -230,6 +262,10 @@ class ServingCore:
                     raise ServiceUnavailable("the model gang ended the stream early; retry shortly", 1.0) from None
                 except TimeoutError:
                     raise RequestTimeout(job.timeout_s) from None
+                if arrived := sum(ev.token_id is not None for ev in events):
+                    now = time.perf_counter()
+                    self.metrics.tokens_arrived(arrived, None if first_at is None else now - last_at)
+                    last_at = now
                 out: list[Piece] = []
                 for ev in events:
                     if ev.finish_reason == "error":
@@ -244,7 +280,7 @@ class ServingCore:
                         is_end_token = ev.finish_reason == "stop" and ev.token_id in end_ids
                         text = "" if is_end_token else stopper.feed(detok.add(ev.token_id))
                         if stopper.stopped:
-                            finished = True
+                            finished, end = True, "stop"
                             out.append(Piece(text, ev.token_id, ev.logprob, "stop"))
                             yield out
                             return
@@ -259,20 +295,24 @@ class ServingCore:
                         tail += "" if stopper.stopped else stopper.finish()
                         reason = "stop" if (stopper.stopped or ev.finish_reason == "stop") else ev.finish_reason
                         out.append(Piece(text + tail, ev.token_id, ev.logprob, reason))
+                        end = reason
                         yield out
                         return
                 if out:
                     yield out
-        except APIError:
+        except APIError as e:
+            if not isinstance(e, RequestTimeout | ServiceUnavailable):  # those two are aborts, as in vLLM
+                end = "error"
             raise
         except Exception as e:  # anything else from the gang: logged in full, answered as a generic 500
+            end = "error"
             log.error("request %s failed", job.request_id, exc_info=e)
             raise InternalError() from None
         finally:
             now = time.perf_counter()
             self.metrics.finished(got_first_token=first_at is not None, prompt_tokens=len(job.prompt_ids),
                                   output_tokens=n_out, duration_s=now - arrived_s,
-                                  decode_s=(now - first_at) if first_at is not None else 0.0)
+                                  decode_s=(now - first_at) if first_at is not None else 0.0, finish_reason=end)
             if not (finished and done_in_gang):
                 self._abort_soon(job.request_id)
             await _close(stream)
@@ -291,15 +331,17 @@ class ServingCore:
         task.add_done_callback(self._background.discard)
 
     async def run(self, job: Job, arrived_s: float) -> Choice:
-        text, ids, lps, reason = [], [], [], "length"
+        text, ids, lps, reason, cached = [], [], [], "length", None
         async for p in self.pieces(job, arrived_s):
             text.append(p.text)
+            if p.cached_tokens is not None:
+                cached = p.cached_tokens
             if p.token_id is not None:
                 ids.append(p.token_id)
                 lps.append(p.logprob)
             if p.finish_reason:
                 reason = p.finish_reason
-        return Choice(job.index, "".join(text), ids, lps, reason, len(job.prompt_ids))
+        return Choice(job.index, "".join(text), ids, lps, reason, len(job.prompt_ids), cached)
 
     async def run_all(self, jobs: Sequence[Job], arrived_s: float) -> list[Choice]:
         """All jobs concurrently (they batch together on the gang); the first failure cancels the rest."""

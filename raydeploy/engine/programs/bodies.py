@@ -15,9 +15,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.engine.attention import Attention, get_attention
 from raydeploy.engine.kv_cache import PoolLayout, StepInputs, to_pool_dtype
+from raydeploy.engine.logprobs import (
+    PLACE_COLUMNS,
+    ROW_COLUMNS,
+    place_logprobs,
+    prompt_targets,
+    row_alternatives,
+)
 from raydeploy.engine.matmul import Matmul, MatmulChoice
 from raydeploy.engine.programs.kernels import KernelChoice
-from raydeploy.engine.sampling import RowSampling, sample
+from raydeploy.engine.sampling import RowSampling, note_generated, note_in_sequence, sample
 from raydeploy.model.llama import ActivationSharding
 from raydeploy.model.scan import unroll_layers
 
@@ -81,7 +88,8 @@ class StepBodies:
         self.gather_results = jax.jit(lambda *packed: jnp.stack(packed), out_shardings=replicated)
         """The packed results of a plan's passes [steps, 2, G*R], replicated: the one collective between the
         groups per plan (a dp-only mesh's passes have none)."""
-        self.presence_row = jax.jit(lambda presence, slot, row: presence.at[slot].set(row), donate_argnums=(0,),
+        self.presence_row = jax.jit(lambda presence, slot, row: presence.at[slot].set(row.astype(presence.dtype)),
+                                    donate_argnums=(0,),
                                     out_shardings=presence_sharding)
 
     def model(self, leaves: list[jax.Array]) -> Any:
@@ -249,11 +257,31 @@ class StepBodies:
         last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices
         logits = model.logits(last, self.shard, matmul)
+        alts, places = self._logprobs(model, matmul, h.reshape(g, t, h.shape[-1]), tokens, logits, inp)
         tail = partial(_sample_rows, max_slots=self.max_slots, vocab_chunks=self.vocab_chunks)
-        presence, last_tokens, tok, lp = self._per_group(tail, 8, replicated=2)(
+        presence, last_tokens, tok, lp = self._per_group(tail, 8, replicated=3)(
             logits, presence, last_tokens, inp.reset, tokens, inp.token_slot, inp.sampling, inp.allowed,
-            inp.any_sampled, inp.any_filtered)
-        return pool, presence, last_tokens, pack(tok, lp)
+            inp.any_sampled, inp.any_filtered, inp.any_adjusted)
+        return pool, presence, last_tokens, pack(tok, lp), alts, places
+
+    def _logprobs(self, model: Any, matmul: Matmul, h_gtd: jax.Array, tokens: jax.Array, logits: jax.Array,
+                  inp: StepInputs) -> tuple[jax.Array, jax.Array]:
+        """The step's logprobs beyond the sampled tokens' (`raydeploy.engine.logprobs`), each under a `lax.cond` on
+        its replicated flag: the rows' alternatives [2K, G*R] and the places' prompt logprobs [2 + 2K, G*T];
+        zeros where no row asked."""
+        rows, places = logits.shape[0], tokens.shape[0]
+        alts = jax.lax.cond(inp.any_top_logprobs,
+                            lambda: row_alternatives(logits, chunks=self.vocab_chunks),
+                            lambda: jnp.zeros((ROW_COLUMNS, rows), jnp.float32))
+        g, t = h_gtd.shape[:2]
+
+        def prompt() -> jax.Array:
+            targets = self._per_group(prompt_targets, 3)(tokens, inp.logit_index, inp.next_token)
+            return place_logprobs(h_gtd, targets.reshape(g, t), lambda x: model.logits(x, self.shard, matmul),
+                                  chunks=self.vocab_chunks)
+
+        out = jax.lax.cond(inp.any_prompt_logprobs, prompt, lambda: jnp.zeros((PLACE_COLUMNS, places), jnp.float32))
+        return alts, out
 
 
 
@@ -271,20 +299,22 @@ def _last_token_inputs(last_tokens: jax.Array, from_last: jax.Array, tokens: jax
 
 def _sample_rows(logits: jax.Array, presence: jax.Array, last_tokens: jax.Array, reset: jax.Array,
                  tokens: jax.Array, token_slot: jax.Array, rows: RowSampling, allowed: jax.Array,
-                 any_sampled: jax.Array, any_filtered: jax.Array, *, max_slots: int, vocab_chunks: int
-                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """A group's sampling: its slots' repetition-penalty sets take this step's tokens (`tokens` in `token_slot`,
-    after the slots in `reset` start over), its rows sample with their `SamplingParams` (`rows`: one array per
-    field, passed through `shard_map` whole) among their allowed tokens (`allowed`, packed bits; all ones for
-    an unconstrained row), and each sampled token joins its slot's set and becomes the slot's last token."""
+                 any_sampled: jax.Array, any_filtered: jax.Array, any_adjusted: jax.Array, *, max_slots: int,
+                 vocab_chunks: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A group's sampling: its slots' token states (`presence`, `STATE_DTYPE`: in-sequence bits and generated
+    counts) take this step's tokens as in the sequence (`tokens` in `token_slot`, after the slots in `reset`
+    start over), its rows sample with their `SamplingParams` and logit-bias tables (`rows`: one array per field,
+    passed through `shard_map` whole) among their allowed tokens (`allowed`, packed bits; all ones for an
+    unconstrained row), and each sampled token is counted in its slot's state and becomes the slot's last token.
+    Every pass of a multi-pass plan runs this, so the counts follow each draw."""
     spg = presence.shape[0]
     tslot = _group_slot(token_slot, max_slots, spg)
     rslot = _group_slot(rows.slot, max_slots, spg)
-    presence = presence & ~reset[:, None]
-    presence = presence.at[tslot, tokens].set(True, mode="drop")
+    presence = jnp.where(reset[:, None], jnp.zeros((), presence.dtype), presence)
+    presence = note_in_sequence(presence, tslot, tokens)
     seen = presence[jnp.minimum(rslot, spg - 1)]
     tok, lp = sample(logits, seen, rows.params, rows.position, any_sampled=any_sampled, any_filtered=any_filtered,
-                     vocab_chunks=vocab_chunks, allowed_bw=allowed)
-    presence = presence.at[rslot, tok].set(True, mode="drop")
+                     vocab_chunks=vocab_chunks, allowed_bw=allowed, bias=rows.bias, any_adjusted=any_adjusted)
+    presence = note_generated(presence, rslot, tok)
     last_tokens = last_tokens.at[rslot].set(tok, mode="drop")
     return presence, last_tokens, tok, lp

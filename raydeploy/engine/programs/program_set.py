@@ -29,7 +29,7 @@ from raydeploy.engine.kv_cache import (
 )
 from raydeploy.engine.programs.bodies import AttentionFn, StepBodies, _axes_entry, default_attention
 from raydeploy.engine.programs.kernels import KernelChoice, choose_kernels, choose_layout
-from raydeploy.engine.sampling import chunks_for_shards
+from raydeploy.engine.sampling import STATE_DTYPE, chunks_for_shards
 from raydeploy.model.llama import DTYPES, ActivationSharding
 from raydeploy.model.registry import Family
 from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
@@ -110,7 +110,10 @@ class ProgramSet:
         self.attention = attention if isinstance(attention, Attention) else Attention(attention)
         # a family with another score scale applies it to q (Gemma 3's query_pre_attn_scalar)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-        outs = (self.pool_sharding, self.presence_sharding, self.sharded_1d, self.sharded_rows)
+        # the results: packed tokens [2, G*R], the rows' alternatives [2K, G*R], the places' prompt logprobs
+        # [2 + 2K, G*T] (raydeploy.engine.logprobs), each split over the groups on its last axis
+        outs = (self.pool_sharding, self.presence_sharding, self.sharded_1d, self.sharded_rows, self.sharded_rows,
+                self.sharded_rows)
         self.bodies = StepBodies(mesh=mesh, shard=self.shard, graphdef=self.graphdef, param_treedef=self.param_treedef,
                                  kernels=self.kernels, layer_specs=self.layer_specs, attention=self.attention,
                                  layout=self.layout, groups=self.groups, max_slots=self.max_slots,
@@ -278,7 +281,7 @@ class ProgramSet:
         """((params, packed weights), pools, presence, last tokens) as ShapeDtypeStructs."""
         pool = tuple(jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=sh)
                      for shape, sh in zip(self.pool_shapes, self.pool_sharding, strict=True))
-        presence = jax.ShapeDtypeStruct((self.max_slots, self.cfg.vocab_size), jnp.bool_,
+        presence = jax.ShapeDtypeStruct((self.max_slots, self.cfg.vocab_size), STATE_DTYPE,
                                         sharding=self.presence_sharding)
         last = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.sharded_1d)
         return (self.abstract_params, self.packed), pool, presence, last

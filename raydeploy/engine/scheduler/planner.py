@@ -444,9 +444,13 @@ class Scheduler:
         first = not run.started
         run.started = True
         prompt = run.req.prompt_token_ids
+        min_tokens = run.req.sampling.min_tokens
+        # min_tokens: the engine bans the request's stop ids from draws before prompt_len + min_tokens
+        stop_ids = np.asarray(sorted(run.stop_ids), np.int32) if first and min_tokens > 0 and run.stop_ids else None
         seqs.append(SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
                             run.req.sampling if first else None,
-                            np.asarray(prompt[:start], np.int32) if first and start > 0 else None, allowed))
+                            np.asarray(prompt[:start], np.int32) if first and start > 0 else None, allowed,
+                            stop_ids=stop_ids, stop_until=run.prompt_len + min_tokens if stop_ids is not None else 0))
         entries.append((slot, run))
         return True
 
