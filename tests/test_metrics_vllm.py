@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -111,9 +112,10 @@ def test_vllm_families_are_exported_with_model_name_and_vllm_buckets(exposition)
     assert set(FINISH_REASONS) == {"stop", "length", "abort", "error"}
 
 
-def test_waiting_counts_admitted_sequences_without_a_slot_and_kv_from_a_real_page_pool():
+def test_waiting_counts_sequences_sent_without_a_slot_and_kv_from_a_real_page_pool():
     m = ServingMetrics("demo")
-    m.sequences_admitted(7)
+    for _ in range(7):
+        m.started()
     pool = PagePool(num_pages=32, page_size=16)
     stats = {"slots_in_use": 4, "queue_depth": 0, **pool.stats()}
     s = _samples(m.render({"state": "ready"}, stats))
@@ -268,8 +270,8 @@ def test_two_ingress_replicas_add_up_to_the_requests_sent(demo_checkpoint, tmp_p
     import httpx
     import ray
 
+    from raydeploy.config import load_config
     from raydeploy.serve.run import start_serving
-    from tests.test_serve_replicas import _free_port, replica_cfg, wait_http_ready
 
     env = multiprocess_env("raydeploy")
     # the job's runtime_env: Serve's replicas inherit it (deployment.py may also set it per deployment)
@@ -277,10 +279,23 @@ def test_two_ingress_replicas_add_up_to_the_requests_sent(demo_checkpoint, tmp_p
              _temp_dir=f"/tmp/rdmet-{os.getpid()}", runtime_env={"env_vars": env})
     serving = None
     try:
-        cfg = replica_cfg(_free_port(), "serving.ingress_replicas=2")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cfg = load_config(None, ["cluster.num_hosts=1", "cluster.devices_per_host=1", "mesh.axes={dp: 1}",
+                                 "engine.max_slots=4", "serving.max_queue=32", f"serving.port={port}",
+                                 "serving.ingress_replicas=2", "cluster.init_timeout_s=60"])
         serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint), engine="toy")
         serving.wait_ready(600, count=1)
-        wait_http_ready(serving.url, 600)
+        deadline = time.monotonic() + 600
+        while True:  # both replicas up: /ready answers 200 through the proxy
+            try:
+                if httpx.get(serving.url + "/ready", timeout=10).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the HTTP ingress did not become ready"
+            time.sleep(0.5)
         n = 24
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "temperature": 0}
 

@@ -14,7 +14,7 @@ each gang's own with a `gang` label (`raydeploy_gang_up`, `raydeploy_gang_restar
 vLLM's names, beside ours: dashboards, autoscaling rules and inference gateways written for vLLM read
 `vllm:*` series with a `model_name` label (`VLLM_NAMES`, with vLLM's own buckets). Where the meaning is the
 same they are the same observations as ours; `vllm:num_requests_running` is the gangs' slots in use,
-`vllm:num_requests_waiting` the sequences the ingresses admitted that hold no slot yet (in Serve's router or a
+`vllm:num_requests_waiting` the sequences the ingresses sent that hold no slot yet (in Serve's router or a
 gang's queue), `vllm:kv_cache_usage_perc` the gangs' KV pages held by running sequences over all pages (cached
 idle pages count as free, as vLLM counts them). Of vLLM's two inter-token names: `vllm:inter_token_latency_seconds`
 (its current name) has one observation per output token after the first, and `vllm:time_per_output_token_seconds`
@@ -280,19 +280,20 @@ class ServingMetrics:
         """The Prometheus text: the requests' figures (`exported`), then the gang figures (read `figures_age_s`
         ago) and vLLM's three gauges of them."""
         requests = self.exported()
-        admitted = requests.get_sample_value(f"{PREFIX}_sequences_admitted")
+        started = requests.get_sample_value(f"{PREFIX}_requests_in_flight")  # jobs: one per sequence
         scrape = CollectorRegistry(auto_describe=False)
         scrape.register(_GangFigures(gang_state, engine_stats, figures_age_s))
-        scrape.register(_VllmGangGauges(self.model_name, engine_stats, admitted))
+        scrape.register(_VllmGangGauges(self.model_name, engine_stats, started))
         return (generate_latest(requests) + generate_latest(scrape)).decode("utf-8")
 
 
 class _VllmGangGauges:
     """vllm:num_requests_running, vllm:num_requests_waiting and vllm:kv_cache_usage_perc for one scrape, from the
-    gangs' figures (summed over gangs) and the sequences the ingresses hold."""
+    gangs' figures (summed over gangs) and the sequences the ingresses are streaming (each ingress's
+    `raydeploy_requests_in_flight`, summed over replicas in multiprocess mode)."""
 
-    def __init__(self, model_name: str, engine_stats: Mapping[str, Any], admitted: float | None) -> None:
-        self.model_name, self.stats, self.admitted = model_name, engine_stats, admitted
+    def __init__(self, model_name: str, engine_stats: Mapping[str, Any], in_flight: float | None) -> None:
+        self.model_name, self.stats, self.in_flight = model_name, engine_stats, in_flight
 
     def collect(self) -> Iterator[Metric]:
         running, queued = _number(self.stats.get("slots_in_use")), _number(self.stats.get("queue_depth"))
@@ -302,9 +303,9 @@ class _VllmGangGauges:
                                   labels=["model_name"])
             g.add_metric([self.model_name], running)
             yield g
-            # admitted by an ingress but in no slot: in Serve's router or a gang's queue (figures read at
-            # slightly different times, hence the floor)
-            waiting = max(0.0, (self.admitted or 0.0) - running, queued or 0.0)
+            # sent by an ingress but in no slot: in Serve's router or a gang's queue (figures read at slightly
+            # different times, hence the floor)
+            waiting = max(0.0, (self.in_flight or 0.0) - running, queued or 0.0)
             g = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                                   labels=["model_name"])
             g.add_metric([self.model_name], waiting)
