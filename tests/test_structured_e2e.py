@@ -172,14 +172,23 @@ def _json_format(name: str, schema: dict) -> dict:
 
 
 def test_openai_sdk_parse_returns_the_pydantic_object(live):
-    chat = _client(live).chat.completions.parse(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
-        response_format=Capital, temperature=0, max_tokens=MAX_NEW)
+    client = _client(live)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    chat = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Capital, temperature=0,
+                                         max_tokens=MAX_NEW)
     msg = chat.choices[0].message
     assert chat.choices[0].finish_reason == "stop", chat
     assert isinstance(msg.parsed, Capital), msg
     assert msg.parsed == Capital.model_validate_json(msg.content)
     assert not msg.tool_calls
+
+    # the SDK's streaming helper parses the joined deltas: the same object, greedy
+    with client.chat.completions.stream(model=MODEL, messages=messages, response_format=Capital, temperature=0,
+                                        max_tokens=MAX_NEW) as stream:
+        pieces = [e.delta for e in stream if e.type == "content.delta"]
+        final = stream.get_final_completion()
+    assert len(pieces) > 1 and "".join(pieces) == msg.content, pieces
+    assert final.choices[0].message.parsed == msg.parsed, final
 
 
 def _langchain(live):
