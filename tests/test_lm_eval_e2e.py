@@ -170,6 +170,8 @@ def test_generate_until_task_answers_as_transformers_greedy(server, demo_hf, mon
             prefix = tok.decode(tokens[:trusted], skip_special_tokens=True).split("\n")[0]
             assert answer.startswith(prefix), (context, answer, prefix)
     assert compared >= len(samples) // 2, "too few answers were fully comparable with the reference"
+    print(f"lm-eval generate_until: exact_match {metrics['exact_match,none']:.3f}, {compared} of {len(samples)} "
+          f"answers compared whole with transformers' greedy: {[s['resps'][0][0] for s in samples]}")
 
 
 def _steps_to_stop(tok: Any, tokens: list[int]) -> int:
