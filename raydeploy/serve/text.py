@@ -2,7 +2,10 @@
 detokenization for streaming, and stop strings.
 
 The tokenizer is the one saved in the checkpoint directory (loaded with transformers' AutoTokenizer, never
-from a model hub). Streaming decodes token by token without re-decoding the whole output, holds back
+from a model hub). The chat template is the tokenizer's own, or the deployment's `model.chat_template` in its
+place (`use_chat_template`); a request may bring its own (vLLM's `chat_template`). A model without any template
+has no chat format: rendering is an error (and `raydeploy plan`/`serve` refuse such a deployment up front,
+`template_problem`), not a made-up "role: content" transcript the model was never trained on. Streaming decodes token by token without re-decoding the whole output, holds back
 bytes that do not yet form a whole character, and holds back text that could still become a stop string.
 
 `vocab_size` is what a client's token ids are checked against: the model's own vocabulary (the rows of its
@@ -32,6 +35,10 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
 """apply_chat_template's own parameters: a request's template variables may not set them."""
 
 
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+"""Where transformers saves a checkpoint's chat template beside tokenizer_config.json."""
+
+
 class TextCodec:
     """Encode prompts (raw or chat) and decode generated ids with the model's own tokenizer."""
 
@@ -57,46 +64,123 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        """A raw prompt: tokenized as is, with the tokenizer's own special-token convention."""
-        return list(self.tokenizer.encode(text))
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (Jinja source: the deployment's `model.chat_template`) instead of the
+        tokenizer's own, everywhere this codec's tokenizer renders (the chat format reads it from there too)."""
+        self.tokenizer.chat_template = template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A raw prompt: tokenized as is, with the tokenizer's own special-token convention (BOS...) unless
+        `add_special_tokens` is False."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                    *, chat_template: str | None = None, continue_final_message: bool = False) -> str:
         """The chat template applied to [{role, content}, ...] (as text, to report and to encode). `tools` go to
         the template as `tools=` (HF templates that render them); `template_kwargs` are extra template variables
-        (a request's chat_template_kwargs, e.g. enable_thinking)."""
+        (a request's chat_template_kwargs, e.g. enable_thinking). `chat_template`: a template for this call
+        instead of the codec's; `continue_final_message`: the last message left open (transformers' meaning:
+        the text after its content, an end of turn, is cut). Without any template: ChatTemplateError."""
         extra = dict(template_kwargs or {})
         clash = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
         if clash:
             raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(clash)}")
-        if not self.has_chat_template:
-            # A model without a template: plain "role: content" lines, then the assistant's turn.
-            lines = [f"{m['role']}: {m['content']}" for m in messages]
-            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        if chat_template is None and not self.has_chat_template:
+            raise ChatTemplateError("this model has no chat template (set model.chat_template in the deployment's "
+                                    "config, or send 'chat_template')")
         from jinja2 import TemplateError
 
         if tools:
             extra["tools"] = tools
+        if chat_template is not None:
+            extra["chat_template"] = chat_template
+        if continue_final_message:
+            extra["continue_final_message"] = True
         try:
             return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **extra)
         except TemplateError as e:  # the template's own raise_exception(...), or an error in its logic
             raise ChatTemplateError(getattr(e, "message", None) or str(e) or type(e).__name__) from None
+        except ValueError as e:  # transformers' own refusals (continue_final_message without a final message...)
+            raise ChatTemplateError(str(e) or type(e).__name__) from None
 
-    def encode_chat(self, text: str) -> list[int]:
-        """Ids of a rendered chat template (the template already holds its special tokens)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def rendering(self, chat_template: str | None, continue_final_message: bool) -> TextCodec:
+        """A view of this codec (the same tokenizer) whose `chat_prompt` renders with a request's own
+        `chat_template` and `continue_final_message`; this codec itself when neither is set."""
+        if chat_template is None and not continue_final_message:
+            return self
+        return _RenderingCodec(self, chat_template, continue_final_message)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def encode_chat(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of a rendered chat template (the template already holds its special tokens; a request may ask for
+        the tokenizer's on top, vLLM's `add_special_tokens`)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (for logprobs entries)."""
         return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self)
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class _RenderingCodec(TextCodec):
+    """A codec that renders chats with one request's template options (`TextCodec.rendering`)."""
+
+    def __init__(self, base: TextCodec, chat_template: str | None, continue_final_message: bool) -> None:
+        super().__init__(base.tokenizer, base.model_vocab_size)
+        self.eos_token_ids = base.eos_token_ids
+        self._template = chat_template
+        self._continue = continue_final_message
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                    *, chat_template: str | None = None, continue_final_message: bool = False) -> str:
+        return super().chat_prompt(messages, add_generation_prompt, tools, template_kwargs,
+                                   chat_template=chat_template or self._template,
+                                   continue_final_message=continue_final_message or self._continue)
+
+
+def checkpoint_chat_template(checkpoint_dir: str | Path) -> str | None:
+    """The chat template saved with a checkpoint's tokenizer (`tokenizer_config.json`'s `chat_template`, or a
+    `chat_template.jinja`/`.json` beside it), without loading the tokenizer; None when it has none."""
+    root = Path(checkpoint_dir)
+    for name in CHAT_TEMPLATE_FILES:
+        path = root / name
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            if name.endswith(".json"):
+                text = json.loads(text).get("chat_template") or ""
+            if text.strip():
+                return text
+    try:
+        cfg = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = next((t.get("template") for t in template if isinstance(t, dict)
+                         and t.get("name") == "default"), None)
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def configured_chat_template(value: str, config_source: str | None) -> str:
+    """`model.chat_template` as Jinja source: a path to a file (relative to the config file's folder, `~`
+    expanded) when it names one, else the value itself, inline. A value that looks like a path (one line, no
+    Jinja markup) but names no file is a ValueError saying where it looked."""
+    if "{" not in value and "\n" not in value:
+        base = Path(config_source).parent if config_source and not config_source.startswith("<") else Path.cwd()
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() else base / path
+        if not path.is_file():
+            raise ValueError(f"names no file ({path} does not exist) and holds no Jinja markup; give a template "
+                             f"file's path (relative to the config file) or the template itself")
+        return path.read_text(encoding="utf-8")
+    return value
 
 
 def model_vocab_size(checkpoint_dir: str | Path) -> int | None:
@@ -116,11 +200,29 @@ def model_vocab_size(checkpoint_dir: str | Path) -> int | None:
     return None
 
 
+def template_problem(chat_template: str | None, config_source: str | None, checkpoint_dir: str | Path) -> str | None:
+    """Why a deployment cannot chat, or None: `model.chat_template` names a file that is not there, or neither
+    it nor the checkpoint's tokenizer gives a chat template (the chat endpoint would have nothing to render
+    with). Checked by `raydeploy plan` and `raydeploy serve` before anything starts."""
+    if chat_template:
+        try:
+            configured_chat_template(chat_template, config_source)
+        except ValueError as e:
+            return f"model.chat_template {e}"
+        return None
+    if checkpoint_chat_template(checkpoint_dir) is not None:
+        return None
+    return ("the checkpoint's tokenizer has no chat template, so /v1/chat/completions could not render a "
+            "conversation for this model; set model.chat_template to the model's Jinja chat template, as a file "
+            "path relative to the config file (model: {chat_template: chat_template.jinja}) or inline")
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas; the deltas concatenate to `decode(all ids)`."""
 
-    def __init__(self, codec: TextCodec) -> None:
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True) -> None:
         self._codec = codec
+        self._skip = skip_special_tokens
         self.ids: list[int] = []
         self._prefix_offset = 0  # start of the window re-decoded for context
         self._read_offset = 0  # ids before this are already emitted as text
@@ -128,8 +230,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        prefix = self._codec.decode(self.ids[self._prefix_offset:self._read_offset])
-        window = self._codec.decode(self.ids[self._prefix_offset:])
+        prefix = self._codec.decode(self.ids[self._prefix_offset:self._read_offset], self._skip)
+        window = self._codec.decode(self.ids[self._prefix_offset:], self._skip)
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
             delta = window[len(prefix):]
             self._prefix_offset = self._read_offset
@@ -140,7 +242,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
-        full = self._codec.decode(self.ids)
+        full = self._codec.decode(self.ids, self._skip)
         delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += delta
         self._prefix_offset = self._read_offset = len(self.ids)
@@ -150,8 +252,10 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Finds stop strings in streamed text; releases only text that can no longer become a stop string."""
 
-    def __init__(self, stops: Sequence[str] | None) -> None:
+    def __init__(self, stops: Sequence[str] | None, include_stop: bool = False) -> None:
         self.stops = [s for s in (stops or []) if s]
+        self.include_stop = include_stop
+        """The stop string found is released with the text before it (`include_stop_str_in_output`)."""
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""
         self.stopped = False
@@ -163,9 +267,11 @@ class StopMatcher:
         if not self.stops:
             return delta
         self._pending += delta
-        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self._pending, self.stopped = self._pending[:cut], "", True
+        found = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self.stops) if i >= 0]
+        if found:
+            cut, length = min(found, key=lambda f: (f[0], -f[1]))  # the first to start; the longest there
+            end = cut + length if self.include_stop else cut
+            out, self._pending, self.stopped = self._pending[:end], "", True
             return out
         safe = len(self._pending) - self._hold
         if safe <= 0:
