@@ -3,8 +3,8 @@ and the chat page, assembled from their routers.
 
 `create_app(core)` builds a FastAPI app over a `ServingCore` (which talks to the gang through a `Backend`); the
 Ray Serve deployment and the unit tests (with an in-process fake backend) both use it. The routes live in
-:mod:`raydeploy.serve.routes`: `openai` (/v1), `legacy` (/chat, /instruct) and `ops` (probes, /status,
-/metrics, the page), sharing one `Ingress` (`routes.shared`: the core, keys, body limit, tokenizer threads, and
+:mod:`raydeploy.serve.routes`: `openai` (/v1), `tokens` (/tokenize, /detokenize, /version), `legacy` (/chat,
+/instruct) and `ops` (probes, /status, /metrics, the page), sharing one `Ingress` (`routes.shared`: the core, keys, body limit, tokenizer threads, and
 the deployment's `ChatFormat`, built once here: `chat_format_for`).
 This module adds what wraps every route: the front door (`raydeploy.serve.limits`), CORS, the response
 counts, and the error mapping (every failure an OpenAI-shaped JSON error, `raydeploy.serve.errors`). Nothing
@@ -33,14 +33,27 @@ from raydeploy.serve.metrics import GangFigures, ServingMetrics
 from raydeploy.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LegacyChatRequest,
     LegacyInstructRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
-from raydeploy.serve.routes import legacy, openai, ops
-from raydeploy.serve.routes.shared import SCHEMA_REF, Ingress, ServerInfo
-from raydeploy.serve.text import TextCodec
+from raydeploy.serve.routes import legacy, openai, ops, tokens
+from raydeploy.serve.routes.shared import IGNORED_FIELDS_HEADER, SCHEMA_REF, Ingress, ServerInfo
+from raydeploy.serve.text import TextCodec, configured_chat_template
 
-__all__ = ["ServerInfo", "chat_format_for", "create_app"]
+__all__ = ["DEFAULT_CORS_HEADERS", "DEFAULT_CORS_METHODS", "ServerInfo", "chat_format_for", "create_app"]
+
+DEFAULT_CORS_METHODS = ["GET", "POST", "OPTIONS"]
+"""Methods a browser may use across origins when `serving.cors_allow_methods` is not set."""
+DEFAULT_CORS_HEADERS = ["Authorization", "Content-Type", "X-API-Key", "OpenAI-Organization", "OpenAI-Project",
+                        "OpenAI-Beta", "X-Stainless-Lang", "X-Stainless-Package-Version", "X-Stainless-OS",
+                        "X-Stainless-Arch", "X-Stainless-Runtime", "X-Stainless-Runtime-Version",
+                        "X-Stainless-Retry-Count", "X-Stainless-Timeout", "X-Stainless-Async",
+                        "X-Stainless-Helper-Method", "X-Stainless-Poll-Helper", "X-Stainless-Custom-Poll-Interval"]
+"""Request headers a browser may send across origins by default: the openai JS SDK's (its `X-Stainless-*`
+telemetry and retry headers, sent on every request), keys and JSON."""
 
 log = logging.getLogger("raydeploy.serve")
 
@@ -48,9 +61,12 @@ log = logging.getLogger("raydeploy.serve")
 def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_body_bytes: int = 1_048_576,
                info: ServerInfo | None = None, cors_origins: list[str] | None = None,
                front_door: FrontDoorLimits | None = None, metrics_refresh_s: float = 5.0,
-               chat: ChatFormat | None = None) -> FastAPI:
+               chat: ChatFormat | None = None, cors_allow_headers: list[str] | None = None,
+               cors_allow_methods: list[str] | None = None) -> FastAPI:
     """The app over `core`. `chat`: the deployment's chat format (`chat_format_for`); None takes the codec's
-    template with the fallback tool format, as for a model of unknown family."""
+    template with the fallback tool format, as for a model of unknown family. CORS is on when `cors_origins`
+    names any; `cors_allow_headers` / `cors_allow_methods` (`*` allowed) default to `DEFAULT_CORS_HEADERS` /
+    `DEFAULT_CORS_METHODS`, which let the openai JS SDK's preflight through."""
     app = FastAPI(title="raydeploy", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     keys = api_keys or ApiKeyCheck(())
     app.state.ingress = Ingress(core, keys, max_body_bytes, info or ServerInfo(),
@@ -68,15 +84,17 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-API-Key"])
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins,
+                           allow_methods=cors_allow_methods or DEFAULT_CORS_METHODS,
+                           allow_headers=cors_allow_headers or DEFAULT_CORS_HEADERS,
+                           expose_headers=[IGNORED_FIELDS_HEADER, "Retry-After"])
     app.add_middleware(CountResponses, metrics=core.metrics)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
 
-    for module in (openai, legacy, ops):
+    for module in (openai, tokens, legacy, ops):
         app.include_router(module.router)
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     return app
@@ -84,8 +102,16 @@ def create_app(core: ServingCore, *, api_keys: ApiKeyCheck | None = None, max_bo
 
 def chat_format_for(cfg: Config, checkpoint_dir: str | Path, codec: TextCodec) -> ChatFormat:
     """The deployment's chat format: the checkpoint's model_type (config.json) picks the family's tool-call and
-    reasoning formats, `model.tool_parser` / `model.reasoning_parser` override them. A ValueError names a
-    parser the model's template cannot serve."""
+    reasoning formats, `model.tool_parser` / `model.reasoning_parser` override them. `model.chat_template` (a
+    file or inline Jinja) replaces the tokenizer's template first (`codec.use_chat_template`), so the format and
+    every route render with it. A ValueError names a parser the template cannot serve, or a template file that
+    is not there."""
+    template = getattr(cfg.model, "chat_template", None)
+    if template:
+        try:
+            codec.use_chat_template(configured_chat_template(template, cfg.source))
+        except ValueError as e:
+            raise ValueError(f"model.chat_template {e}") from None
     return ChatFormat.create(codec, checkpoint_model_type(checkpoint_dir),
                              tool_parser=getattr(cfg.model, "tool_parser", "auto"),
                              reasoning_parser=getattr(cfg.model, "reasoning_parser", "auto"))
@@ -142,7 +168,8 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
-_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, LegacyChatRequest,
+_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
+                                             TokenizeChatRequest, DetokenizeRequest, LegacyChatRequest,
                                              LegacyInstructRequest)
 
 

@@ -26,9 +26,11 @@ from raydeploy.serve.text import TextCodec
 log = logging.getLogger("raydeploy.serve")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens the prefix cache already held (0 when none)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)}}
 
 
 def sse(obj: Any) -> str:
@@ -71,23 +73,28 @@ def chat_logprobs(codec: TextCodec, token_ids: Sequence[int], logprobs: Sequence
 class CompletionBuilder:
     """Bodies of one /v1/completions response (whole or streamed)."""
 
+    system_fingerprint: str | None = None
+    """OpenAI's `system_fingerprint` on every body (the route sets it: `ServerInfo.fingerprint`)."""
+
     def __init__(self, response_id: str, model: str, codec: TextCodec, want_logprobs: bool) -> None:
         self.id, self.model, self.codec, self.want_logprobs = response_id, model, codec, want_logprobs
         self.created = int(time.time())
 
-    def whole(self, choices: Sequence[Choice], prompt_tokens: int) -> dict[str, Any]:
+    def whole(self, choices: Sequence[Choice], prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
             lp = completion_logprobs(self.codec, c.token_ids, c.logprobs, 0, self.id) if self.want_logprobs else None
             out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": out, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
+                "choices": out, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached_tokens),
+                "system_fingerprint": self.system_fingerprint}
 
     def chunk(self, index: int, piece: Piece, include_usage: bool) -> dict[str, Any]:
         lp = None
         if self.want_logprobs and piece.token_id is not None:
             lp = completion_logprobs(self.codec, [piece.token_id], [piece.logprob], 0, self.id)
         body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint,
                 "choices": [{"index": index, "text": piece.text, "logprobs": lp,
                              "finish_reason": piece.finish_reason}]}
         if include_usage:
@@ -98,14 +105,17 @@ class CompletionBuilder:
         """The chunks of one piece (always one here)."""
         return [self.chunk(index, piece, include_usage)]
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, usage_now: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                "system_fingerprint": self.system_fingerprint, "choices": [], "usage": usage_now}
 
 
 class ChatBuilder:
     """Bodies of one /v1/chat/completions response (whole or streamed). With a `chat` format the answer is split
     into content, reasoning and (when `tools`) tool calls; without one it is all content."""
+
+    system_fingerprint: str | None = None
+    """OpenAI's `system_fingerprint` on every body (the route sets it: `ServerInfo.fingerprint`)."""
 
     def __init__(self, response_id: str, model: str, codec: TextCodec, want_logprobs: bool,
                  chat: ChatFormat | None = None, tools: bool = False, prompt: str | None = None) -> None:
@@ -117,14 +127,15 @@ class ChatBuilder:
         self._started: set[int] = set()
         self._streamers: dict[int, ChatStreamer] = {}
 
-    def whole(self, choices: Sequence[Choice], prompt_tokens: int) -> dict[str, Any]:
+    def whole(self, choices: Sequence[Choice], prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
             lp = chat_logprobs(self.codec, c.token_ids, c.logprobs, self.id) if self.want_logprobs else None
             message, reason = self.message(c.text, c.finish_reason)
             out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": out, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
+                "choices": out, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached_tokens),
+                "system_fingerprint": self.system_fingerprint}
 
     def message(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
         """The assistant message of a finished answer, and its finish_reason ("tool_calls" when it called)."""
@@ -183,14 +194,15 @@ class ChatBuilder:
     def _body(self, index: int, delta: dict[str, Any], lp: dict[str, Any] | None, finish_reason: str | None,
               include_usage: bool) -> dict[str, Any]:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint,
                 "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
         if include_usage:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, usage_now: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                "system_fingerprint": self.system_fingerprint, "choices": [], "usage": usage_now}
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:

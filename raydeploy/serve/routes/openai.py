@@ -4,14 +4,15 @@ Bodies are read and strictly parsed by :mod:`raydeploy.serve.body`, validated wi
 :mod:`raydeploy.serve.protocol`; a request's sampling fields go to `ServingCore.sampling` by name, which
 takes what a request leaves out from `engine.sampling`. Structured outputs and forced tool calls become the
 request's constraint (:mod:`raydeploy.serve.structured`, checked after admission on a tokenizer thread); chat
-prompts render through the deployment's `ChatFormat`, which also splits the answer into content, reasoning and
-tool calls (:mod:`raydeploy.serve.responses`).
+prompts render through the deployment's `ChatFormat` (or the request's own `chat_template`), which also splits
+the answer into content, reasoning and tool calls (:mod:`raydeploy.serve.responses`). Fields the schema did not
+know are named in the response's `X-Raydeploy-Ignored-Fields` header.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -37,27 +38,26 @@ async def completions(request: Request) -> Response:
     ing = ingress(request)
     ing.authorize(request)
     body: CompletionRequest = await ing.read_body(request, CompletionRequest)
+    headers = ing.ignored_headers(body, "/v1/completions")
     core = ing.core
     core.check_model(body.model)
     items = _prompt_items(body.prompt)
     for item in items:
         if not isinstance(item, str):
             ing.check_ids(item, "prompt")
-    ing.check_ids(body.stop_token_ids or [], "stop_token_ids")
+    _check_token_fields(ing, body)
 
     async def work(ticket: Admission) -> Response:
         constraint = await ing.off_loop(output_constraint, body)
-        prompts = await ing.off_loop(_encode_prompts, items, core.codec)
+        prompts = await ing.off_loop(_encode_prompts, items, core.codec, body.add_special_tokens)
         jobs = ing.make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt",
                              max_param="max_tokens", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
-                             sampling_args=_sampling_args(body), stop=_stops(body),
-                             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                             timeout_s=body.timeout_s, request_id=new_id("cmpl"), constraint=constraint)
+                             **_job_args(body), request_id=new_id("cmpl"), constraint=constraint)
         builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
                                     body.logprobs is not None)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await ing.respond(ticket, jobs, builder, sum(len(p) for p in prompts), body.stream, include_usage,
-                                 arrived)
+        builder.system_fingerprint = ing.info.fingerprint()
+        return await ing.respond(ticket, jobs, builder, sum(len(p) for p in prompts), body.stream,
+                                 body.stream_usage, arrived, headers)
 
     return await ing.admitted(len(items) * body.n, work)
 
@@ -68,6 +68,7 @@ async def chat_completions(request: Request) -> Response:
     ing = ingress(request)
     ing.authorize(request)
     body: ChatCompletionRequest = await ing.read_body(request, ChatCompletionRequest)
+    headers = ing.ignored_headers(body, "/v1/chat/completions")
     core = ing.core
     core.check_model(body.model)
     if not body.messages:
@@ -76,21 +77,20 @@ async def chat_completions(request: Request) -> Response:
         raise InvalidRequest("'messages' has no text in any message", param="messages", code="empty_prompt")
     messages = [m.as_template_message() for m in body.messages]
     tools = tool_dicts(body) if body.tools_on else None
-    ing.check_ids(body.stop_token_ids or [], "stop_token_ids")
+    _check_token_fields(ing, body)
 
     async def work(ticket: Admission) -> Response:
         constraint = await ing.off_loop(chat_constraint, body, ing.chat)
         prompt, ids = await ing.off_loop(ing.chat_ids, messages, body.add_generation_prompt, "messages", tools,
-                                         body.chat_template_kwargs)
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        jobs = ing.make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages", max_param=param,
-                             default_max=None, sampling_args=_sampling_args(body), stop=_stops(body),
-                             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                             timeout_s=body.timeout_s, request_id=new_id("chatcmpl"), constraint=constraint)
+                                         body.chat_template_kwargs, body.chat_template, body.continue_final_message,
+                                         body.add_special_tokens)
+        jobs = ing.make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages",
+                             max_param=body.token_limit_param, default_max=None, **_job_args(body),
+                             request_id=new_id("chatcmpl"), constraint=constraint)
         builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
                               body.logprobs, chat=ing.chat, tools=body.tools_on, prompt=prompt)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await ing.respond(ticket, jobs, builder, len(ids), body.stream, include_usage, arrived)
+        builder.system_fingerprint = ing.info.fingerprint()
+        return await ing.respond(ticket, jobs, builder, len(ids), body.stream, body.stream_usage, arrived, headers)
 
     return await ing.admitted(body.n, work)
 
@@ -113,13 +113,25 @@ async def model(model_id: str, request: Request) -> Response:
 
 
 def _sampling_args(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The request's sampling fields by name, as `ServingCore.sampling` (and `SamplingParams.resolve`) take them;
+    None (or a neutral value) where the request leaves one out."""
     return {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-            "repetition_penalty": body.repetition_penalty, "seed": body.seed}
+            "repetition_penalty": body.repetition_penalty, "seed": body.engine_seed,
+            "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+            "min_p": body.min_p, "logit_bias": body.logit_bias_ids or None, "min_tokens": body.min_tokens or None}
 
 
-def _stops(body: CompletionRequest | ChatCompletionRequest) -> list[str] | None:
-    """`body.stop` as validated: the field accepts a string, but `_check_stop` has made it a list."""
-    return cast("list[str] | None", body.stop)
+def _job_args(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """What `Ingress.make_jobs` takes from either kind of request besides its prompts and length."""
+    return {"sampling_args": _sampling_args(body), "stop": body.stops or None, "stop_token_ids": body.stop_token_ids,
+            "ignore_eos": body.ignore_eos, "timeout_s": body.timeout_s,
+            "include_stop_str": body.include_stop_str_in_output, "skip_special_tokens": body.skip_special_tokens}
+
+
+def _check_token_fields(ing: Any, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Token ids a request names (stop_token_ids, logit_bias's keys) against the model's vocabulary."""
+    ing.check_ids(body.stop_token_ids or [], "stop_token_ids")
+    ing.check_ids(sorted(body.logit_bias_ids), "logit_bias")
 
 
 def _prompt_items(prompt: Any) -> list[str | list[int]]:
@@ -136,9 +148,10 @@ def _prompt_items(prompt: Any) -> list[str | list[int]]:
     return items
 
 
-def _encode_prompts(items: list[str | list[int]], codec: Any) -> list[list[int]]:
+def _encode_prompts(items: list[str | list[int]], codec: Any, add_special_tokens: bool = True) -> list[list[int]]:
     """The prompts as ids (texts tokenized; run on a tokenizer thread)."""
-    return [codec.encode(item) if isinstance(item, str) else [int(t) for t in item] for item in items]
+    return [codec.encode(item, add_special_tokens) if isinstance(item, str) else [int(t) for t in item]
+            for item in items]
 
 
 def _model_card(name: str, max_seq_len: int, info: ServerInfo, chat: ChatFormat) -> dict[str, Any]:
