@@ -10,9 +10,10 @@ import argparse
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 
 from raydeploy.checkpoint.format import CheckpointError
-from raydeploy.config import ConfigError, config_reference_markdown, load_config
+from raydeploy.config import Config, ConfigError, config_reference_markdown, load_config
 
 
 def _user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -29,6 +30,35 @@ def _user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
         except KeyboardInterrupt:
             return 130
     return run
+
+
+def check_chat_template(cfg: Config, checkpoint_dir: str | None) -> None:
+    """A ConfigError (key model.chat_template) when the deployment could not render a chat: no template in the
+    config nor with the checkpoint's tokenizer, or a configured template file that is missing. `checkpoint_dir`
+    None: the checkpoint's directory where this machine has it (a demo model's, or a local path); a checkpoint
+    elsewhere (a URL) is not checked here, the ingress then refuses chats with a 400 saying the same."""
+    from raydeploy.serve.text import template_problem
+
+    if checkpoint_dir is None:
+        ref = cfg.model.checkpoint
+        if ref.startswith("demo:"):
+            from raydeploy.checkpoint.demo import resolve_checkpoint
+
+            checkpoint_dir = str(resolve_checkpoint(ref))
+        else:
+            base = Path(cfg.source).parent if cfg.source and not cfg.source.startswith("<") else Path.cwd()
+            local = Path(ref).expanduser()
+            local = local if local.is_absolute() else base / local
+            if "://" in ref or not local.is_dir():
+                if cfg.model.chat_template:
+                    checkpoint_dir = str(local)  # only the configured template's file is checked
+                else:
+                    return
+            else:
+                checkpoint_dir = str(local)
+    problem = template_problem(cfg.model.chat_template, cfg.source, checkpoint_dir)
+    if problem is not None:
+        raise ConfigError(problem, file=cfg.source, key="model.chat_template")
 
 
 @_user_errors
@@ -57,6 +87,7 @@ def plan(args: argparse.Namespace) -> int:
     from raydeploy.plan import make_plan, model_family, report_plan
 
     cfg = load_config(args.config, args.overrides)
+    check_chat_template(cfg, None)
     if not getattr(args, "compile", False):
         return report_plan(make_plan(cfg), args)
     # --compile: the same memory figures as `raydeploy compile`, every program compiled for the target
@@ -92,9 +123,11 @@ compile = compile_programs  # noqa: A001 - `raydeploy compile` dispatches by com
 
 @_user_errors
 def serve(args: argparse.Namespace) -> int:
+    from raydeploy.gang.gang import resolve_checkpoint_path
     from raydeploy.serve.run import run_serve
 
     cfg = load_config(args.config, args.overrides)
+    check_chat_template(cfg, resolve_checkpoint_path(cfg))
     return run_serve(cfg, args)
 
 

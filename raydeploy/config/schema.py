@@ -139,6 +139,8 @@ class ModelConfig(_Section):
     """How tool calls are written and read (docs/structured-outputs.md): auto = the model family's format when the chat template renders tools, else the fallback prompt with hermes `<tool_call>` blocks."""
     reasoning_parser: Literal["auto", "none", "think"] = "auto"
     """Reasoning split into reasoning_content: think = between `<think>` and `</think>` (Qwen3); auto = the model family's; none = all output is content."""
+    chat_template: str | None = None
+    """Jinja chat template used instead of the tokenizer's: a file's path (relative to the YAML file) or the template itself; needed for a checkpoint whose tokenizer has none."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,8 @@ class EngineConfig(_Section):
 
     max_slots: int = 8
     """Batch slots decoded together (continuous batching); must divide evenly over dp."""
-    max_new_tokens: int = 256
-    """Default and upper bound of tokens generated per request."""
+    max_new_tokens: int | None = None
+    """Operator's cap on tokens generated per request (a larger max_tokens is a 400 naming it); null: no cap, prompt + max_tokens only has to fit model.max_seq_len, and a request without max_tokens runs to a stop or the context's end."""
     decode_steps: int = 4
     """Decode steps per plan while no prompt waits to start: tokens then stream in groups of this size, and the
     per-plan costs (broadcast to every host, reading tokens back) are paid once per group. 1 = every token."""
@@ -264,7 +266,11 @@ class ServingConfig(_Section):
     api_keys_file: str | None = None
     """File with one API key per line."""
     max_queue: int = 64
-    """Requests waiting for a slot beyond which new ones get 503 with Retry-After."""
+    """Sequences admitted beyond the slots of the ready gangs (they wait in Serve's router for the first free slot); requests beyond wait at the ingress (max_waiting)."""
+    max_waiting: int = 2048
+    """Requests one ingress replica keeps waiting, first come first served, while the gangs are at capacity; 503 with Retry-After beyond; 0 refuses at once."""
+    queue_wait_s: float | None = None
+    """Seconds a request may wait for capacity before 503 with Retry-After (the wait counts toward request_timeout_s); null means request_timeout_s."""
     request_timeout_s: float = 300.0
     """Seconds a request may take end to end before it is aborted with 504 and its slot freed."""
     max_body_bytes: int = 1_048_576
@@ -273,10 +279,14 @@ class ServingConfig(_Section):
     """Serve replicas of the HTTP ingress (light, no JAX)."""
     cors_origins: list[str] = field(default_factory=list)
     """Origins allowed by CORS; empty disables CORS headers."""
+    cors_allow_headers: list[str] | None = None
+    """Request headers CORS allows (`*` for any); null: Authorization, Content-Type, X-API-Key and the openai JS SDK's OpenAI-* and X-Stainless-* headers."""
+    cors_allow_methods: list[str] | None = None
+    """HTTP methods CORS allows (`*` for any); null: GET, POST, OPTIONS."""
     body_read_timeout_s: float = 10.0
     """Seconds a client has, from its request's arrival, to send the whole body; 408 and the connection closed after."""
     max_ingress_requests: int | None = None
-    """Requests one ingress replica holds at once (reading, waiting, streaming; not /health, /ready, /metrics); 503 with Retry-After beyond; null means max(256, 4 x (engine.max_slots x replicas.max + max_queue))."""
+    """Requests one ingress replica holds at once (reading, waiting, streaming; not /health, /ready, /metrics); 503 with Retry-After beyond; null means engine.max_slots x replicas.max + max_queue + max_waiting + 256."""
     max_concurrent_per_key: int | None = None
     """Requests one API key may have in one ingress replica at once (429 with Retry-After beyond); null or 0 is no limit; needs API keys."""
     metrics_refresh_s: float = 5.0

@@ -20,7 +20,7 @@ def validate(cfg: Config) -> None:
         "cluster.placement_timeout_s": c.placement_timeout_s, "cluster.init_timeout_s": c.init_timeout_s,
         "cluster.heartbeat_timeout_s": c.heartbeat_timeout_s, "cluster.step_timeout_s": c.step_timeout_s,
         "cluster.rpc_timeout_s": c.rpc_timeout_s, "engine.max_slots": e.max_slots,
-        "engine.max_new_tokens": e.max_new_tokens, "engine.decode_steps": e.decode_steps,
+        "engine.decode_steps": e.decode_steps,
         "model.max_seq_len": m.max_seq_len, "model.load_threads": m.load_threads, "serving.max_queue": s.max_queue,
         "serving.request_timeout_s": s.request_timeout_s, "serving.max_body_bytes": s.max_body_bytes,
         "serving.ingress_replicas": s.ingress_replicas, "serving.body_read_timeout_s": s.body_read_timeout_s,
@@ -28,6 +28,8 @@ def validate(cfg: Config) -> None:
     }
     if s.max_ingress_requests is not None:
         positive["serving.max_ingress_requests"] = s.max_ingress_requests
+    if e.max_new_tokens is not None:
+        positive["engine.max_new_tokens"] = e.max_new_tokens
     if s.max_concurrent_per_key is not None and s.max_concurrent_per_key < 0:
         raise ConfigError(f"must be >= 0 (0 or null: no limit), found {s.max_concurrent_per_key}", file=src,
                           key="serving.max_concurrent_per_key")
@@ -52,7 +54,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"simulated hosts run on virtual CPU devices; platform is {c.platform!r}",
                           file=src, key="cluster.simulated")
     mesh = resolve_mesh_axes(cfg.mesh.axes, cfg.total_devices, src)
-    if e.max_new_tokens >= m.max_seq_len:
+    if e.max_new_tokens is not None and e.max_new_tokens >= m.max_seq_len:
         raise ConfigError(f"max_new_tokens {e.max_new_tokens} leaves no room for a prompt in max_seq_len {m.max_seq_len}",
                           file=src, key="engine.max_new_tokens")
     for key, val in {"engine.page_size": e.page_size, "engine.prefill_chunk": e.prefill_chunk}.items():
@@ -79,6 +81,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"must be > 0, found {sp.repetition_penalty}", file=src, key="engine.sampling.repetition_penalty")
     if c.simulated and c.placement_strategy == "STRICT_SPREAD" and c.ray_address is None and c.num_hosts > 1:
         pass  # the gang turns STRICT_SPREAD into PACK for simulated hosts on one node
+    for key, values in {"serving.cors_allow_headers": s.cors_allow_headers,
+                        "serving.cors_allow_methods": s.cors_allow_methods}.items():
+        if values is not None and (not values or any(not v.strip() for v in values)):
+            raise ConfigError("must list at least one non-empty name (or be null for the defaults)", file=src,
+                              key=key)
+    if m.chat_template is not None and not m.chat_template.strip():
+        raise ConfigError("is empty; give a template file's path or the template itself, or null for the "
+                          "tokenizer's own", file=src, key="model.chat_template")
     if s.api_keys_env and s.api_keys_file:
         raise ConfigError("set api_keys_env or api_keys_file, not both", file=src, key="serving.api_keys_file")
     _validate_replicas(cfg.replicas, src)
