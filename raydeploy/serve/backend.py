@@ -2,8 +2,11 @@
 
 Generation requests go through a Ray Serve DeploymentHandle to the gang replicas (raydeploy.serve.replica):
 Serve's router sends each to a replica whose gang is ready, with a free slot (raydeploy.serve.routing), and
-holds the admitted rest until a slot frees (admission is ServingCore's; a full queue below it, Serve's
-BackPressureError or a gang's QueueFullError, is answered at once as `Overloaded`, 503 with Retry-After).
+holds the admitted rest until a slot frees (admission is ServingCore's, and the queues below it are sized to
+hold what it admits). A full queue below it all the same (Serve's BackPressureError, or a gang's QueueFullError:
+a slot freed by a client that left is given back to the gang a moment after Serve counts it free) is a request
+no gang took: it is sent again like the refusals below, and only after FAILOVER_ATTEMPTS full queues is it
+answered as `Overloaded`, 503 with Retry-After.
 State, status and stats come from every gang's supervisor (raydeploy.gang.directory): `/ready` is 200 while at
 least one gang is ready.
 
@@ -163,6 +166,7 @@ class ReplicaBackend:
         if not st.get("ready_gangs"):
             raise self._unavailable(st)
         broken = 0  # gangs that broke while holding this request
+        full = 0  # tries a full queue below the ingress refused
         for attempt in range(FAILOVER_ATTEMPTS):
             if broken >= MAX_GANG_FAILURES:
                 self.abandoned += 1
@@ -191,6 +195,10 @@ class ReplicaBackend:
                 if not refused:
                     return
             except Exception as e:
+                if is_queue_full(e) and not streamed:  # see the module docstring: tried again, then a 503
+                    full += 1
+                    log.info("request %s: a queue below the ingress is full; trying again", req.request_id)
+                    continue
                 if is_queue_full(e):
                     raise Overloaded("every gang is busy and the request queue is full; retry shortly") from None
                 if (refusal := request_error(e, req.request_id)) is not None:
@@ -208,6 +216,8 @@ class ReplicaBackend:
         if broken >= MAX_GANG_FAILURES:
             self.abandoned += 1
             raise self._abandoned(req, broken)
+        if full == FAILOVER_ATTEMPTS:
+            raise Overloaded("every gang is busy and the request queue is full; retry shortly")
         raise ServiceUnavailable(f"no gang could start the request after {FAILOVER_ATTEMPTS} tries; retry shortly",
                                  self.retry_after_s)
 

@@ -5,13 +5,15 @@
   `replicas` section: `min == max` runs exactly that many; otherwise Serve's autoscaler moves it between them
   on ongoing requests per gang (`target_ongoing_requests`). `max_ongoing_requests` is the gang's slot count,
   so the admitted requests beyond the free slots wait in Serve's router for the first free slot of any gang
-  (admission itself is the ingress's `ServingCore`, from `Limits`); its custom part (raydeploy.serve.routing)
-  sends requests only to gangs that are ready.
+  (admission itself is the ingress's `ServingCore`, from `Limits`: the requests beyond what the gangs can hold
+  wait in the ingress, not here); its custom part (raydeploy.serve.routing) sends requests only to gangs that
+  are ready.
 - `raydeploy-ingress` (no JAX, num_cpus=0) serves `create_app` behind the front door of
-  raydeploy.serve.limits (body-read deadline, a bound on the requests it holds, the per-key limit; Serve's
-  `max_ongoing_requests` for it is that bound plus room for probes): each replica loads the tokenizer saved in the
-  checkpoint directory, holds a DeploymentHandle to the gangs and a directory of their supervisors
-  (raydeploy.gang.directory), and builds the FastAPI app at replica start (`__serve_build_asgi_app__`).
+  raydeploy.serve.limits (body-read deadline, a bound on the requests it holds, waiting ones included, the
+  per-key limit; Serve's `max_ongoing_requests` for it is that bound plus room for probes): each replica loads
+  the tokenizer saved in the checkpoint directory, holds a DeploymentHandle to the gangs and a directory of their
+  supervisors (raydeploy.gang.directory), and builds the FastAPI app at replica start
+  (`__serve_build_asgi_app__`).
 
 `build_serve_app(cfg, checkpoint_dir)` returns the bound application for `serve.run`. With `ready_timeout_s`
 (the RayService path, `raydeploy.serve.builder`), each gang replica's constructor waits, bounded, until its
@@ -98,8 +100,9 @@ def gang_deployment_options(cfg: Config) -> dict[str, Any]:
         "name": GANG_DEPLOYMENT_NAME,
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": limits.max_slots,
-        # a backstop only: the ingresses admit at most max_slots per ready gang + max_queue each, and Serve counts
-        # a request as queued until it is assigned, so a burst that fits is never refused here
+        # a backstop only, counted at each caller (each ingress replica's handle): an ingress admits at most
+        # max_slots per ready gang + max_queue and Serve counts a request as queued until it is assigned, so a
+        # burst that fits is never refused here (the requests beyond wait at the ingress, not here)
         "max_queued_requests": cfg.serving.ingress_replicas * (limits.max_queue + limits.max_slots * r.max),
         # a replica stopped by downscaling first finishes its requests (each bounded by request_timeout_s)
         "graceful_shutdown_timeout_s": limits.request_timeout_s + 30.0,
@@ -156,8 +159,11 @@ def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s:
         cfg, str(checkpoint_dir) if source.reads_checkpoint else None, source, ready_timeout_s)
     # the decorators made the class a Deployment; mypy keeps the type of a decorated class
     ingress = cast(serve.Deployment, ServeIngress)
-    # the front door refuses beyond ingress_bound at once (503); Serve's own cap is above it, so probes and the
-    # refusals themselves are never queued in the proxy
-    return ingress.options(num_replicas=cfg.serving.ingress_replicas,
-                           max_ongoing_requests=ingress_bound(cfg) + PROBE_HEADROOM).bind(
-        cfg, str(checkpoint_dir), gangs)
+    # the front door refuses beyond ingress_bound at once (503), and that bound holds the admitted requests, the
+    # line of those waiting for room (serving.max_waiting) and the bodies being read: Serve's own cap is above it,
+    # so a burst of a thousand prompts waits in the ingress, and probes and the refusals themselves are never
+    # queued in the proxy. The proxy's queue for the ingress is bounded too (it fills only if every ingress
+    # replica is stuck): memory stays bounded whatever the load.
+    bound = ingress_bound(cfg)
+    return ingress.options(num_replicas=cfg.serving.ingress_replicas, max_ongoing_requests=bound + PROBE_HEADROOM,
+                           max_queued_requests=bound).bind(cfg, str(checkpoint_dir), gangs)
