@@ -165,3 +165,110 @@ def test_min_p_sampled_draws_never_fall_below_the_threshold():
     assert all(probs[t] >= floor for t in with_min_p)
     assert any(probs[t] < floor for t in without)
     assert len(set(with_min_p)) >= 2  # still sampling
+
+
+# -- the real demo engine
+
+
+@pytest.fixture(scope="module")
+def engine(demo_checkpoint):
+    from test_engine_paged import _build_engine
+
+    return _build_engine(demo_checkpoint, {"dp": 1}, decode_steps=4)
+
+
+@pytest.mark.model
+def test_counts_follow_generated_tokens_across_multi_pass_plans_and_reset_per_request(engine, prompt_ids):
+    """After a greedy request with a frequency penalty (plans of 4 passes), its slot's state counts exactly its
+    generated tokens and marks its prompt; the next request in the slot starts over from its own tokens; the
+    penalty changed the tokens (the same request without it repeats more)."""
+    from test_engine_paged import PlanDriver
+
+    slot = engine.slot_order[0]
+    penalised = SamplingParams(frequency_penalty=1.5, presence_penalty=0.5)
+    a = PlanDriver(engine).run([("a", prompt_ids[0], 23, penalised)])["a"]
+    present, counts = (np.asarray(x)[slot] for x in token_state(engine.presence))
+    np.testing.assert_array_equal(counts, np.bincount(a["out"], minlength=engine.vocab_size))
+    assert set(np.nonzero(present)[0].tolist()) == set(prompt_ids[0]) | set(a["out"])
+    b = PlanDriver(engine).run([("b", prompt_ids[1], 9, None)])["b"]
+    present, counts = (np.asarray(x)[slot] for x in token_state(engine.presence))
+    np.testing.assert_array_equal(counts, np.bincount(b["out"], minlength=engine.vocab_size))
+    assert set(np.nonzero(present)[0].tolist()) == set(prompt_ids[1]) | set(b["out"])
+    plain = PlanDriver(engine).run([("p", prompt_ids[0], 23, None)])["p"]
+    assert plain["out"] != a["out"]
+    assert len(set(a["out"])) >= len(set(plain["out"]))
+
+
+@pytest.mark.model
+def test_logit_bias_bans_and_forces_on_the_engine_and_neighbours_keep_their_tokens(engine, prompt_ids):
+    from test_engine_paged import PlanDriver
+
+    alone = PlanDriver(engine).run([("free", prompt_ids[1], 12, None)])["free"]["out"]
+    first = PlanDriver(engine).run([("g", prompt_ids[0], 1, None)])["g"]["out"][0]
+    done = PlanDriver(engine).run([
+        ("ban", prompt_ids[0], 12, SamplingParams(logit_bias={first: -100})),
+        ("force", prompt_ids[0], 12, SamplingParams(temperature=1.0, seed=3, logit_bias={4321: 100})),
+        ("free", prompt_ids[1], 12, None)])
+    assert done["ban"]["out"][0] != first and first not in done["ban"]["out"]
+    assert done["force"]["out"] == [4321] * 12
+    assert done["free"]["out"] == alone
+
+
+@pytest.mark.model
+def test_a_step_without_bias_moves_no_table(engine, prompt_ids):
+    from raydeploy.engine.kv_cache import BIAS_FIELDS, BIAS_IDS, build_inputs
+    from raydeploy.engine.step import SeqStep
+
+    ps = engine.programs_set
+    seqs = [SeqStep(0, np.asarray(prompt_ids[0][:8], np.int32), 0, True, SamplingParams())]
+    engine.tables.start(seqs[0], engine.vocab_size)
+    host = build_inputs(seqs, engine.tables, ps.page_size, 16, ps.rows_for(16), ps.page_buckets[0],
+                        vocab=engine.vocab_size)
+    assert not set(BIAS_FIELDS) & set(host.arrays) and not host.arrays["any_adjusted"]
+    rows = ps.groups * ps.rows_for(16)
+    a, b = engine._device_inputs(host.arrays, rows), engine._device_inputs(host.arrays, rows)
+    assert a.sampling.bias.ids is b.sampling.bias.ids and (np.asarray(a.sampling.bias.ids) == BIAS_PAD).all()
+    biased = SeqStep(0, seqs[0].tokens, 0, True, SamplingParams(logit_bias={5: 1.0}))
+    engine.tables.start(biased, engine.vocab_size)
+    host = build_inputs([biased], engine.tables, ps.page_size, 16, ps.rows_for(16), ps.page_buckets[0],
+                        vocab=engine.vocab_size)
+    assert host.arrays[BIAS_IDS][0, 0] == 5 and host.arrays["any_adjusted"]
+
+
+def _runner(engine):
+    from raydeploy.config import load_config
+    from raydeploy.engine.local import LocalRunner
+    from raydeploy.engine.scheduler import Scheduler
+
+    cfg = load_config(None, overrides=["engine.decode_steps=4", "engine.burst_wait=0"])
+    return LocalRunner(engine, Scheduler.for_engine(engine, cfg))
+
+
+@pytest.mark.model
+def test_min_tokens_holds_the_stop_tokens_off_exactly_through_the_scheduler(engine, prompt_ids):
+    """A prompt whose greedy continuation is eos at once: alone it stops with no token; with min_tokens m it
+    generates m tokens first. With eos also pushed by logit_bias +100 it stops right after m tokens, for m
+    landing anywhere in a 4-pass plan (the ban is per pass); a request's own stop ids are held off too."""
+    from raydeploy.engine.request import GenerationRequest
+
+    runner = _runner(engine)
+    eos = sorted(engine.eos_ids)
+    stopped = None
+    for i, p in enumerate(prompt_ids):
+        out = runner.generate([GenerationRequest(f"probe{i}", tuple(p), 64, SamplingParams())])[0]
+        if out.finish_reason == "stop":
+            stopped = tuple(p) + tuple(out.token_ids)
+            break
+    assert stopped is not None, "no demo prompt ends with eos within 64 tokens"
+    at_once = runner.generate([GenerationRequest("eos", stopped, 8, SamplingParams())])[0]
+    assert (at_once.token_ids, at_once.finish_reason) == ([], "stop")
+    held = runner.generate([GenerationRequest("held", stopped, 16, SamplingParams(min_tokens=5))])[0]
+    assert len(held.token_ids) >= 5 and not set(held.token_ids) & set(eos)
+    for m in (1, 2, 5, 6, 9):
+        push = SamplingParams(min_tokens=m, logit_bias={e: 100 for e in eos})
+        out = runner.generate([GenerationRequest(f"m{m}", stopped, 32, push)])[0]
+        assert (len(out.token_ids), out.finish_reason) == (m, "stop"), (m, out.token_ids)
+    own = held.token_ids[0]
+    out = runner.generate([GenerationRequest("own", stopped, 16, SamplingParams(min_tokens=3),
+                                             stop_token_ids=(own,))])[0]
+    assert len(out.token_ids) >= 3 and out.token_ids[0] != own and own not in out.token_ids[:3]
