@@ -354,3 +354,21 @@ def test_cors_preflight_of_the_openai_js_sdk(served, codec):
     server2, _ = _serve(codec, cors=["https://app.example"], cors_allow_headers=["*"], cors_allow_methods=["*"])
     with server2:
         assert _preflight(server2, "x-my-own-header", "PUT").status_code == 200
+
+
+def test_system_fingerprint_follows_the_config_and_the_checkpoint(demo_checkpoint, tmp_path):
+    from raydeploy.serve.routes.shared import system_fingerprint
+
+    cfg = load_config(None, ["model.max_seq_len=512"])
+    fp = system_fingerprint(cfg, demo_checkpoint)
+    assert fp.startswith("fp_") and fp == system_fingerprint(cfg, demo_checkpoint)
+    assert system_fingerprint(load_config(None, ["serving.port=9001", "model.max_seq_len=512"]), demo_checkpoint) == fp
+    assert system_fingerprint(load_config(None, ["model.max_seq_len=1024"]), demo_checkpoint) != fp
+    other = tmp_path / "ckpt"
+    shutil.copytree(demo_checkpoint, other, ignore=shutil.ignore_patterns("*.msgpack"))
+    for shard in demo_checkpoint.glob("*.msgpack"):
+        (other / shard.name).symlink_to(shard)
+    (other / "config.json").write_text((other / "config.json").read_text() + "\n")  # other bytes, same model
+    assert system_fingerprint(cfg, other) != fp
+    info = ServerInfo(config={"a": 1}, system_fingerprint=fp)
+    assert info.fingerprint() == fp and ServerInfo(config={"a": 1}).fingerprint().startswith("fp_")

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
+from raydeploy.checkpoint.reader import CheckpointReader
 from raydeploy.config import Config
 from raydeploy.constraints.spec import Constraint
 from raydeploy.gang.fingerprint import config_part
@@ -50,12 +52,13 @@ SEED_SPACE = 2**64
 """Seeds wrap around here (choice k of a seeded request is seed + k)."""
 
 
-def system_fingerprint(cfg: Config, checkpoint_fingerprint: str) -> str:
+def system_fingerprint(cfg: Config, checkpoint_dir: str | Path) -> str:
     """OpenAI's `system_fingerprint`: a short digest of what decides the outputs, the gang's config (without its
-    host-specific and serving keys, as the gang's own fingerprint takes it) and the checkpoint's fingerprint. It
-    changes when the model or the engine's configuration does, so a client can tell two deployments apart."""
-    blob = json.dumps({"config": config_part(cfg), "checkpoint": checkpoint_fingerprint}, sort_keys=True,
-                      default=str)
+    host-specific and serving keys, as the gang's own fingerprint takes it) and the checkpoint's fingerprint (its
+    index and config.json, as every host computes it). It changes when the model or the engine's configuration
+    does, so a client can tell two deployments apart; the ingress computes it once (no JAX, no weights read)."""
+    checkpoint = CheckpointReader(checkpoint_dir).fingerprint()
+    blob = json.dumps({"config": config_part(cfg), "checkpoint": checkpoint}, sort_keys=True, default=str)
     return "fp_" + hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
