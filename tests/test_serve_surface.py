@@ -16,6 +16,10 @@ from serve_fakes import FakeBackend, ThreadedServer, tokenizer_dir
 
 from raydeploy.commands import check_chat_template
 from raydeploy.config import ConfigError, load_config
+from raydeploy.engine.geometry import EngineGeometry
+from raydeploy.engine.request import GenerationRequest
+from raydeploy.engine.scheduler import Paging, Scheduler
+from raydeploy.model.sharding import merge_rules
 from raydeploy.serve.app import create_app
 from raydeploy.serve.auth import ApiKeyCheck
 from raydeploy.serve.generation import Limits, ServingCore
@@ -190,6 +194,21 @@ def test_max_tokens_up_to_the_context_and_no_further(served, codec):
     chat_len = len(codec.encode_chat(codec.chat_prompt(HI)))
     r = _post(server, "/v1/chat/completions", {"messages": HI})  # no max_tokens: until a stop or the context
     assert r.status_code == 200 and backend.requests[-1].max_tokens == MAX_SEQ_LEN - chat_len
+
+
+def test_every_slot_takes_a_request_as_long_as_the_context_at_once():
+    """An unlimited request reserves pages up to the context; the default pool (engine.num_pages: 0, auto) holds
+    that for every slot, so max_slots of them start together instead of waiting for pages."""
+    cfg = load_config(None, [])
+    g = EngineGeometry.create(cfg.engine, cfg.model, cfg.mesh_shape, merge_rules(cfg.mesh.rules), "cpu", "float32",
+                              False)
+    sched = Scheduler(g.max_slots, g.max_seq_len, (2,), g.max_slots, Paging(g.page_size, g.pages_per_group, g.groups,
+                                                                            g.max_step_tokens),
+                      decode_steps=cfg.engine.decode_steps)
+    for i in range(g.max_slots):
+        sched.submit(GenerationRequest(f"r{i}", (10, 11, 12), g.max_seq_len - 3), lambda ev: None)
+    plan = sched.next_plan()
+    assert plan is not None and sorted({q.slot for q in plan.seqs}) == list(range(g.max_slots))
 
 
 def test_the_operators_cap_is_named(codec):
