@@ -26,8 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-MAX_TOP_LOGPROBS = 20
-"""Alternatives computed per token (OpenAI's bound on `top_logprobs`); a request's smaller count is cut on the host."""
+from raydeploy.engine.step import MAX_TOP_LOGPROBS
 
 PLACE_BLOCK = 128
 """Token places whose logits one block of the prompt-logprob scan holds at once ([block, vocab] float32)."""

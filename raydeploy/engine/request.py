@@ -36,6 +36,23 @@ class GenerationRequest:
     constraint: Constraint | None = None
     """Structured output: what the generated text must match (`raydeploy.constraints`); rank 0's scheduler
     keeps a matcher for it and masks each draw."""
+    top_logprobs: int = 0
+    """Alternatives per generated token (0..`MAX_TOP_LOGPROBS`): its events carry that many of the most likely
+    tokens of the distribution the token's logprob is under (the raw model's, `raydeploy.engine.logprobs`)."""
+    prompt_logprobs: int | None = None
+    """None: no prompt logprobs. k >= 0: the first event carries every prompt token's logprob with k alternatives;
+    the request then computes its whole prompt (no prefix-cache reuse: cached pages hold no logits)."""
+
+
+@dataclass(frozen=True)
+class PromptTokenLogprob:
+    """One prompt token's logprob under the raw model distribution at the place before it, its rank there (1 = the
+    most likely), and the most likely tokens there (`top`: (token id, logprob), descending)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,14 @@ class TokenEvent:
     """With a retriable error: the gang never took the request (it was not ready, or refused it at submit), so
     sending it to another gang costs nothing; otherwise its gang broke while holding it (the ingress resends such
     a request once at most)."""
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    """With a token of a request that asked for alternatives (`GenerationRequest.top_logprobs`): (token id,
+    logprob) of the most likely tokens, descending (a greedy draw's token first)."""
+    prompt_logprobs: tuple[PromptTokenLogprob | None, ...] | None = None
+    """On a request's first event, when it asked (`GenerationRequest.prompt_logprobs`): one entry per prompt
+    token, None for the first (nothing precedes it)."""
+    cached_tokens: int | None = None
+    """On a request's first event: prompt tokens served from the prefix cache (not computed)."""
 
 
 class RequestFailed(ValueError):

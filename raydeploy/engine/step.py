@@ -274,6 +274,11 @@ class StepResult:
     """Per plan sequence, the prompt logprobs of a chunk that asked (`SeqStep.prompt_logprobs`); None otherwise."""
 
 
+MAX_TOP_LOGPROBS = 20
+"""Alternatives a step computes per token (OpenAI's bound on `top_logprobs`); a request's smaller count is cut on the
+host (`raydeploy.engine.logprobs`)."""
+
+
 @dataclass(frozen=True)
 class PromptLogprobs:
     """A prompt chunk's logprobs: entry i is the token after the chunk's place i (position start + i + 1) under the

@@ -13,6 +13,7 @@ import numpy as np
 
 from raydeploy.engine.request import GenerationRequest, RequestFailed
 from raydeploy.engine.scheduler.records import Paging
+from raydeploy.engine.step import MAX_TOP_LOGPROBS
 
 
 class QueueFullError(RuntimeError):
@@ -61,6 +62,9 @@ class Admission:
                          f"(max_seq_len {self.max_seq_len}, at least one token must be generated)")
         if req.max_tokens < 1:
             raise refuse(f"max_tokens must be >= 1, found {req.max_tokens}")
+        for name, k in (("top_logprobs", req.top_logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise refuse(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, found {k}")
         if self.vocab_size is not None:
             ids = np.asarray(req.prompt_token_ids, np.int64)
             bad = ids[(ids < 0) | (ids >= self.vocab_size)]

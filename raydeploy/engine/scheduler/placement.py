@@ -40,7 +40,9 @@ class Placement:
         p, req = self.paging, q.req
         per_group = len(slots) // p.groups
         if q.keys is None:
-            q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size) if p.prefix_caching else []
+            # prompt logprobs need every prompt place computed (cached pages hold no logits): no reuse then
+            reuse = p.prefix_caching and req.prompt_logprobs is None
+            q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size) if reuse else []
         n = len(req.prompt_token_ids)
         rows = rows_per_group(slots, p.groups)
         most_rows, least_budget = max(rows), min(budget)

@@ -15,13 +15,19 @@ import numpy as np
 
 from raydeploy.constraints.matcher import GrammarEngine
 from raydeploy.engine.pages import PagePool
-from raydeploy.engine.request import FinishReason, GenerationRequest, RequestFailed, TokenEvent
+from raydeploy.engine.request import (
+    FinishReason,
+    GenerationRequest,
+    PromptTokenLogprob,
+    RequestFailed,
+    TokenEvent,
+)
 from raydeploy.engine.scheduler.admission import Admission, QueueFullError
 from raydeploy.engine.scheduler.constrained import ConstrainedDraws
 from raydeploy.engine.scheduler.pacing import Pacing
 from raydeploy.engine.scheduler.placement import Placement, rows_per_group
 from raydeploy.engine.scheduler.records import Paging, Queued, Running, Sink
-from raydeploy.engine.step import PageUpdate, SeqStep, StepPlan, StepResult
+from raydeploy.engine.step import PageUpdate, PromptLogprobs, SeqStep, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from raydeploy.config import Config
@@ -365,7 +371,8 @@ class Scheduler:
                 run = Running(q.req, q.sink, len(q.req.prompt_token_ids), q.submitted_s,
                                stop_ids=self._stop_ids(q.req), pages=pages, tokens=list(q.req.prompt_token_ids),
                                computed=pages.shared * p.page_size, cap=cap, matcher=q.matcher,
-                               allowed=q.allowed)
+                               allowed=q.allowed, cached_tokens=pages.shared * p.page_size,
+                               prompt_logprobs=None if q.req.prompt_logprobs is None else [None])
                 self.prefix_hit_tokens += run.computed
                 self._slots[slot] = run
                 self._prefilling.append(slot)
@@ -383,7 +390,8 @@ class Scheduler:
                 if self._slots[slot] is not run:
                     continue  # its grammar allowed no next token
                 self._grow(slot, run, run.computed + steps, updates)
-                seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True, allowed=allowed))
+                seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True, allowed=allowed,
+                                    top_logprobs=run.req.top_logprobs > 0))
                 entries.append((slot, run))
             release = tuple(self._release)
             self._release = []
@@ -444,13 +452,17 @@ class Scheduler:
         first = not run.started
         run.started = True
         prompt = run.req.prompt_token_ids
+        last = start + n == run.prompt_len
         min_tokens = run.req.sampling.min_tokens
         # min_tokens: the engine bans the request's stop ids from draws before prompt_len + min_tokens
         stop_ids = np.asarray(sorted(run.stop_ids), np.int32) if first and min_tokens > 0 and run.stop_ids else None
         seqs.append(SeqStep(slot, np.asarray(prompt[start:start + n], np.int32), start, start + n == run.prompt_len,
                             run.req.sampling if first else None,
                             np.asarray(prompt[:start], np.int32) if first and start > 0 else None, allowed,
-                            stop_ids=stop_ids, stop_until=run.prompt_len + min_tokens if stop_ids is not None else 0))
+                            stop_ids=stop_ids, stop_until=run.prompt_len + min_tokens if stop_ids is not None else 0,
+                            top_logprobs=last and run.req.top_logprobs > 0,
+                            prompt_logprobs=run.req.prompt_logprobs is not None,
+                            next_token=-1 if last else int(prompt[start + n])))
         entries.append((slot, run))
         return True
 
@@ -481,12 +493,17 @@ class Scheduler:
                     continue  # aborted (or failed) while the step ran
                 run.computed += n
                 self.prefill_tokens += n
+                missing = self._prompt_logprobs(run, seq, None if result.prompt is None else result.prompt[i])
+                if missing is not None:  # an engine that computes no prompt logprobs: this request fails alone
+                    events.append((run.sink, self._end_with_error(slot, missing, invalid=False)))
+                    continue
                 if seq.sample:
                     self._prefilling.remove(slot)
                     self.prefills += 1
                     run.first_token_s = now
                     self.ttft_s.append(now - run.submitted_s)
-                    self._token(slot, int(result.tokens[0, i]), None if lps is None else float(lps[0, i]), events)
+                    self._token(slot, int(result.tokens[0, i]), None if lps is None else float(lps[0, i]), events,
+                                _alternatives(run, result, 0, i))
                 if self._slots[slot] is run:
                     self._commit(run)
                 continue
@@ -494,7 +511,8 @@ class Scheduler:
                 if self._slots[slot] is not run:
                     break
                 run.computed += 1
-                self._token(slot, int(result.tokens[k, i]), None if lps is None else float(lps[k, i]), events)
+                self._token(slot, int(result.tokens[k, i]), None if lps is None else float(lps[k, i]), events,
+                            _alternatives(run, result, k, i))
             if self._slots[slot] is run:
                 self._commit(run)
 
@@ -514,7 +532,32 @@ class Scheduler:
         self._emit(events)
 
     # -- internals (lock held)
-    def _token(self, slot: int, token: int, logprob: float | None, events: list) -> None:
+    def _prompt_logprobs(self, run: Running, seq: SeqStep, got: PromptLogprobs | None) -> str | None:
+        """Add a computed chunk's prompt logprobs to `run`'s (each entry is the token after a place of the chunk);
+        what went wrong if the engine returned none for it."""
+        if run.prompt_logprobs is None or not seq.prompt_logprobs:
+            return None
+        if got is None:
+            return f"its prompt chunk at position {seq.start} asked for prompt logprobs and the engine returned none"
+        k = run.req.prompt_logprobs or 0
+        prompt = run.req.prompt_token_ids
+        for j in range(len(got.logprob)):
+            tops = tuple((int(t), float(v)) for t, v in zip(got.top_ids[j, :k], got.top_logprobs[j, :k], strict=True))
+            run.prompt_logprobs.append(PromptTokenLogprob(int(prompt[seq.start + j + 1]), float(got.logprob[j]),
+                                                          int(got.rank[j]), tops))
+        return None
+
+    def _first(self, run: Running, event: TokenEvent) -> TokenEvent:
+        """`event` with what a request's first event carries (cached prompt tokens, prompt logprobs), if it is
+        the first."""
+        if run.reported:
+            return event
+        run.reported = True
+        return dataclasses.replace(event, cached_tokens=run.cached_tokens,
+                                   prompt_logprobs=None if run.prompt_logprobs is None else tuple(run.prompt_logprobs))
+
+    def _token(self, slot: int, token: int, logprob: float | None, events: list,
+               top: tuple[tuple[int, float], ...] | None = None) -> None:
         run = self._slots[slot]
         assert run is not None
         refused = None if run.matcher is None else self.constrained.accept(run, token)
@@ -522,7 +565,7 @@ class Scheduler:
             events.append((run.sink, self._end_with_error(slot, refused, invalid=False)))
             return
         if token in run.stop_ids:  # eos where the grammar may end
-            events.append((run.sink, self._finish(slot, "stop")))
+            events.append((run.sink, self._first(run, self._finish(slot, "stop"))))
             return
         run.generated += 1
         self.tokens_generated += 1
@@ -533,7 +576,8 @@ class Scheduler:
             reason = "stop"  # the grammar has ended: this token is its last
         elif run.generated >= run.req.max_tokens or run.prompt_len + run.generated >= self.max_seq_len:
             reason = "length"
-        events.append((run.sink, TokenEvent(run.req.request_id, token, logprob, run.generated - 1, reason)))
+        events.append((run.sink, self._first(run, TokenEvent(run.req.request_id, token, logprob, run.generated - 1,
+                                                             reason, top_logprobs=top))))
         if reason is not None:
             self._finish(slot, reason)
 
@@ -555,3 +599,12 @@ class Scheduler:
     def _emit(events: list[tuple[Sink, TokenEvent]]) -> None:
         for sink, ev in events:
             sink(ev)
+
+
+def _alternatives(run: Running, result: StepResult, k: int, i: int) -> tuple[tuple[int, float], ...] | None:
+    """Pass `k`'s alternatives of plan sequence `i`, cut to what `run` asked for (None when it asked for none)."""
+    n = run.req.top_logprobs
+    if not n or result.top_ids is None or result.top_logprobs is None:
+        return None
+    return tuple((int(t), float(v)) for t, v in zip(result.top_ids[k, i, :n], result.top_logprobs[k, i, :n],
+                                                     strict=True))

@@ -10,7 +10,7 @@ import numpy as np
 from raydeploy.constraints.matcher import Matcher
 from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.pages import SequencePages
-from raydeploy.engine.request import GenerationRequest, TokenEvent
+from raydeploy.engine.request import GenerationRequest, PromptTokenLogprob, TokenEvent
 
 Sink = Callable[[TokenEvent], None]
 
@@ -98,3 +98,10 @@ class Running:
     allowed: np.ndarray | None = None
     """Its next draw's allowed tokens (packed), computed before planning and outside the scheduler's lock
     (`constrained`); None until then, and again once a token is emitted."""
+    cached_tokens: int = 0
+    """Prompt tokens its first chunk found in the prefix cache (not computed); on its first event."""
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
+    """With `req.prompt_logprobs`: the prompt tokens' logprobs gathered chunk by chunk (position 0's None first);
+    on its first event."""
+    reported: bool = False
+    """Its first event went out (the one that carries `cached_tokens` and the prompt logprobs)."""

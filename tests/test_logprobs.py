@@ -1,0 +1,157 @@
+"""Logprobs beyond the sampled token's, on the real demo model against transformers' float32 log-softmax:
+- the top-20 alternatives of each generated token: sorted, the greedy token first, equal to the reference within
+  1e-3, over multi-pass decode plans; a smaller count is cut to it;
+- prompt logprobs (each prompt token's logprob, rank and alternatives) equal to the reference within 1e-3 over a
+  prefill in chunks of 16, and for a request whose prompt is in the prefix cache (it computes the prompt again:
+  `cached_tokens` 0, while the same prompt without prompt logprobs reuses the cached pages);
+- the plan's wire form keeps the new fields.
+
+The engine runs the XLA matmul (`cpu_matmul: xla`): the native CPU kernel's AVX-512 build rounds to within 5e-3 of
+the reference, which says nothing about these results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_engine_paged import _build_engine
+
+from raydeploy.engine.local import LocalRunner
+from raydeploy.engine.request import GenerationRequest
+from raydeploy.engine.scheduler import Paging, Scheduler
+from raydeploy.engine.step import MAX_TOP_LOGPROBS, SeqStep, StepPlan
+
+TOL = 1e-3
+TEXT = ("The lighthouse keeper climbed the stairs every evening, counting the steps aloud, and lit the lamp "
+        "before the ships came round the cape. On stormy nights he stayed awake until dawn, watching the beam "
+        "sweep over the black water and listening for bells.")
+
+
+@pytest.fixture(scope="module")
+def engine(demo_checkpoint):
+    return _build_engine(demo_checkpoint, {"dp": 1}, prefill_chunk=16, cpu_matmul="xla")
+
+
+def _scheduler(engine) -> Scheduler:
+    paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens, True)
+    return Scheduler(engine.max_slots, engine.max_seq_len, engine.eos_ids, 16, paging, slot_order=engine.slot_order,
+                     decode_steps=engine.decode_steps, vocab_size=engine.vocab_size)
+
+
+def _events(runner: LocalRunner, req: GenerationRequest) -> list:
+    stream = runner.submit(req)
+    runner.run_until_idle()
+    return list(stream.events(5.0))
+
+
+def _reference(demo_hf, ids: list[int]) -> np.ndarray:
+    """transformers' log-softmax at every place of `ids` ([len(ids), vocab])."""
+    model = demo_hf[0]
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+@pytest.mark.model
+def test_top_20_alternatives_are_sorted_start_with_the_greedy_token_and_match_transformers(engine, demo_hf):
+    tok = demo_hf[1]
+    prompt = tok(TEXT)["input_ids"]
+    runner = LocalRunner(engine, _scheduler(engine))
+    events = _events(runner, GenerationRequest("a", tuple(prompt), 10, ignore_eos=True,
+                                               top_logprobs=MAX_TOP_LOGPROBS))
+    tokens = [ev for ev in events if ev.token_id is not None]
+    assert len(tokens) == 10
+    ref = _reference(demo_hf, prompt + [ev.token_id for ev in tokens])
+    for j, ev in enumerate(tokens):
+        top = ev.top_logprobs
+        assert top is not None and len(top) == MAX_TOP_LOGPROBS
+        ids, lps = [t for t, _ in top], np.asarray([v for _, v in top])
+        assert ids[0] == ev.token_id, f"token {j}: the greedy token {ev.token_id} is not the first alternative"
+        assert np.all(np.diff(lps) <= 0), f"token {j}: alternatives not in descending order"
+        assert len(set(ids)) == MAX_TOP_LOGPROBS
+        place = ref[len(prompt) + j - 1]
+        np.testing.assert_allclose(lps, place[ids], atol=TOL)
+        np.testing.assert_allclose(lps, np.sort(place)[::-1][:MAX_TOP_LOGPROBS], atol=TOL)
+        assert abs(ev.logprob - lps[0]) < 1e-5  # the sampled token's own logprob is under the same distribution
+    # a smaller count is cut to it; a request without any gets none
+    few = _events(runner, GenerationRequest("b", tuple(prompt), 3, ignore_eos=True, top_logprobs=3))
+    none = _events(runner, GenerationRequest("c", tuple(prompt), 3, ignore_eos=True))
+    assert [len(ev.top_logprobs) for ev in few if ev.token_id is not None] == [3, 3, 3]
+    assert [ev.top_logprobs for ev in few if ev.token_id is not None][0] == tokens[0].top_logprobs[:3]
+    assert all(ev.top_logprobs is None for ev in none)
+
+
+def _check_prompt_logprobs(entries, prompt: list[int], ref: np.ndarray, k: int) -> None:
+    assert len(entries) == len(prompt) and entries[0] is None
+    got = np.asarray([e.logprob for e in entries[1:]])
+    want = np.asarray([ref[i - 1, prompt[i]] for i in range(1, len(prompt))])
+    np.testing.assert_allclose(got, want, atol=TOL)
+    for i, e in enumerate(entries[1:], start=1):
+        assert e.token_id == prompt[i]
+        place = ref[i - 1]
+        assert e.rank == 1 + int(np.sum(place > place[prompt[i]])), f"prompt token {i}: rank"
+        assert len(e.top) == k
+        assert [t for t, _ in e.top] == list(np.argsort(-place, kind="stable")[:k]), f"prompt token {i}: top ids"
+        np.testing.assert_allclose([v for _, v in e.top], np.sort(place)[::-1][:k], atol=TOL)
+
+
+@pytest.mark.model
+def test_prompt_logprobs_match_transformers_over_chunks_and_bypass_the_prefix_cache(engine, demo_hf):
+    tok = demo_hf[1]
+    prompt = tok(TEXT)["input_ids"]
+    assert len(prompt) > 3 * engine.max_step_tokens  # prefilled in several chunks of 16
+    ref = _reference(demo_hf, prompt)
+    sched = _scheduler(engine)
+    runner = LocalRunner(engine, sched)
+    first = _events(runner, GenerationRequest("warm", tuple(prompt), 2))  # fills the prefix cache
+    assert first[0].cached_tokens == 0 and first[0].prompt_logprobs is None
+    again = _events(runner, GenerationRequest("hit", tuple(prompt), 2))
+    cached = (len(prompt) - 1) // engine.page_size * engine.page_size
+    assert again[0].cached_tokens == cached > 0  # the prompt's full pages were reused
+    asked = _events(runner, GenerationRequest("lp", tuple(prompt), 2, prompt_logprobs=5))
+    assert asked[0].cached_tokens == 0  # computed again: cached pages hold no logits
+    _check_prompt_logprobs(asked[0].prompt_logprobs, prompt, ref, 5)
+    assert all(ev.prompt_logprobs is None for ev in asked[1:])
+    # the generated tokens are the same with and without prompt logprobs
+    assert [ev.token_id for ev in asked] == [ev.token_id for ev in first]
+    # without alternatives: the token's own logprob and rank only
+    bare = _events(runner, GenerationRequest("bare", tuple(prompt), 1, prompt_logprobs=0))
+    _check_prompt_logprobs(bare[0].prompt_logprobs, prompt, ref, 0)
+
+
+@pytest.mark.model
+def test_prompt_logprobs_beside_decoding_rows_and_a_one_token_prompt(engine, demo_hf):
+    """A prompt chunk that asks shares its steps with decode rows of another request (which do not ask), and a
+    prompt of one token has one entry, None."""
+    tok = demo_hf[1]
+    prompt = tok(TEXT)["input_ids"]
+    ref = _reference(demo_hf, prompt)
+    runner = LocalRunner(engine, _scheduler(engine))
+    busy = runner.submit(GenerationRequest("busy", tuple(prompt[:5]), 30, ignore_eos=True))
+    runner.step_once()
+    runner.step_once()
+    asked = runner.submit(GenerationRequest("lp", tuple(prompt), 1, prompt_logprobs=2, top_logprobs=2))
+    runner.run_until_idle()
+    events = list(asked.events(5.0))
+    _check_prompt_logprobs(events[0].prompt_logprobs, prompt, ref, 2)
+    assert all(ev.top_logprobs is None for ev in busy.events(5.0))
+    one = _events(runner, GenerationRequest("one", (prompt[0],), 1, prompt_logprobs=3))
+    assert one[0].prompt_logprobs == (None,)
+
+
+def test_seq_step_wire_keeps_the_logprob_fields():
+    q = SeqStep(3, np.asarray([5, 6, 7], np.int32), 16, False, top_logprobs=True, prompt_logprobs=True,
+                next_token=42)
+    back = StepPlan.from_bytes(StepPlan(1, seqs=(q,)).to_bytes()).seqs[0]
+    assert (back.top_logprobs, back.prompt_logprobs, back.next_token) == (True, True, 42)
+    plain = StepPlan.from_bytes(StepPlan(1, seqs=(SeqStep(0, np.zeros(0, np.int32), 4, True),)).to_bytes()).seqs[0]
+    assert (plain.top_logprobs, plain.prompt_logprobs, plain.next_token) == (False, False, -1)
+
+
+def test_requests_asking_for_more_than_20_alternatives_are_refused():
+    from raydeploy.engine.request import RequestFailed
+
+    sched = Scheduler(4, 256, (2,), 4, Paging(16, 64, 1, 64, True))
+    for field in ("top_logprobs", "prompt_logprobs"):
+        with pytest.raises(RequestFailed, match=f"{field} must be between 0 and 20, found 21"):
+            sched.submit(GenerationRequest("x", (1, 2, 3), 4, **{field: 21}), lambda ev: None)
