@@ -124,8 +124,9 @@ class SamplingParams:
         unknown = sorted(set(v) - set(known))
         if unknown:
             raise ValueError(f"sampling fields {unknown} are not among {known}")
-        return cls(**{n: (tuple((int(t), float(b)) for t, b in x) if n == "logit_bias"
-                          else type(getattr(neutral, n))(x)) for n, x in v.items()})
+        values: dict[str, Any] = {n: (tuple((int(t), float(b)) for t, b in x) if n == "logit_bias"
+                                      else type(getattr(neutral, n))(x)) for n, x in v.items()}
+        return cls(**values)
 
 
 @dataclass(frozen=True)
