@@ -24,11 +24,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from raydeploy.config import Config
 from raydeploy.constraints.spec import Constraint
 from raydeploy.engine.geometry import AdmissionLimits
-from raydeploy.engine.request import GenerationRequest
+from raydeploy.engine.request import GenerationRequest, PromptTokenLogprob
 from raydeploy.engine.step import SamplingParams
 from raydeploy.serve.backend import Backend
 from raydeploy.serve.errors import (
@@ -92,6 +93,10 @@ class Job:
     """The stop string that ended the text stays at its end (`include_stop_str_in_output`)."""
     skip_special_tokens: bool = True
     """Special tokens are left out of the text (the tokens themselves still count and carry logprobs)."""
+    top_logprobs: int = 0
+    """Alternatives per generated token (0..20: `GenerationRequest.top_logprobs`)."""
+    prompt_logprobs: int | None = None
+    """The prompt tokens' logprobs with this many alternatives (None: none; `echo` and vLLM's `prompt_logprobs`)."""
 
 
 @dataclass
@@ -104,6 +109,10 @@ class Piece:
     finish_reason: str | None = None
     cached_tokens: int | None = None
     """On a job's first piece: its prompt tokens the gang found in the prefix cache (`TokenEvent.cached_tokens`)."""
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    """With the token, when the job asked: (token id, logprob) of the most likely tokens, descending."""
+    prompt_logprobs: tuple[PromptTokenLogprob | None, ...] | None = None
+    """On a job's first piece, when it asked: per prompt token, its logprob, rank and alternatives (None first)."""
 
 
 @dataclass
@@ -118,6 +127,10 @@ class Choice:
     prompt_tokens: int
     cached_tokens: int | None = None
     """Prompt tokens the gang found in the prefix cache."""
+    top_logprobs: list[tuple[tuple[int, float], ...] | None] = field(default_factory=list)
+    """Per generated token, its alternatives (None where the job asked for none)."""
+    prompt_logprobs: tuple[PromptTokenLogprob | None, ...] | None = None
+    """Per prompt token, when the job asked (`Job.prompt_logprobs`)."""
 
 
 class ServingCore:
@@ -236,10 +249,14 @@ class ServingCore:
         """Stream one job: the pieces of each batch of token events the gang sent at once (a plan's tokens), so a
         stream writes them in one response message. Raises APIError subclasses only; always frees the gang slot
         if it ends early."""
+        # max_tokens 0 (echo of the prompt and its logprobs only): the gang draws one token, which is dropped
+        prompt_only = job.max_tokens == 0
         req = GenerationRequest(request_id=job.request_id, prompt_token_ids=tuple(job.prompt_ids),
-                                max_tokens=job.max_tokens, sampling=job.sampling,
+                                max_tokens=max(1, job.max_tokens), sampling=job.sampling,
                                 stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
-                                constraint=job.constraint)
+                                constraint=job.constraint, top_logprobs=job.top_logprobs,
+                                prompt_logprobs=job.prompt_logprobs)
+        first: dict[str, Any] | None = None  # what the first event brought, for the first piece
         end_ids = set(job.stop_token_ids) | (set() if job.ignore_eos else set(self.codec.eos_token_ids))
         detok = self.codec.detokenizer(job.skip_special_tokens)
         stopper = StopMatcher(job.stop, job.include_stop_str)
@@ -271,6 +288,15 @@ class ServingCore:
                     if ev.finish_reason == "error":
                         done_in_gang = True
                         raise _event_error(ev)
+                    more: dict[str, Any] = {"top_logprobs": ev.top_logprobs}
+                    if first is None:  # the job's first piece carries what its first event brought
+                        first = {"cached_tokens": ev.cached_tokens, "prompt_logprobs": ev.prompt_logprobs}
+                        more.update(first)
+                    if prompt_only:
+                        done_in_gang = ev.finish_reason is not None
+                        finished, end = True, "length"
+                        yield [Piece("", None, None, "length", **first)]
+                        return
                     text = ""
                     if ev.token_id is not None:
                         n_out += 1
@@ -281,11 +307,11 @@ class ServingCore:
                         text = "" if is_end_token else stopper.feed(detok.add(ev.token_id))
                         if stopper.stopped:
                             finished, end = True, "stop"
-                            out.append(Piece(text, ev.token_id, ev.logprob, "stop"))
+                            out.append(Piece(text, ev.token_id, ev.logprob, "stop", **more))
                             yield out
                             return
                         if ev.finish_reason is None:
-                            out.append(Piece(text, ev.token_id, ev.logprob))
+                            out.append(Piece(text, ev.token_id, ev.logprob, **more))
                             continue
                     if ev.finish_reason is not None:
                         done_in_gang = finished = True
@@ -294,7 +320,7 @@ class ServingCore:
                         tail = stopper.feed(detok.flush())
                         tail += "" if stopper.stopped else stopper.finish()
                         reason = "stop" if (stopper.stopped or ev.finish_reason == "stop") else ev.finish_reason
-                        out.append(Piece(text + tail, ev.token_id, ev.logprob, reason))
+                        out.append(Piece(text + tail, ev.token_id, ev.logprob, reason, **more))
                         end = reason
                         yield out
                         return
@@ -331,17 +357,20 @@ class ServingCore:
         task.add_done_callback(self._background.discard)
 
     async def run(self, job: Job, arrived_s: float) -> Choice:
-        text, ids, lps, reason, cached = [], [], [], "length", None
+        text, ids, lps, tops, reason, cached, prompt_lps = [], [], [], [], "length", None, None
         async for p in self.pieces(job, arrived_s):
             text.append(p.text)
             if p.cached_tokens is not None:
                 cached = p.cached_tokens
+            if p.prompt_logprobs is not None:
+                prompt_lps = p.prompt_logprobs
             if p.token_id is not None:
                 ids.append(p.token_id)
                 lps.append(p.logprob)
+                tops.append(p.top_logprobs)
             if p.finish_reason:
                 reason = p.finish_reason
-        return Choice(job.index, "".join(text), ids, lps, reason, len(job.prompt_ids), cached)
+        return Choice(job.index, "".join(text), ids, lps, reason, len(job.prompt_ids), cached, tops, prompt_lps)
 
     async def run_all(self, jobs: Sequence[Job], arrived_s: float) -> list[Choice]:
         """All jobs concurrently (they batch together on the gang); the first failure cancels the rest."""
