@@ -3,10 +3,13 @@
 The sampler reads the one sampling type, `SamplingParams` (`raydeploy.engine.step`), with one array per field
 (a value per row, from each request's params): this module registers it as a pytree, so it passes through
 `jit` and `shard_map` by its field names, and one compiled program serves any mix of greedy and sampled
-requests. `RowSampling` is a step's sampling rows: those params, each row's slot and the position its token
-takes. Order follows Hugging Face: repetition penalty, temperature, top-k, top-p. Randomness
-is a pure function of the request's seed and the token's position (`fold_in(key(seed), position)`), so every
-host of a gang draws the same token and a request replays identically whatever else shares the batch.
+requests. `RowSampling` is a step's sampling rows: those params, their logit-bias tables, each row's slot and
+the position its token takes. Order follows vLLM's: the allowed-token mask, logit_bias, the repetition penalty,
+OpenAI's frequency and presence penalties (over generated tokens, counted in each slot's token state:
+`STATE_DTYPE`), temperature, then top-k, top-p and min_p. Randomness is a pure function of the request's 64-bit
+seed and the token's position (`row_keys`: `fold_in(key(seed), position)` for a seed below 2**32, its high word
+folded in first otherwise), so every host of a gang draws the same token and a request replays identically
+whatever else shares the batch.
 The reported logprob is the chosen token's log-probability under the raw model distribution
 (temperature 1, no filters, no penalty, and no allowed-token mask).
 
