@@ -46,7 +46,7 @@ def live(demo_checkpoint):
     os.environ[KEYS_ENV] = f"sk-other,{KEY}"  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [
         "model.max_seq_len=256", "engine.max_new_tokens=128",
-        "engine.max_slots=8", "serving.max_queue=8", f"serving.port={_free_port()}",
+        "engine.max_slots=8", "serving.max_queue=8", "serving.max_waiting=0", f"serving.port={_free_port()}",
         f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=600", "serving.max_body_bytes=65536",
         "cluster.heartbeat_timeout_s=5", "cluster.restart_backoff_s=0.5", "cluster.max_restarts=2"])
     assert connect_ray(None, temp_dir=f"/tmp/rds-{os.getpid()}", num_cpus=2)

@@ -233,9 +233,9 @@ HUGE_COUNTS = [
      ["3000 text parts", "at most 2048"]),
     ("5000 history turns", "/chat", {"prompt": "x", "history": [["a", "b"]] * 5000}, "history",
      ["5000 turns", "at most 1024"]),
-    ("5 stop strings", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop",
-     ["at most 4 stop strings"]),
+    ("65 stop strings", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "stop": [f"s{i}" for i in range(65)]}, "stop",
+     ["at most 64 stop strings"]),
 ]
 
 

@@ -33,6 +33,7 @@ def codec() -> TextCodec:
 def cfg():
     return load_config(None, ["model.max_seq_len=128",
                               "engine.max_new_tokens=64", "engine.max_slots=4", "serving.max_queue=2",
+                              "serving.max_waiting=0",  # refused at once beyond capacity (waiting: test_serve_waiting)
                               "serving.max_body_bytes=4096"])
 
 
@@ -229,18 +230,17 @@ def test_legacy_chat_and_instruct(served, codec):
     ({"prompt": "x", "top_k": -2}, "top_k", "greater than or equal to -1"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"prompt": "x", "max_tokens": 65}, "max_tokens", "at most 64 tokens"),
-    ({"prompt": "x", "seed": -3}, "seed", "greater than or equal to 0"),
+    ({"prompt": "x", "seed": 2**64 + 5}, None, "outside the 64-bit range"),
     ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
-    ({"prompt": "x", "n": 9}, "n", "less than or equal to 8"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop strings"),
+    ({"prompt": "x", "n": 9}, "n", "at most 6"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, "stop", "at most 64 stop strings"),
     ({"prompt": "x", "stop": [""]}, "stop", "must not be empty"),
     ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
     ({"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
     ({"prompt": "x", "echo": True}, "echo", "not supported"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
-    ({"prompt": "x", "temprature": 0.5}, "temprature", "unknown parameter"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"prompt": "x", "logit_bias": {"5": 101.0}}, "logit_bias.5", "less than or equal to 100"),
+    ({"prompt": "x", "logit_bias": {"999999": 1.0}}, "logit_bias", "999999"),
     ({"prompt": ""}, "prompt", "must not be empty"),
     ({"prompt": []}, "prompt", "must not be empty"),
     ({"prompt": [[]]}, "prompt", "must not be empty"),

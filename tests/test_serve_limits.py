@@ -284,9 +284,10 @@ def test_past_the_ingress_bound_a_quick_503_and_probes_still_answer(codec, cfg):
 
 
 def test_the_default_ingress_bound_follows_the_config(cfg):
-    assert ingress_bound(cfg) == max(256, 4 * (4 * 1 + 64))
-    big = load_config(None, ["engine.max_slots=64", "replicas.max=4", "serving.max_queue=128"])
-    assert ingress_bound(big) == 4 * (64 * 4 + 128)
+    assert ingress_bound(cfg) == 4 * 1 + 64 + cfg.serving.max_waiting + 256  # the admitted, the line, bodies
+    big = load_config(None, ["engine.max_slots=64", "replicas.max=4", "serving.max_queue=128",
+                             "serving.max_waiting=1000"])
+    assert ingress_bound(big) == 64 * 4 + 128 + 1000 + 256
     assert ingress_bound(load_config(None, ["serving.max_ingress_requests=7"])) == 7
     with pytest.raises(ConfigError, match="serving.max_ingress_requests"):
         load_config(None, ["serving.max_ingress_requests=0"])

@@ -28,6 +28,11 @@ def validate(cfg: Config) -> None:
     }
     if s.max_ingress_requests is not None:
         positive["serving.max_ingress_requests"] = s.max_ingress_requests
+    if s.queue_wait_s is not None:
+        positive["serving.queue_wait_s"] = s.queue_wait_s
+    if s.max_waiting < 0:
+        raise ConfigError(f"must be >= 0 (0: no request waits for capacity), found {s.max_waiting}", file=src,
+                          key="serving.max_waiting")
     if e.max_new_tokens is not None:
         positive["engine.max_new_tokens"] = e.max_new_tokens
     if s.max_concurrent_per_key is not None and s.max_concurrent_per_key < 0:

@@ -36,7 +36,8 @@ from raydeploy.serve.auth import ApiKeyCheck, load_api_keys
 from raydeploy.serve.backend import ReplicaBackend
 from raydeploy.serve.generation import Limits, ServingCore
 from raydeploy.serve.limits import PROBE_HEADROOM, FrontDoorLimits, ingress_bound
-from raydeploy.serve.metrics import ServingMetrics
+from raydeploy.serve.metrics import ServingMetrics, multiprocess_env
+from raydeploy.serve.routes.shared import system_fingerprint
 from raydeploy.serve.text import TextCodec
 
 if TYPE_CHECKING:
@@ -77,9 +78,11 @@ class ServeIngress:
         name = model_name(cfg, checkpoint_dir)
         self.core = ServingCore(backend, codec, Limits.from_config(cfg, name), ServingMetrics())
         info = ServerInfo(config=public_config(cfg), devices=cfg.total_devices, process_count=cfg.cluster.num_hosts,
-                          mesh=cfg.mesh_shape)
+                          mesh=cfg.mesh_shape, system_fingerprint=system_fingerprint(cfg, checkpoint_dir))
         self._fastapi = create_app(self.core, api_keys=keys, max_body_bytes=cfg.serving.max_body_bytes, info=info,
-                                   cors_origins=cfg.serving.cors_origins, front_door=FrontDoorLimits.from_config(cfg),
+                                   cors_origins=cfg.serving.cors_origins, cors_allow_headers=cfg.serving.cors_allow_headers,
+                                   cors_allow_methods=cfg.serving.cors_allow_methods,
+                                   front_door=FrontDoorLimits.from_config(cfg),
                                    metrics_refresh_s=cfg.serving.metrics_refresh_s,
                                    chat=chat_format_for(cfg, checkpoint_dir, codec))
         log.info("raydeploy ingress ready: model %s, API keys %s", name, "on" if keys.enabled else "off")
@@ -165,5 +168,9 @@ def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s:
     # queued in the proxy. The proxy's queue for the ingress is bounded too (it fills only if every ingress
     # replica is stuck): memory stays bounded whatever the load.
     bound = ingress_bound(cfg)
+    # every ingress replica of this run writes its counters and histograms to one directory per node
+    # (prometheus_client's multiprocess mode), so /metrics from any replica adds up all of them
+    actor_options = {"num_cpus": 0, "runtime_env": {"env_vars": multiprocess_env(APP_NAME)}}
     return ingress.options(num_replicas=cfg.serving.ingress_replicas, max_ongoing_requests=bound + PROBE_HEADROOM,
-                           max_queued_requests=bound).bind(cfg, str(checkpoint_dir), gangs)
+                           max_queued_requests=bound, ray_actor_options=actor_options).bind(
+        cfg, str(checkpoint_dir), gangs)
