@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True,
                    help="out.jsonl, one row per input line; rows already there are checked against the input and "
                         "kept (resume); <output>.lock keeps a second run out")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default engine.max_new_tokens)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per prompt (default: a line's own max_tokens, else engine.max_new_tokens if set, else "
+                        "until the context ends)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 is greedy (default: the config's engine.sampling.temperature)")
     p.add_argument("--on-error", dest="on_error", choices=["skip", "fail"], default="skip",

@@ -416,3 +416,15 @@ def test_resume_redoes_only_missing_rows(tmp_path: Path, codec, cfg, capsys: pyt
     # all done: nothing is generated and no gang is needed
     assert run_predict(cfg, _args(inp, out), gang=None) == 0
     assert "wrote 0 row(s)" in capsys.readouterr().err
+
+
+def test_without_a_cap_a_line_generates_until_the_context_ends(tmp_path: Path, codec) -> None:
+    uncapped = load_config(None, ["model.max_seq_len=256"])  # engine.max_new_tokens: null (no operator cap)
+    assert uncapped.engine.max_new_tokens is None
+    p = _write(tmp_path, ['{"prompt": "The capital of France is"}', '{"prompt": "Hi", "max_tokens": 500}',
+                          '{"prompt": "Hi", "max_tokens": 200}'])
+    first, too_long, fits = _parse_all(p, codec, uncapped, None)
+    assert isinstance(first, Example)
+    assert first.max_tokens == 256 - len(first.prompt_token_ids)
+    assert isinstance(too_long, BadLine) and too_long.reason == '"max_tokens" 500 leaves no room for a prompt in model.max_seq_len 256'
+    assert isinstance(fits, Example) and fits.max_tokens == 200

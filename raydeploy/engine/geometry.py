@@ -99,10 +99,11 @@ def default_page_buckets(max_pages: int, page_size: int) -> list[int]:
 @dataclass(frozen=True)
 class AdmissionLimits:
     """What one engine admits: prompt and output together within `max_seq_len`, at most `max_new_tokens` new
-    tokens, `max_slots` sequences at once. From the config alone (`from_config`)."""
+    tokens (the operator's cap; None: only the context bounds them), `max_slots` sequences at once. From the config
+    alone (`from_config`)."""
 
     max_seq_len: int
-    max_new_tokens: int
+    max_new_tokens: int | None
     max_slots: int
 
     @classmethod

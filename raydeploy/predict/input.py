@@ -86,7 +86,7 @@ def _tokens(row: dict[str, Any], codec: Any) -> list[int]:
     return list(codec.encode_chat(text))
 
 
-def parse_line(line: InputLine, codec: Any, cfg: Config, default_max_tokens: int) -> Example | BadLine:
+def parse_line(line: InputLine, codec: Any, cfg: Config, default_max_tokens: int | None) -> Example | BadLine:
     """One input line -> an Example, or a BadLine with the reason it cannot be used."""
     sha = line.sha256
     row: Any = None
@@ -100,15 +100,20 @@ def parse_line(line: InputLine, codec: Any, cfg: Config, default_max_tokens: int
         if not isinstance(row, dict):
             raise ValueError(f"expected a JSON object, found {type(row).__name__}")
         ids = _tokens(row, codec)
-        max_tokens = row.get("max_tokens", default_max_tokens)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f'"max_tokens" must be a positive integer, found {max_tokens!r}')
         admits = AdmissionLimits.from_config(cfg)
-        if max_tokens > admits.max_new_tokens:
-            raise ValueError(f'"max_tokens" {max_tokens} exceeds engine.max_new_tokens {admits.max_new_tokens}')
-        limit = admits.max_seq_len - max_tokens
         if not ids:
             raise ValueError("the prompt has no tokens")
+        max_tokens = row.get("max_tokens", default_max_tokens)
+        if max_tokens is None:  # no cap anywhere: until the context ends (or a stop), as the HTTP API
+            max_tokens = max(admits.max_seq_len - len(ids), 1)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f'"max_tokens" must be a positive integer, found {max_tokens!r}')
+        if admits.max_new_tokens is not None and max_tokens > admits.max_new_tokens:
+            raise ValueError(f'"max_tokens" {max_tokens} exceeds engine.max_new_tokens {admits.max_new_tokens}')
+        limit = admits.max_seq_len - max_tokens
+        if limit < 1:
+            raise ValueError(f'"max_tokens" {max_tokens} leaves no room for a prompt in model.max_seq_len '
+                             f'{admits.max_seq_len}')
         if len(ids) > limit:
             raise ValueError(f"prompt has {len(ids)} tokens; model.max_seq_len {admits.max_seq_len} with "
                              f"max_tokens {max_tokens} leaves room for {limit}")
