@@ -155,3 +155,158 @@ def test_requests_asking_for_more_than_20_alternatives_are_refused():
     for field in ("top_logprobs", "prompt_logprobs"):
         with pytest.raises(RequestFailed, match=f"{field} must be between 0 and 20, found 21"):
             sched.submit(GenerationRequest("x", (1, 2, 3), 4, **{field: 21}), lambda ev: None)
+
+
+# -- over HTTP: the real engine behind the ASGI app ---------------------------------------------------------------
+
+
+class RunnerBackend:
+    """The HTTP layer's `Backend` over an in-process `LocalRunner` (its step loop in a thread): the real engine
+    and scheduler without Ray."""
+
+    def __init__(self, runner: LocalRunner) -> None:
+        self.runner = runner
+        self.requests: list[GenerationRequest] = []
+
+    async def state(self) -> dict:
+        return {"state": "ready", "restarts": 0, "last_error": None, "ready_gangs": 1, "total_gangs": 1}
+
+    async def generate(self, req: GenerationRequest):
+        import asyncio
+
+        self.requests.append(req)
+        events = self.runner.submit(req).events(60.0)
+        while (ev := await asyncio.to_thread(next, events, None)) is not None:
+            yield [ev]
+
+    async def abort(self, request_id: str) -> bool:
+        with self.runner.loop.lock:
+            return self.runner.scheduler.abort(request_id)
+
+    async def stats(self) -> dict:
+        return {}
+
+    async def status(self) -> dict:
+        return {}
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    import httpx
+    from serve_fakes import tokenizer_dir
+
+    from raydeploy.config import load_config
+    from raydeploy.serve.app import create_app
+    from raydeploy.serve.generation import Limits, ServingCore
+    from raydeploy.serve.text import TextCodec
+
+    cfg = load_config(None, ["model.max_seq_len=256", "engine.max_slots=4", "engine.sampling.temperature=0"])
+    codec = TextCodec.from_dir(tokenizer_dir())
+    runner = LocalRunner(engine, _scheduler(engine)).start()
+    backend = RunnerBackend(runner)
+    app = create_app(ServingCore(backend, codec, Limits.from_config(cfg, "demo")))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120)
+    yield client, backend, codec
+    runner.stop()
+
+
+def _post(served, path: str, body: dict) -> dict:
+    import asyncio
+
+    client = served[0]
+    resp = asyncio.run(client.post(path, json=body))
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _stream(served, path: str, body: dict) -> list[dict]:
+    import asyncio
+    import json
+
+    async def go() -> list[dict]:
+        async with served[0].stream("POST", path, json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            lines = [line async for line in resp.aiter_lines() if line.startswith("data: {")]
+        return [json.loads(line[len("data: "):]) for line in lines]
+
+    return asyncio.run(go())
+
+
+@pytest.mark.model
+def test_completions_echo_returns_the_prompt_and_its_logprobs_first(served, demo_hf):
+    codec = served[2]
+    ids = codec.encode(TEXT)
+    ref = _reference(demo_hf, ids)
+    body = _post(served, "/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 2, "max_tokens": 1,
+                                              "temperature": 0})
+    choice = body["choices"][0]
+    assert choice["text"].startswith(TEXT) and len(choice["text"]) > len(TEXT)
+    lp = choice["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 1
+    assert lp["tokens"][:n] == [codec.token_text(t) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing precedes the first token
+    np.testing.assert_allclose(lp["token_logprobs"][1:n], [ref[i - 1, ids[i]] for i in range(1, n)], atol=TOL)
+    for i in range(1, n):  # lm-eval's greedy check: the token's logprob against the best of top_logprobs
+        top = lp["top_logprobs"][i]
+        assert codec.token_text(ids[i]) in top and 2 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(float(ref[i - 1].max()), abs=TOL)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][n] == len(TEXT)
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    # the generated token: greedy, so its logprob is the best of its alternatives
+    assert lp["token_logprobs"][n] == pytest.approx(max(lp["top_logprobs"][n].values()), abs=1e-6)
+    # the prompt logprobs were asked with the echo's 2 alternatives
+    assert served[1].requests[-1].prompt_logprobs == 2 and served[1].requests[-1].top_logprobs == 2
+
+    # streamed: the prompt's chunk first, then the token's
+    chunks = _stream(served, "/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 2, "max_tokens": 1,
+                                                  "temperature": 0})
+    first = chunks[0]["choices"][0]
+    assert first["text"] == TEXT and first["logprobs"]["token_logprobs"][0] is None
+    np.testing.assert_allclose(first["logprobs"]["token_logprobs"][1:], lp["token_logprobs"][1:n], atol=1e-6)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+
+
+@pytest.mark.model
+def test_completions_echo_without_generating(served, demo_hf):
+    codec = served[2]
+    ids = codec.encode(TEXT)
+    body = _post(served, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0})
+    choice = body["choices"][0]
+    assert choice["logprobs"]["tokens"] == [codec.token_text(t) for t in ids]
+    assert choice["logprobs"]["top_logprobs"] is None and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0
+    ref = _reference(demo_hf, ids)
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:],
+                               [ref[i - 1, ids[i]] for i in range(1, len(ids))], atol=TOL)
+
+
+@pytest.mark.model
+def test_vllm_prompt_logprobs_and_chat_alternatives(served, demo_hf):
+    codec = served[2]
+    ids = codec.encode(TEXT)
+    ref = _reference(demo_hf, ids)
+    body = _post(served, "/v1/completions", {"prompt": TEXT, "prompt_logprobs": 1, "max_tokens": 2})
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        mine = plp[i][str(ids[i])]
+        assert mine["logprob"] == pytest.approx(float(ref[i - 1, ids[i]]), abs=TOL)
+        assert mine["rank"] == 1 + int(np.sum(ref[i - 1] > ref[i - 1, ids[i]]))
+        assert mine["decoded_token"] == codec.token_text(ids[i])
+        best = str(int(np.argmax(ref[i - 1])))
+        assert plp[i][best]["rank"] == 1 and len(plp[i]) == (1 if best == str(ids[i]) else 2)
+
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "logprobs": True, "top_logprobs": 3,
+            "max_tokens": 4, "temperature": 0}
+    content = _post(served, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    assert len(content) >= 1
+    for entry in content:
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3 and tops[0]["token"] == entry["token"]
+        assert tops[0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert tops[0]["bytes"] == list(tops[0]["token"].encode("utf-8"))
+    streamed = [c["choices"][0]["logprobs"] for c in _stream(served, "/v1/chat/completions", chat)
+                if c["choices"] and c["choices"][0].get("logprobs")]
+    assert [e for lp in streamed for e in lp["content"]] == content

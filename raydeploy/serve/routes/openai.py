@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from raydeploy.constraints.spec import KINDS
 from raydeploy.serve.chat import ChatFormat
 from raydeploy.serve.errors import InvalidRequest
-from raydeploy.serve.generation import new_id
+from raydeploy.serve.generation import Job, new_id
 from raydeploy.serve.limits import Admission
 from raydeploy.serve.protocol import ChatCompletionRequest, CompletionRequest
-from raydeploy.serve.responses import ChatBuilder, CompletionBuilder
+from raydeploy.serve.responses import ChatBuilder, CompletionBuilder, Echo
 from raydeploy.serve.routes.shared import ServerInfo, ingress, json_body
 from raydeploy.serve.structured import chat_constraint, output_constraint, tool_dicts
 
@@ -53,8 +53,17 @@ async def completions(request: Request) -> Response:
         jobs = ing.make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt",
                              max_param="max_tokens", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
                              **_job_args(body), request_id=new_id("cmpl"), constraint=constraint)
+        top = body.logprobs or 0
+        echo = None
+        if body.echo:  # each prompt as sent (ids decoded), and its logprobs when logprobs are asked for
+            texts = [item if isinstance(item, str) else core.codec.decode(ids, False)
+                     for item, ids in zip(items, prompts, strict=True)]
+            echo = Echo(tuple((t, tuple(ids)) for t, ids in zip(texts, prompts, strict=True)), body.n)
+        _ask_logprobs(jobs, top, _prompt_alternatives(top if body.echo and body.logprobs is not None else None,
+                                                      body.prompt_logprobs))
         builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
-                                    body.logprobs is not None)
+                                    body.logprobs is not None, top_logprobs=top, echo=echo,
+                                    prompt_logprobs=body.prompt_logprobs)
         builder.system_fingerprint = ing.info.fingerprint()
         return await ing.respond(ticket, jobs, builder, sum(len(p) for p in prompts), body.stream,
                                  body.stream_usage, arrived, headers)
@@ -87,8 +96,11 @@ async def chat_completions(request: Request) -> Response:
         jobs = ing.make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages",
                              max_param=body.token_limit_param, default_max=None, **_job_args(body),
                              request_id=new_id("chatcmpl"), constraint=constraint)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        _ask_logprobs(jobs, top, body.prompt_logprobs)
         builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
-                              body.logprobs, chat=ing.chat, tools=body.tools_on, prompt=prompt)
+                              body.logprobs, chat=ing.chat, tools=body.tools_on, prompt=prompt, top_logprobs=top,
+                              prompt_logprobs=body.prompt_logprobs)
         builder.system_fingerprint = ing.info.fingerprint()
         return await ing.respond(ticket, jobs, builder, len(ids), body.stream, body.stream_usage, arrived, headers)
 
@@ -126,6 +138,20 @@ def _job_args(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]
     return {"sampling_args": _sampling_args(body), "stop": body.stops or None, "stop_token_ids": body.stop_token_ids,
             "ignore_eos": body.ignore_eos, "timeout_s": body.timeout_s,
             "include_stop_str": body.include_stop_str_in_output, "skip_special_tokens": body.skip_special_tokens}
+
+
+def _prompt_alternatives(*asked: int | None) -> int | None:
+    """The prompt logprobs the gang computes: the most alternatives any part of the answer shows (an echo's
+    `logprobs`, vLLM's `prompt_logprobs`), None when none shows prompt logprobs."""
+    given = [k for k in asked if k is not None]
+    return max(given) if given else None
+
+
+def _ask_logprobs(jobs: list[Job], top: int, prompt: int | None) -> None:
+    """Each job asks the gang for `top` alternatives per generated token and the prompt logprobs with `prompt`
+    alternatives (None: none), as `raydeploy.engine.request.GenerationRequest` takes them."""
+    for job in jobs:
+        job.top_logprobs, job.prompt_logprobs = top, prompt
 
 
 def _check_token_fields(ing: Any, body: CompletionRequest | ChatCompletionRequest) -> None:
