@@ -310,3 +310,45 @@ def test_vllm_prompt_logprobs_and_chat_alternatives(served, demo_hf):
     streamed = [c["choices"][0]["logprobs"] for c in _stream(served, "/v1/chat/completions", chat)
                 if c["choices"] and c["choices"][0].get("logprobs")]
     assert [e for lp in streamed for e in lp["content"]] == content
+
+
+# -- the device functions on fixed arrays -------------------------------------------------------------------------
+
+
+def test_chunked_top_k_equals_one_top_k_and_place_blocks_cover_every_place():
+    """The chunked top-k (a sharded vocabulary's) finds the plain top-k's ids and values, and `place_logprobs` over
+    blocks that do not divide the places (padding), several groups, gives every place's target logprob, rank and
+    alternatives as numpy computes them."""
+    import jax
+    import jax.numpy as jnp
+
+    from raydeploy.engine.logprobs import place_logprobs, prompt_targets, top_k_chunked
+
+    x = jax.random.normal(jax.random.key(1), (5, 1003)) * 4
+    for chunks in (1, 4, 16):
+        vals, ids = top_k_chunked(x, 20, chunks)
+        want_vals, want_ids = jax.lax.top_k(x, 20)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        np.testing.assert_allclose(np.asarray(vals), np.asarray(want_vals))
+
+    g, t, d, v, k = 2, 11, 8, 300, 4
+    h = jax.random.normal(jax.random.key(2), (g, t, d))
+    w = jax.random.normal(jax.random.key(3), (d, v))
+    targets = jax.random.randint(jax.random.key(4), (g, t), 0, v)
+    out = np.asarray(place_logprobs(h, targets, lambda rows: rows @ w, k=k, chunks=4, block=4))
+    assert out.shape == (2 + 2 * k, g * t)
+    logits = np.asarray(h.reshape(g * t, d) @ w, np.float64)
+    lsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    tg = np.asarray(targets).reshape(-1)
+    np.testing.assert_allclose(out[0], lsm[np.arange(g * t), tg], atol=1e-4)
+    np.testing.assert_array_equal(out[1], 1 + (logits > logits[np.arange(g * t), tg][:, None]).sum(-1))
+    np.testing.assert_array_equal(out[2:2 + k].view(np.int32).T, np.argsort(-logits, axis=-1)[:, :k])
+    np.testing.assert_allclose(out[2 + k:].T, np.sort(lsm, axis=-1)[:, ::-1][:, :k], atol=1e-4)
+
+    # a group's targets: the next place's token, a row's last place its chunk's next prompt token (if it has one)
+    tokens = jnp.asarray([10, 11, 12, 20, 21, 0, 0], jnp.int32)
+    got = prompt_targets(tokens, jnp.asarray([2, 4, 0]), jnp.asarray([13, -1, -1]))
+    # row 0 (places 0-2) continues with 13; row 1 (places 3-4) is a prompt's last chunk; row 2 is padding (its
+    # logit index 0 and no next token: it writes nothing over row 0's first place)
+    np.testing.assert_array_equal(np.asarray(got)[:5], [11, 12, 13, 21, 0])

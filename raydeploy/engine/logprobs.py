@@ -48,9 +48,12 @@ def top_k_chunked(x_bv: jax.Array, k: int, chunks: int = 1) -> tuple[jax.Array, 
     xp = jnp.pad(x_bv, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x_bv
     width = (v + pad) // chunks
     vals, idx = jax.lax.top_k(xp.reshape(b, chunks, width), k)  # [B, chunks, k]
-    idx = idx + (jnp.arange(chunks, dtype=idx.dtype) * width)[None, :, None]
+    # the candidates' ids travel as float32 bits beside their values: when the chunks lie on different devices
+    # only float32 candidates cross between them (no int32 collective)
+    idx = _bits(idx + (jnp.arange(chunks, dtype=idx.dtype) * width)[None, :, None])
     best, where = jax.lax.top_k(vals.reshape(b, chunks * k), k)
-    return best, jnp.take_along_axis(idx.reshape(b, chunks * k), where, axis=-1)
+    ids = jnp.take_along_axis(idx.reshape(b, chunks * k), where, axis=-1)
+    return best, jax.lax.bitcast_convert_type(ids, jnp.int32)
 
 
 def _bits(ids: jax.Array) -> jax.Array:
@@ -87,8 +90,10 @@ def place_logprobs(h_gtd: jax.Array, targets_gt: jax.Array, logits_fn: Callable[
         h, target = args
         x = logits_fn(h.reshape(g * b, d)).astype(jnp.float32)  # [G*b, V]
         lse = jax.nn.logsumexp(x, axis=-1)
-        tgt = jnp.clip(target.reshape(-1), 0, x.shape[-1] - 1)
-        chosen = jnp.take_along_axis(x, tgt[:, None], axis=-1)[:, 0]
+        # the target's logit as a masked sum, not a gather: over a vocabulary sharded across devices it is a
+        # reduction of [G*b] numbers, where a gather would bring the block's logits together
+        hit = jnp.arange(x.shape[-1], dtype=jnp.int32)[None, :] == target.reshape(-1, 1)
+        chosen = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
         rank = 1 + jnp.sum(x > chosen[:, None], axis=-1)
         vals, ids = top_k_chunked(x, k, chunks)
         out = jnp.concatenate([(chosen - lse)[:, None], rank.astype(jnp.float32)[:, None], _bits(ids),
