@@ -387,13 +387,6 @@ class CompletionRequest(_SamplingFields):
             raise _unsupported("suffix", "is not supported (no fill-in-the-middle)")
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", "must equal n (best-of ranking is not supported)")
-        if self.echo:
-            raise _unsupported("echo", "is not supported")
-        if self.logprobs:
-            raise _unsupported("logprobs", "values above 0 (alternative tokens) are not supported; "
-                                           "logprobs=0 returns each chosen token's log-probability")
-        if self.prompt_logprobs is not None:
-            raise _unsupported("prompt_logprobs", "is not supported")
         return self
 
 
@@ -612,11 +605,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_chat(self):
-        if self.top_logprobs:
-            raise _unsupported("top_logprobs", "above 0 (alternative tokens) is not supported; "
-                                               "logprobs=true returns each chosen token's log-probability")
-        if self.prompt_logprobs is not None:
-            raise _unsupported("prompt_logprobs", "is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidValue("top_logprobs", f"is {self.top_logprobs} but 'logprobs' is not true; alternatives come "
+                                               "with the chosen tokens' logprobs (set 'logprobs': true)")
         if self.max_completion_tokens is not None and self.max_tokens is not None \
                 and self.max_completion_tokens != self.max_tokens:
             raise _unsupported("max_completion_tokens", "and max_tokens disagree; send one of them")
