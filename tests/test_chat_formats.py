@@ -429,6 +429,10 @@ def test_tool_constraint_grammar(formats: dict[str, ChatFormat], ll_tokenizer: A
     assert not _accepts(ll_tokenizer, named.source, wrap(time_ + sep + time_), hf)  # a named function: one call
     missing = time_.replace(", hour24=false", "").replace(', "hour24": false', "")  # a required argument left out
     assert not _accepts(ll_tokenizer, named.source, wrap(missing), hf)
+    if tool_format != "gemma3":  # JSON arguments: no invented keys where the schema leaves them unsaid
+        invented = weather.replace('"unit": "f"}', '"unit": "f", "properties": {}}')
+        assert "additionalProperties" not in json.dumps(TOOLS)
+        assert not _accepts(ll_tokenizer, required.source, wrap(invented), hf)
 
 
 def test_tool_constraint_refusals(formats: dict[str, ChatFormat]) -> None:

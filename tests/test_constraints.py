@@ -153,3 +153,33 @@ def test_from_hf_matches_from_checkpoint(grammar, demo_checkpoint):
     c = Constraint("json_schema", json.dumps(SCHEMA))
     assert hf.eos_ids == (EOS,)
     assert np.array_equal(hf.matcher(c).mask(), grammar.matcher(c).mask())
+
+
+def _refused_at(grammar: GrammarEngine, c: Constraint, text: str) -> bool:
+    """Whether the matcher refuses some token of `text` (walking it to its end otherwise)."""
+    m = grammar.matcher(c)
+    return not all(m.accept(t) for t in grammar.tokenizer.tokenize_str(text))
+
+
+def test_objects_that_list_properties_take_no_others_unless_the_schema_says_so(grammar):
+    from raydeploy.constraints.grammar import strict_schema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "stops": {"type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"}}}}}, "required": ["city"]}
+    strict = strict_schema(schema)
+    assert strict["additionalProperties"] is False and strict["properties"]["stops"]["items"][
+        "additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+    closed = Constraint("json_schema", json.dumps(schema))
+    walk(grammar, closed, '{"city":"Paris","stops":[{"name":"Lyon"}]}')
+    assert _refused_at(grammar, closed, '{"city":"Paris","extra":1}')
+    assert _refused_at(grammar, closed, '{"city":"Paris","stops":[{"name":"Lyon","x":2}]}')
+    opened = Constraint("json_schema", json.dumps({**schema, "additionalProperties": True}))
+    walk(grammar, opened, '{"city":"Paris","extra":1}')
+
+
+def test_json_takes_a_bounded_run_of_whitespace(grammar):
+    c = Constraint("json_object")
+    walk(grammar, c, '{\n  "a": 1,\n  "b": [1, 2]\n}')  # pretty-printed, as models write it
+    walk(grammar, c, '{"a":1}')  # compact
+    assert _refused_at(grammar, c, "{" + " " * 40 + '"a":1}')  # not a budget's worth of blanks

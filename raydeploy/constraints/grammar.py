@@ -21,10 +21,42 @@ from raydeploy.constraints.spec import Constraint
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
-"""llguidance's JSON compile options: compact JSON (no free whitespace between tokens). With free whitespace a
-sampled model can spend its whole budget on blanks inside an object and never close it; compact output still
-parses as the same JSON."""
+JSON_WHITESPACE = r"[ \t\n\r]{0,20}"
+"""The whitespace a JSON output may hold between tokens: a bounded run. Free whitespace lets a sampled model spend
+its whole budget on blanks inside an object and never close it; none at all pushes a model that pretty-prints
+(the demo model opens `{` then a newline) off its own path and into a key it never closes. A run of up to 20
+blanks keeps pretty-printing to a few levels of indent and still ends."""
+
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "whitespace_pattern": JSON_WHITESPACE}
+"""llguidance's JSON compile options: separators with at most `JSON_WHITESPACE` around them."""
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_ONE = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+
+
+def strict_schema(schema: object) -> object:
+    """`schema` with every object schema that lists `properties` and says nothing of `additionalProperties` closed
+    (`additionalProperties: false`), recursively: what OpenAI's strict mode and vLLM's default grammar engine
+    (xgrammar's strict mode) generate. JSON Schema itself allows any further property there, and a sampled model
+    then invents keys (LangChain's tool schemas leave the keyword out). A schema that sets the keyword keeps it."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(v) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict | list):
+            out[key] = strict_schema(out[key])
+    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 CHECK_CACHE_SIZE = 1024
 """Checked constraints remembered (by `Constraint.key`): a client that sends the same schema with every request
@@ -79,7 +111,7 @@ def _from_schema(schema: dict | bool) -> str:
     if schema is True:
         schema = {}  # any JSON value (llguidance's options need an object schema)
     try:
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(json.dumps(strict_schema(schema)), defaults=JSON_OPTIONS)
     except ValueError as e:  # llguidance raises for a schema that is not a JSON object or boolean
         raise ConstraintError(f"json_schema constraint: {e}") from None
 

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from raydeploy.constraints.grammar import JSON_OPTIONS, strict_schema
+
 log = logging.getLogger("raydeploy.serve.chat")
 
 
@@ -106,8 +108,13 @@ def lark_literal(text: str) -> str:
 
 
 def lark_json_rule(rule: str, schema: dict[str, Any]) -> str:
-    """A rule whose language is the JSON values valid against `schema` (llguidance's `%json` extension)."""
-    return f"{rule}: %json {json.dumps(schema, ensure_ascii=False)}"
+    """A rule whose language is the JSON values valid against `schema` (llguidance's `%json` extension), with the
+    constraints' JSON conventions: objects that list their properties take no others unless the schema says so,
+    and whitespace between tokens is a bounded run (`raydeploy.constraints.grammar`)."""
+    strict = strict_schema(schema)
+    assert isinstance(strict, dict)
+    guided = {**strict, "x-guidance": {**JSON_OPTIONS, **strict.get("x-guidance", {})}}
+    return f"{rule}: %json {json.dumps(guided, ensure_ascii=False)}"
 
 
 def lark_calls(items: list[str], parallel: bool, sep: str, open_: str = "", close: str = "") -> str:
