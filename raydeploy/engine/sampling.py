@@ -7,8 +7,8 @@ requests. `RowSampling` is a step's sampling rows: those params, their logit-bia
 the position its token takes. Order follows vLLM's: the allowed-token mask, logit_bias, the repetition penalty,
 OpenAI's frequency and presence penalties (over generated tokens, counted in each slot's token state:
 `STATE_DTYPE`), temperature, then top-k, top-p and min_p. Randomness is a pure function of the request's 64-bit
-seed and the token's position (`row_keys`: `fold_in(key(seed), position)` for a seed below 2**32, its high word
-folded in first otherwise), so every host of a gang draws the same token and a request replays identically
+seed and the token's position (`row_keys`: `fold_in(key(seed), position)`, the key threefry makes of a 64-bit
+seed), so every host of a gang draws the same token and a request replays identically
 whatever else shares the batch.
 The reported logprob is the chosen token's log-probability under the raw model distribution
 (temperature 1, no filters, no penalty, and no allowed-token mask).
@@ -318,16 +318,13 @@ def _bisection_mask(x: jax.Array, k: jax.Array, top_p_b: jax.Array) -> jax.Array
 
 def row_keys(seed_b2: jax.Array, position_b: jax.Array) -> jax.Array:
     """One PRNG key per row from (seed, position): no state, same on every host. The seed is its (low, high)
-    uint32 words [B, 2] (`seed_words`): key(low), with the high word folded in when it is not zero, so a seed
-    below 2**32 keeps the key it always had and seeds 2**32 apart differ."""
-
-    def key(words: jax.Array, position: jax.Array) -> jax.Array:
-        base = jax.random.key(words[0])
-        wide = jax.random.fold_in(base, words[1])
-        data = jnp.where(words[1] == 0, jax.random.key_data(base), jax.random.key_data(wide))
-        return jax.random.fold_in(jax.random.wrap_key_data(data), position)
-
-    return jax.vmap(key)(seed_b2, position_b)
+    uint32 words [B, 2] (`seed_words`), and its key is the one threefry makes of a 64-bit seed (what
+    `jax.random.key(seed)` gives with 64-bit types: the words [high, low]), so a seed below 2**32 keeps the key
+    it always had (`key(seed)` is [0, seed]) and seeds 2**32 apart differ, with no hashing beyond a 32-bit
+    seed's (folding the high word in would cost a threefry hash per row)."""
+    data = jnp.stack([seed_b2[:, 1], seed_b2[:, 0]], axis=-1).astype(jnp.uint32)
+    keys = jax.random.wrap_key_data(data, impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(keys, position_b)
 
 
 def _sample_filtered(logits_bv: jax.Array, params: SamplingParams, position_b: jax.Array, vocab_chunks: int,
