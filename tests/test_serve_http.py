@@ -228,7 +228,7 @@ def test_legacy_chat_and_instruct(served, codec):
     ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
     ({"prompt": "x", "top_p": 1.5}, "top_p", "less than or equal to 1"),
     ({"prompt": "x", "top_k": -2}, "top_k", "greater than or equal to -1"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "only 'echo': true allows"),
     ({"prompt": "x", "max_tokens": 65}, "max_tokens", "at most 64 tokens"),
     ({"prompt": "x", "seed": 2**64 + 5}, None, "outside the 64-bit range"),
     ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),

@@ -222,7 +222,8 @@ class _SamplingFields(_NullIsDefault):
     """Fields shared by both OpenAI endpoints."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    """0 only with completions' `echo` (the prompt's logprobs, nothing generated)."""
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
@@ -383,6 +384,9 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_completion(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidValue("max_tokens", "is 0, which only 'echo': true allows (the prompt's logprobs alone); "
+                                             "ask for at least 1 token")
         if self.suffix:
             raise _unsupported("suffix", "is not supported (no fill-in-the-middle)")
         if self.best_of is not None and self.best_of != self.n:
@@ -605,6 +609,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_chat(self):
+        if self.max_tokens == 0:
+            raise InvalidValue("max_tokens", "is 0; ask for at least 1 token")
         if self.top_logprobs and not self.logprobs:
             raise InvalidValue("top_logprobs", f"is {self.top_logprobs} but 'logprobs' is not true; alternatives come "
                                                "with the chosen tokens' logprobs (set 'logprobs': true)")
