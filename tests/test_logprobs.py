@@ -345,6 +345,11 @@ def test_chunked_top_k_equals_one_top_k_and_place_blocks_cover_every_place():
     np.testing.assert_array_equal(out[1], 1 + (logits > logits[np.arange(g * t), tg][:, None]).sum(-1))
     np.testing.assert_array_equal(out[2:2 + k].view(np.int32).T, np.argsort(-logits, axis=-1)[:, :k])
     np.testing.assert_allclose(out[2 + k:].T, np.sort(lsm, axis=-1)[:, ::-1][:, :k], atol=1e-4)
+    # as the step runs it: a loop of as many blocks as `active` says (none when no chunk asks)
+    on = place_logprobs(h, targets, lambda rows: rows @ w, k=k, chunks=4, block=4, active=jnp.asarray(True))
+    np.testing.assert_array_equal(np.asarray(on), out)
+    off = place_logprobs(h, targets, lambda rows: rows @ w, k=k, chunks=4, block=4, active=jnp.asarray(False))
+    assert not np.asarray(off).any()
 
     # a group's targets: the next place's token, a row's last place its chunk's next prompt token (if it has one)
     tokens = jnp.asarray([10, 11, 12, 20, 21, 0, 0], jnp.int32)

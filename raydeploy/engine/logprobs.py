@@ -10,9 +10,10 @@ Cost: both run under a `lax.cond` on a replicated flag of the step (`any_top_log
 so a step where no row asks computes nothing and returns zeros of a fixed, small shape (the host reads them only
 when a row asked). Alternatives are a `lax.top_k` of the rows' logits (over chunks of a vocabulary sharded over
 devices, as the sampler's candidates: `raydeploy.engine.sampling.chunks_for_shards`). Prompt logprobs need the LM
-head at every token place of the step, not only at each row's last: it runs over blocks of `PLACE_BLOCK` places
-(a `lax.map`), so the [places, vocab] logits never exist whole (a 1024-place chunk of a 128k vocabulary would be
-512 MB in float32); each block leaves [block, 2 + 2K] numbers.
+head at every token place of the step, not only at each row's last: it runs over blocks of places (a `lax.map`;
+`place_block`: 128 places on CPU, 16 on accelerators), so the [places, vocab] logits never exist whole (a
+1024-place chunk of a 128k vocabulary would be 512 MB in float32); each block leaves [block, 2 + 2K] numbers. A
+step of no more places than a block calls the LM head once, without the loop.
 
 Results are packed as float32 rows (token ids as their int32 bits, as the step's tokens are), laid out like the
 step's other results: `[2K, G*R]` per pass for the rows' alternatives (K ids then K logprobs), `[2 + 2K, G*T]`
@@ -29,7 +30,17 @@ import jax.numpy as jnp
 from raydeploy.engine.step import MAX_TOP_LOGPROBS
 
 PLACE_BLOCK = 128
-"""Token places whose logits one block of the prompt-logprob scan holds at once ([block, vocab] float32)."""
+"""Token places whose logits one block of the prompt-logprob scan holds at once ([block, vocab] float32), on CPU."""
+
+ACCELERATOR_PLACE_BLOCK = 16
+"""The same on a TPU or GPU, where the block's logits are temporaries of every step program with prompt chunks:
+Llama-3-8B on a v5e-16 (dp 4, vocabulary over tp 4) took +390 MB of temporaries per chip in its 256-place step
+with blocks of 128 (the block's logits gathered whole on each chip, float32 copies around them)."""
+
+
+def place_block(platform: str) -> int:
+    """Places per block of `place_logprobs` on `platform` (jax's platform name)."""
+    return PLACE_BLOCK if platform == "cpu" else ACCELERATOR_PLACE_BLOCK
 
 PLACE_COLUMNS = 2 + 2 * MAX_TOP_LOGPROBS
 """Rows of the per-place result: next token's logprob, its rank, K ids, K logprobs."""
@@ -70,12 +81,17 @@ def row_alternatives(logits_bv: jax.Array, k: int = MAX_TOP_LOGPROBS, chunks: in
 
 
 def place_logprobs(h_gtd: jax.Array, targets_gt: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], *,
-                   k: int = MAX_TOP_LOGPROBS, chunks: int = 1, block: int = PLACE_BLOCK) -> jax.Array:
+                   k: int = MAX_TOP_LOGPROBS, chunks: int = 1, block: int = PLACE_BLOCK,
+                   active: jax.Array | None = None) -> jax.Array:
     """[2 + 2k, G*T] float32 for hidden states h [G, T, D] (G dp groups of T places) and each place's target (the
     token after it; any id where none): the target's logprob, its rank (1 + the tokens of larger logit) as
     float32, the k most likely tokens (int32 bits) and their logprobs. The LM head (`logits_fn`: [N, D] ->
     float32 [N, V]) runs over blocks of `block` places of every group at once (a `lax.map`): only [G * block, V]
-    logits at a time, and the groups' rows stay on their devices."""
+    logits at a time, and the groups' rows stay on their devices. `active` (a scalar bool; None: true): when false
+    the loop runs no block and the result is zeros. That is how a step without prompt logprobs skips them: a
+    `lax.cond` around the LM head instead passed its weight into the conditional, which XLA TPU copied (+262 MB of
+    temporaries per chip, Llama-3-8B on a v5e-16); a loop of zero iterations holds it as a loop operand, uncopied,
+    as a `lax.map` does."""
     g, t, d = h_gtd.shape
     b = min(block, t)
     n = -(-t // b)
@@ -100,7 +116,14 @@ def place_logprobs(h_gtd: jax.Array, targets_gt: jax.Array, logits_fn: Callable[
                                vals - lse[:, None]], axis=-1)
         return out.reshape(g, b, 2 + 2 * k)
 
-    out = jax.lax.map(one, (hb, tb))  # [n, G, b, C]
+    if active is None:
+        out = jax.lax.map(one, (hb, tb))  # [n, G, b, C]
+    else:
+        def body(i: jax.Array, acc: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_update_index_in_dim(acc, one((hb[i], tb[i])), i, 0)
+
+        out = jax.lax.fori_loop(0, jnp.where(active, n, 0), body,
+                                jnp.zeros((n, g, b, 2 + 2 * k), jnp.float32))
     out = out.transpose(1, 0, 2, 3).reshape(g, n * b, 2 + 2 * k)[:, :t]
     return out.reshape(g * t, 2 + 2 * k).T
 

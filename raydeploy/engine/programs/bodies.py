@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from raydeploy.engine.attention import Attention, get_attention
 from raydeploy.engine.kv_cache import PoolLayout, StepInputs, to_pool_dtype
 from raydeploy.engine.logprobs import (
-    PLACE_COLUMNS,
     ROW_COLUMNS,
+    place_block,
     place_logprobs,
     prompt_targets,
     row_alternatives,
@@ -266,23 +266,22 @@ class StepBodies:
 
     def _logprobs(self, model: Any, matmul: Matmul, h_gtd: jax.Array, tokens: jax.Array, logits: jax.Array,
                   inp: StepInputs) -> tuple[jax.Array, jax.Array]:
-        """The step's logprobs beyond the sampled tokens' (`raydeploy.engine.logprobs`), each under a `lax.cond` on
-        its replicated flag: the rows' alternatives [2K, G*R] and the places' prompt logprobs [2 + 2K, G*T];
-        zeros where no row asked."""
-        rows, places = logits.shape[0], tokens.shape[0]
+        """The step's logprobs beyond the sampled tokens' (`raydeploy.engine.logprobs`), skipped on replicated
+        flags: the rows' alternatives [2K, G*R] (under a `lax.cond`: it reads only the logits) and the places'
+        prompt logprobs [2 + 2K, G*T] (a loop over blocks of places that runs no block when no chunk asks: a cond
+        around the LM head made XLA TPU copy its weight); zeros where no row asked."""
         alts = jax.lax.cond(inp.any_top_logprobs,
                             lambda: row_alternatives(logits, chunks=self.vocab_chunks),
-                            lambda: jnp.zeros((ROW_COLUMNS, rows), jnp.float32))
+                            lambda: jnp.zeros((ROW_COLUMNS, logits.shape[0]), jnp.float32))
         g, t = h_gtd.shape[:2]
+        targets = self._per_group(prompt_targets, 3)(tokens, inp.logit_index, inp.next_token)
 
-        def prompt() -> jax.Array:
-            targets = self._per_group(prompt_targets, 3)(tokens, inp.logit_index, inp.next_token)
-            return place_logprobs(h_gtd, targets.reshape(g, t), lambda x: model.logits(x, self.shard, matmul),
-                                  chunks=self.vocab_chunks)
+        def head(x: jax.Array) -> jax.Array:  # a block's rows laid out as the sampled rows (`last`)
+            return model.logits(self.shard.constrain(x, ("act_batch", "act_embed")), self.shard, matmul)
 
-        out = jax.lax.cond(inp.any_prompt_logprobs, prompt, lambda: jnp.zeros((PLACE_COLUMNS, places), jnp.float32))
-        return alts, out
-
+        places = place_logprobs(h_gtd, targets.reshape(g, t), head, chunks=self.vocab_chunks,
+                                block=place_block(self.platform), active=inp.any_prompt_logprobs)
+        return alts, places
 
 
 def _group_slot(slot: jax.Array, max_slots: int, slots_per_group: int) -> jax.Array:
