@@ -178,8 +178,9 @@ def test_objects_that_list_properties_take_no_others_unless_the_schema_says_so(g
     walk(grammar, opened, '{"city":"Paris","extra":1}')
 
 
-def test_json_takes_a_bounded_run_of_whitespace(grammar):
+def test_json_takes_a_space_or_a_line_break_between_tokens(grammar):
     c = Constraint("json_object")
-    walk(grammar, c, '{\n  "a": 1,\n  "b": [1, 2]\n}')  # pretty-printed, as models write it
+    walk(grammar, c, '{\n  "a": 1,\n  "b": [1, 2],\n  "c": {\n    "d": true\n  }\n}')  # pretty-printed
     walk(grammar, c, '{"a":1}')  # compact
     assert _refused_at(grammar, c, "{" + " " * 40 + '"a":1}')  # not a budget's worth of blanks
+    assert _refused_at(grammar, c, '{"a":\n\n\n1}')  # nor line after line

@@ -21,11 +21,13 @@ from raydeploy.constraints.spec import Constraint
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-JSON_WHITESPACE = r"[ \t\n\r]{0,20}"
-"""The whitespace a JSON output may hold between tokens: a bounded run. Free whitespace lets a sampled model spend
-its whole budget on blanks inside an object and never close it; none at all pushes a model that pretty-prints
-(the demo model opens `{` then a newline) off its own path and into a key it never closes. A run of up to 20
-blanks keeps pretty-printing to a few levels of indent and still ends."""
+JSON_WHITESPACE = r"( ?|\n[ \t]{0,16})"
+"""The whitespace a JSON output may hold between two tokens: none, one space, or one newline and an indent of up to
+16. Free whitespace lets a sampled model spend its whole budget on blanks (at temperature 1 the demo model writes
+newline after newline inside an object and never closes it, as it did with a bounded run of any blanks); none at
+all pushes a model that pretty-prints (the demo model opens `{` then a newline) off its own path and into a key
+it never closes. One space or one line break per gap keeps both: pretty-printed and compact JSON pass, runs of
+blank lines do not."""
 
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "whitespace_pattern": JSON_WHITESPACE}
 """llguidance's JSON compile options: separators with at most `JSON_WHITESPACE` around them."""

@@ -110,7 +110,7 @@ def lark_literal(text: str) -> str:
 def lark_json_rule(rule: str, schema: dict[str, Any]) -> str:
     """A rule whose language is the JSON values valid against `schema` (llguidance's `%json` extension), with the
     constraints' JSON conventions: objects that list their properties take no others unless the schema says so,
-    and whitespace between tokens is a bounded run (`raydeploy.constraints.grammar`)."""
+    and whitespace between tokens is one space or one line break with its indent (`raydeploy.constraints.grammar`)."""
     strict = strict_schema(schema)
     assert isinstance(strict, dict)
     guided = {**strict, "x-guidance": {**JSON_OPTIONS, **strict.get("x-guidance", {})}}
