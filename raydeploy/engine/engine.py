@@ -267,9 +267,9 @@ class Engine:
             self._gather_exe(self.decode_steps, rows)
             self._gather_exe(self.decode_steps, rows, ROW_COLUMNS)
             self._neutral_bias(rows)
+            self._all_allowed(rows)
         for t in ps.token_buckets:
             self._gather_exe(1, ps.groups * t, PLACE_COLUMNS)
-            self._all_allowed(rows)
         return dict(self.compile_s)
 
     @contextmanager
