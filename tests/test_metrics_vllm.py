@@ -121,6 +121,10 @@ def test_waiting_counts_sequences_sent_without_a_slot_and_kv_from_a_real_page_po
     s = _samples(m.render({"state": "ready"}, stats))
     assert _value(s, "vllm:num_requests_waiting", model_name="demo") == 3
     assert _value(s, "vllm:kv_cache_usage_perc", model_name="demo") == 0.0
+    m.line.inc(5)  # five more wait in the ingress's line for room: waiting, not yet admitted
+    s = _samples(m.render({"state": "ready"}, stats))
+    assert _value(s, "vllm:num_requests_waiting", model_name="demo") == 8
+    m.line.dec(5)
     # no figures from the gangs yet: no vLLM gauge rather than a made-up 0
     s = _samples(m.render({"state": "starting"}, {}))
     assert "vllm:num_requests_running" not in s and "vllm:kv_cache_usage_perc" not in s

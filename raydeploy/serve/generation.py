@@ -212,7 +212,11 @@ class ServingCore:
                                  f"holds at most {lim.max_slots + lim.max_queue} at once ({lim.max_slots} slots "
                                  f"and {lim.max_queue} queued)", param="n", code="invalid_value")
         scope = request_scope()
-        return await self.queue.take(n_jobs, self.capacity, scope.client_gone if scope is not None else None)
+        self.metrics.line.inc(n_jobs)  # vllm:num_requests_waiting counts the line too
+        try:
+            return await self.queue.take(n_jobs, self.capacity, scope.client_gone if scope is not None else None)
+        finally:
+            self.metrics.line.dec(n_jobs)
 
     async def capacity(self) -> int:
         """Sequences admitted at once: `max_slots` per ready gang (one while none is: its requests then get the

@@ -147,6 +147,10 @@ class ServingMetrics:
         self._waiting = Gauge(f"{PREFIX}_requests_waiting_first_token",
                               "Admitted requests that have no token yet (queued or prefilling).", registry=reg,
                               multiprocess_mode="livesum")
+        self.line = Gauge(f"{PREFIX}_sequences_waiting_for_capacity",
+                          "Sequences waiting in the ingress's line for room (serving.max_waiting), not yet admitted.",
+                          registry=reg, multiprocess_mode="livesum")
+        """Moved by ServingCore.admit around its wait in the line."""
         self.admitted = Gauge(f"{PREFIX}_sequences_admitted",
                               "Sequences admitted by the ingress and not yet released (n counts each choice).",
                               registry=reg, multiprocess_mode="livesum")
@@ -281,9 +285,10 @@ class ServingMetrics:
         ago) and vLLM's three gauges of them."""
         requests = self.exported()
         started = requests.get_sample_value(f"{PREFIX}_requests_in_flight")  # jobs: one per sequence
+        in_line = requests.get_sample_value(f"{PREFIX}_sequences_waiting_for_capacity")
         scrape = CollectorRegistry(auto_describe=False)
         scrape.register(_GangFigures(gang_state, engine_stats, figures_age_s))
-        scrape.register(_VllmGangGauges(self.model_name, engine_stats, started))
+        scrape.register(_VllmGangGauges(self.model_name, engine_stats, started, in_line))
         return (generate_latest(requests) + generate_latest(scrape)).decode("utf-8")
 
 
@@ -292,8 +297,11 @@ class _VllmGangGauges:
     gangs' figures (summed over gangs) and the sequences the ingresses are streaming (each ingress's
     `raydeploy_requests_in_flight`, summed over replicas in multiprocess mode)."""
 
-    def __init__(self, model_name: str, engine_stats: Mapping[str, Any], in_flight: float | None) -> None:
+    def __init__(self, model_name: str, engine_stats: Mapping[str, Any], in_flight: float | None,
+                 in_line: float | None = None) -> None:
         self.model_name, self.stats, self.in_flight = model_name, engine_stats, in_flight
+        self.in_line = in_line or 0.0
+        """Sequences waiting in the ingresses' lines for room (not yet admitted, so not in `in_flight`)."""
 
     def collect(self) -> Iterator[Metric]:
         running, queued = _number(self.stats.get("slots_in_use")), _number(self.stats.get("queue_depth"))
@@ -305,7 +313,8 @@ class _VllmGangGauges:
             yield g
             # sent by an ingress but in no slot: in Serve's router or a gang's queue (figures read at slightly
             # different times, hence the floor)
-            waiting = max(0.0, (self.in_flight or 0.0) - running, queued or 0.0)
+            # plus those still in an ingress's line for room (serving.max_waiting)
+            waiting = max(0.0, (self.in_flight or 0.0) - running, queued or 0.0) + self.in_line
             g = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                                   labels=["model_name"])
             g.add_metric([self.model_name], waiting)
