@@ -5,7 +5,8 @@ Two tasks defined in tests/data/lm_eval with local data: a multiple-choice task 
 choice one `/v1/completions` request with `echo: true, logprobs: 1, max_tokens: 1`, read back from the echoed
 prompt's `token_logprobs`) and a `generate_until` task. Both must finish with their metrics; the loglikelihoods
 lm-eval logged must equal transformers' on the same model (float32, from the same GGUF) within 1e-3 per token,
-and the greedy answers must be transformers' greedy answers.
+and the greedy answers must be transformers' greedy answers. The server runs the engine's float32 paths
+(`EVAL_PRECISION`), as an evaluation should.
 
 lm-eval gets the demo tokenizer from its local path (`tokenizer_backend=huggingface`) to count context tokens,
 and sends text prompts (`tokenized_requests=False`), which the server tokenizes again: the test checks that the
@@ -24,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from hf_reference import hf_greedy, trusted_steps
 
 from raydeploy.config import load_config
@@ -40,6 +42,10 @@ MAX_SEQ_LEN = 256
 READY_TIMEOUT_S = 600
 PER_TOKEN_TOL = 1e-3
 """Allowed |server - transformers| of a continuation's loglikelihood, per continuation token."""
+EVAL_PRECISION = ("engine.cpu_matmul=xla", "engine.kv_dtype=auto")
+"""The engine's float32 paths: the default's native CPU matmul and float16 KV cache put prompt logprobs up to
+3.7e-3 from transformers' (measured on the demo model: native + float16 KV 3.7e-3, native + float32 KV 3.3e-3,
+XLA + float16 KV 2.0e-3, XLA + float32 KV 2.3e-5), over the 1e-3 an eval needs."""
 GREEDY_MIN_GAP = 0.05
 """A reference top-1/top-2 logprob gap below this may flip either way: is_greedy is not compared there."""
 
@@ -59,7 +65,8 @@ def server(demo_checkpoint):
     os.environ[KEYS_ENV] = KEY  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [
         f"model.max_seq_len={MAX_SEQ_LEN}", "engine.max_new_tokens=64", "engine.max_slots=8", "serving.max_queue=16",
-        f"serving.port={_free_port()}", f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=600"])
+        *EVAL_PRECISION, f"serving.port={_free_port()}", f"serving.api_keys_env={KEYS_ENV}",
+        "serving.request_timeout_s=600"])
     assert connect_ray(None, temp_dir=f"/tmp/rdl-{os.getpid()}", num_cpus=2)
     serving = None
     try:
@@ -130,8 +137,6 @@ def _encode_pair(tok: Any, context: str, continuation: str) -> tuple[list[int], 
 def _reference_loglikelihood(model: Any, ctx: list[int], cont: list[int]) -> tuple[float, bool, float]:
     """transformers' (sum of the continuation tokens' logprobs, whether each was the argmax, the smallest
     top-1/top-2 logprob gap over the continuation)."""
-    import torch
-
     ids = ctx + cont
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
@@ -189,6 +194,33 @@ def _steps_to_stop(tok: Any, tokens: list[int]) -> int:
         if t == tok.eos_token_id or "\n" in tok.decode(tokens[:i + 1], skip_special_tokens=True):
             return i + 1
     return len(tokens)
+
+
+@pytest.mark.parametrize("prompt", ["Question: Which gas do plants take in from the air to make their food?\nAnswer: "
+                                    "oxygen", "Question: What state of matter is ice?\nAnswer: solid"])
+def test_echo_gives_every_prompt_token_and_the_drawn_one(server, demo_hf, prompt):
+    """The body local-completions sends for one loglikelihood request, and what it relies on in the answer: one
+    entry per prompt token (the first null) and one for the drawn token, also when that token is eos (the demo
+    model ends the text after "oxygen"): lm-eval drops the last entry and sums the continuation's before it."""
+    model, _ = demo_hf
+    tok = _tokenizer(server)
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    (choice,) = out["choices"]
+    lp = choice["logprobs"]
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 1, out
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1, out
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None, lp
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))] + [float(ref[-1].max())]
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want, strict=True)) <= PER_TOKEN_TOL, (lp, want)
+    assert choice["text"].startswith(prompt), choice
 
 
 def test_multiple_choice_loglikelihoods_equal_transformers(server, demo_hf, monkeypatch):
