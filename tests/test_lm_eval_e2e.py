@@ -197,7 +197,8 @@ def _steps_to_stop(tok: Any, tokens: list[int]) -> int:
 
 
 @pytest.mark.parametrize("prompt", ["Question: Which gas do plants take in from the air to make their food?\nAnswer: "
-                                    "oxygen", "Question: What state of matter is ice?\nAnswer: solid"])
+                                    "oxygen", "Question: What state of matter is ice?\nAnswer: solid"],
+                         ids=["eos-drawn", "word-drawn"])
 def test_echo_gives_every_prompt_token_and_the_drawn_one(server, demo_hf, prompt):
     """The body local-completions sends for one loglikelihood request, and what it relies on in the answer: one
     entry per prompt token (the first null) and one for the drawn token, also when that token is eos (the demo
