@@ -8,6 +8,9 @@ scheduler (`decode_steps` 4), prefix caching off so every prefill computes its w
 - TPOT (decode seconds per token after the first) of 1 and of 8 greedy streams with `top_logprobs=20` against the
   same streams without (the alternatives are a `lax.top_k` of the rows' logits under a cond, read back with the
   tokens; goal: at most 1.1x).
+- TPOT of the same plain streams on a second engine whose step programs leave the logprob computations out
+  (their outputs zeros): what requests without logprobs pay for the flags, the skipped loop and cond, and the
+  extra outputs.
 - Prefill time (submit to first token, `max_tokens` 1) of a 1000-token prompt with `prompt_logprobs=20` against
   without: the LM head then runs at every place, in blocks of `PLACE_BLOCK` (`raydeploy.engine.logprobs`), and the
   places' results come back.
@@ -72,14 +75,26 @@ def main() -> int:
     mesh = build_mesh({"dp": 1}, jax.devices()[:1])
     engine = build_engine(cfg, mesh, path).engine
     engine.warmup()
+    bare = build_engine(cfg, mesh, path).engine
+
+    def no_logprobs(model, matmul, h_gtd, tokens, logits, inp):  # StepBodies._logprobs, left out
+        import jax.numpy as jnp
+
+        from raydeploy.engine.logprobs import PLACE_COLUMNS, ROW_COLUMNS
+
+        return (jnp.zeros((ROW_COLUMNS, logits.shape[0]), jnp.float32),
+                jnp.zeros((PLACE_COLUMNS, tokens.shape[0]), jnp.float32))
+
+    bare.programs_set.bodies._logprobs = no_logprobs  # before its programs are traced
+    bare.warmup()
     text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(200))
     long_prompt = tuple(tok(text)["input_ids"][:PROMPT_TOKENS])
     assert len(long_prompt) == PROMPT_TOKENS
     short = tuple(tok("Write a short story about a lighthouse keeper and a storm.")["input_ids"])
 
-    def run(reqs: list[GenerationRequest]) -> list[list]:
+    def run(reqs: list[GenerationRequest], eng=engine) -> list[list]:
         """Run requests together from one submit; each one's events with their arrival times."""
-        runner = LocalRunner(engine, Scheduler.for_engine(engine, cfg))
+        runner = LocalRunner(eng, Scheduler.for_engine(eng, cfg))
         got: list[list] = [[] for _ in reqs]
 
         def sink(i: int):
@@ -96,11 +111,11 @@ def main() -> int:
                 raise RuntimeError(f"request {reqs[i].request_id}: {end.finish_reason} {end.error}")
         return [[(t - t0, ev) for t, ev in events] for events in got]
 
-    def decode(streams: int, top: int) -> tuple[float, list[list[int]]]:
+    def decode(streams: int, top: int, eng=engine) -> tuple[float, list[list[int]]]:
         """Median TPOT over `streams` greedy streams (`top` alternatives each) and their tokens."""
         reqs = [GenerationRequest(f"d{i}", short + (i,), args.new_tokens, ignore_eos=True, top_logprobs=top)
                 for i in range(streams)]
-        out = run(reqs)
+        out = run(reqs, eng)
         tpots, tokens = [], []
         for events in out:
             toks = [(t, ev) for t, ev in events if ev.token_id is not None]
@@ -125,16 +140,21 @@ def main() -> int:
     # untimed: every program's first run (the logprob branches included)
     decode(1, MAX_TOP_LOGPROBS)
     decode(8, 0)
+    decode(1, 0, bare)
+    decode(8, 0, bare)
     prefill(MAX_TOP_LOGPROBS)
     prefill(None)
     rows: dict[str, list[float]] = {k: [] for k in (
-        "tpot_1_plain_s", "tpot_1_top20_s", "tpot_8_plain_s", "tpot_8_top20_s", "prefill_1000_plain_s",
+        "tpot_1_plain_s", "tpot_1_top20_s", "tpot_8_plain_s", "tpot_8_top20_s", "tpot_1_bare_s", "tpot_8_bare_s",
+        "prefill_1000_plain_s",
         "prefill_1000_prompt_logprobs20_s")}
     for _ in range(args.rounds):
         for streams in (1, 8):
             plain, plain_tokens = decode(streams, 0)
             top, top_tokens = decode(streams, MAX_TOP_LOGPROBS)
-            assert plain_tokens == top_tokens, "alternatives changed the greedy tokens"
+            bare_s, bare_tokens = decode(streams, 0, bare)
+            assert plain_tokens == top_tokens == bare_tokens, "alternatives changed the greedy tokens"
+            rows[f"tpot_{streams}_bare_s"].append(bare_s)
             rows[f"tpot_{streams}_plain_s"].append(plain)
             rows[f"tpot_{streams}_top20_s"].append(top)
         plain_s, plain_first = prefill(None)
@@ -153,6 +173,8 @@ def main() -> int:
         "ratios": {
             "tpot_1_top20_over_plain": med["tpot_1_top20_s"] / med["tpot_1_plain_s"],
             "tpot_8_top20_over_plain": med["tpot_8_top20_s"] / med["tpot_8_plain_s"],
+            "tpot_1_plain_over_bare": med["tpot_1_plain_s"] / med["tpot_1_bare_s"],
+            "tpot_8_plain_over_bare": med["tpot_8_plain_s"] / med["tpot_8_bare_s"],
             "prefill_1000_prompt_logprobs20_over_plain": med["prefill_1000_prompt_logprobs20_s"]
             / med["prefill_1000_plain_s"]},
     }

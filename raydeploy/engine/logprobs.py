@@ -6,9 +6,9 @@ the one the sampled token's own logprob is reported under (`raydeploy.engine.sam
 by default. So the alternatives of a greedy row start with the token it drew, and a sampled, penalised or
 constrained row's alternatives are the model's opinion, not what it could draw.
 
-Cost: both run under a `lax.cond` on a replicated flag of the step (`any_top_logprobs`, `any_prompt_logprobs`),
-so a step where no row asks computes nothing and returns zeros of a fixed, small shape (the host reads them only
-when a row asked). Alternatives are a `lax.top_k` of the rows' logits (over chunks of a vocabulary sharded over
+Cost: both are skipped on a replicated flag of the step (`any_top_logprobs`, `any_prompt_logprobs`): a `lax.cond`,
+or for the places on an accelerator a loop of zero blocks (`place_logprobs`), so a step where no row asks computes
+nothing and returns zeros of a fixed, small shape (the host reads them only when a row asked). Alternatives are a `lax.top_k` of the rows' logits (over chunks of a vocabulary sharded over
 devices, as the sampler's candidates: `raydeploy.engine.sampling.chunks_for_shards`). Prompt logprobs need the LM
 head at every token place of the step, not only at each row's last: it runs over blocks of places (a `lax.map`;
 `place_block`: 128 places on CPU, 16 on accelerators), so the [places, vocab] logits never exist whole (a
@@ -88,10 +88,11 @@ def place_logprobs(h_gtd: jax.Array, targets_gt: jax.Array, logits_fn: Callable[
     float32, the k most likely tokens (int32 bits) and their logprobs. The LM head (`logits_fn`: [N, D] ->
     float32 [N, V]) runs over blocks of `block` places of every group at once (a `lax.map`): only [G * block, V]
     logits at a time, and the groups' rows stay on their devices. `active` (a scalar bool; None: true): when false
-    the loop runs no block and the result is zeros. That is how a step without prompt logprobs skips them: a
-    `lax.cond` around the LM head instead passed its weight into the conditional, which XLA TPU copied (+262 MB of
-    temporaries per chip, Llama-3-8B on a v5e-16); a loop of zero iterations holds it as a loop operand, uncopied,
-    as a `lax.map` does."""
+    the loop runs no block and the result is zeros. That is how a step on an accelerator without prompt logprobs
+    skips them: a `lax.cond` around the LM head instead passed its weight into the conditional, which XLA TPU
+    copied (+262 MB of temporaries per chip, Llama-3-8B on a v5e-16); a loop of zero iterations holds it as a loop
+    operand, uncopied, as a `lax.map` does. (On XLA CPU the cond is free and the loop form is not: the step body
+    chooses by platform.)"""
     g, t, d = h_gtd.shape
     b = min(block, t)
     n = -(-t // b)
