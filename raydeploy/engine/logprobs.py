@@ -72,17 +72,18 @@ def _bits(ids: jax.Array) -> jax.Array:
 
 
 def row_alternatives(logits_bv: jax.Array, k: int = MAX_TOP_LOGPROBS, chunks: int = 1) -> jax.Array:
-    """[2k, B] float32: each row's k most likely tokens (int32 bits) then their logprobs, under the raw
+    """[B, 2k] float32: each row's k most likely tokens (int32 bits) then their logprobs, under the raw
     distribution of `logits_bv`, most likely first."""
     x = logits_bv.astype(jnp.float32)
     lse = jax.nn.logsumexp(x, axis=-1)
     vals, ids = top_k_chunked(x, k, chunks)
-    return jnp.concatenate([_bits(ids), vals - lse[:, None]], axis=-1).T
+    return jnp.concatenate([_bits(ids), vals - lse[:, None]], axis=-1)
 
 
 def place_logprobs(h_gtd: jax.Array, targets_gt: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], *,
                    k: int = MAX_TOP_LOGPROBS, chunks: int = 1, block: int = PLACE_BLOCK,
-                   active: jax.Array | None = None) -> jax.Array:
+                   active: jax.Array | None = None,
+                   rowwise: Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]] | None = None) -> jax.Array:
     """[2 + 2k, G*T] float32 for hidden states h [G, T, D] (G dp groups of T places) and each place's target (the
     token after it; any id where none): the target's logprob, its rank (1 + the tokens of larger logit) as
     float32, the k most likely tokens (int32 bits) and their logprobs. The LM head (`logits_fn`: [N, D] ->
@@ -103,18 +104,24 @@ def place_logprobs(h_gtd: jax.Array, targets_gt: jax.Array, logits_fn: Callable[
     hb = h_gtd.reshape(g, n, b, d).transpose(1, 0, 2, 3)  # [n, G, b, D]
     tb = targets_gt.reshape(g, n, b).transpose(1, 0, 2)
 
-    def one(args: tuple[jax.Array, jax.Array]) -> jax.Array:
-        h, target = args
-        x = logits_fn(h.reshape(g * b, d)).astype(jnp.float32)  # [G*b, V]
+    def stats(x: jax.Array, target: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)  # [N, V]
         lse = jax.nn.logsumexp(x, axis=-1)
         # the target's logit as a masked sum, not a gather: over a vocabulary sharded across devices it is a
-        # reduction of [G*b] numbers, where a gather would bring the block's logits together
-        hit = jnp.arange(x.shape[-1], dtype=jnp.int32)[None, :] == target.reshape(-1, 1)
+        # reduction of [N] numbers, where a gather would bring the block's logits together
+        hit = jnp.arange(x.shape[-1], dtype=jnp.int32)[None, :] == target[:, None]
         chosen = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
         rank = 1 + jnp.sum(x > chosen[:, None], axis=-1)
         vals, ids = top_k_chunked(x, k, chunks)
-        out = jnp.concatenate([(chosen - lse)[:, None], rank.astype(jnp.float32)[:, None], _bits(ids),
-                               vals - lse[:, None]], axis=-1)
+        return jnp.concatenate([(chosen - lse)[:, None], rank.astype(jnp.float32)[:, None], _bits(ids),
+                                vals - lse[:, None]], axis=-1)
+
+    # `rowwise` wraps the per-row statistics (the step: once per dp group, so no group's logits cross to another)
+    per_rows = stats if rowwise is None else rowwise(stats)
+
+    def one(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        h, target = args
+        out = per_rows(logits_fn(h.reshape(g * b, d)), target.reshape(-1))  # the LM head: [G*b, V]
         return out.reshape(g, b, 2 + 2 * k)
 
     if active is None:

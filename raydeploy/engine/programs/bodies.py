@@ -273,9 +273,9 @@ class StepBodies:
         there; the loop form below cost +22% TPOT on XLA CPU, demo model, 1 and 8 streams), elsewhere a loop over
         blocks of places that runs no block when no chunk asks (a cond around the LM head made XLA TPU copy its
         weight: +262 MB of temporaries per chip, Llama-3-8B on a v5e-16)."""
-        alts = jax.lax.cond(inp.any_top_logprobs,
-                            lambda: row_alternatives(logits, chunks=self.vocab_chunks),
-                            lambda: jnp.zeros((ROW_COLUMNS, logits.shape[0]), jnp.float32))
+        alts = jax.lax.cond(inp.any_top_logprobs,  # per dp group: no group's logits cross to another
+                            lambda: self._per_group(partial(row_alternatives, chunks=self.vocab_chunks), 1)(logits),
+                            lambda: jnp.zeros((logits.shape[0], ROW_COLUMNS), jnp.float32)).T
         g, t = h_gtd.shape[:2]
         targets = self._per_group(prompt_targets, 3)(tokens, inp.logit_index, inp.next_token)
 
@@ -283,14 +283,18 @@ class StepBodies:
             return model.logits(self.shard.constrain(x, ("act_batch", "act_embed")), self.shard, matmul)
 
         block = place_block(self.platform)
+
+        def rowwise(fn: Any) -> Any:
+            return self._per_group(fn, 2)
         if self.platform == "cpu":
             places = jax.lax.cond(
                 inp.any_prompt_logprobs,
-                lambda: place_logprobs(h_gtd, targets.reshape(g, t), head, chunks=self.vocab_chunks, block=block),
+                lambda: place_logprobs(h_gtd, targets.reshape(g, t), head, chunks=self.vocab_chunks, block=block,
+                                       rowwise=rowwise),
                 lambda: jnp.zeros((PLACE_COLUMNS, g * t), jnp.float32))
         else:
             places = place_logprobs(h_gtd, targets.reshape(g, t), head, chunks=self.vocab_chunks, block=block,
-                                    active=inp.any_prompt_logprobs)
+                                    active=inp.any_prompt_logprobs, rowwise=rowwise)
         return alts, places
 
 
