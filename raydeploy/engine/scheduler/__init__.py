@@ -29,7 +29,9 @@ same tables. See docs/scheduling.md.
 
 The parts: `records` (Paging, and what is kept per queued and running request), `admission` (what a request may
 ask, its page reservation, QueueFullError), `placement` (which group's slot and pages a request takes), `pacing`
-(the decode pace, the chunk hold-back and the burst wait, from measured step times, with injected clocks) and
+(the decode pace, the chunk hold-back and the burst wait, from measured step times, with injected clocks),
+`constrained` (constrained requests' matchers and masks), `failures` (`fail_all`, `step_failed`, `fail_step`: a
+mixin of `Scheduler`), `logprobs` (the prompt logprobs, alternatives and first-event extras that events carry) and
 `planner` (`Scheduler`: the request lifecycle and the plans, over the others).
 
 Structured outputs: a request with a constraint gets a matcher at submit (`raydeploy.constraints`, compiled by

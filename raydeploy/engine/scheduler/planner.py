@@ -1,6 +1,6 @@
 """The planner: the scheduler's request lifecycle and its plans, over admission (`admission`), placement
-(`placement`) and pacing (`pacing`). The package's docstring (`raydeploy.engine.scheduler`) tells the whole
-story; no JAX here."""
+(`placement`) and pacing (`pacing`), with the failures' handling (`failures`) and the events' logprobs
+(`logprobs`). The package's docstring (`raydeploy.engine.scheduler`) tells the whole story; no JAX here."""
 
 from __future__ import annotations
 
@@ -18,21 +18,21 @@ from raydeploy.engine.pages import PagePool
 from raydeploy.engine.request import (
     FinishReason,
     GenerationRequest,
-    PromptTokenLogprob,
-    RequestFailed,
     TokenEvent,
 )
 from raydeploy.engine.scheduler.admission import Admission, QueueFullError
 from raydeploy.engine.scheduler.constrained import ConstrainedDraws
+from raydeploy.engine.scheduler.failures import Failures
+from raydeploy.engine.scheduler.logprobs import add_prompt_logprobs, alternatives, first_event
 from raydeploy.engine.scheduler.pacing import Pacing
 from raydeploy.engine.scheduler.placement import Placement, rows_per_group
 from raydeploy.engine.scheduler.records import Paging, Queued, Running, Sink
-from raydeploy.engine.step import PageUpdate, PromptLogprobs, SeqStep, StepPlan, StepResult
+from raydeploy.engine.step import PageUpdate, SeqStep, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from raydeploy.config import Config
 
-class Scheduler:
+class Scheduler(Failures):
     """Queue + slot table + page pools. Thread-safe; the step loop itself
     (next_plan/on_result) runs in one thread."""
 
@@ -197,99 +197,6 @@ class Scheduler:
             self._work.notify_all()
         self._emit(events)
         return bool(events)
-
-    def fail_all(self, error: str, retriable: bool) -> None:
-        """End every queued and running request with an error event (the gang failed, or shut down)."""
-        events: list[tuple[Sink, TokenEvent]] = []
-        with self._lock:
-            while self._queue:
-                q = self._queue.popleft()
-                events.append((q.sink, TokenEvent(q.req.request_id, None, finish_reason="error", error=error,
-                                                  retriable=retriable)))
-            for slot, run in enumerate(self._slots):
-                if run is not None:
-                    events.append((run.sink, TokenEvent(run.req.request_id, None, index=run.generated,
-                                                        finish_reason="error", error=error, retriable=retriable)))
-                    if run.pages is not None:
-                        run.pages.free()
-                    self._slots[slot] = None
-            # The device cache is gone with the gang or no longer trusted: forget every cached prefix.
-            for pool in self.pools:
-                pool.clear_cache()
-            self._prefilling.clear()
-            self.pacing.reset()  # plans that will never report back
-            # The engine's slot table is gone with the gang, or it is cleared by these releases.
-            self._release = [s for s in range(self.max_slots)]
-            self._inflight.clear()
-            self._work.notify_all()
-        self._emit(events)
-
-    def step_failed(self, plan: StepPlan, failure: RequestFailed) -> bool:
-        """Undo `plan`, whose engine raised `failure` before any device work: the requests it names (by plan row or
-        id) end with a non-retriable error; every other request of the plan is planned again as it was, and the
-        plan's releases go out again (the engine may or may not have applied them: a release, like a whole
-        page-table row, is idempotent). The prefix cache stays: no device page was written. Returns whether
-        `failure` names a request of the plan (if not, nothing was undone: the caller must treat the failure as
-        one it cannot attribute, or the same plan would fail again)."""
-        events: list[tuple[Sink, TokenEvent]] = []
-        named = set(failure.slots)
-        ids = set(failure.request_ids)
-        with self._lock:
-            if not self._names_a_request(plan, named, ids):
-                return False
-            self.pacing.forget(plan.step_id)
-            self._release = list(dict.fromkeys([*plan.release, *self._release]))
-            entries = self._inflight.pop(plan.step_id)
-            for seq, (slot, run) in zip(plan.seqs, entries, strict=True):
-                if self._slots[slot] is not run:
-                    continue  # aborted while the step ran
-                if slot in named or run.req.request_id in ids:
-                    events.append((run.sink, self._fail_one(slot, plan, failure)))
-                    continue
-                run.resend_row = True
-                if seq.sampling is not None:  # its first chunk never reached the engine: send it as first again
-                    run.started = False
-            self._release = list(dict.fromkeys(self._release))
-            self._work.notify_all()
-        self._emit(events)
-        return True
-
-    def _names_a_request(self, plan: StepPlan, slots: set[int], ids: set[str]) -> bool:
-        """Under the lock: whether a row of `plan` is in `slots`, or its request (unless aborted since) in `ids`."""
-        rows = [(slot, run.req.request_id) for slot, run in self._inflight.get(plan.step_id, [])]
-        return any(slot in slots or rid in ids for slot, rid in rows)
-
-    def fail_step(self, plan: StepPlan, error: str) -> None:
-        """End every request of `plan` with a non-retriable error: its step raised and the failure could not be
-        followed to one request, so none of them is sent again (another gang would fail it alike)."""
-        events: list[tuple[Sink, TokenEvent]] = []
-        with self._lock:
-            self.pacing.forget(plan.step_id)
-            slots = [slot for slot, run in self._inflight.pop(plan.step_id, []) if self._slots[slot] is run]
-            for slot in slots:
-                run = self._slots[slot]
-                assert run is not None
-                events.append((run.sink, self._fail_one(slot, plan, RequestFailed(error))))
-            self._release = list(dict.fromkeys(self._release))
-            self._work.notify_all()
-        self._emit(events)
-
-    def _fail_one(self, slot: int, plan: StepPlan, failure: RequestFailed) -> TokenEvent:
-        """Under the lock: end the request in `slot` with a non-retriable error naming it and the step. Its pages go
-        back uncached (what the failed step would have written is not there)."""
-        run = self._slots[slot]
-        assert run is not None
-        self._slots[slot] = None
-        self._release.append(slot)
-        if run.pages is not None:
-            run.pages.free()
-        if slot in self._prefilling:
-            self._prefilling.remove(slot)
-        self.requests_failed += 1
-        rid = run.req.request_id
-        why = failure.message.removeprefix(f"request {rid}: ")
-        return TokenEvent(rid, None, index=run.generated, finish_reason="error", retriable=False,
-                          invalid=failure.invalid, error=f"request {rid} failed in step {plan.step_id}: {why}")
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until there may be a plan to run (or timeout); True if there is work. Requests that find the
@@ -493,7 +400,7 @@ class Scheduler:
                     continue  # aborted (or failed) while the step ran
                 run.computed += n
                 self.prefill_tokens += n
-                missing = self._prompt_logprobs(run, seq, None if result.prompt is None else result.prompt[i])
+                missing = add_prompt_logprobs(run, seq, None if result.prompt is None else result.prompt[i])
                 if missing is not None:  # an engine that computes no prompt logprobs: this request fails alone
                     events.append((run.sink, self._end_with_error(slot, missing, invalid=False)))
                     continue
@@ -503,7 +410,7 @@ class Scheduler:
                     run.first_token_s = now
                     self.ttft_s.append(now - run.submitted_s)
                     self._token(slot, int(result.tokens[0, i]), None if lps is None else float(lps[0, i]), events,
-                                _alternatives(run, result, 0, i))
+                                alternatives(run, result, 0, i))
                 if self._slots[slot] is run:
                     self._commit(run)
                 continue
@@ -512,7 +419,7 @@ class Scheduler:
                     break
                 run.computed += 1
                 self._token(slot, int(result.tokens[k, i]), None if lps is None else float(lps[k, i]), events,
-                            _alternatives(run, result, k, i))
+                            alternatives(run, result, k, i))
             if self._slots[slot] is run:
                 self._commit(run)
 
@@ -532,30 +439,6 @@ class Scheduler:
         self._emit(events)
 
     # -- internals (lock held)
-    def _prompt_logprobs(self, run: Running, seq: SeqStep, got: PromptLogprobs | None) -> str | None:
-        """Add a computed chunk's prompt logprobs to `run`'s (each entry is the token after a place of the chunk);
-        what went wrong if the engine returned none for it."""
-        if run.prompt_logprobs is None or not seq.prompt_logprobs:
-            return None
-        if got is None:
-            return f"its prompt chunk at position {seq.start} asked for prompt logprobs and the engine returned none"
-        k = run.req.prompt_logprobs or 0
-        prompt = run.req.prompt_token_ids
-        for j in range(len(got.logprob)):
-            tops = tuple((int(t), float(v)) for t, v in zip(got.top_ids[j, :k], got.top_logprobs[j, :k], strict=True))
-            run.prompt_logprobs.append(PromptTokenLogprob(int(prompt[seq.start + j + 1]), float(got.logprob[j]),
-                                                          int(got.rank[j]), tops))
-        return None
-
-    def _first(self, run: Running, event: TokenEvent) -> TokenEvent:
-        """`event` with what a request's first event carries (cached prompt tokens, prompt logprobs), if it is
-        the first."""
-        if run.reported:
-            return event
-        run.reported = True
-        return dataclasses.replace(event, cached_tokens=run.cached_tokens,
-                                   prompt_logprobs=None if run.prompt_logprobs is None else tuple(run.prompt_logprobs))
-
     def _token(self, slot: int, token: int, logprob: float | None, events: list,
                top: tuple[tuple[int, float], ...] | None = None) -> None:
         run = self._slots[slot]
@@ -565,7 +448,7 @@ class Scheduler:
             events.append((run.sink, self._end_with_error(slot, refused, invalid=False)))
             return
         if token in run.stop_ids:  # eos where the grammar may end
-            events.append((run.sink, self._first(run, self._finish(slot, "stop"))))
+            events.append((run.sink, first_event(run, self._finish(slot, "stop"))))
             return
         run.generated += 1
         self.tokens_generated += 1
@@ -576,7 +459,7 @@ class Scheduler:
             reason = "stop"  # the grammar has ended: this token is its last
         elif run.generated >= run.req.max_tokens or run.prompt_len + run.generated >= self.max_seq_len:
             reason = "length"
-        events.append((run.sink, self._first(run, TokenEvent(run.req.request_id, token, logprob, run.generated - 1,
+        events.append((run.sink, first_event(run, TokenEvent(run.req.request_id, token, logprob, run.generated - 1,
                                                              reason, top_logprobs=top))))
         if reason is not None:
             self._finish(slot, reason)
@@ -599,12 +482,3 @@ class Scheduler:
     def _emit(events: list[tuple[Sink, TokenEvent]]) -> None:
         for sink, ev in events:
             sink(ev)
-
-
-def _alternatives(run: Running, result: StepResult, k: int, i: int) -> tuple[tuple[int, float], ...] | None:
-    """Pass `k`'s alternatives of plan sequence `i`, cut to what `run` asked for (None when it asked for none)."""
-    n = run.req.top_logprobs
-    if not n or result.top_ids is None or result.top_logprobs is None:
-        return None
-    return tuple((int(t), float(v)) for t, v in zip(result.top_ids[k, i, :n], result.top_logprobs[k, i, :n],
-                                                     strict=True))
