@@ -68,6 +68,15 @@ def test_eos_stops_without_emitting_the_stop_token():
     assert events[-1].finish_reason == "stop" and events[-1].index == 1
 
 
+def test_a_request_reporting_logprobs_gets_its_stop_token_on_the_final_event():
+    sched, eng = make()
+    events: list[TokenEvent] = []
+    sched.submit(req("a", prompt=(5, 0), max_tokens=10, report_stop=True), events.append)  # 1, then eos 2
+    LocalRunner(eng, sched).run_until_idle()
+    assert [e.token_id for e in events] == [1, EOS]  # the eos an evaluator scores, as vLLM reports it
+    assert events[-1].finish_reason == "stop" and events[-1].index == 1 and events[-1].logprob is not None
+
+
 def test_eos_as_first_token_and_ignore_eos():
     sched, eng = make()
     outs = collect(LocalRunner(eng, sched), req("a", prompt=(1,)), req("b", prompt=(1,), max_tokens=3, ignore_eos=True))

@@ -42,6 +42,9 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     """None: no prompt logprobs. k >= 0: the first event carries every prompt token's logprob with k alternatives;
     the request then computes its whole prompt (no prefix-cache reuse: cached pages hold no logits)."""
+    report_stop: bool = False
+    """The stop token that ends the request (eos, a stop id) comes back on the final event with its logprob (and
+    alternatives), as OpenAI's and vLLM's logprobs count it; otherwise the final event carries no token."""
 
 
 @dataclass(frozen=True)

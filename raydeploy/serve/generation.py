@@ -97,6 +97,8 @@ class Job:
     """Alternatives per generated token (0..20: `GenerationRequest.top_logprobs`)."""
     prompt_logprobs: int | None = None
     """The prompt tokens' logprobs with this many alternatives (None: none; `echo` and vLLM's `prompt_logprobs`)."""
+    logprobs: bool = False
+    """The response reports logprobs: the stop token that ends the text is reported too (and counted), as vLLM's."""
 
 
 @dataclass
@@ -259,7 +261,7 @@ class ServingCore:
                                 max_tokens=max(1, job.max_tokens), sampling=job.sampling,
                                 stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
                                 constraint=job.constraint, top_logprobs=job.top_logprobs,
-                                prompt_logprobs=job.prompt_logprobs)
+                                prompt_logprobs=job.prompt_logprobs, report_stop=job.logprobs)
         first: dict[str, Any] | None = None  # what the first event brought, for the first piece
         end_ids = set(job.stop_token_ids) | (set() if job.ignore_eos else set(self.codec.eos_token_ids))
         detok = self.codec.detokenizer(job.skip_special_tokens)

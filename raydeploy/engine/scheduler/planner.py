@@ -448,7 +448,10 @@ class Scheduler(Failures):
             events.append((run.sink, self._end_with_error(slot, refused, invalid=False)))
             return
         if token in run.stop_ids:  # eos where the grammar may end
-            events.append((run.sink, first_event(run, self._finish(slot, "stop"))))
+            end = self._finish(slot, "stop")
+            if run.req.report_stop:  # the stop token itself, with its logprob, on the final event
+                end = dataclasses.replace(end, token_id=token, logprob=logprob, top_logprobs=top)
+            events.append((run.sink, first_event(run, end)))
             return
         run.generated += 1
         self.tokens_generated += 1

@@ -60,7 +60,7 @@ async def completions(request: Request) -> Response:
                      for item, ids in zip(items, prompts, strict=True)]
             echo = Echo(tuple((t, tuple(ids)) for t, ids in zip(texts, prompts, strict=True)), body.n)
         _ask_logprobs(jobs, top, _prompt_alternatives(top if body.echo and body.logprobs is not None else None,
-                                                      body.prompt_logprobs))
+                                                      body.prompt_logprobs), body.logprobs is not None)
         builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
                                     body.logprobs is not None, top_logprobs=top, echo=echo,
                                     prompt_logprobs=body.prompt_logprobs)
@@ -97,7 +97,7 @@ async def chat_completions(request: Request) -> Response:
                              max_param=body.token_limit_param, default_max=None, **_job_args(body),
                              request_id=new_id("chatcmpl"), constraint=constraint)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        _ask_logprobs(jobs, top, body.prompt_logprobs)
+        _ask_logprobs(jobs, top, body.prompt_logprobs, body.logprobs)
         builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
                               body.logprobs, chat=ing.chat, tools=body.tools_on, prompt=prompt, top_logprobs=top,
                               prompt_logprobs=body.prompt_logprobs)
@@ -147,11 +147,12 @@ def _prompt_alternatives(*asked: int | None) -> int | None:
     return max(given) if given else None
 
 
-def _ask_logprobs(jobs: list[Job], top: int, prompt: int | None) -> None:
+def _ask_logprobs(jobs: list[Job], top: int, prompt: int | None, logprobs: bool) -> None:
     """Each job asks the gang for `top` alternatives per generated token and the prompt logprobs with `prompt`
-    alternatives (None: none), as `raydeploy.engine.request.GenerationRequest` takes them."""
+    alternatives (None: none), as `raydeploy.engine.request.GenerationRequest` takes them; with `logprobs` the
+    stop token that ends a choice comes back too (its logprob is part of the answer's, as lm-eval reads it)."""
     for job in jobs:
-        job.top_logprobs, job.prompt_logprobs = top, prompt
+        job.top_logprobs, job.prompt_logprobs, job.logprobs = top, prompt, logprobs
 
 
 def _check_token_fields(ing: Any, body: CompletionRequest | ChatCompletionRequest) -> None:
