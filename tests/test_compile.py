@@ -324,7 +324,7 @@ def test_bring_up_loads_the_programs_that_compile_wrote(tmp_path: Path, demo_che
     cfg = tmp_path / "one-host.yaml"
     text = (REPO / "configs/local.yaml").read_text()
     for old, new in [("num_hosts: 2", "num_hosts: 1"), ("devices_per_host: 1", "devices_per_host: 2"),
-                     ("max_seq_len: 2048", "max_seq_len: 256"), ("max_new_tokens: 256", "max_new_tokens: 64"),
+                     ("max_seq_len: 2048", "max_seq_len: 256"), ("max_new_tokens: null", "max_new_tokens: 64"),
                      ("engine:\n", f"engine:\n  compilation_cache_dir: {cache}\n  prefill_chunk: 64\n")]:
         assert old in text, old
         text = text.replace(old, new, 1)
