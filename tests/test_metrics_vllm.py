@@ -259,6 +259,8 @@ def test_without_the_directory_each_metrics_object_is_its_own(monkeypatch):
 def test_multiprocess_env_is_new_per_deployment():
     a, b = multiprocess_env("raydeploy")[MULTIPROC_ENV], multiprocess_env("raydeploy")[MULTIPROC_ENV]
     assert a != b and os.path.isabs(a) and "raydeploy" in os.path.basename(a)
+    # a directory the job (or the operator) already chose is kept: every replica must write where it is scraped
+    assert multiprocess_env("raydeploy", {MULTIPROC_ENV: "/srv/metrics"}) == {MULTIPROC_ENV: "/srv/metrics"}
 
 
 # -- two real ingress replicas -----------------------------------------------------------------------------

@@ -225,7 +225,7 @@ def test_input_limits_and_security(live):
     _err(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 129}), 400, "max_tokens", "at most 128")
     _err(_post(live, "/v1/completions", {"prompt": "x", "temperature": 3}), 400, "temperature", "less than or equal")
     _err(_post(live, "/v1/completions", {"prompt": "x", "top_p": -1}), 400, "top_p", "greater than 0")
-    _err(_post(live, "/v1/completions", {"prompt": "x", "n": 99}), 400, "n", "less than or equal to 8")
+    _err(_post(live, "/v1/completions", {"prompt": "x", "n": 99}), 400, "n", "holds at most 16 at once")
     _err(_post(live, "/v1/completions", {"prompt": ""}), 400, "prompt", "must not be empty")
     _err(_post(live, "/v1/chat/completions", {"messages": []}), 400, "messages", "at least one")
     assert _err(_post(live, "/v1/completions", {"model": "gpt-4o", "prompt": "x"}), 404, "model",

@@ -25,9 +25,11 @@ once and `/ready` turns 200 when the first gang is ready.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import ray
 from ray import serve
 
 from raydeploy.config import Config, ConfigError
@@ -170,7 +172,9 @@ def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s:
     bound = ingress_bound(cfg)
     # every ingress replica of this run writes its counters and histograms to one directory per node
     # (prometheus_client's multiprocess mode), so /metrics from any replica adds up all of them
-    actor_options = {"num_cpus": 0, "runtime_env": {"env_vars": multiprocess_env(APP_NAME)}}
+    job_env = dict((ray.get_runtime_context().runtime_env or {}).get("env_vars") or {})
+    metrics_env = multiprocess_env(APP_NAME, {**os.environ, **job_env})
+    actor_options = {"num_cpus": 0, "runtime_env": {"env_vars": metrics_env}}
     return ingress.options(num_replicas=cfg.serving.ingress_replicas, max_ongoing_requests=bound + PROBE_HEADROOM,
                            max_queued_requests=bound, ray_actor_options=actor_options).bind(
         cfg, str(checkpoint_dir), gangs)

@@ -87,10 +87,15 @@ VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv
 """The vLLM metric families /metrics exports (counters get vLLM's `_total` samples), each labelled `model_name`."""
 
 
-def multiprocess_env(app_name: str) -> dict[str, str]:
+def multiprocess_env(app_name: str, inherited: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment that makes an application's ingress replicas add up their figures: a directory new to
     this deployment (a fresh one per `serve` run, so no earlier run's counts are summed in), for the replicas'
-    runtime_env. Its path is the same on every node; each node's replicas share their node's copy."""
+    runtime_env. Its path is the same on every node; each node's replicas share their node's copy. A directory
+    already chosen in `inherited` (the job's runtime_env variables, or the driver's environment: an operator's or
+    a test's) is kept."""
+    chosen = (inherited or {}).get(MULTIPROC_ENV)
+    if chosen:
+        return {MULTIPROC_ENV: chosen}
     base = os.path.join(tempfile.gettempdir(), "raydeploy-metrics")
     return {MULTIPROC_ENV: os.path.join(base, f"{_name_part(app_name)}-{uuid.uuid4().hex[:12]}")}
 
