@@ -172,7 +172,7 @@ def build_serve_app(cfg: Config, checkpoint_dir: str | Path, *, ready_timeout_s:
     bound = ingress_bound(cfg)
     # every ingress replica of this run writes its counters and histograms to one directory per node
     # (prometheus_client's multiprocess mode), so /metrics from any replica adds up all of them
-    job_env = dict((ray.get_runtime_context().runtime_env or {}).get("env_vars") or {})
+    job_env = dict((ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}) if ray.is_initialized() else {}
     metrics_env = multiprocess_env(APP_NAME, {**os.environ, **job_env})
     actor_options = {"num_cpus": 0, "runtime_env": {"env_vars": metrics_env}}
     return ingress.options(num_replicas=cfg.serving.ingress_replicas, max_ongoing_requests=bound + PROBE_HEADROOM,
