@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import string
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ import httpx
 import pytest
 import torch
 from hf_reference import hf_greedy, trusted_steps
+from live_http import free_port, wait_http_ready
 
 from raydeploy.config import load_config
 
@@ -50,12 +49,6 @@ GREEDY_MIN_GAP = 0.05
 """A reference top-1/top-2 logprob gap below this may flip either way: is_greedy is not compared there."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(demo_checkpoint):
     import ray
@@ -65,31 +58,19 @@ def server(demo_checkpoint):
     os.environ[KEYS_ENV] = KEY  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [
         f"model.max_seq_len={MAX_SEQ_LEN}", "engine.max_new_tokens=64", "engine.max_slots=8", "serving.max_queue=16",
-        *EVAL_PRECISION, f"serving.port={_free_port()}", f"serving.api_keys_env={KEYS_ENV}",
+        *EVAL_PRECISION, f"serving.port={free_port()}", f"serving.api_keys_env={KEYS_ENV}",
         "serving.request_timeout_s=600"])
     assert connect_ray(None, temp_dir=f"/tmp/rdl-{os.getpid()}", num_cpus=2)
     serving = None
     try:
         serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint))
         serving.wait_ready(READY_TIMEOUT_S)
-        _wait_http_ready(serving.url, READY_TIMEOUT_S)
+        wait_http_ready(serving.url, READY_TIMEOUT_S)
         yield serving
     finally:
         if serving is not None:
             serving.shutdown()
         ray.shutdown()
-
-
-def _wait_http_ready(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=10).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the HTTP ingress did not become ready"
-        time.sleep(0.5)
 
 
 def _tokenizer_dir(server) -> str:

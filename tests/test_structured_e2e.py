@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import time
 from typing import Literal
 
 import httpx
 import jax
 import jsonschema
 import pytest
+from live_http import free_port, wait_http_ready
 from pydantic import BaseModel, Field
 
 from raydeploy.config import load_config
@@ -99,18 +98,12 @@ class GetWeather(BaseModel):
     unit: Literal["celsius", "fahrenheit"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live(demo_checkpoint):
     import ray
 
     os.environ[KEYS_ENV] = KEY  # before Ray starts: the ingress replica reads it
-    cfg = load_config(None, [*ENGINE_OVERRIDES, "serving.max_queue=16", f"serving.port={_free_port()}",
+    cfg = load_config(None, [*ENGINE_OVERRIDES, "serving.max_queue=16", f"serving.port={free_port()}",
                              f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=600",
                              "cluster.heartbeat_timeout_s=5", "cluster.restart_backoff_s=0.5",
                              "cluster.max_restarts=2"])
@@ -119,24 +112,12 @@ def live(demo_checkpoint):
     try:
         serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint))
         serving.wait_ready(READY_TIMEOUT_S)
-        _wait_http_ready(serving.url, READY_TIMEOUT_S)
+        wait_http_ready(serving.url, READY_TIMEOUT_S)
         yield serving
     finally:
         if serving is not None:
             serving.shutdown()
         ray.shutdown()
-
-
-def _wait_http_ready(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=10).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the HTTP ingress did not become ready"
-        time.sleep(0.5)
 
 
 def _client(live):
