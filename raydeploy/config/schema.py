@@ -141,6 +141,8 @@ class ModelConfig(_Section):
     """Reasoning split into reasoning_content: think = between `<think>` and `</think>` (Qwen3); auto = the model family's; none = all output is content."""
     chat_template: str | None = None
     """Jinja chat template used instead of the tokenizer's: a file's path (relative to the YAML file) or the template itself; needed for a checkpoint whose tokenizer has none."""
+    quantization: Literal["none", "int8", "fp8"] = "none"
+    """Weights held quantized on the devices (docs/quantization.md): int8 = symmetric int8 per output channel (weight-only, W8A16), quantized while loading a float checkpoint; fp8 = float8 e4m3 per output channel, on chips with fp8 matmuls only (H100/H200, TPU v7x). A checkpoint stored quantized (`raydeploy convert --quantize`) is read as stored; none keeps a quantized checkpoint's own quantization."""
 
 
 @dataclass(frozen=True)
@@ -186,13 +188,15 @@ class EngineConfig(_Section):
     num_pages: int = 0
     """Pages in each dp group's pool; 0 = auto: enough for every slot of the group at max_seq_len (the memory of
     a slot cache of the same size), so requests never wait for pages while a slot is free."""
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "float8_e4m3fn"] = "auto"
     """dtype of the KV cache pages: auto = model.dtype. float16 halves a float32 model's cache, and the bytes every
     decode pass reads from it: the attention widens each key and value to float32 as it reads it and sums in
     float32, so only the stored K/V are rounded (a relative error of ~5e-4; values past float16's 65504 saturate
     there). On CPU the decode rows' attention waits on those reads (the demo model: 1.4x faster with float16 at
     400-800 cached tokens, where it is a third of a decode pass); bfloat16 (~4e-3) is slower than float32 on XLA
-    CPU. A dtype other than model.dtype needs the xla attention backend: the pallas kernels read the model's."""
+    CPU. int8 (and float8_e4m3fn where the chip has fp8) stores each token's key and value per head with its own
+    scale (docs/quantization.md), read by every attention backend. Another float dtype than model.dtype needs the
+    xla attention backend: the pallas kernels read the model's."""
     prefill_chunk: int = 256
     """Most tokens one engine step computes per dp group (prompt chunks plus decode rows): a longer prompt is
     prefilled over several steps, between which running streams keep decoding."""
@@ -251,6 +255,42 @@ class EngineConfig(_Section):
     requests that arrive with it (a burst sent at once reaches rank 0 over tens to hundreds of milliseconds) share
     that step instead of waiting a whole step behind it. A lone request pays this much of a pass in its time to
     first token. 0 = start at once; at most 1."""
+    speculative: SpeculativeConfig = field(default_factory=lambda: SpeculativeConfig())
+    """Speculative decoding (docs/speculative.md)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(_Section):
+    """Speculative decoding: proposals verified in the ragged step, outputs exactly those of the model alone."""
+
+    method: Literal["none", "ngram", "draft"] = "none"
+    """none; ngram = rank 0 proposes the continuation of the latest earlier match of the sequence's last tokens in its own prompt and output (prompt lookup, no model); draft = a small model of the same tokenizer (`draft_checkpoint`) proposes, on the same gang."""
+    num_tokens: int = 4
+    """Tokens proposed per speculating row and step (k); each such row is verified as a chunk of k + 1 queries."""
+    ngram_max: int = 4
+    """Longest n-gram (sequence suffix) looked up by the ngram method; shorter ones down to `ngram_min` are tried in turn."""
+    ngram_min: int = 2
+    """Shortest n-gram the ngram method looks up."""
+    draft_checkpoint: str | None = None
+    """The draft model's checkpoint (method draft): a raydeploy checkpoint directory or a `demo:` name; it must share the target's tokenizer."""
+    max_rows: int = 4
+    """Back-off under load: a step with more decode rows than this per dp group speculates for none of them."""
+    min_acceptance: float = 0.3
+    """Back-off per request: a request whose recent proposals were accepted at a lower rate stops speculating for a while."""
+
+
+@dataclass(frozen=True)
+class LoraConfig(_Section):
+    """LoRA adapters served on the base model (docs/lora.md), chosen per request by model name."""
+
+    max_adapters: int = 0
+    """Adapter slots held on the devices; 0 disables LoRA (no slot memory, the step programs take no adapter input)."""
+    max_rank: int = 16
+    """Largest adapter rank a slot holds; a larger adapter is refused when loaded, naming its rank."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Adapters loaded at start-up: name -> PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    allow_runtime_loading: bool = True
+    """Whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter may load and unload adapters while serving (with the API key, where one is set)."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +377,8 @@ class Config(_Section):
     """HTTP serving."""
     replicas: ReplicasConfig = field(default_factory=ReplicasConfig)
     """Gangs behind the endpoint (Serve replicas) and their autoscaling."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the base model."""
     source: str = "<defaults>"
     """Where this config came from (set by the loader)."""
 
