@@ -202,6 +202,38 @@ def test_a_step_failing_for_one_request_fails_it_alone_and_both_hosts_go_on_in_l
         gang.shutdown()
 
 
+def test_a_cancelled_first_request_does_not_end_the_feed_of_the_others(ray_cluster):
+    """A replica opens its feed inside its first request; a client that hangs up on that request gets it
+    cancelled by Ray, recursively: the feed's stream from rank 0 must not be one of the children cancelled."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Replica:  # holds one Feeds and streams each call's request on it, as the gang's Serve replica does
+        def __init__(self, coord) -> None:
+            self.coord, self.feeds = coord, None
+
+        async def tokens(self, rid: str, n: int) -> list:
+            self.feeds = self.feeds or Feeds()
+            req = GenerationRequest(rid, (5, 6, 7), max_tokens=n, ignore_eos=True)
+            return [e.token_id for batch in [b async for b in self.feeds.stream(self.coord, req)] for e in batch]
+
+    gang = start_gang(_cfg(), engine="toy")
+    try:
+        gang.wait_ready(120)
+        replica = Replica.remote(gang.coordinator())
+        first = replica.tokens.remote("first", 1_000_000)  # opens the feed, then runs until cancelled
+        time.sleep(1.0)
+        beside = replica.tokens.remote("beside", 400)  # on the same feed
+        time.sleep(1.0)
+        ray.cancel(first, recursive=True)
+        with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
+            ray.get(first, timeout=30)
+        assert ray.get(beside, timeout=120) == toy_expected_tokens((5, 6, 7), 400, eos_token_ids=())
+        assert gang.status()["restarts"] == 0
+    finally:
+        gang.shutdown()
+
+
 def test_rank_that_never_joins_fails_within_init_timeout(ray_cluster):
     gang = start_gang(_cfg("cluster.max_restarts=0"), engine=FaultyEngine("toy", faults={1: {"never_join": 120}}))
     t0 = time.monotonic()

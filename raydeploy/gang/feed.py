@@ -14,6 +14,7 @@ failure shape; refusals at the start (a full queue, a gang that is not ready) ar
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import uuid
@@ -62,7 +63,10 @@ class Feed:
         self.queues: dict[str, asyncio.Queue[Any]] = {}
         self.ended: str | None = None
         """Why the stream ended (None while it runs): every request still open then ends with an error event."""
-        self._task = asyncio.get_running_loop().create_task(self._pump())
+        # An empty context: the feed is first opened inside some request's task, and Ray cancels a cancelled
+        # task's children recursively, so a client that hangs up on that first request would end the feed of
+        # every request of this replica (Ray's long-poll client does the same, ray-project/ray#52476).
+        self._task = asyncio.get_running_loop().create_task(self._pump(), context=contextvars.Context())
 
     async def _pump(self) -> None:
         import ray
