@@ -75,6 +75,20 @@ def test_stop_matcher_holds_back_partial_stop_strings():
     assert m2.feed("abcEN") + m2.finish() == "abcEN"
 
 
+def test_stop_matcher_looks_for_stop_strings_only_once_armed():
+    """min_tokens: a stop string within the text before the request's min_tokens does not end it; one that ends
+    once they are generated does, even when it began before."""
+    m = StopMatcher(["END"])
+    assert m.feed("an END here ", armed=False) == "an END her"  # the last 2 characters held back
+    assert not m.stopped
+    assert m.feed("and EN", armed=False) == "e and "
+    assert m.feed("D after") == "" and m.stopped  # completed by the text fed once armed
+    m2 = StopMatcher(["END"])
+    assert m2.feed("xEN", armed=False) + m2.feed("D") == "x" and m2.stopped
+    m3 = StopMatcher(["END"])  # the same text armed from the start stops at once
+    assert m3.feed("an END here ") == "an " and m3.stopped
+
+
 def test_incremental_detokenizer_matches_full_decode(codec):
     ids = codec.encode("Grüße aus Köln — 東京 🚀 done.")
     d = codec.detokenizer()

@@ -230,6 +230,16 @@ def test_twenty_stop_strings_and_the_stop_kept_on_request(served):
     assert r.json()["choices"][0]["text"] == " Hello! I am a small"
 
 
+def test_stop_strings_wait_for_min_tokens(served):
+    """As vLLM: no stop string ends a request before its min_tokens are generated; from then on the new text and
+    the stop string's length before it are searched (the script's tokens: " Hello", "!", " I", " am", ...)."""
+    server, _ = served
+    body = {"prompt": "hi", "max_tokens": 40, "stop": ["!", " a"]}
+    assert _post(server, "/v1/completions", body).json()["choices"][0]["text"] == " Hello"
+    r = _post(server, "/v1/completions", {**body, "min_tokens": 4}).json()["choices"][0]
+    assert (r["text"], r["finish_reason"]) == (" Hello! I", "stop")  # " a" of " am", the 4th token
+
+
 def test_stop_matcher_and_detokenizer_flags(codec):
     m = StopMatcher(["ab", "abc"], include_stop=True)
     assert m.feed("xxab") + m.feed("c") == "xxab" and m.stopped  # the first stop found, kept

@@ -310,7 +310,8 @@ class ServingCore:
                             first_at = time.perf_counter()
                             self.metrics.first_token(first_at - arrived_s)
                         is_end_token = ev.finish_reason == "stop" and ev.token_id in end_ids
-                        text = "" if is_end_token else stopper.feed(detok.add(ev.token_id))
+                        text = "" if is_end_token else stopper.feed(detok.add(ev.token_id),
+                                                                    armed=n_out >= job.sampling.min_tokens)
                         if stopper.stopped:
                             finished, end = True, "stop"
                             out.append(Piece(text, ev.token_id, ev.logprob, "stop", **more))

@@ -260,14 +260,17 @@ class StopMatcher:
         self._pending = ""
         self.stopped = False
 
-    def feed(self, delta: str) -> str:
-        """Text safe to emit now. After a stop string is seen, `stopped` is True and nothing more comes."""
+    def feed(self, delta: str, armed: bool = True) -> str:
+        """Text safe to emit now. After a stop string is seen, `stopped` is True and nothing more comes.
+        `armed` False (the request's min_tokens not yet generated): no stop string is looked for in this text,
+        but the tail a stop string could start in is held back, so one that ends once armed is found (as vLLM
+        searches the new text and the stop string's length before it)."""
         if self.stopped:
             return ""
         if not self.stops:
             return delta
         self._pending += delta
-        found = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self.stops) if i >= 0]
+        found = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self.stops) if i >= 0] if armed else []
         if found:
             cut, length = min(found, key=lambda f: (f[0], -f[1]))  # the first to start; the longest there
             end = cut + length if self.include_stop else cut
