@@ -78,7 +78,13 @@ def blocks_for(k: int, n: int, block_n: int = 128, block_k: int = 128) -> tuple[
     return block_n, block_k, splits
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int) -> None:
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+"""Weight dtypes the kernel reads quantized, with a float32 scale per output column: converted to bfloat16 in the
+kernel (exact: int8 and float8_e4m3fn values are all bfloat16 values), so HBM reads one byte a weight."""
+
+
+def _kernel(layer_ref, x_ref, w_ref, *refs, block_k: int, steps: int) -> None:
+    s_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     layer = layer_ref[0]
     split = pl.program_id(1)
 
@@ -86,36 +92,62 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int) -> None
         k0 = pl.multiple_of((split * steps + j) * block_k, block_k)
         xs = x_ref[:, pl.ds(k0, block_k)]
         ws = w_ref[layer, pl.ds(k0, block_k), :]
-        return acc + plgpu.dot(xs, ws)
+        return acc + plgpu.dot(xs, ws.astype(xs.dtype))
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    if s_ref is not None:  # the columns' scales; linear, so each split's partial sum takes them
+        acc = acc * s_ref[layer, :][None, :]
+    o_ref[...] = acc
+
+
+def compute_dtype(w_dtype: Any) -> Any:
+    """The dtype the kernel multiplies in for a weight of `w_dtype`: bfloat16 for a quantized weight, else the
+    weight's own."""
+    return jnp.bfloat16 if any(w_dtype == d for d in QUANTIZED_DTYPES) else w_dtype
 
 
 @partial(jax.jit, static_argnames=("interpret", "out_dtype", "num_warps", "num_stages"))
-def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, *, interpret: bool = False,
-                   out_dtype: Any = None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, scale: jax.Array | None = None, *,
+                   interpret: bool = False, out_dtype: Any = None, num_warps: int = 4,
+                   num_stages: int = 3) -> jax.Array:
     """x [M, K] @ w[layer] for w [L, K, N] -> [M, N] in `out_dtype` (default x's; float32 accumulation); `layer`
-    an int32 scalar, traced or not. x is multiplied in w's dtype, as XLA's dot of the model does."""
+    an int32 scalar, traced or not. x is multiplied in w's dtype, as XLA's dot of the model does.
+
+    A quantized w (int8 or float8_e4m3fn, `QUANTIZED_DTYPES`) comes with `scale` [L, N] (float32, one per output
+    column of each layer): the kernel reads w's bytes as they lie, converts each tile to bfloat16 and multiplies
+    the accumulator by the layer's scales, so the product is x @ (w[layer] * scale[layer]) with x in bfloat16."""
     m, k = x.shape
     n_layers, kw, n = w.shape
     if kw != k:
         raise ValueError(f"stacked_matmul: x [{m}, {k}] against a stacked weight {tuple(w.shape)}")
+    quantized = any(w.dtype == d for d in QUANTIZED_DTYPES)
+    if quantized != (scale is not None):
+        raise ValueError(f"stacked_matmul: a {w.dtype} weight {'needs' if quantized else 'takes no'} scales")
+    if scale is not None and tuple(scale.shape) != (n_layers, n):
+        raise ValueError(f"stacked_matmul: scales {tuple(scale.shape)} for a stacked weight {tuple(w.shape)} "
+                         f"(expected {(n_layers, n)}: one per layer and output column)")
     rows = max(MIN_ROWS, _pow2_at_least(m))
     block_n, block_k, splits = blocks_for(k, n)
     steps = k // block_k // splits
-    xp = jnp.pad(x.astype(w.dtype), ((0, rows - m), (0, 0)))
+    xp = jnp.pad(x.astype(compute_dtype(w.dtype)), ((0, rows - m), (0, 0)))
+    in_specs = [pl.BlockSpec((1,), lambda i, s: (0,)),
+                pl.BlockSpec((rows, k), lambda i, s: (0, 0)),
+                pl.BlockSpec((n_layers, k, block_n), lambda i, s: (0, 0, i))]
+    operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), xp, w]
+    if scale is not None:
+        in_specs.append(pl.BlockSpec((n_layers, block_n), lambda i, s: (0, i)))
+        operands.append(scale.astype(jnp.float32))
+    kind = f"_{jnp.dtype(w.dtype).name}" if quantized else ""
     parts = pl.pallas_call(
         partial(_kernel, block_k=block_k, steps=steps),
         grid=(n // block_n, splits),
-        in_specs=[pl.BlockSpec((1,), lambda i, s: (0,)),
-                  pl.BlockSpec((rows, k), lambda i, s: (0, 0)),
-                  pl.BlockSpec((n_layers, k, block_n), lambda i, s: (0, 0, i))],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, rows, block_n), lambda i, s: (s, 0, i)),
         out_shape=jax.ShapeDtypeStruct((splits, rows, n), jnp.float32),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"stacked_matmul_{block_n}x{block_k}x{splits}",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, w)
+        name=f"stacked_matmul{kind}_{block_n}x{block_k}x{splits}",
+    )(*operands)
     return parts.sum(axis=0)[:m].astype(out_dtype or x.dtype)
 
 
