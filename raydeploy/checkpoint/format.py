@@ -37,12 +37,16 @@ except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32 as crc32
 
 FORMAT_NAME = "raydeploy-checkpoint"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # Version 1 is version 2 without `split` entries; version 2 is version 3 with crc32 block checksums only;
-# version 3 is version 4 with splits along one dimension only. The reader reads all four; the writer writes
-# the lowest version that holds what it wrote (3 unless a tensor is split along several dimensions).
-READABLE_VERSIONS = (1, 2, 3, 4)
+# version 3 is version 4 with splits along one dimension only; version 4 is version 5 without quantized
+# weights (int8 / float8_e4m3fn kernels with float32 `<kernel>_scale` tensors and the index's `quantization`).
+# The reader reads all five; the writer writes the lowest version that holds what it wrote (3 unless a tensor is
+# split along several dimensions: 4; 5 when the weights are quantized).
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MULTI_SPLIT_SINCE = 4
+QUANTIZED_SINCE = 5
+QUANTIZATIONS = ("int8", "fp8")  # the index's `quantization` (raydeploy.model.quant's modes); absent: float
 # Block checksum algorithms (index `checksum.algorithm`) -> the function, and the first version that has it.
 # crc32c (the SSE4.2 / ARMv8 CRC instruction, ~18 GB/s a core here) verifies at 1.5-1.8x ISA-L's crc32.
 CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32": crc32, "crc32c": crc32c}
@@ -84,16 +88,17 @@ class CheckpointError(ValueError):
 @cache
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a stored dtype name (bfloat16 comes from ml_dtypes, as in JAX and flax)."""
-    if name == "bfloat16":
+    if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     if name not in STORABLE_DTYPES:
         raise CheckpointError(f"dtype {name!r} is not supported; supported: {', '.join(sorted(STORABLE_DTYPES))}")
     return np.dtype(name)
 
 
-STORABLE_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"})
+STORABLE_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64",
+                             "float8_e4m3fn"})
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 
 
@@ -170,12 +175,16 @@ class CheckpointIndex:
     total_bytes: int               # sum of all tensors' raw bytes
     version: int = FORMAT_VERSION  # as read (a version-1 index stays version 1)
     checksum: str = DEFAULT_CHECKSUM  # block checksum algorithm, a key of CHECKSUMS
+    quantization: str = "none"  # version 5: how the projection kernels are stored (QUANTIZATIONS), else "none"
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME, "version": self.version, "data_alignment": DATA_ALIGNMENT,
-                "checksum": {"algorithm": self.checksum, "block_bytes": self.block_bytes},
-                "total_bytes": self.total_bytes, "files": dict(self.files),
-                "tensors": {n: e.to_json() for n, e in self.tensors.items()}}
+        d = {"format": FORMAT_NAME, "version": self.version, "data_alignment": DATA_ALIGNMENT,
+             "checksum": {"algorithm": self.checksum, "block_bytes": self.block_bytes},
+             "total_bytes": self.total_bytes, "files": dict(self.files),
+             "tensors": {n: e.to_json() for n, e in self.tensors.items()}}
+        if self.quantization != "none":
+            d["quantization"] = self.quantization
+        return d
 
 
 def _need(d: dict[str, Any], key: str, types: type | tuple[type, ...], where: str, path: str) -> Any:
@@ -204,9 +213,17 @@ def parse_index(data: dict[str, Any], path: str, check_files_in: Path | None = N
     if fmt != FORMAT_NAME:
         raise CheckpointError(f"format is {fmt!r}, expected {FORMAT_NAME!r}", path)
     version = data.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > max(READABLE_VERSIONS):
+        raise CheckpointError(f"format version {version} is not supported: the checkpoint was written by a newer "
+                              f"raydeploy, this one reads versions {', '.join(map(str, READABLE_VERSIONS))}; upgrade "
+                              "raydeploy to read it", path)
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise CheckpointError(f"format version {version!r} is not supported (this reader reads "
                               f"{', '.join(map(str, READABLE_VERSIONS))})", path)
+    quantization = data.get("quantization", "none")
+    if quantization != "none" and (quantization not in QUANTIZATIONS or version < QUANTIZED_SINCE):
+        raise CheckpointError(f"quantization {quantization!r} needs format version {QUANTIZED_SINCE} and one of "
+                              f"{', '.join(QUANTIZATIONS)} (the index says version {version})", path)
     checksum = _need(data, "checksum", dict, "index", path)
     algorithm = checksum.get("algorithm")
     if algorithm not in CHECKSUMS:
@@ -242,8 +259,13 @@ def parse_index(data: dict[str, Any], path: str, check_files_in: Path | None = N
             if actual != size:
                 raise CheckpointError(f"shard file is {actual} bytes, the index declares {size} (truncated or "
                                       "replaced?)", str(fp))
+    if version < QUANTIZED_SINCE:
+        for e in tensors.values():
+            if e.dtype == "float8_e4m3fn":
+                raise CheckpointError(f"dtype float8_e4m3fn needs format version {QUANTIZED_SINCE} (the index says "
+                                      f"{version})", path, tensor=e.name)
     return CheckpointIndex(tensors=tensors, files=files, block_bytes=block_bytes, total_bytes=total, version=version,
-                           checksum=algorithm)
+                           checksum=algorithm, quantization=quantization)
 
 
 def _parse_entry(name: str, e: Any, files: dict[str, int], block_bytes: int, path: str, version: int) -> TensorEntry:

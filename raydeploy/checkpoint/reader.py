@@ -134,6 +134,7 @@ class _TensorPlan:
     parts: dict[SliceKey, list[_Part]]             # per distinct slice: where it lies in the stored rows
     intervals: list[tuple[int, int]]               # merged stored-row ranges this process needs
     group: Any = None                              # (shape, axes, split): tensors that share all of the above
+    dtype: str | None = None                       # the spec's own dtype (quantized tensors), else the load's
     template: _Template | None = None              # set by _Load: the layout shared by the group
     buffers: list[np.ndarray] = field(default_factory=list)  # per interval: its bytes (block-widened)
     buf_starts: list[int] = field(default_factory=list)      # tensor byte offset where each buffer starts
@@ -223,35 +224,47 @@ class CheckpointReader:
         return family.checkpoint_specs(cfg, self.index.tensors)
 
     # ---- validation ----
-    def check_specs(self, specs: Mapping[str, TensorSpec]) -> None:
-        """The checkpoint holds exactly these tensors with these shapes and a float dtype."""
+    @property
+    def quantization(self) -> str:
+        """How the checkpoint's projection kernels are stored: int8 / fp8 (format version 5), or none."""
+        return self.index.quantization
+
+    def check_specs(self, specs: Mapping[str, TensorSpec], subset: bool = False) -> None:
+        """The checkpoint holds exactly these tensors (with `subset`: at least these) with these shapes, each in
+        the spec's own dtype where it has one (a quantized kernel, its scale), else a float dtype. A quantized
+        kernel's scale must have the shape its kernel implies (`raydeploy.model.quant.scale_spec`)."""
         idx_path = str(self.path / INDEX_FILE)
         missing = [n for n in specs if n not in self.index.tensors]
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise CheckpointError(f"checkpoint lacks tensor(s) the model needs: {', '.join(missing[:3])}{more}",
                                   idx_path, tensor=missing[0])
-        extra = [n for n in self.index.tensors if n not in specs]
+        extra = [] if subset else [n for n in self.index.tensors if n not in specs]
         if extra:
             raise CheckpointError(f"checkpoint has tensor(s) the model does not use: {', '.join(extra[:3])} "
                                   "(does config.json match the weights?)", idx_path, tensor=extra[0])
         for name, spec in specs.items():
             e = self.index.tensors[name]
             if tuple(e.shape) != tuple(spec.shape):
-                raise CheckpointError(f"shape {list(e.shape)} in the checkpoint, the model expects "
+                what = "a quantized kernel's scale: " if name.endswith(".kernel_scale") else ""
+                raise CheckpointError(f"{what}shape {list(e.shape)} in the checkpoint, the model expects "
                                       f"{list(spec.shape)}", idx_path, tensor=name)
-            if e.dtype not in FLOAT_DTYPES:
+            if spec.dtype is not None and spec.dtype not in FLOAT_DTYPES:
+                if e.dtype != spec.dtype:
+                    raise CheckpointError(f"dtype {e.dtype} in the checkpoint, the model holds this tensor as "
+                                          f"{spec.dtype}", idx_path, tensor=name)
+            elif e.dtype not in FLOAT_DTYPES:
                 raise CheckpointError(f"dtype {e.dtype} is not a float type; parameters must be one of "
                                       f"{', '.join(sorted(FLOAT_DTYPES))}", idx_path, tensor=name)
 
     # ---- planning ----
     def _plan(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
-              devices: Any = None) -> dict[str, _TensorPlan]:
+              devices: Any = None, subset: bool = False) -> dict[str, _TensorPlan]:
         """Validate everything, then per tensor: its sharding, the slices `devices` (default: this process's
         devices in the mesh) hold, and the merged stored-row ranges to read."""
         from jax.sharding import NamedSharding
 
-        self.check_specs(specs)
+        self.check_specs(specs, subset)
         mesh_shape = dict(mesh.shape)
         wanted = None if devices is None else set(devices)
         plans: dict[str, _TensorPlan] = {}
@@ -274,7 +287,7 @@ class CheckpointReader:
                 cache[ck] = (sharding, keys, parts, merge_intervals([(q.r0, q.r1) for ps in parts.values() for q in ps]))
             sharding, keys, parts, intervals = cache[ck]
             plans[name] = _TensorPlan(entry=e, sharding=sharding, keys=keys, parts=parts, intervals=list(intervals),
-                                      group=ck)
+                                      group=ck, dtype=spec.dtype)
         return plans
 
     def byte_ranges(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
@@ -288,7 +301,7 @@ class CheckpointReader:
     # ---- loading ----
     def load(self, specs: Mapping[str, TensorSpec], mesh: jax.sharding.Mesh, rules: Mapping[str, Any],
              dtype: str = "float32", threads: int = 8, progress: bool = True, verify: bool = True,
-             use_mmap: bool = True) -> tuple[dict[str, jax.Array], LoadStats]:
+             use_mmap: bool = True, subset: bool = False) -> tuple[dict[str, jax.Array], LoadStats]:
         """Read this process's part of every tensor in `specs` and return sharded arrays (see module doc).
 
         With `use_mmap` (default) the needed byte ranges are mapped copy-on-write and touched (checksummed)
@@ -296,11 +309,14 @@ class CheckpointReader:
         cast or column slice is needed. Without it (or for tensors stored in several segments) the ranges
         are `os.preadv`-ed into aligned buffers one checksum block at a time, each block verified while it
         is still in cache. `threads` is capped at the CPU count (crc32 and crc32c release the GIL, so threads verify
-        blocks in parallel where cores are free); with 1 the calling thread reads, with no pool."""
+        blocks in parallel where cores are free); with 1 the calling thread reads, with no pool.
+
+        Each tensor is cast to `dtype` unless its spec has its own (`TensorSpec.dtype`: a quantized kernel and its
+        scale keep theirs). `subset`: `specs` name only some of the checkpoint's tensors (a load in parts)."""
         from tqdm import tqdm
 
         t0, c0 = time.perf_counter(), time.process_time()
-        with _gc_paused(), _Load(self, self._plan(specs, mesh, rules), numpy_dtype(dtype), verify, use_mmap) as run:
+        with _gc_paused(), _Load(self, self._plan(specs, mesh, rules, subset=subset), numpy_dtype(dtype), verify, use_mmap) as run:
             bar = tqdm(total=run.total_bytes, unit="B", unit_scale=True, desc="load checkpoint",
                        disable=not progress)
             try:
@@ -394,7 +410,7 @@ class _Load:
             self.maps[e.file] = mmap.mmap(self.fds[e.file], 0, access=mmap.ACCESS_COPY)
         # alignment of a view depends on where the tensor starts in its file (mapped) or not at all (a buffer
         # starts aligned): tensors of a group whose offsets agree modulo ALIGN share a template
-        tk = (p.group, e.dtype, p.mapped, e.offset % ALIGN if p.mapped else 0)
+        tk = (p.group, e.dtype, p.dtype, p.mapped, e.offset % ALIGN if p.mapped else 0)
         t = self.templates.get(tk)
         if t is None:
             t = self.templates[tk] = self._template(p)
@@ -408,8 +424,9 @@ class _Load:
         stored = numpy_dtype(e.dtype)
         for key, k, off, nbytes, shape in t.views:
             p.hosts[key] = p.buffers[k][off: off + nbytes].view(stored).reshape(shape)
+        target = self._target(p)
         for key, members, shape in t.fills:
-            host = aligned_empty(math.prod(shape) * self.target.itemsize).view(self.target).reshape(shape)
+            host = aligned_empty(math.prod(shape) * target.itemsize).view(target).reshape(shape)
             p.fills.extend((k, q, host) for k, q in members)
             p.hosts[key] = host if e.shape else host.reshape(())
         self.pieces.extend((p, k, s, stop) for k, s, stop in t.pieces)
@@ -426,7 +443,7 @@ class _Load:
         views, fills = [], []
         for key, parts in p.parts.items():
             shape = tuple(b - a for a, b in key)
-            if len(parts) == 1 and parts[0].whole_rows(e) and numpy_dtype(e.dtype) == self.target:
+            if len(parts) == 1 and parts[0].whole_rows(e) and numpy_dtype(e.dtype) == self._target(p):
                 q = parts[0]
                 k = _interval(p, q)
                 off = q.r0 * e.row_bytes - spans[k][0]
@@ -443,9 +460,13 @@ class _Load:
         devices = list(p.keys)
         aval = None
         if self.put is not None:
-            aval = self.put.aval(e.shape, self.target, p.sharding)
+            aval = self.put.aval(e.shape, self._target(p), p.sharding)
         return _Template(spans, tuple(views), tuple(fills), tuple(pieces), devices,
                          tuple(p.keys[d] for d in devices), aval)
+
+    def _target(self, p: _TensorPlan) -> np.dtype:
+        """The dtype tensor p is placed in: its spec's own (a quantized tensor), else the load's."""
+        return self.target if p.dtype is None else numpy_dtype(p.dtype)
 
     def _rows(self, p: _TensorPlan, k: int, r0: int, r1: int) -> np.ndarray:
         """Stored rows [r0, r1) of the tensor, viewed in interval k's bytes."""

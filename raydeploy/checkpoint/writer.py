@@ -43,6 +43,8 @@ from raydeploy.checkpoint.format import (
     INDEX_FILE,
     MULTI_SPLIT_SINCE,
     PAD_KEY,
+    QUANTIZATIONS,
+    QUANTIZED_SINCE,
     STORABLE_DTYPES,
     TOKENIZER_FILES,
     CheckpointError,
@@ -110,8 +112,14 @@ class CheckpointWriter:
     call `close(config, tokenizer_dir)`; nothing counts as a checkpoint until the index is written."""
 
     def __init__(self, dst: str | Path, shard_size_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 max_chunk_bytes: int = FLAX_MAX_CHUNK_BYTES, checksum: str = DEFAULT_CHECKSUM):
+                 max_chunk_bytes: int = FLAX_MAX_CHUNK_BYTES, checksum: str = DEFAULT_CHECKSUM,
+                 quantization: str = "none"):
+        """`quantization`: how the projection kernels written are quantized (int8 / fp8: the index says so, format
+        version 5; raydeploy.model.quant), none for float weights."""
         self.dst = Path(dst)
+        if quantization != "none" and quantization not in QUANTIZATIONS:
+            raise CheckpointError(f"quantization {quantization!r} is not one of none, {', '.join(QUANTIZATIONS)}")
+        self.quantization = quantization
         if (self.dst / INDEX_FILE).exists():
             raise CheckpointError("destination already holds a checkpoint (remove it first)", str(self.dst))
         if checksum not in CHECKSUMS:
@@ -326,9 +334,11 @@ class CheckpointWriter:
         for fname, data in (extra_files or {}).items():
             (self.dst / fname).write_bytes(data)
         version = MULTI_SPLIT_SINCE if any(len(e.splits) > 1 for e in self._entries.values()) else 3
+        if self.quantization != "none":
+            version = QUANTIZED_SINCE
         index = CheckpointIndex(tensors=dict(self._entries), files=dict(self._files), block_bytes=self.block_bytes,
                                 total_bytes=sum(e.length for e in self._entries.values()), version=version,
-                                checksum=self.checksum)
+                                checksum=self.checksum, quantization=self.quantization)
         tmp = self.dst / f".{INDEX_FILE}.tmp"
         with open(tmp, "w") as f:
             json.dump(index.to_json(), f, separators=(",", ":"))

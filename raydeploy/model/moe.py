@@ -33,7 +33,7 @@ from raydeploy.model.names import (
     HF_NAMES,
     LINEAR_OI,
 )
-from raydeploy.model.projection import Dense, Matmul, _param
+from raydeploy.model.projection import QUANT_SCALE, Dense, Matmul, _param
 from raydeploy.model.qwen3 import Qwen3Attention
 from raydeploy.model.registry import Family, expert_split
 from raydeploy.model.spec import LlamaConfig, TensorSpec, param_specs
@@ -116,14 +116,16 @@ def check_mesh(cfg: MoEConfig, mesh_shape: dict[str, int]) -> None:
 
 def expert_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                down: jax.Array, method: str = "auto", valid: jax.Array | None = None,
-               layer: jax.Array | None = None) -> jax.Array:
+               layer: jax.Array | None = None, scales: tuple[jax.Array, ...] | None = None) -> jax.Array:
     """Routed SwiGLU experts: x [N, D], expert_ids / weights [N, k], gate/up [E, D, F], down [E, F, D] ->
     [N, D] = sum_k weights * expert(x). The assignments are sorted by expert and multiplied group by group;
     `method`: "ragged_dot" (one `jax.lax.ragged_dot` per matrix: TPU and GPU kernels), "tiled"
     (`tiled_grouped_matmul`: XLA:CPU), "auto" (tiled on CPU, else ragged_dot). `valid` [N, k]: assignments to
     compute (the others are sorted last, outside every group, and contribute 0). `layer`: the weights hold
     every layer, [L, E, ...], and this is the one to use (indexed where the weights are read, see
-    `MoEDecoderLayer.scan`)."""
+    `MoEDecoderLayer.scan`). `scales`: the experts' kernels are quantized (`raydeploy.model.quant`): int8 / fp8
+    gate, up, down with their float32 scales ([E, F], [E, F], [E, D], or [L, E, ...]), converted inside each
+    matmul and scaled per output channel of the row's expert."""
     if method not in METHODS:
         raise ValueError(f"expert_ffn: method must be one of {', '.join(METHODS)}, got {method!r}")
     n, k = expert_ids.shape
@@ -136,17 +138,27 @@ def expert_ffn(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: ja
     if method == "auto":
         method = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
     order = jnp.argsort(flat, stable=True)
-    xs = x.astype(gate.dtype)[tok[order]]
+    xs = x.astype(gate.dtype if scales is None else x.dtype)[tok[order]]
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     if method == "tiled":
-        ys = tiled_grouped_matmul(xs, sizes, gate, up, down, layer)
+        ys = tiled_grouped_matmul(xs, sizes, gate, up, down, layer, scales)
     else:
         if layer is not None:
             gate, up, down = (jax.lax.dynamic_index_in_dim(w, layer, keepdims=False) for w in (gate, up, down))
-        h = jax.lax.ragged_dot(xs, gate, sizes, preferred_element_type=jnp.float32)
-        u = jax.lax.ragged_dot(xs, up, sizes, preferred_element_type=jnp.float32)
-        a = (jax.nn.silu(h) * u).astype(down.dtype)
-        ys = jax.lax.ragged_dot(a, down, sizes, preferred_element_type=jnp.float32)
+            if scales is not None:
+                scales = tuple(jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in scales)
+        if scales is None:
+            h = jax.lax.ragged_dot(xs, gate, sizes, preferred_element_type=jnp.float32)
+            u = jax.lax.ragged_dot(xs, up, sizes, preferred_element_type=jnp.float32)
+            a = (jax.nn.silu(h) * u).astype(down.dtype)
+            ys = jax.lax.ragged_dot(a, down, sizes, preferred_element_type=jnp.float32)
+        else:  # each row scaled by its expert's channel scales (rows outside every group: any expert, dropped)
+            row_expert = jnp.minimum(flat[order], e - 1)
+            sg, su, sd = (sc[row_expert] for sc in scales)
+            h = jax.lax.ragged_dot(xs, gate.astype(xs.dtype), sizes, preferred_element_type=jnp.float32) * sg
+            u = jax.lax.ragged_dot(xs, up.astype(xs.dtype), sizes, preferred_element_type=jnp.float32) * su
+            a = (jax.nn.silu(h) * u).astype(xs.dtype)
+            ys = jax.lax.ragged_dot(a, down.astype(xs.dtype), sizes, preferred_element_type=jnp.float32) * sd
     y = jnp.zeros_like(ys).at[order].set(ys)
     if keep is not None:  # rows outside every group are not defined by every grouped-matmul kernel
         y = jnp.where(keep[:, None], y, 0.0)
@@ -163,7 +175,7 @@ def tile_rows(assignments: int, experts: int) -> int:
 
 
 def tiled_grouped_matmul(xs: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                         layer: jax.Array | None = None) -> jax.Array:
+                         layer: jax.Array | None = None, scales: tuple[jax.Array, ...] | None = None) -> jax.Array:
     """SwiGLU over rows sorted by expert: xs [M, D] whose first sizes[0] rows go to expert 0, the next sizes[1]
     to expert 1, ... -> [M, D] float32 (rows after the last group: 0). A `fori_loop` over the tiles actually
     used (sum of ceil(sizes / T), at most M / T + E): each tile takes T rows of one group and that expert's
@@ -171,7 +183,8 @@ def tiled_grouped_matmul(xs: jax.Array, sizes: jax.Array, gate: jax.Array, up: j
     rows of the next group; the tiles run in row order, so the next group's first tile, which starts right
     there, overwrites them (the last group's spill lands in the padding or in rows outside every group).
     `layer`: the weights are [L, E, ...] and a tile reads [layer, expert] in place: a layer's experts sliced
-    out of the stack before the loop would be a copy of all of them (XLA materialises a loop's operand)."""
+    out of the stack before the loop would be a copy of all of them (XLA materialises a loop's operand).
+    `scales`: quantized experts (`expert_ffn`): each tile converts its expert's matrices and scales the products."""
     m, d = xs.shape
     t = tile_rows(m, gate.shape[0] if layer is None else gate.shape[1])
 
@@ -179,6 +192,16 @@ def tiled_grouped_matmul(xs: jax.Array, sizes: jax.Array, gate: jax.Array, up: j
         if layer is None:
             return jax.lax.dynamic_index_in_dim(w, ex, keepdims=False)
         return jax.lax.dynamic_slice(w, (layer, ex, 0, 0), (1, 1, *w.shape[2:]))[0, 0]
+
+    def channel(s: jax.Array, ex: jax.Array) -> jax.Array:
+        if layer is None:
+            return jax.lax.dynamic_index_in_dim(s, ex, keepdims=False)
+        return jax.lax.dynamic_slice(s, (layer, ex, 0), (1, 1, s.shape[-1]))[0, 0]
+
+    def mul(a: jax.Array, w: jax.Array, ex: jax.Array, k: int) -> jax.Array:
+        if scales is None:
+            return jnp.dot(a, matrix(w, ex), preferred_element_type=jnp.float32)
+        return jnp.dot(a, matrix(w, ex).astype(a.dtype), preferred_element_type=jnp.float32) * channel(scales[k], ex)
 
     xs = jnp.concatenate([xs, jnp.zeros((t, d), xs.dtype)])
     starts = jnp.cumsum(sizes) - sizes
@@ -189,10 +212,10 @@ def tiled_grouped_matmul(xs: jax.Array, sizes: jax.Array, gate: jax.Array, up: j
         ex = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
         first = starts[ex] + (j - (ends[ex] - tiles[ex])) * t
         rows = jax.lax.dynamic_slice_in_dim(xs, first, t)
-        h = jnp.dot(rows, matrix(gate, ex), preferred_element_type=jnp.float32)
-        u = jnp.dot(rows, matrix(up, ex), preferred_element_type=jnp.float32)
-        a = (jax.nn.silu(h) * u).astype(down.dtype)
-        o = jnp.dot(a, matrix(down, ex), preferred_element_type=jnp.float32)
+        h = mul(rows, gate, ex, 0)
+        u = mul(rows, up, ex, 1)
+        a = (jax.nn.silu(h) * u).astype(down.dtype if scales is None else xs.dtype)
+        o = mul(a, down, ex, 2)
         return jax.lax.dynamic_update_slice_in_dim(ys, o, first, 0)
 
     ys = jax.lax.fori_loop(0, ends[-1], tile, jnp.zeros((m + t, down.shape[-1]), jnp.float32))
@@ -200,7 +223,8 @@ def tiled_grouped_matmul(xs: jax.Array, sizes: jax.Array, gate: jax.Array, up: j
 
 
 def expert_ffn_ep(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, mesh: Any, method: str = "auto", layer: jax.Array | None = None) -> jax.Array:
+                  down: jax.Array, mesh: Any, method: str = "auto", layer: jax.Array | None = None,
+                  scales: tuple[jax.Array, ...] | None = None) -> jax.Array:
     """`expert_ffn` with the experts split over the mesh's `ep` axis (and each expert's hidden units over `tp`
     when the mesh has it), inside `shard_map`: every ep shard computes only the assignments routed to its own
     experts (the rest are sorted behind them and masked out), and one psum over ep (and tp) adds the parts.
@@ -213,22 +237,23 @@ def expert_ffn_ep(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate:
     reduce_axes = ("ep", tp) if tp else ("ep",)
 
     def local(x: jax.Array, ids: jax.Array, w: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-              layer: jax.Array | None) -> jax.Array:
+              layer: jax.Array | None, scales: tuple[jax.Array, ...] | None) -> jax.Array:
         e_local = gate.shape[0] if layer is None else gate.shape[1]
         lid = ids - jax.lax.axis_index("ep") * e_local
         mine = (lid >= 0) & (lid < e_local)
         # Assignments to other shards' experts keep weight 0 and an in-range id: computed, then dropped.
         y = expert_ffn(x, jnp.where(mine, lid, 0), jnp.where(mine, w, 0.0), gate, up, down, method,
-                       valid=mine, layer=layer)
+                       valid=mine, layer=layer, scales=scales)
         return jax.lax.psum(y, reduce_axes)
 
     rep = P()
     lead = () if layer is None else (None,)
+    scale_specs = None if scales is None else (P(*lead, "ep", tp), P(*lead, "ep", tp), P(*lead, "ep", None))
     return jax.shard_map(local, mesh=mesh,
                          in_specs=(rep, rep, rep, P(*lead, "ep", None, tp), P(*lead, "ep", None, tp),
-                                   P(*lead, "ep", tp, None), None if layer is None else rep),
+                                   P(*lead, "ep", tp, None), None if layer is None else rep, scale_specs),
                          out_specs=rep, axis_names=frozenset(reduce_axes), check_vma=False)(
-        x, expert_ids, weights, gate, up, down, layer)
+        x, expert_ids, weights, gate, up, down, layer, scales)
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -260,17 +285,22 @@ class MoEBlock(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
 
-    def __call__(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, mm: Matmul | None = None, lora: Any = None) -> jax.Array:
+        """The routed experts; `lora` (the step's adapters) changes nothing here: adapters of an MoE family
+        target its attention projections only (`raydeploy.lora.layout`)."""
         x2 = x.reshape(-1, x.shape[-1])
         w, ids = route(self.router(x2, mm), self.top_k, self.normalize)
         weights = (self.experts.gate_proj.kernel[...], self.experts.up_proj.kernel[...],
                    self.experts.down_proj.kernel[...])
+        held = [getattr(m, QUANT_SCALE, None) for m in (self.experts.gate_proj, self.experts.up_proj,
+                                                       self.experts.down_proj)]
+        scales = None if held[0] is None else tuple(sc[...] for sc in held)  # quantized experts (model.quant)
         layer = getattr(self, SCAN_LAYER, None)  # set by MoEDecoderLayer.scan: the weights hold every layer
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and dict(mesh.shape).get("ep", 1) > 1:
-            y = expert_ffn_ep(x2, ids, w, *weights, mesh, layer=layer)
+            y = expert_ffn_ep(x2, ids, w, *weights, mesh, layer=layer, scales=scales)
         else:
-            y = expert_ffn(x2, ids, w, *weights, layer=layer)
+            y = expert_ffn(x2, ids, w, *weights, layer=layer, scales=scales)
         return y.astype(x.dtype).reshape(x.shape)
 
 

@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+
+from raydeploy.model.quant import Quantized
+
+if TYPE_CHECKING:
+    from raydeploy.lora.batched import LoraRows
+
+jax.tree_util.register_pytree_node_class(Quantized)  # quant.py stays JAX-free: the module that multiplies registers it
 
 
 class LayerSlice:
@@ -121,13 +128,23 @@ def dot(x: jax.Array, w: Any, out_first: bool = False) -> jax.Array:
     """x [..., K] times a 2-D weight in XLA, in x's dtype: w is [K, N] or, with out_first, [N, K]; an array, a
     `LayerSlice` or an `OutIn` (read as its in_out form, [K, N]). Lower-precision weights (bfloat16 params, float32
     activations) multiply natively with float32 accumulation: casting the weight up instead would rewrite it every
-    step on XLA CPU."""
+    step on XLA CPU. A `Quantized` weight (int8 / float8 with a scale per output channel,
+    `raydeploy.model.quant`) is converted to x's dtype inside the dot, `dot_general(x, q.astype(x.dtype)) * scale`:
+    XLA fuses the convert into the dot's operand, so the weight is read as stored."""
+    scale = None
+    if isinstance(w, Quantized):
+        if out_first:
+            raise ValueError("a quantized kernel multiplies in_out (out_first is for a tied embedding table)")
+        w, scale = w.data, w.scale
     if isinstance(w, LayerSlice):
         w = w.materialize()
     if isinstance(w, OutIn):
         w, out_first = w.data, not out_first
-    xw = x if w.dtype == x.dtype else x.astype(w.dtype)
     dims = (((x.ndim - 1,), (1 if out_first else 0,)), ((), ()))
+    if scale is not None:
+        y = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    xw = x if w.dtype == x.dtype else x.astype(w.dtype)
     return jax.lax.dot_general(xw, w, dims, preferred_element_type=x.dtype)
 
 
@@ -154,6 +171,20 @@ def _mul(mm: Matmul | None, x: jax.Array, w: Any) -> jax.Array:
     return dot(x, w) if mm is None else mm.matmul(x, w)
 
 
+QUANT_SCALE = "kernel_scale"
+"""Attribute of a projection module holding its quantized kernel's scale (`raydeploy.model.quant`: the parameter
+`<path>.kernel_scale`); absent on a float model's modules."""
+
+
+def kernel_value(module: nnx.Module, inputs: int = 1) -> Any:
+    """A projection module's kernel as its backend multiplies it: the kernel, or, where the module holds a
+    quantized kernel (a `kernel_scale` beside it), the `Quantized` pair with `inputs` contracted leading dims."""
+    scale = getattr(module, QUANT_SCALE, None)
+    if scale is None:
+        return module.kernel[...]  # type: ignore[attr-defined]
+    return Quantized(module.kernel[...], scale[...], inputs)  # type: ignore[attr-defined]
+
+
 def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> nnx.Param:
     """A parameter of `shape` (with the stacked layer dims already in front): zeros, or random with `rngs`."""
     if rngs is None:
@@ -173,7 +204,7 @@ class HeadsProj(nnx.Module):
         """The kernel over the flattened heads: [embed, heads * head_dim]."""
         d, n, h = self.kernel.shape
         # A 2-D matmul over the flattened heads is about 2x faster than the 3-D einsum on XLA CPU.
-        return self.kernel[...].reshape((d, n * h))
+        return kernel_value(self).reshape((d, n * h))
 
     def finish(self, x: jax.Array, y: jax.Array) -> jax.Array:
         """x's flat projection y -> [.., heads, head_dim], plus the bias."""
@@ -196,7 +227,7 @@ class OutProj(nnx.Module):
 
     def __call__(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
         n, h = x.shape[-2:]
-        w = self.kernel[...].reshape((n * h, -1))
+        w = kernel_value(self, inputs=2).reshape((n * h, -1))
         return _mul(mm, x.reshape(*x.shape[:-2], n * h), w)
 
 
@@ -208,20 +239,28 @@ class Dense(nnx.Module):
         self.kernel = _param(rngs, (*lead, din, dout), param_dtype)
 
     def weight2d(self) -> Any:
-        return self.kernel[...]
+        return kernel_value(self)
 
     def finish(self, x: jax.Array, y: jax.Array) -> jax.Array:
         return y
 
     def __call__(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
-        return _mul(mm, x, self.kernel[...])
+        return _mul(mm, x, kernel_value(self))
 
 
-def project(x: jax.Array, projections: Sequence[HeadsProj | Dense], mm: Matmul | None = None) -> list[jax.Array]:
+def project(x: jax.Array, projections: Sequence[HeadsProj | Dense], mm: Matmul | None = None,
+            lora: LoraRows | None = None, names: Sequence[str] = ()) -> list[jax.Array]:
     """Each projection of the same x (a layer's q, k, v, or gate and up): in one backend call where the backend
-    has one (`Matmul.matmuls`: the native CPU kernel), else one matmul each."""
+    has one (`Matmul.matmuls`: the native CPU kernel), else one matmul each. `lora`: the step's adapters
+    (`raydeploy.lora.batched`), added to each output by its module name in `names` ("q_proj", ...), whatever
+    the base weight is."""
+    out = None
     if mm is not None:
         ys = mm.matmuls(x, [m.weight2d() for m in projections])
         if ys is not None:
-            return [m.finish(x, y) for m, y in zip(projections, ys, strict=True)]
-    return [m(x, mm) for m in projections]
+            out = [m.finish(x, y) for m, y in zip(projections, ys, strict=True)]
+    if out is None:
+        out = [m(x, mm) for m in projections]
+    if lora is None:
+        return out
+    return [lora.add(n, x, y) for n, y in zip(names, out, strict=True)]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raydeploy.model.names import GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
+from raydeploy.model.quant import check_mode, quantized_specs, storage_bytes
 from raydeploy.model.sharding import partition_spec
 from raydeploy.model.spec import (
     KERNEL_LAYOUTS,
@@ -92,6 +93,24 @@ class Family:
     kernel_layouts: tuple[str, ...] = ("in_out", "out_in")  # kernel layouts an engine may hold the kernels in
     tool_format: str = "llama3_json"  # how its chat models write tool calls (raydeploy.serve.chat formats)
     reasoning: str | None = None  # "think": reasoning between <think> and </think> (Qwen3); None: no reasoning markup
+    quantization: str = "none"  # how its projection kernels are held (`with_quantization`, raydeploy.model.quant)
+
+    def with_quantization(self, mode: str) -> Family:
+        """This family with its projection kernels quantized as `mode` (none / int8 / fp8,
+        `raydeploy.model.quant`): `param_specs` lists each quantized kernel with its stored dtype and its scale
+        after it, so the checkpoint specs, the engine's specs and shardings, `stack_layers`, `abstract_model` and
+        `build_model` all see int8 kernels and their scales. A family is quantized once."""
+        if check_mode(mode) == self.quantization:
+            return self
+        if self.quantization != "none":
+            raise ValueError(f"the {self.name} family is already quantized {self.quantization}; cannot make it {mode}")
+        base = self.param_specs
+        return dataclasses.replace(self, quantization=mode, param_specs=lambda cfg: quantized_specs(base(cfg), mode))
+
+    def weight_bytes(self, cfg: Any, param_dtype: str) -> int:
+        """Bytes of every parameter as held: each in its own dtype (a quantized kernel's int8 / fp8, its float32
+        scale) or else `param_dtype`."""
+        return storage_bytes(self.param_specs(cfg), param_dtype)
 
     def check_mesh(self, cfg: Any, mesh_shape: Mapping[str, int]) -> None:
         """Raise ValueError naming the numbers when the mesh cannot hold this model (e.g. ep vs experts)."""
@@ -104,7 +123,14 @@ class Family:
         return getattr(importlib.import_module(mod), attr)  # type: ignore[no-any-return]
 
     def module(self, cfg: Any, dtype: str = "float32", param_dtype: str = "float32", rngs: Any = None) -> Any:
-        return self.module_class()(cfg, dtype, param_dtype, rngs=rngs)
+        """The family's decoder; a quantized family's holds its quantized kernels and their scales (zeros, to fill:
+        `raydeploy.model.state.quantize_module`)."""
+        m = self.module_class()(cfg, dtype, param_dtype, rngs=rngs)
+        if self.quantization == "none":
+            return m
+        from raydeploy.model.state import quantize_module  # imports flax: only when building
+
+        return quantize_module(m, self.stacked_param_specs(cfg))
 
     # -- sizes
     def stacked_param_specs(self, cfg: Any) -> dict[str, TensorSpec]:

@@ -112,11 +112,14 @@ class DecoderShape(Protocol):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One parameter: its name, shape and the logical name of each dimension."""
+    """One parameter: its name, shape and the logical name of each dimension; `dtype` where the tensor has its
+    own (a quantized kernel's int8 / float8_e4m3fn, its float32 scale: `raydeploy.model.quant`), None for one held
+    in `model.param_dtype`."""
 
     name: str
     shape: tuple[int, ...]
     logical_axes: tuple[str, ...]
+    dtype: str | None = None
 
     @property
     def numel(self) -> int:
@@ -198,7 +201,7 @@ def out_in_spec(spec: TensorSpec) -> TensorSpec:
     lead = 1 if spec.logical_axes[:1] == (LAYER_AXIS,) else 0  # a stacked kernel keeps its layer axis first
     shape, axes = spec.shape[lead:], spec.logical_axes[lead:]
     return TensorSpec(spec.name, spec.shape[:lead] + shape[n:] + shape[:n],
-                      spec.logical_axes[:lead] + axes[n:] + axes[:n])
+                      spec.logical_axes[:lead] + axes[n:] + axes[:n], spec.dtype)
 
 
 LAYER_AXIS = "layers"
@@ -231,7 +234,7 @@ def stack_layer_specs(specs: dict[str, TensorSpec], num_layers: int) -> dict[str
             out[name] = spec
         elif split[0] == 0:
             stacked = f"layers.{split[1]}"
-            out[stacked] = TensorSpec(stacked, (num_layers, *spec.shape), (LAYER_AXIS, *spec.logical_axes))
+            out[stacked] = TensorSpec(stacked, (num_layers, *spec.shape), (LAYER_AXIS, *spec.logical_axes), spec.dtype)
     return out
 
 

@@ -13,8 +13,10 @@ from typing import Any
 import flax.nnx as nnx
 import jax
 
-from raydeploy.model.projection import OutIn
-from raydeploy.model.spec import LlamaConfig, is_kernel, kernel_input_dims
+from raydeploy.checkpoint.format import numpy_dtype
+from raydeploy.model.projection import QUANT_SCALE, OutIn
+from raydeploy.model.quant import scale_name
+from raydeploy.model.spec import LlamaConfig, TensorSpec, is_kernel, kernel_input_dims
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -93,3 +95,22 @@ def unstack_layers(cfg: LlamaConfig, stacked: Mapping[str, jax.Array]) -> dict[s
         else:
             out[name] = arr
     return out
+
+
+def quantize_module(module: nnx.Module, specs: Mapping[str, TensorSpec]) -> nnx.Module:
+    """`module` (a family's decoder, stacked layers) holding quantized kernels where `specs` (its quantized stacked
+    specs, `raydeploy.model.quant.quantized_specs`) gives a kernel its own dtype: that kernel becomes a parameter
+    of the quantized dtype, and its projection module gains the float32 scale (`QUANT_SCALE`), both zeros (what
+    `Family.build_model` fills). The families' modules never know: their projections read a `Quantized` pair
+    wherever the scale is present (`raydeploy.model.projection.kernel_value`)."""
+    import jax.numpy as jnp
+
+    for path, m in list(nnx.iter_modules(module)):
+        name = path_name((*path, "kernel"))
+        spec = specs.get(name)
+        if spec is None or spec.dtype is None or not isinstance(getattr(m, "kernel", None), nnx.Param):
+            continue
+        scale = specs[scale_name(name)]
+        m.kernel = nnx.Param(jnp.zeros(spec.shape, numpy_dtype(spec.dtype)))  # type: ignore[attr-defined]
+        setattr(m, QUANT_SCALE, nnx.Param(jnp.zeros(scale.shape, numpy_dtype(scale.dtype or "float32"))))
+    return module

@@ -11,8 +11,9 @@ import jax
 
 from raydeploy.config import EngineConfig, ModelConfig
 from raydeploy.engine.matmul import pallas_gpu as stacked_matmul
-from raydeploy.model import native
+from raydeploy.model import native, quant
 from raydeploy.model.llama import EMBEDDING
+from raydeploy.model.projection import QUANT_SCALE
 from raydeploy.model.registry import Family
 from raydeploy.model.scan import in_out_kernels
 
@@ -28,6 +29,32 @@ def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str, n
         return kernel_layout
     xla_bf16 = param_dtype == "bfloat16" and platform == "cpu" and param_dtype not in native_weights
     return "out_in" if xla_bf16 else "in_out"
+
+
+PALLAS_QUANTIZED: frozenset[str] = frozenset()
+"""The weight quantizations (`model.quantization`) the GPU Pallas few-rows kernel reads (`stacked_matmul`): it takes
+the `raydeploy.model.quant.Quantized` pair, int8 [K, N] and float32 [N] per layer. Empty until the kernel reads
+them: quantized weights then keep XLA's dot, which converts them inside its fusion."""
+NATIVE_QUANTIZED: frozenset[str] = frozenset()
+"""The same for the native CPU kernels (`raydeploy.model.native`): none (they read float weights)."""
+
+
+def quantization_problem(family: Family, kernels: frozenset[str], what: str) -> str | None:
+    """Why a kernel that reads only the quantizations in `kernels` does not run for `family`'s weights, or None."""
+    q = family.quantization
+    if q == "none" or q in kernels:
+        return None
+    return f"weights quantized {q} ({what} reads {', '.join(sorted(kernels)) or 'float'} weights)"
+
+
+def check_fp8(family: Family, mesh: jax.sharding.Mesh) -> None:
+    """fp8 weights on a chip without fp8 matmuls (a TPU before v7x, a GPU below compute capability 8.9) are
+    refused, naming the chip (`raydeploy.model.quant.fp8_support`, which `raydeploy plan` asks too). CPU runs
+    them (XLA converts; the correctness reference)."""
+    if family.quantization == "fp8":
+        why = quant.device_fp8_support(mesh.devices.flat[0])
+        if why:
+            raise ValueError(why)
 
 
 UNROLL_PLATFORMS = ("cpu",)
@@ -66,7 +93,10 @@ def choose_layout(family: Family, mesh: jax.sharding.Mesh, dp_axes: tuple[str, .
                   engine_cfg: EngineConfig) -> tuple[str | None, str]:
     """(why the native CPU kernel does not run or None, the weight layout): what the model is built with."""
     platform = mesh.devices.flat[0].platform
+    check_fp8(family, mesh)
     native_matmul = _native_matmul(engine_cfg.cpu_matmul, model_cfg, mesh, dp_axes, platform)
+    if native_matmul is None:
+        native_matmul = quantization_problem(family, NATIVE_QUANTIZED, "the native kernel")
     layout = resolve_kernel_layout(engine_cfg.kernel_layout, model_cfg.param_dtype, platform,
                                    native.weight_dtypes() if native_matmul is None else ())
     # auto picks what the family's module can hold (an explicit choice it cannot is the module's error)
@@ -90,10 +120,39 @@ def choose_kernels(native_matmul: str | None, kernel_layout: str, abstract_model
     unrolled: frozenset[int] = frozenset()
     if engine_cfg.unroll_layers == "auto" and platform in UNROLL_PLATFORMS and getattr(layers, "unrollable", False):
         unrolled = frozenset({UNROLL_MAX_TOKENS})
+    stacked = _stacked_matmul(engine_cfg.gpu_matmul, model_cfg, layers, kernel_layout, mesh)
+    if stacked is None:
+        stacked = _stacked_quantized(abstract_model)
     return KernelChoice(kernel_layout=kernel_layout, native_matmul=native_matmul, pack_weights=pack,
-                        packable=packable, stacked_matmul=_stacked_matmul(engine_cfg.gpu_matmul, model_cfg, layers,
-                                                                          kernel_layout, mesh),
-                        unrolled_tokens=unrolled)
+                        packable=packable, stacked_matmul=stacked, unrolled_tokens=unrolled)
+
+
+def _stacked_quantized(abstract_model: Any) -> str | None:
+    """Why the Pallas kernel does not read the model's weights for their quantization (`PALLAS_QUANTIZED`), or
+    None: the seam where the kernel that reads `Quantized` weights is switched on."""
+    scale = next((n for n in in_out_kernels(abstract_model.layers) if _has_scale(abstract_model.layers, n)), None)
+    if scale is None:
+        return None
+    dtype = str(_kernel(abstract_model.layers, scale).dtype)
+    q = quant.mode_of_dtype(dtype) or dtype
+    if q in PALLAS_QUANTIZED:
+        return None
+    return f"weights quantized {q} (the Pallas kernel reads {', '.join(sorted(PALLAS_QUANTIZED)) or 'float'} weights)"
+
+
+def _owner(layers: Any, path: str) -> Any:
+    owner = layers
+    for name in path.split(".")[:-1]:
+        owner = getattr(owner, name)
+    return owner
+
+
+def _has_scale(layers: Any, path: str) -> bool:
+    return getattr(_owner(layers, path), QUANT_SCALE, None) is not None
+
+
+def _kernel(layers: Any, path: str) -> Any:
+    return _owner(layers, path).kernel
 
 
 def _native_matmul(choice: str, model_cfg: ModelConfig, mesh: jax.sharding.Mesh, dp_axes: tuple[str, ...],
