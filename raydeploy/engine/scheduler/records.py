@@ -11,6 +11,7 @@ from raydeploy.constraints.matcher import Matcher
 from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.pages import SequencePages
 from raydeploy.engine.request import GenerationRequest, PromptTokenLogprob, TokenEvent
+from raydeploy.engine.speculative.policy import Acceptance
 
 Sink = Callable[[TokenEvent], None]
 
@@ -105,3 +106,5 @@ class Running:
     on its first event."""
     reported: bool = False
     """Its first event went out (the one that carries `cached_tokens` and the prompt logprobs)."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    """Its recent speculative acceptance and back-off (`raydeploy.engine.speculative.policy`)."""
