@@ -52,9 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert weights into a raydeploy msgpack-sharded checkpoint",
                        description="Convert a Hugging Face safetensors directory, a GGUF file, or an EasyDeL "
                                    "msgpack stream into a raydeploy checkpoint directory.")
-    p.add_argument("src", help="source: safetensors directory, .gguf file, or EasyDeL msgpack file")
+    p.add_argument("src", help="source: safetensors directory, .gguf file, EasyDeL msgpack file, or (with --quantize) "
+                               "a raydeploy checkpoint directory")
     p.add_argument("dst", help="destination checkpoint directory")
-    p.add_argument("--from", dest="src_format", choices=["auto", "safetensors", "gguf", "easydel"], default="auto")
+    p.add_argument("--from", dest="src_format", choices=["auto", "safetensors", "gguf", "easydel", "raydeploy"],
+                   default="auto", help="source format (raydeploy: a raydeploy checkpoint directory, with --quantize)")
     p.add_argument("--hf-config", default=None,
                    help="config.json (and tokenizer files beside it) for formats that do not carry one (easydel)")
     p.add_argument("--shard-size", default="1GB", help="target shard file size, e.g. 512MB, 2GB (default 1GB)")
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "them, so hosts load them with no stacking copy (best read on the --split-for mesh); "
                         "per-layer: one tensor per layer (any mesh reads its row slices); auto (default): stacked "
                         "with --split-for, else per-layer")
+    p.add_argument("--quantize", choices=["none", "int8", "fp8"], default="none",
+                   help="store the projection kernels quantized per output channel with float32 scales (format "
+                        "version 5; docs/quantization.md), from any float source; the embedding table, a separate "
+                        "LM head and the norms keep --dtype")
 
     p = sub.add_parser("plan", help="show what a config would do, without any hardware",
                        description="Print hosts, devices, mesh, per-host parameter and KV-cache bytes and "
