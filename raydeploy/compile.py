@@ -49,6 +49,7 @@ CHIPS: dict[str, Chip] = {
     "v5e": Chip("TPU v5e", 16, 819, 197),
     "v5p": Chip("TPU v5p", 95, 2765, 459),
     "v6e": Chip("TPU v6e", 32, 1640, 918),
+    "v7x": Chip("TPU v7x", 192, 7370, 2307),
     "h100": Chip("H100 SXM", 80, 3350, 989),
     "h200": Chip("H200", 141, 4800, 989),
 }
@@ -68,6 +69,13 @@ PROGRAM_KINDS = ("step", "presence")
 
 class CompileError(RuntimeError):
     """A config that cannot be compiled for its target, or a program that does not fit its chip."""
+
+
+def roofline_s(chip: Chip, flops: float, bytes_read: float) -> float:
+    """A step's time on `chip` by the roofline: the larger of its bytes over the HBM bandwidth and its flops over
+    the dense bf16 peak. A model (published peaks, no overlap losses), not a measurement; `raydeploy plan`'s
+    modelled decode figures and `benchmarks/tpu_decode_model.py` use it as the compile report does."""
+    return max(flops / (chip.bf16_tflops * 1e12), bytes_read / (chip.hbm_gbps * 1e9))
 
 
 def tpu_topology(cfg: Config) -> tuple[str, tuple[int, int, int]]:
@@ -95,11 +103,18 @@ def prepare_environment(cfg: Config) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if cfg.cluster.platform == "cpu" and "jax" not in sys.modules:
+    if cfg.cluster.platform == "cpu" and not _backends_started():
         n = cfg.cluster.num_hosts * cfg.cluster.devices_per_host
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def _backends_started() -> bool:
+    """Whether jax has created its backends in this process (XLA_FLAGS are read then, not when jax is imported:
+    the planner's modules import jax, and the flags still apply until a device is asked for)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
 
 
 def target_devices(cfg: Config) -> list[Any]:
@@ -209,9 +224,7 @@ def _report(name: str, compiled: Any, seconds: float, chip: Chip | None, loop_tr
         cost = cost[0] if cost else {}
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
-    roofline = None
-    if chip is not None:
-        roofline = max(flops / (chip.bf16_tflops * 1e12), accessed / (chip.hbm_gbps * 1e9))
+    roofline = roofline_s(chip, flops, accessed) if chip is not None else None
     colls, largest = collectives(compiled.as_text() or "", loop_trips)
     return ProgramReport(
         name=name, compile_s=round(seconds, 3),
@@ -263,6 +276,8 @@ def compile_config(cfg: Config, plan: Any, family: Any, model: Any, out_dir: str
         compile_cache.enable(out_dir)
     devices = target_devices(cfg)
     mesh = build_mesh(plan.mesh, devices)
+    # the weights as the engine holds them: quantized projection kernels (int8 / fp8) with their float32 scales
+    family = family.with_quantization(cfg.model.quantization)
     ps = ProgramSet(family, model, mesh, merge_rules(cfg.mesh.rules), cfg.model, cfg.engine)
     # a CPU engine over weights that pack takes the packed copies: the programs bring-up runs (reads the weights)
     ps.use_packed(checkpoint_packing(cfg, ps))
