@@ -1,7 +1,9 @@
 """The paged KV cache: the device pool, the host mirror of the page tables, and one step's inputs as data.
 
 Device side: a main pool, [layers, pages, page_size, 2 * kv_heads, head_dim] (`kv_pool_spec`), K and V
-interleaved on the head axis. The pages axis is split over the dp mesh axes, so each dp group owns
+interleaved on the head axis; with a quantized `engine.kv_dtype` (int8, float8_e4m3fn) a `QuantizedPool` of those
+values and a float32 scale per token and combined head, [..., 2 * kv_heads, 1], sharded alike
+(`raydeploy.engine.attention.kv_quant`). The pages axis is split over the dp mesh axes, so each dp group owns
 `pages_per_group` pages and a sequence's page ids are local to its group; the kv-heads axis follows the
 `cache_kv_heads` rule (tp). Beside it a window pool of the same form holds the rings of sliding-window layers
 (`PoolLayout`; no layers when the model has no windows or `engine.window_pages` is all). `allocate_pool`
@@ -28,6 +30,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from raydeploy.engine.attention.kv_quant import (
+    abstract_pool,
+    is_quantized,
+    pack,
+    token_bytes,
+    zeros_pool,
+)
 from raydeploy.engine.sampling import (
     BIAS_PAD,
     BITS,
@@ -42,6 +51,7 @@ from raydeploy.engine.sampling import (
     row_value,
 )
 from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep
+from raydeploy.model.quant import fp8_support
 from raydeploy.model.spec import POOL_RULES
 
 if TYPE_CHECKING:
@@ -91,29 +101,49 @@ class PoolLayout:
 F16_MAX = 65504.0  # float16's largest finite value
 
 
-def resolve_kv_dtype(kv_dtype: str, model_dtype: str, attention: str, platform: str) -> str:
-    """The pools' dtype name for `engine.kv_dtype` (auto = model.dtype). Another dtype than the model's only with
-    the xla attention backend, which widens what it reads to float32; ValueError naming the settings otherwise."""
+def resolve_kv_dtype(kv_dtype: str, model_dtype: str, attention: str, platform: str, device_kind: str = "",
+                     compute_capability: str | None = None) -> str:
+    """The pools' dtype name for `engine.kv_dtype` (auto = model.dtype); ValueError naming the settings otherwise.
+
+    int8 and float8_e4m3fn (quantized, with per-token scales: `kv_quant`) run with every attention backend; fp8
+    only on a chip that has fp8, by the rule of fp8 weights (`raydeploy.model.quant.fp8_support`, given the
+    device's `device_kind` and `compute_capability` where known). Another float dtype than the model's only with
+    the xla attention backend, which widens what it reads to float32: the Pallas kernels read the model's."""
     if kv_dtype in ("auto", model_dtype):
         return model_dtype
+    if is_quantized(kv_dtype):
+        if kv_dtype == "float8_e4m3fn":
+            problem = fp8_support(platform, device_kind, compute_capability)
+            if problem is not None:
+                raise ValueError(f"engine.kv_dtype float8_e4m3fn needs fp8 on the chip, as fp8 weights do: {problem}; "
+                                 f"set engine.kv_dtype int8")
+        return kv_dtype
     from raydeploy.engine.attention import resolve
 
     backend, plat = resolve(attention, platform)
     if backend != "xla":
         raise ValueError(f"engine.kv_dtype {kv_dtype} differs from model.dtype {model_dtype}, but the {backend} "
-                         f"attention kernels on {plat} read the KV cache in the model's dtype: set engine.kv_dtype "
-                         f"auto, or engine.attention xla")
+                         f"attention kernels on {plat} read a float KV cache in the model's dtype: set engine.kv_dtype "
+                         f"auto, int8, or engine.attention xla")
     return kv_dtype
 
 
 def to_pool_dtype(kv: jax.Array, dtype: Any) -> jax.Array:
     """New keys and values in the pools' dtype; into float16 they saturate at +-65504 (a key past it would be inf,
-    and every score it meets NaN)."""
+    and every score it meets NaN). Into a quantized pool (int8, float8_e4m3fn) they are quantized per token and
+    head, and travel to the write packed with their scales (`kv_quant.pack`: int8 [T, 2*Hkv, D + 4])."""
     import jax.numpy as jnp
 
+    if is_quantized(dtype):
+        return pack(kv, dtype)
     if jnp.dtype(dtype) == jnp.float16 and kv.dtype != jnp.float16:
         kv = jnp.clip(kv, -F16_MAX, F16_MAX)
     return kv.astype(dtype)
+
+
+def kv_bytes_per_token(kv_dtype: str, kv_heads: int, head_dim: int) -> int:
+    """Bytes one token's K and V take in one layer's pool (a quantized dtype's scales included)."""
+    return token_bytes(kv_dtype, kv_heads, head_dim)
 
 
 def step_tokens(engine_cfg: Any, groups: int) -> int:
@@ -145,14 +175,24 @@ def pool_sharding(family: Family, cfg: Any, layout: PoolLayout, total_pages: int
 
 
 def allocate_pool(family: Family, cfg: Any, layout: PoolLayout, total_pages: int, page_size: int, max_slots: int,
-                  dtype: Any, mesh: Any, rules: Mapping[str, Any]) -> tuple[jax.Array, jax.Array]:
+                  dtype: Any, mesh: Any, rules: Mapping[str, Any]) -> tuple[Any, Any]:
     """The zeroed (main, window) pools, sharded on the mesh (never pass through host memory; work across
-    processes)."""
+    processes): arrays, or `QuantizedPool`s (values and their scales) for a quantized `dtype`."""
     import jax.numpy as jnp
 
     shardings = pool_sharding(family, cfg, layout, total_pages, page_size, max_slots, mesh, rules)
     shapes = tuple(s.shape for s in pool_specs(family, cfg, layout, total_pages, page_size, max_slots))
+    if is_quantized(dtype):  # values and scales: each pool's sharding applies to both
+        return jax.jit(lambda: tuple(zeros_pool(sh, dtype) for sh in shapes), out_shardings=shardings)()
     return jax.jit(lambda: tuple(jnp.zeros(sh, dtype) for sh in shapes), out_shardings=shardings)()
+
+
+def abstract_pools(shapes: Sequence[tuple[int, ...]], dtype: Any, shardings: Sequence[Any]) -> tuple[Any, ...]:
+    """The pools' ShapeDtypeStructs: one array each, or a `QuantizedPool` of values and scales for a quantized
+    dtype (the step programs' abstract arguments)."""
+    if is_quantized(dtype):
+        return tuple(abstract_pool(sh, dtype, s) for sh, s in zip(shapes, shardings, strict=True))
+    return tuple(jax.ShapeDtypeStruct(sh, dtype, sharding=s) for sh, s in zip(shapes, shardings, strict=True))
 
 
 class PageTables:

@@ -6,7 +6,9 @@ Every backend is one function with the signature of jax's TPU ragged paged atten
                            sliding_window=None, soft_cap=None) -> out
 
 q [T, Hq, D] holds the new tokens of every sequence back to back (decode rows and prefill chunks mixed),
-kv_pages [P, page_size, 2*Hkv, D] the page pool with K and V interleaved on the head axis, and the int32
+kv_pages [P, page_size, 2*Hkv, D] the page pool with K and V interleaved on the head axis (or, for an int8 or
+float8 `engine.kv_dtype`, a `QuantizedPool` of such values and their per-token float32 scales; every backend
+reads both: `kv_quant`), and the int32
 kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1] describe the sequences. The engine
 writes this step's K/V into the pages before it calls the backend, and calls it per shard inside `shard_map`.
 
@@ -36,13 +38,15 @@ from typing import Any, Protocol
 
 import jax
 
+from raydeploy.engine.attention.kv_quant import QuantizedPool, is_quantized
+
 BACKEND_NAMES = ("auto", "xla", "pallas")
 PLATFORMS = ("cpu", "tpu", "gpu")
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 
 
 class AttentionBackend(Protocol):
-    def __call__(self, q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+    def __call__(self, q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens: jax.Array, page_indices: jax.Array,
                  cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array: ...
 
@@ -125,11 +129,13 @@ def get_attention(name: str, platform: str) -> Attention:
     return Attention(get_backend(name, platform), static_layer_kinds=plat == "gpu")
 
 
-def work_follows_table(name: str, platform: str) -> bool:
+def work_follows_table(name: str, platform: str, kv_dtype: str | None = None) -> bool:
     """True when the backend's work grows with pages_per_seq (the width of the page table), not with kv_lens:
-    the GPU backend copies every page its table names into the kernel's layout. The XLA backend's loops and
-    the TPU kernel stop at each sequence's live pages, so for them one program with the widest table serves
-    every length (fewer programs to compile; measured on CPU: the same decode step time with a 32-page table
-    as with a 16-page one, 8 rows at 200-odd tokens)."""
+    the GPU backend copies every page its table names into the kernel's layout, and so does the TPU backend over
+    a quantized pool (`kv_dtype` int8 / float8_e4m3fn: it dequantizes the table's pages for jax's kernel). The
+    XLA backend's loops and the TPU kernel over a float pool stop at each sequence's live pages, so for them one
+    program with the widest table serves every length (fewer programs to compile; measured on CPU: the same
+    decode step time with a 32-page table as with a 16-page one, 8 rows at 200-odd tokens)."""
     backend, plat = resolve(name, platform)
-    return backend == "pallas" and plat == "gpu"
+    return backend == "pallas" and (plat == "gpu" or (plat == "tpu" and kv_dtype is not None
+                                                      and is_quantized(kv_dtype)))

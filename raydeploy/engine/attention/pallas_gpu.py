@@ -18,6 +18,12 @@ pages named in `page_indices` (only those: the engine may cut the table to a pag
 V, zeroes the positions past each sequence's length (the kernel masks their scores but still multiplies
 their values by zero weights, so NaN in unwritten memory would leak), and hands the kernel that compact pool
 with block tables 0..S*pages_per_seq-1. The copy is the size of what the kernel then reads.
+
+A quantized KV cache (`engine.kv_dtype: int8 | float8_e4m3fn`, `kv_quant.QuantizedPool`): jax's kernel takes
+per-token scales ([Hkv, pages, page_size] for K and for V) and dequantizes inside: it converts a block of int8
+keys to q's dtype for the dot and multiplies the keys' scales into the scores, the values' into the softmax
+weights. The wrapper compacts the int8 pages and their scales as above, so the copy and the kernel's reads are
+1 byte a value (+ 4 bytes of scale per token and head) instead of 2.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from raydeploy.engine.attention import xla
+from raydeploy.engine.attention.kv_quant import QuantizedPool
 
 BLOCK_H = 16                  # query heads per kernel block (the kernel requires a multiple of 16)
 MAX_K_SPLITS = 16             # partitions of a sequence's pages computed in parallel, merged after
@@ -54,7 +61,7 @@ def split_sizes(pages_per_seq: int, page_size: int) -> tuple[int, int] | None:
     return None
 
 
-def decode_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+def decode_attention(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens: jax.Array, page_indices: jax.Array,
                      cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float, soft_cap: float | None = None,
                      interpret: bool = False) -> jax.Array:
     """The kernel on a step whose live sequences carry at most one token each (their last token is taken) ->
@@ -69,13 +76,26 @@ def decode_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page
     tok = jnp.clip(cu_q_lens[1:] - 1, 0, t - 1)                               # each sequence's last token
     lens = jnp.where(live, kv_lens, 0)                                        # 0: the kernel skips the row
     pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
-    kv = jnp.take(kv_pages, pages, axis=0, mode="clip").reshape(s, pps * page_size, hkv, 2, d)
     # Positions past a sequence's length are masked out of the scores, but the kernel still multiplies their
     # values by a zero weight: zero them in the copy, so unwritten cache memory (even NaN) never reaches a row.
     written = jnp.arange(pps * page_size, dtype=jnp.int32)[None, :] < lens[:, None]
-    kv = jnp.where(written[:, :, None, None, None], kv, jnp.zeros((), kv.dtype)).reshape(s * pps, page_size, hkv, 2, d)
-    k_pages = kv[:, :, :, 0].transpose(2, 0, 1, 3)                            # [Hkv, S*pps, page_size, D]
-    v_pages = kv[:, :, :, 1].transpose(2, 0, 1, 3)
+
+    def compact(pool: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+        """The table's pages of `pool`, K and V apart, head-major: [Hkv, S*pps, page_size, width] each."""
+        kv = jnp.take(pool, pages, axis=0, mode="clip").reshape(s, pps * page_size, hkv, 2, width)
+        kv = jnp.where(written[:, :, None, None, None], kv, jnp.zeros((), kv.dtype))
+        kv = kv.reshape(s * pps, page_size, hkv, 2, width)
+        return kv[:, :, :, 0].transpose(2, 0, 1, 3), kv[:, :, :, 1].transpose(2, 0, 1, 3)
+
+    scales: dict[str, jax.Array] = {}
+    if isinstance(kv_pages, QuantizedPool):
+        # int8 / float8 pages and their per-token scales: the kernel converts each page block to q's dtype and
+        # multiplies a key's scale into its score and a value's into its softmax weight
+        k_pages, v_pages = compact(kv_pages.values, d)
+        k_scales, v_scales = compact(kv_pages.scales, 1)
+        scales = {"k_scales_pages": k_scales[..., 0], "v_scales_pages": v_scales[..., 0]}
+    else:
+        k_pages, v_pages = compact(kv_pages, d)                               # [Hkv, S*pps, page_size, D]
     tables = jnp.arange(s * pps, dtype=jnp.int32).reshape(s, pps)
     sizes = split_sizes(pps, page_size)
     if sizes is None:
@@ -85,7 +105,7 @@ def decode_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page
     q_s = (jnp.take(q, tok, axis=0).astype(jnp.float32) * sm_scale).astype(q.dtype)
     o = gpu_paged.paged_attention(q_s, k_pages, v_pages, tables, lens, block_h=BLOCK_H,
                                   pages_per_compute_block=per_block, k_splits=k_splits, interpret=interpret,
-                                  attn_logits_soft_cap=soft_cap)
+                                  attn_logits_soft_cap=soft_cap, **scales)
     dest = jnp.where(live, tok, t)                                            # t: dropped
     return jnp.zeros_like(q).at[dest].set(o.astype(q.dtype), mode="drop")
 

@@ -11,6 +11,16 @@ compile`), and the table covers TPU v6 only (every other generation gets its def
 The choice below follows the table's entries: blocks of at most 16 pages (one DMA per page; the kernel's own
 note says more spill scalar registers) and about 2048 tokens, 32 queries per block, and a VMEM limit from the
 buffers those sizes need.
+
+A quantized KV cache (`engine.kv_dtype: int8 | float8_e4m3fn`, per-token scales: `kv_quant`). jax 0.10.2's kernel
+reads int8 and float8 pages, but with one scalar `k_scale` and `v_scale` for the whole cache; a scale per token
+and head cannot be folded into it (a key's scale multiplies its score, a value's its softmax weight). So the
+wrapper dequantizes the pages the step's table names into a compact pool in q's dtype and runs the kernel over
+that (`dequantized_table`), as the GPU wrapper compacts its pages. The engine then buckets the table's width
+by the live pages (`work_follows_table`). Per cached element the step reads 1 byte (+ 4 bytes of scale per
+head_dim elements) and writes and reads back 2 bytes of bfloat16: ~5 bytes of HBM traffic against a bfloat16
+pool's 2. The int8 cache halves the pool's memory (twice the slots or the context), not the decode pass's
+attention reads: that needs a kernel that multiplies the scales where it loads each page (left to do).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from raydeploy.engine.attention import xla
+from raydeploy.engine.attention.kv_quant import QuantizedPool, dequantize
 
 MAX_KV_PAGES_PER_BLOCK = 16
 KV_TOKENS_PER_BLOCK = 2048
@@ -78,7 +89,17 @@ def block_sizes(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: 
     return pages, queries, vmem
 
 
-def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+def dequantized_table(pool: QuantizedPool, page_indices: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """The pages `page_indices` names, dequantized to `dtype` as a compact pool [S * pages_per_seq, page_size,
+    2*Hkv, D], and the table that reads it (row s: pages s * pages_per_seq ...). jax's kernel takes one scale per
+    K and V tensor, not one per token; this copy is how it reads a cache with per-token scales."""
+    s, pps = page_indices.shape
+    ids = jnp.clip(page_indices, 0, pool.shape[0] - 1).reshape(-1)
+    compact = dequantize(jnp.take(pool.values, ids, axis=0), jnp.take(pool.scales, ids, axis=0), dtype)
+    return compact, jnp.arange(s * pps, dtype=jnp.int32).reshape(s, pps)
+
+
+def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            num_queries_per_block: int | None = None, num_kv_pages_per_block: int | None = None,
@@ -87,6 +108,8 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     `block_sizes`; `interpret=True` runs the kernel in Pallas TPU interpret mode (on CPU; tests)."""
     xla.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     xla.check_options(sliding_window, soft_cap)
+    if isinstance(kv_pages, QuantizedPool):
+        kv_pages, page_indices = dequantized_table(kv_pages, page_indices, q.dtype)
     t, hq, d = q.shape
     _, page_size, kv2, _ = kv_pages.shape
     pages, queries, vmem = block_sizes(t, hq, kv2 // 2, d, page_size, page_indices.shape[1], q.dtype,

@@ -5,6 +5,8 @@ the tokens of all sequences are concatenated in `q`; sequence s owns tokens [cu_
 has kv_lens[s] tokens in the cache (this step's included) in the pages page_indices[s], and its token i sits
 at position kv_lens[s] - q_len[s] + i, attending to the positions <= its own (and > its own - sliding_window).
 kv_pages holds K and V interleaved on the head axis: [P, page_size, 2*Hkv, D] with K head h at 2h, V at 2h+1.
+A quantized pool (`kv_quant.QuantizedPool`, int8 or float8 values with a float32 scale per token and head) is
+dequantized in the page gathers below, so both loops read it one byte a value and compute as for a float pool.
 
 How it is computed, in two parts whose work follows the live tokens rather than the static shapes:
 - sequences with one token (decode rows): in an engine that runs the native CPU kernels (`decode_rows`, handed
@@ -34,6 +36,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from raydeploy.engine.attention.kv_quant import QuantizedPool, dequantize
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as the TPU kernel's: a fully masked row stays finite
 CHUNK_BLOCK_Q = 64        # query rows of a multi-token sequence per step of the chunk loop
 SHORT_CHUNK_BLOCK_Q = 32  # query rows per step for chunks of at most this many tokens. Measured on this backend
@@ -45,7 +49,7 @@ KV_BLOCK_TOKENS = 64     # keys per step of the key-block loops (rounded to whol
 # masked tail (the demo engine's decode pass at 16 rows: 125 -> 70 ms)
 
 
-def check_inputs(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+def check_inputs(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens: jax.Array, page_indices: jax.Array,
                  cu_q_lens: jax.Array, num_seqs: jax.Array) -> None:
     """Static (shape and dtype) checks with messages that name the argument; raise ValueError."""
     if q.ndim != 3:
@@ -82,7 +86,7 @@ def check_options(sliding_window: int | None, soft_cap: float | None) -> None:
         raise ValueError("ragged_paged_attention: soft_cap must be non-zero or None, got 0.0")
 
 
-def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            block_q: int | None = None, kv_block_pages: int | None = None,
@@ -251,15 +255,20 @@ def _chunked_sequences(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_
     return jax.lax.fori_loop(0, item_end[-1], item, out)[:t]
 
 
-def _gather_block(kv_pages: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _gather_block(kv_pages: jax.Array | QuantizedPool, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """K and V of the pages `ids` ([n, page_size, Hkv, D] each) from the pool as it lies ([P, page_size, 2*Hkv,
     D], K and V interleaved on the head axis): one gather each, picking its heads. The pool is never reshaped:
     a reshaped pool ([P, page_size, Hkv, 2, D]) closed over by a loop made XLA CPU give the reshape another
     layout and copy the whole pool into the loop, once per query block and layer (an 805 MB pool: a 4-token
-    step took seconds)."""
+    step took seconds). A quantized pool's scales are gathered with the same indices and the block is
+    dequantized as it is gathered (float32): the loop reads int8 (or float8) from the pool, one byte a value."""
     heads = 2 * jnp.arange(kv_pages.shape[2] // 2, dtype=jnp.int32)[None, :]
-    k = kv_pages[ids[:, None], :, heads]
-    v = kv_pages[ids[:, None], :, heads + 1]
+    if isinstance(kv_pages, QuantizedPool):
+        k = dequantize(kv_pages.values[ids[:, None], :, heads], kv_pages.scales[ids[:, None], :, heads])
+        v = dequantize(kv_pages.values[ids[:, None], :, heads + 1], kv_pages.scales[ids[:, None], :, heads + 1])
+    else:
+        k = kv_pages[ids[:, None], :, heads]
+        v = kv_pages[ids[:, None], :, heads + 1]
     return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
@@ -277,6 +286,8 @@ def dense_reference(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_
     float32, zeros for tokens of no live sequence."""
     t, hq, d = q.shape
     hkv = kv_pages.shape[2] // 2
+    if isinstance(kv_pages, QuantizedPool):
+        kv_pages = kv_pages.dequantized()
     out = jnp.zeros((t, hq, d), jnp.float32)
     for i in range(int(num_seqs)):
         start, end, n = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])

@@ -1,0 +1,178 @@
+"""The quantized KV cache (`engine.kv_dtype: int8 | float8_e4m3fn`, `raydeploy.engine.attention.kv_quant`).
+
+- quantize / dequantize: the round trip's error within its bound (int8: max|x| / 254 per element; float8 e4m3:
+  2^-4 relative above the subnormals), zeros stay zeros, the packed write form unpacks exactly;
+- a `QuantizedPool` written through the engine's own scatter holds what `quantize` gives, and reads back;
+- every attention backend on the same quantized pool: the XLA path equals the definition over the dequantized
+  pool, and the Pallas TPU and GPU kernels (interpret mode) equal the XLA path; unused cache memory holds NaN
+  scales, so a leak shows;
+- the demo engine with an int8 KV cache: a quarter of the float32 pool's bytes plus the scales, greedy tokens of
+  the float32 cache's on the demo prompts' start, and the same tokens with prefix reuse and chunked prefill as
+  the same requests alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_attention import (
+    DECODE,
+    MIXED,
+    SCALE,
+    assert_matches,
+    live_rows,
+    make_step,
+    tpu_interpreter,  # noqa: F401  (the fixture)
+)
+
+from raydeploy.engine.attention import kv_quant, pallas_gpu, pallas_tpu, work_follows_table, xla
+from raydeploy.engine.attention.kv_quant import QuantizedPool
+from raydeploy.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype, to_pool_dtype
+from tests.jaxpr_walk import walk
+
+QUANTIZED = ["int8", "float8_e4m3fn"]
+
+
+def quantized_step(dtype: str, **kw) -> tuple:
+    """`make_step`'s arguments with its pool quantized: pool rows that no live token may read keep NaN scales."""
+    args = make_step(**kw)
+    pool = np.asarray(args[1], np.float32)
+    unused = np.isnan(pool).any(axis=-1, keepdims=True)
+    values, scales = kv_quant.quantize(jnp.asarray(np.where(unused, 0.0, pool)), dtype)
+    scales = jnp.where(jnp.asarray(unused), jnp.nan, scales)
+    return (args[0], QuantizedPool(values, scales), *args[2:])
+
+
+# -- quantize, pack, write ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_round_trip_error_within_its_bound(dtype):
+    rng = np.random.default_rng(0)
+    # rows of very different magnitudes (each has its own scale), one row of zeros
+    x = rng.standard_normal((64, 6, 128)).astype(np.float32) * np.exp(rng.uniform(-6, 6, (64, 6, 1)))
+    x[3, 2] = 0.0
+    values, scales = kv_quant.quantize(jnp.asarray(x), dtype)
+    assert values.dtype == jnp.dtype(dtype) and scales.shape == (64, 6, 1) and scales.dtype == jnp.float32
+    back = np.asarray(kv_quant.dequantize(values, scales))
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    err = np.abs(back - x)
+    if dtype == "int8":
+        assert (np.abs(np.asarray(values, np.int32)) <= 127).all()
+        assert (err <= amax / 254 * (1 + 1e-5)).all()
+        assert (np.abs(np.asarray(values, np.int32)).max(axis=-1) == np.where(amax[..., 0] > 0, 127, 0)).all()
+    else:  # 3 mantissa bits: half an ulp is 2^-4 of the value; below 2^-6 (the subnormals) a fixed step
+        bound = np.maximum(np.abs(x) * 2.0 ** -4, amax / 448 * 2.0 ** -10)
+        assert (err <= bound * (1 + 1e-5)).all()
+    assert (back[3, 2] == 0).all() and float(scales[3, 2, 0]) == 0.0
+    rel = np.linalg.norm(back - x) / np.linalg.norm(x)
+    assert rel < (0.01 if dtype == "int8" else 0.05), rel
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_packed_kv_unpacks_exactly_and_the_engines_scatter_writes_it(dtype):
+    """`to_pool_dtype` into a quantized pool gives the packed form [T, 2*Hkv, D + 4]; a pool's `.at[...].set`, as
+    the step programs' write calls it (pages flattened with the layers, a dropped out-of-range index), stores the
+    values and scales `quantize` gives, and a padding place writes nothing."""
+    rng = np.random.default_rng(1)
+    kv = jnp.asarray(rng.standard_normal((3, 4, 32)) * 5, jnp.float32)
+    packed = to_pool_dtype(kv, jnp.dtype(dtype))
+    assert packed.shape == (3, 4, 36) and packed.dtype == jnp.int8
+    values, scales = kv_quant.quantize(kv, dtype)
+    got_v, got_s = kv_quant.unpack(packed, dtype)
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(values, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_s), np.asarray(scales))
+    layers, pages, page_size = 2, 5, 4
+    pool = kv_quant.zeros_pool((layers, pages, page_size, 4, 32), dtype)
+    flat = pool.reshape(layers * pages, page_size, 4, 32)
+    dest = jnp.asarray([1 * pages + 3, 0 * pages + 2, layers * pages])  # layer 1 page 3, layer 0 page 2, dropped
+    offset = jnp.asarray([1, 3, 0])
+    out = flat.at[dest, offset].set(packed, mode="drop").reshape(pool.shape)
+    assert isinstance(out, QuantizedPool) and out.shape == pool.shape and out.scales.shape == (*pool.shape[:-1], 1)
+    deq = np.asarray(out.dequantized())
+    want = np.asarray(kv_quant.dequantize(values, scales))
+    np.testing.assert_array_equal(deq[1, 3, 1], want[0])
+    np.testing.assert_array_equal(deq[0, 2, 3], want[1])
+    assert np.count_nonzero(np.abs(deq).sum(axis=(-1, -2))) == 2  # the third (padding) place wrote nothing
+    with pytest.raises(ValueError, match="takes new K/V packed as int8"):
+        flat.at[dest, offset].set(kv, mode="drop")
+
+
+def test_bytes_per_token_and_the_dtypes_each_backend_takes():
+    # Llama-3-8B's 8 kv heads x 128: 4096 bytes a token per layer in bfloat16, 2048 + 64 of scales in int8
+    assert kv_bytes_per_token("bfloat16", 8, 128) == 4096
+    assert kv_bytes_per_token("int8", 8, 128) == 2 * 8 * (128 + 4)
+    assert kv_bytes_per_token("float8_e4m3fn", 8, 128) == kv_bytes_per_token("int8", 8, 128)
+    for attention, platform in (("xla", "cpu"), ("pallas", "tpu"), ("pallas", "gpu"), ("auto", "tpu")):
+        assert resolve_kv_dtype("int8", "bfloat16", attention, platform) == "int8"
+    with pytest.raises(ValueError, match="float16 differs from model.dtype bfloat16.*pallas"):
+        resolve_kv_dtype("float16", "bfloat16", "pallas", "tpu")
+    # fp8 by the rule of fp8 weights: a chip with fp8 takes it, one without is named
+    assert resolve_kv_dtype("float8_e4m3fn", "bfloat16", "pallas", "gpu", "NVIDIA H100 80GB HBM3", "9.0") \
+        == "float8_e4m3fn"
+    with pytest.raises(ValueError, match="engine.kv_dtype float8_e4m3fn needs fp8.*v5"):
+        resolve_kv_dtype("float8_e4m3fn", "bfloat16", "pallas", "tpu", "TPU v5 lite")
+    # the TPU kernel reads a compact dequantized copy of the table's pages: its work follows the table then
+    assert work_follows_table("pallas", "tpu", "int8") and not work_follows_table("pallas", "tpu", "bfloat16")
+    assert not work_follows_table("xla", "cpu", "int8")
+
+
+# -- the backends on one quantized pool ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("window,cap", [(None, None), (4, None), (None, 3.0)])
+def test_xla_reads_the_quantized_pool_as_the_definition_over_its_dequantized_values(dtype, window, cap):
+    args = quantized_step(dtype, **MIXED, seed=3)
+    pool = args[1]
+    dense = (args[0], jnp.nan_to_num(pool.dequantized()), *args[2:5])
+    ref = xla.dense_reference(*dense, int(args[5][0]), sm_scale=SCALE, sliding_window=window, soft_cap=cap)
+    out = xla.ragged_paged_attention(*args, sm_scale=SCALE, sliding_window=window, soft_cap=cap)
+    assert_matches(out, ref, args)
+    small = xla.ragged_paged_attention(*args, sm_scale=SCALE, sliding_window=window, soft_cap=cap, block_q=2,
+                                       kv_block_pages=1)
+    assert_matches(small, ref, args)
+
+
+def test_int8_pool_reads_close_to_the_float_pool():
+    """The same step over the float pool and its int8 quantization: outputs within the quantization's error
+    (each key and value element off by at most max|x| / 254, which moves a score of 32 standard normal products
+    by ~0.05 at this scale)."""
+    float_args = make_step(**MIXED, seed=3)
+    pool = np.asarray(float_args[1])
+    unused = np.isnan(pool).any(axis=-1, keepdims=True)
+    q_args = quantized_step("int8", **MIXED, seed=3)
+    ref = xla.ragged_paged_attention(float_args[0], jnp.asarray(np.where(unused, 0.0, pool)), *float_args[2:],
+                                     sm_scale=SCALE)
+    out = xla.ragged_paged_attention(*q_args, sm_scale=SCALE)
+    n = live_rows(q_args)
+    err = np.abs(np.asarray(out)[:n] - np.asarray(ref)[:n])
+    assert err.max() < 0.05 and err.mean() < 0.01, (err.max(), err.mean())
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_pallas_tpu_interpret_reads_the_quantized_pool_as_xla(tpu_interpreter, dtype):  # noqa: F811
+    args = quantized_step(dtype, **MIXED, q_heads=8, head_dim=128, seed=1)
+    ref = xla.ragged_paged_attention(*args, sm_scale=SCALE, soft_cap=2.0)
+    out = pallas_tpu.ragged_paged_attention(*args, sm_scale=SCALE, soft_cap=2.0, num_queries_per_block=4,
+                                            num_kv_pages_per_block=2, interpret=True)
+    assert_matches(out, ref, args)
+    assert not np.asarray(out[live_rows(args):]).any()
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_pallas_gpu_interpret_reads_the_quantized_pool_as_xla(dtype):
+    """The decode kernel with per-token scales (jax's `k_scales_pages` / `v_scales_pages`, multiplied inside the
+    kernel), through the engine's single-token entry point and the cond of the general one."""
+    args = quantized_step(dtype, **DECODE, q_heads=8, seed=4)
+    ref = xla.ragged_paged_attention(*args, sm_scale=SCALE, soft_cap=4.0)
+    out = pallas_gpu.single_token_attention(*args, sm_scale=SCALE, soft_cap=4.0, interpret=True)
+    assert_matches(out, ref, args, atol=1e-4)
+    jaxpr = jax.make_jaxpr(lambda *a: pallas_gpu.decode_attention(*a, sm_scale=SCALE, interpret=True))(*args)
+    kernels = [eqn for eqn, _ in walk(jaxpr.jaxpr) if eqn.primitive.name == "pallas_call"]
+    assert len(kernels) == 1  # the kernel reads the quantized pages and their scales, not a dequantized copy
+    assert [str(v.aval.dtype) for v in kernels[0].invars[:5]] == ["float32", dtype, "float32", dtype, "float32"]
+    out2 = pallas_gpu.ragged_paged_attention(*args, sm_scale=SCALE, soft_cap=4.0, interpret=True)
+    assert_matches(out2, ref, args, atol=1e-4)
