@@ -56,13 +56,22 @@ def page_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def prefix_keys(tokens: Sequence[int], page_size: int, max_pages: int | None = None) -> list[bytes]:
-    """Keys of the full pages of `tokens` (at most `max_pages`), each chained over the ones before it."""
+def adapter_root(adapter_key: str) -> bytes | None:
+    """The parent of a sequence's first page key: None for the base model, else a digest of the LoRA adapter's
+    residence key (`GenerationRequest.adapter_key`), so the same tokens under two adapters (or under one adapter
+    loaded twice) chain to different keys and share no page."""
+    return hashlib.sha256(b"\x00adapter" + adapter_key.encode()).digest() if adapter_key else None
+
+
+def prefix_keys(tokens: Sequence[int], page_size: int, max_pages: int | None = None, adapter_key: str = ""
+                ) -> list[bytes]:
+    """Keys of the full pages of `tokens` (at most `max_pages`), each chained over the ones before it (the first
+    over `adapter_root(adapter_key)`)."""
     n = len(tokens) // page_size
     if max_pages is not None:
         n = min(n, max_pages)
     keys: list[bytes] = []
-    parent: bytes | None = None
+    parent: bytes | None = adapter_root(adapter_key)
     for i in range(n):
         parent = page_key(parent, tokens[i * page_size:(i + 1) * page_size])
         keys.append(parent)
@@ -270,12 +279,14 @@ class SequencePages:
     registered: int = 0
     """Leading pages already registered in the prefix cache (or matched from it)."""
     keys: list[bytes] = field(default_factory=list)
+    root: bytes | None = None
+    """The parent of the first page's key (`adapter_root`: the sequence's LoRA adapter; None for the base model)."""
 
     @staticmethod
-    def prompt_keys(tokens: Sequence[int], page_size: int) -> list[bytes]:
+    def prompt_keys(tokens: Sequence[int], page_size: int, adapter_key: str = "") -> list[bytes]:
         """Keys of the prompt pages a new sequence may reuse: its full pages except one holding its last
-        token (that token must be computed to sample the first new token from)."""
-        return prefix_keys(tokens, page_size, (len(tokens) - 1) // page_size)
+        token (that token must be computed to sample the first new token from); under `adapter_key`'s root."""
+        return prefix_keys(tokens, page_size, (len(tokens) - 1) // page_size, adapter_key)
 
     @staticmethod
     def fits(pool: PagePool, keys: Sequence[bytes], max_total_tokens: int) -> tuple[int, bool]:
@@ -286,13 +297,13 @@ class SequencePages:
 
     @classmethod
     def admit(cls, pool: PagePool, tokens: Sequence[int], max_total_tokens: int,
-              keys: Sequence[bytes] | None = None) -> SequencePages | None:
+              keys: Sequence[bytes] | None = None, adapter_key: str = "") -> SequencePages | None:
         """Start a sequence with prompt `tokens` that may grow to `max_total_tokens` positions: reuse the cached
         pages of its `keys` (default `prompt_keys`; pass [] to reuse nothing) and reserve every other page it
         may need. None when the pool lacks the room now (nothing changes, nothing is counted)."""
         ps = pool.page_size
         if keys is None:
-            keys = cls.prompt_keys(tokens, ps)
+            keys = cls.prompt_keys(tokens, ps, adapter_key)
         hit = pool.lookup(keys)
         need = -(-max_total_tokens // ps) - len(hit)
         if need > pool.headroom - pool.idle_among(hit):
@@ -301,7 +312,7 @@ class SequencePages:
         pool.counters.misses += len(keys) - len(hit)
         pool.acquire(hit)
         pool.reserve(need)
-        return cls(pool, list(hit), len(hit), need, len(hit), list(keys[:len(hit)]))
+        return cls(pool, list(hit), len(hit), need, len(hit), list(keys[:len(hit)]), adapter_root(adapter_key))
 
     @staticmethod
     def pages_for(pool: PagePool, tokens: int) -> int:
@@ -320,6 +331,24 @@ class SequencePages:
         self.pages.extend(new)
         return new
 
+    def shrink(self, total_tokens: int) -> int:
+        """Give back the pages past `total_tokens` positions to the pool and keep them in this sequence's
+        reservation (it may grow into them again): the pages a speculative step allocated for proposals that were
+        rejected (`raydeploy.engine.speculative`). Only pages that were never registered go (their positions are
+        past every computed token, so the prefix cache never held them). Returns how many pages went back."""
+        keep = self.pages_for(self.pool, total_tokens)
+        if keep >= len(self.pages):
+            return 0
+        if keep < self.registered:
+            raise ValueError(f"dp group {self.pool.group}: cannot shrink a sequence to {total_tokens} tokens, "
+                             f"{self.registered} of its pages are in the prefix cache")
+        extra = self.pages[keep:]
+        del self.pages[keep:]
+        self.pool.release(extra)
+        self.pool.reserve(len(extra))
+        self.reserved += len(extra)
+        return len(extra)
+
     def commit(self, tokens: Sequence[int], computed: int) -> int:
         """Register the full pages among the first `computed` positions (whose KV is written once the plan
         that computes them has run; `tokens` are the sequence's tokens from position 0). Returns how many
@@ -329,7 +358,7 @@ class SequencePages:
         added = 0
         while self.registered < full:
             i = self.registered
-            parent = self.keys[i - 1] if i else None
+            parent = self.keys[i - 1] if i else self.root
             if len(self.keys) == i:
                 self.keys.append(page_key(parent, tokens[i * ps:(i + 1) * ps]))
             if self.pool.register(self.pages[i], self.keys[i]):

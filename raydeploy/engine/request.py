@@ -45,6 +45,12 @@ class GenerationRequest:
     report_stop: bool = False
     """The stop token that ends the request (eos, a stop id) comes back on the final event with its logprob (and
     alternatives), as OpenAI's and vLLM's logprobs count it; otherwise the final event carries no token."""
+    adapter: str | None = None
+    """The LoRA adapter the request runs under (`model: <adapter name>`, `raydeploy.lora`); None: the base model.
+    Rank 0 resolves it when the request is submitted: `adapter_slot` (the device slot its every token uses) and
+    `adapter_key` (what its prefix-cache pages are keyed under, so no page is shared across adapters)."""
+    adapter_slot: int = -1
+    adapter_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,19 @@ Failures (docs/gang.md, "A step that fails for one request"): only a host's fail
   non-retriable error event (not resent), and since the followers may be part-way through the step, the
   loop stops and the gang is rebuilt (its queued requests, which no step had started, are retriable).
 After the loop stops, new requests are refused with :class:`GangUnavailableError`.
+
+LoRA adapters (docs/lora.md): the coordinator owns the adapter table (`raydeploy.lora.slots.AdapterTable`). A
+request naming an adapter is resolved at submit: the adapter is pinned (loaded first, into a free or the least
+recently used idle slot, if it is known but not resident) and the request carries its slot and prefix-cache key;
+its last event unpins it. Loads and unloads go through the dispatcher to every host between two steps, one at a
+time (`_adapter_lock`); a request for an adapter the table does not know gets an error event naming it
+(`adapter_unknown`, HTTP 404), a bad adapter file an `AdapterError` naming the tensor (HTTP 400).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -36,6 +44,13 @@ from raydeploy.engine.local import StepLoop
 from raydeploy.engine.request import GenerationRequest, TokenEvent
 from raydeploy.engine.step import StepPlan, StepResult
 from raydeploy.gang.dispatch import Dispatcher
+from raydeploy.lora.commands import AdapterCommand
+from raydeploy.lora.slots import AdapterConflict, AdapterSlotsBusy, AdapterTable, Residence, UnknownAdapter
+
+ADAPTER_WAIT_S = 60.0
+"""Longest an adapter load waits: for the step in flight to end, or for a slot whose requests are all done."""
+ADAPTER_UNKNOWN = "adapter_unknown"
+"""The `error` prefix of the event that ends a request naming an adapter the gang does not know (HTTP 404)."""
 
 
 class GangUnavailableError(RuntimeError):
@@ -93,8 +108,12 @@ class _Feed:
 class Coordinator:
     """Owns the scheduler and drives the dispatcher from one thread."""
 
-    def __init__(self, scheduler: StepScheduler, dispatcher: Dispatcher, idle_wait_s: float = 0.1) -> None:
+    def __init__(self, scheduler: StepScheduler, dispatcher: Dispatcher, idle_wait_s: float = 0.1,
+                 adapters: AdapterTable | None = None) -> None:
         self.scheduler = scheduler
+        self.adapters = adapters
+        """The LoRA adapter table (None: the engine has no adapter slots)."""
+        self._adapter_lock: asyncio.Lock | None = None
         self.dispatcher = dispatcher
         self.idle_wait_s = idle_wait_s
         self.loop = StepLoop(scheduler, self._step, idle_wait_s=idle_wait_s,
@@ -169,12 +188,120 @@ class Coordinator:
         if self.error is not None:
             raise GangUnavailableError(f"gang is unavailable: {self.error}")
         f = self._feeds.get(feed) or _Feed(asyncio.get_running_loop())
-        with self._lock:
-            self.scheduler.submit(req, f.put)  # QueueFullError propagates to the caller
-            self.requests_submitted += 1
+        sink = f.put
+        if req.adapter is not None:
+            res = await self._pin_adapter(req, f)
+            if res is None:  # ended with an error event naming the adapter
+                self._feeds[feed] = f
+                return
+            req = dataclasses.replace(req, adapter_slot=res.slot, adapter_key=res.key)
+            sink = self._unpinning(f.put, res)
+        try:
+            with self._lock:
+                self.scheduler.submit(req, sink)  # QueueFullError propagates to the caller
+                self.requests_submitted += 1
+        except BaseException:
+            if req.adapter is not None and self.adapters is not None:
+                self.adapters.unpin(req.adapter, req.adapter_key)
+            raise
         self._feeds[feed] = f  # only now: a refused request leaves no feed behind
         f.requests.add(req.request_id)
         self.open_streams += 1
+
+    # -- LoRA adapters (raydeploy.lora) ------------------------------------------------------------------
+    def _table(self) -> AdapterTable:
+        if self.adapters is None:
+            raise AdapterConflict("this server serves no LoRA adapters (lora.max_adapters is 0)")
+        return self.adapters
+
+    def _lock_adapters(self) -> asyncio.Lock:
+        if self._adapter_lock is None:
+            self._adapter_lock = asyncio.Lock()
+        return self._adapter_lock
+
+    async def _pin_adapter(self, req: GenerationRequest, f: _Feed) -> Residence | None:
+        """The residence of the request's adapter, pinned (loaded first if it is known but not resident); None
+        after an error event naming the adapter went to the feed (unknown adapter, LoRA off)."""
+        name = str(req.adapter)
+        try:
+            table = self._table()
+            res = table.pin(name)
+            if res is None:
+                async with self._lock_adapters():
+                    res = table.pin(name)
+                    if res is None:
+                        await self._make_resident(name)
+                        res = table.pin(name)
+            if res is None:
+                raise UnknownAdapter(name)
+            return res
+        except (UnknownAdapter, AdapterConflict) as e:
+            f.requests.add(req.request_id)
+            self.open_streams += 1
+            f.put(TokenEvent(req.request_id, None, finish_reason="error", invalid=True,
+                             error=f"{ADAPTER_UNKNOWN}: {e}"))
+            return None
+
+    def _unpinning(self, put: Any, res: Residence) -> Any:
+        """The request's sink, unpinning its adapter with its last event."""
+        table = self._table()
+
+        def sink(ev: TokenEvent) -> None:
+            if ev.finish_reason is not None:
+                table.unpin(res.name, res.key)
+            put(ev)
+        return sink
+
+    async def _command(self, cmd: AdapterCommand) -> dict[str, Any]:
+        """One adapter command through the dispatcher (every host, between two steps), off the event loop."""
+        return await asyncio.to_thread(self.dispatcher.command, cmd, ADAPTER_WAIT_S)
+
+    async def _make_resident(self, name: str) -> Residence:
+        """Load known adapter `name` into a slot (free, or the least recently used idle one; waits at most
+        `ADAPTER_WAIT_S` while every slot is in use). Call under `_adapter_lock`."""
+        table = self._table()
+        deadline = time.monotonic() + ADAPTER_WAIT_S
+        while True:
+            try:
+                slot, _ = table.place(name)
+                break
+            except AdapterSlotsBusy:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        try:
+            await self._command(AdapterCommand("load", slot, table.paths[name]))
+        except BaseException:
+            table.abandon(slot)
+            raise
+        return table.loaded(name, slot)
+
+    async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Know adapter `name` at `path` and load it on every host (`POST /v1/load_lora_adapter`); AdapterError
+        naming the file or tensor when it cannot be served (then it stays unknown), AdapterConflict when the name
+        is known already."""
+        table = self._table()
+        async with self._lock_adapters():
+            table.register(name, path)
+            try:
+                res = await self._make_resident(name)
+            except BaseException:
+                table.forget(name)
+                raise
+        return {"name": name, "slot": res.slot}
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name` and clear its slot on every host (`POST /v1/unload_lora_adapter`);
+        UnknownAdapter when not known, AdapterConflict while running requests use it."""
+        table = self._table()
+        async with self._lock_adapters():
+            slot = table.forget(name)
+            if slot is not None:
+                await self._command(AdapterCommand("unload", slot))
+
+    def adapter_names(self) -> list[str]:
+        """The known adapters (/v1/models); empty without LoRA."""
+        return [] if self.adapters is None else self.adapters.names()
 
     async def feed(self, name: str) -> AsyncGenerator[list[TokenEvent], None]:
         """The events of every request submitted to feed `name`, as the steps produce them: one list a wake-up
@@ -222,6 +349,8 @@ class Coordinator:
         with self._lock:
             sched = dict(self.scheduler.stats())
         clock = self.dispatcher.clock.snapshot()
+        if self.adapters is not None:
+            sched["adapters"] = self.adapters.stats()
         return {"tokens_generated": self.tokens_generated, **sched, **clock,
                 "requests_submitted": self.requests_submitted, "requests_done": self.requests_done,
                 "steps_failed": self.loop.steps_failed,

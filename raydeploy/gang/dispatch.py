@@ -14,6 +14,12 @@ raydeploy.engine.request) raises it on every host alike: the dispatcher passes i
 fails those requests and plans the others again; followers skip the step and go on. Any other exception ends
 the host's loop (the supervisor rebuilds the gang).
 
+Adapter commands (`raydeploy.lora.device.AdapterCommand`: load or clear a LoRA slot) go through the same
+sequence of keys, between two plans: `Dispatcher.command` checks the command on rank 0 (a bad adapter file
+changes nothing anywhere), publishes it and applies it, under the lock `run` holds, so it never splits a step
+and the gang never stops; followers apply it where it falls among their plans. A follower that cannot apply a
+command rank 0 applied ends its loop (its slots would differ: the supervisor rebuilds the gang).
+
 Old plans are deleted once every follower has acknowledged them: each follower writes its progress to
 one key every `ACK_EVERY` steps, and rank 0 reads those keys as often, deleting every plan below the
 slowest follower's mark. Steps without device work (release-only plans) do not synchronise the hosts,
@@ -30,6 +36,7 @@ from typing import Any, Protocol
 
 from raydeploy.engine.request import RequestFailed
 from raydeploy.engine.step import StepPlan, StepResult
+from raydeploy.lora.commands import AdapterCommand
 
 KEY_PREFIX = "raydeploy/plan"
 ACK_PREFIX = "raydeploy/ack"
@@ -115,8 +122,10 @@ class Dispatcher:
         self.seq = 0
         """Sequence number of the next plan: keys use it, not plan.step_id, so they are always contiguous."""
         self._oldest_kept = 0
+        self._lock = threading.Lock()
+        """Held by `run` and `command`: a command falls between two steps, in one order on every host."""
 
-    def publish(self, plan: StepPlan) -> None:
+    def publish(self, plan: StepPlan | AdapterCommand) -> None:
         t0 = time.perf_counter()
         self.client.key_value_set_bytes(plan_key(self.generation, self.seq), plan.to_bytes())
         self.seq += 1
@@ -139,14 +148,30 @@ class Dispatcher:
 
     def run(self, plan: StepPlan) -> StepResult | None:
         """Broadcast `plan` and execute it here; returns None for a shutdown plan."""
-        self.clock.begin()
+        with self._lock:
+            self.clock.begin()
+            try:
+                self.publish(plan)
+                if plan.shutdown:
+                    return None
+                return self.engine.step(plan)
+            finally:
+                self.clock.end()
+
+    def command(self, cmd: AdapterCommand, timeout_s: float) -> dict[str, Any]:
+        """Check `cmd` here, then send it to every host and apply it here, between two steps (waits at most
+        `timeout_s` for the step in flight; TimeoutError naming it otherwise). Raises the check's error (nothing
+        sent) or the apply's."""
+        engine: Any = self.engine  # an `Engine` with adapter slots (`check_adapter_command`, `adapter_command`)
+        if not self._lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"adapter {cmd.op} of slot {cmd.slot}: the step in flight did not end within "
+                               f"{timeout_s} s")
         try:
-            self.publish(plan)
-            if plan.shutdown:
-                return None
-            return self.engine.step(plan)
+            engine.check_adapter_command(cmd)
+            self.publish(cmd)
+            return dict(engine.adapter_command(cmd))
         finally:
-            self.clock.end()
+            self._lock.release()
 
 
 class FollowerLoop:
@@ -189,6 +214,11 @@ class FollowerLoop:
             data = self._fetch(self.next_step)
             if data is None:
                 return self.clock.steps_done
+            if AdapterCommand.is_command(data):
+                engine: Any = self.engine
+                engine.adapter_command(AdapterCommand.from_bytes(data))
+                self.next_step += 1
+                continue
             plan = StepPlan.from_bytes(data)
             if plan.shutdown:
                 return self.clock.steps_done

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from raydeploy.config import Config
 from raydeploy.engine.request import GenerationRequest, TokenEvent
 from raydeploy.gang.engines import EngineSource, engine_source
+from raydeploy.lora.commands import adapter_path
+from raydeploy.lora.slots import AdapterTable
 
 if TYPE_CHECKING:  # names for annotations only: this module must not import JAX
     from jax.sharding import Mesh
@@ -233,8 +235,12 @@ class HostActor:
         if self.rank == 0:
             from raydeploy.gang.coordinator import Coordinator
 
+            lora = self.cfg.lora
             self.loop = Coordinator(self._make_scheduler(), Dispatcher(engine, client, self.generation,
-                                                                      self.cfg.cluster.num_hosts - 1, self.clock))
+                                                                      self.cfg.cluster.num_hosts - 1, self.clock),
+                                    adapters=AdapterTable(lora.max_adapters) if lora.max_adapters > 0 else None)
+            for name, path in lora.adapters.items():  # `lora.adapters`: preloaded before any request
+                await self.loop.load_adapter(name, adapter_path(self.cfg, path))
             self.loop.start()
             await asyncio.to_thread(self.loop.join)
             if self.loop.error:
@@ -316,6 +322,17 @@ class HostActor:
 
     async def abort(self, request_id: str) -> bool:
         return self._coordinator().abort(request_id)
+
+    async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load LoRA adapter `name` from the PEFT directory `path` on every host (raydeploy.lora)."""
+        return await self._coordinator().load_adapter(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._coordinator().unload_adapter(name)
+
+    async def adapters(self) -> list[str]:
+        """The LoRA adapters this gang knows."""
+        return self._coordinator().adapter_names()
 
     def stats(self) -> dict[str, Any]:
         return self._coordinator().stats()

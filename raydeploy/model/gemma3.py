@@ -32,9 +32,12 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
+from raydeploy.lora.batched import LoraRows, adapt, scan_xs, split_xs
 from raydeploy.model.llama import (
     DTYPES,
+    GATE_UP,
     MLP,
+    QKV,
     ActivationSharding,
     Embed,
     RMSNorm,
@@ -172,8 +175,8 @@ class Gemma3Attention(nnx.Module):
         self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, lead)
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, q_scale: float,
-            mm: Matmul | None = None) -> tuple[jax.Array, ...]:
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm)
+            mm: Matmul | None = None, lora: LoraRows | None = None) -> tuple[jax.Array, ...]:
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm, lora, QKV)
         q = apply_rope(self.q_norm(q), positions, inv_freq)  # type: ignore[arg-type]
         k = apply_rope(self.k_norm(k), positions, inv_freq)  # type: ignore[arg-type]
         if q_scale != 1.0:
@@ -184,9 +187,10 @@ class Gemma3Attention(nnx.Module):
 class Gemma3MLP(MLP):
     """Llama's MLP with a tanh-approximated GELU."""
 
-    def __call__(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
-        gate, up = project(x, (self.gate_proj, self.up_proj), mm)
-        return self.down_proj(jax.nn.gelu(gate, approximate=True) * up, mm)
+    def __call__(self, x: jax.Array, mm: Matmul | None = None, lora: LoraRows | None = None) -> jax.Array:
+        gate, up = project(x, (self.gate_proj, self.up_proj), mm, lora, GATE_UP)
+        h = jax.nn.gelu(gate, approximate=True) * up
+        return adapt(lora, "down_proj", h, self.down_proj(h, mm))
 
 
 class Gemma3Layer(nnx.Module):
@@ -202,8 +206,8 @@ class Gemma3Layer(nnx.Module):
         self.mlp = Gemma3MLP(cfg, param_dtype, rngs, lead)
         self.post_mlp_norm = GemmaRMSNorm(d, eps, param_dtype, lead=lead)
 
-    def feed_forward(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
-        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x), mm))
+    def feed_forward(self, x: jax.Array, mm: Matmul | None = None, lora: LoraRows | None = None) -> jax.Array:
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x), mm, lora))
 
     def scan(self, body: Any, carry: Any, xs: Any = None, kinds: Any = None, whole: bool = False
              ) -> tuple[Any, Any]:
@@ -310,8 +314,9 @@ class Gemma3(nnx.Module):
     # -- ragged: the engine's path (see Llama.ragged)
     def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,
                shard: ActivationSharding | None = None, cache: Any = None, static_kinds: bool = False,
-               matmul: Matmul | None = None) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-        """As `Llama.ragged`; `attend` is called with `sliding_window=` on a local layer and with `soft_cap=` when
+               matmul: Matmul | None = None, lora: LoraRows | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+        """As `Llama.ragged` (`lora` too); `attend` is called with `sliding_window=` on a local layer and with `soft_cap=` when
         the config sets attn_logit_softcapping. When local and global layers share the scan, a layer's kind is a
         traced flag and `attend` gets it as `local=` (the window applies where it holds; the caller keeps the
         window static for its backend and chooses only the read), unless `static_kinds`: then the layers are
@@ -328,24 +333,27 @@ class Gemma3(nnx.Module):
         def body(layer: Gemma3Layer, carry: tuple[jax.Array, Any], xs: Any, static_local: bool | None = None
                  ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
             x, c = carry
+            xs, lo = split_xs(xs, lora)
             i, local = xs if static_local is None else (xs, static_local)
-            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, self._inv_freq(local), self.q_scale, matmul)
+            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, self._inv_freq(local), self.q_scale, matmul,
+                                     lo)
             if mixed and static_local is None:  # the caller chooses the read (its write stays out of any cond)
                 out, c = attend(i, q, k, v, c, sliding_window=cfg.sliding_window, local=local, **kw)
             else:  # the layer's kind is static: every layer's (not mixed), or this one's (scanned in blocks)
                 is_local = local_layers[0] if static_local is None else static_local
                 window = {"sliding_window": cfg.sliding_window} if is_local else {}
                 out, c = attend(i, q, k, v, c, **window, **kw)
-            x = x + layer.post_attn_norm(layer.attn.o_proj(out, matmul))
-            x = _constrain(shard, layer.feed_forward(x, matmul), ("act_batch", "act_embed"))
+            x = x + layer.post_attn_norm(adapt(lo, "o_proj", out, layer.attn.o_proj(out, matmul)))
+            x = _constrain(shard, layer.feed_forward(x, matmul, lo), ("act_batch", "act_embed"))
             return (x, c), (k, v)
 
         ids, flags = self._layer_xs()
         whole = matmul is not None and matmul.reads_whole
         if mixed and static_kinds:
-            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), ids, kinds=local_layers, whole=whole)
+            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), scan_xs(ids, lora), kinds=local_layers,
+                                                    whole=whole)
         else:
-            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), (ids, flags), whole=whole)
+            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), scan_xs((ids, flags), lora), whole=whole)
         return x, ks, vs, cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raydeploy.config import ConfigError
+from raydeploy.lora.batched import LoraRows, adapt, scan_xs, split_xs
 from raydeploy.model.projection import Dense, HeadsProj, Matmul, OutProj, _param, dot, project
 from raydeploy.model.registry import LLAMA
 from raydeploy.model.scan import scan_layers
@@ -41,6 +42,8 @@ from raydeploy.model.spec import (
 from raydeploy.model.state import path_name
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
 # -- activation sharding --------------------------------------------------------------------------------
@@ -164,9 +167,9 @@ class Attention(nnx.Module):
         self.v_proj = HeadsProj(d, nkv, hd, cfg.attention_bias, param_dtype, rngs, lead)
         self.o_proj = OutProj(nh, hd, d, param_dtype, rngs, lead)
 
-    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mm: Matmul | None = None
-            ) -> tuple[jax.Array, ...]:
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm)
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mm: Matmul | None = None,
+            lora: LoraRows | None = None) -> tuple[jax.Array, ...]:
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm, lora, QKV)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -178,9 +181,10 @@ class MLP(nnx.Module):
         self.up_proj = Dense(d, f, param_dtype, rngs, lead)
         self.down_proj = Dense(f, d, param_dtype, rngs, lead)
 
-    def __call__(self, x: jax.Array, mm: Matmul | None = None) -> jax.Array:
-        gate, up = project(x, (self.gate_proj, self.up_proj), mm)
-        return self.down_proj(jax.nn.silu(gate) * up, mm)
+    def __call__(self, x: jax.Array, mm: Matmul | None = None, lora: LoraRows | None = None) -> jax.Array:
+        gate, up = project(x, (self.gate_proj, self.up_proj), mm, lora, GATE_UP)
+        h = jax.nn.silu(gate) * up
+        return adapt(lora, "down_proj", h, self.down_proj(h, mm))
 
 
 class DecoderLayer(nnx.Module):
@@ -302,9 +306,12 @@ class Llama(nnx.Module):
     # -- ragged: the tokens of many sequences in one flat batch, attention supplied by the caller
     def ragged(self, tokens_n: jax.Array, positions_n: jax.Array, attend: Any,
                shard: ActivationSharding | None = None, cache: Any = None, static_kinds: bool = False,
-               matmul: Matmul | None = None) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+               matmul: Matmul | None = None, lora: LoraRows | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
         """Forward over a flat batch of N tokens at explicit positions; the model knows no cache layout.
         `matmul`: the backend every projection multiplies with (`raydeploy.model.projection`; None: XLA's dot).
+        `lora`: the step's adapters, one slot (or none) per token (`raydeploy.lora.batched`; None: no adapter
+        term is traced at all).
 
         `attend(layer, q [N, Hq, H], k [N, Hkv, H], v [N, Hkv, H], cache) -> (out [N, Hq, H], cache)` is called
         (with `sliding_window=` when the config sets one) once per layer inside the layer scan (`layer` is the
@@ -319,18 +326,20 @@ class Llama(nnx.Module):
         # Mistral-style configs: every layer attends within the window (static, passed to the backend)
         kw = {"sliding_window": int(self.cfg.sliding_window)} if self.cfg.sliding_window else {}
 
-        def body(layer: DecoderLayer, carry: tuple[jax.Array, Any], i: jax.Array
+        def body(layer: DecoderLayer, carry: tuple[jax.Array, Any], xs: Any
                  ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
             x, c = carry
-            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, inv, matmul)
+            i, lo = split_xs(xs, lora)
+            q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, inv, matmul, lo)
             out, c = attend(i, q, k, v, c, **kw)
-            x = x + layer.attn.o_proj(out, matmul)
-            x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x), matmul), ("act_batch", "act_embed"))
+            x = x + adapt(lo, "o_proj", out, layer.attn.o_proj(out, matmul))
+            mlp_kw = {} if lo is None else {"lora": lo}
+            x = _constrain(shard, x + layer.mlp(layer.mlp_norm(x), matmul, **mlp_kw), ("act_batch", "act_embed"))
             return (x, c), (k, v)
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         whole = matmul is not None and matmul.reads_whole
-        (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), layer_ids, whole=whole)
+        (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), scan_xs(layer_ids, lora), whole=whole)
         return x, ks, vs, cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:

@@ -14,7 +14,8 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 
-from raydeploy.model.llama import DTYPES, MLP, Attention, DecoderLayer, Llama, RMSNorm, apply_rope
+from raydeploy.lora.batched import LoraRows
+from raydeploy.model.llama import DTYPES, MLP, QKV, Attention, DecoderLayer, Llama, RMSNorm, apply_rope
 from raydeploy.model.names import COPY, GGUF_IGNORED, GGUF_NAMES, HF_IGNORED, HF_NAMES
 from raydeploy.model.projection import Matmul, project
 from raydeploy.model.registry import Family
@@ -45,9 +46,9 @@ class Qwen3Attention(Attention):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, param_dtype, lead=lead)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, param_dtype, lead=lead)
 
-    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mm: Matmul | None = None
-            ) -> tuple[jax.Array, ...]:
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm)
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mm: Matmul | None = None,
+            lora: LoraRows | None = None) -> tuple[jax.Array, ...]:
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), mm, lora, QKV)
         return apply_rope(self.q_norm(q), positions, inv_freq), apply_rope(self.k_norm(k), positions, inv_freq), v
 
 

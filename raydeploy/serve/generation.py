@@ -22,7 +22,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from raydeploy.constraints.spec import Constraint
 from raydeploy.engine.geometry import AdmissionLimits
 from raydeploy.engine.request import GenerationRequest, PromptTokenLogprob
 from raydeploy.engine.step import SamplingParams
+from raydeploy.gang.coordinator import ADAPTER_UNKNOWN
 from raydeploy.serve.backend import Backend
 from raydeploy.serve.errors import (
     APIError,
@@ -62,6 +63,8 @@ class Limits:
     """Requests that may wait for room beyond the capacity (serving.max_waiting)."""
     queue_wait_s: float = 300.0
     """Seconds a request may wait for room (serving.queue_wait_s, or the request timeout)."""
+    lora: bool = False
+    """The gangs serve LoRA adapters (lora.max_adapters > 0): another `model` than the base model's names one."""
 
     @classmethod
     def from_config(cls, cfg: Config, model_name: str) -> Limits:
@@ -71,7 +74,8 @@ class Limits:
                    max_new_tokens=admits.max_new_tokens, max_slots=admits.max_slots,
                    max_queue=cfg.serving.max_queue, request_timeout_s=cfg.serving.request_timeout_s,
                    default_sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.repetition_penalty, 0),
-                   max_waiting=cfg.serving.max_waiting, queue_wait_s=queue_wait_s(cfg))
+                   max_waiting=cfg.serving.max_waiting, queue_wait_s=queue_wait_s(cfg),
+                   lora=cfg.lora.max_adapters > 0)
 
 
 @dataclass
@@ -99,6 +103,8 @@ class Job:
     """The prompt tokens' logprobs with this many alternatives (None: none; `echo` and vLLM's `prompt_logprobs`)."""
     logprobs: bool = False
     """The response reports logprobs: the stop token that ends the text is reported too (and counted), as vLLM's."""
+    adapter: str | None = None
+    """The LoRA adapter the job runs under (`GenerationRequest.adapter`); None: the base model."""
 
 
 @dataclass
@@ -163,11 +169,16 @@ class ServingCore:
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                       min_p=min_p, logit_bias=logit_bias, min_tokens=min_tokens)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, adapters: Collection[str] = ()) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 naming it when it is neither
+        the base model nor one of `adapters` (the gangs' known adapters, `raydeploy.serve.routes.lora`)."""
         from raydeploy.serve.errors import ModelNotFound
 
-        if model is not None and model != self.limits.model_name:
-            raise ModelNotFound(model, self.limits.model_name)
+        if model is None or model == self.limits.model_name:
+            return None
+        if model in adapters:
+            return model
+        raise ModelNotFound(model, self.limits.model_name)
 
     def max_tokens_for(self, prompt_len: int, max_tokens: int | None, *, prompt_param: str,
                        max_param: str = "max_tokens", default: int | None = None) -> int:
@@ -261,7 +272,7 @@ class ServingCore:
                                 max_tokens=max(1, job.max_tokens), sampling=job.sampling,
                                 stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
                                 constraint=job.constraint, top_logprobs=job.top_logprobs,
-                                prompt_logprobs=job.prompt_logprobs, report_stop=job.logprobs)
+                                prompt_logprobs=job.prompt_logprobs, report_stop=job.logprobs, adapter=job.adapter)
         first: dict[str, Any] | None = None  # what the first event brought, for the first piece
         end_ids = set(job.stop_token_ids) | (set() if job.ignore_eos else set(self.codec.eos_token_ids))
         detok = self.codec.detokenizer(job.skip_special_tokens)
@@ -440,11 +451,13 @@ def _event_error(ev) -> APIError:
     """The HTTP error of a gang's error event: 503 for a gang failure (retriable); for a request the engine failed
     on its own (not retried), 400 with the engine's reason when the request's content is at fault (the engine's
     own checks word it: a token id and the vocabulary size), else a 500 naming the request (details in the log)."""
-    from raydeploy.serve.errors import InvalidRequest, RequestFailedError
+    from raydeploy.serve.errors import InvalidRequest, NotFound, RequestFailedError
 
     if ev.retriable:
         return ServiceUnavailable("the model gang failed during the request and is restarting; retry shortly")
     log.error("request %s failed in the gang: %s", ev.request_id, ev.error)
+    if getattr(ev, "invalid", False) and ev.error and ev.error.startswith(ADAPTER_UNKNOWN + ": "):
+        return NotFound(ev.error.removeprefix(ADAPTER_UNKNOWN + ": "), param="model", code="model_not_found")
     if getattr(ev, "invalid", False) and ev.error:
         return InvalidRequest(ev.error, code="invalid_value")
     return RequestFailedError(f"request {ev.request_id} failed in the model engine and was not retried; the details "

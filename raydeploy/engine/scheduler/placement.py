@@ -42,7 +42,7 @@ class Placement:
         if q.keys is None:
             # prompt logprobs need every prompt place computed (cached pages hold no logits): no reuse then
             reuse = p.prefix_caching and req.prompt_logprobs is None
-            q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size) if reuse else []
+            q.keys = SequencePages.prompt_keys(req.prompt_token_ids, p.page_size, req.adapter_key) if reuse else []
         n = len(req.prompt_token_ids)
         rows = rows_per_group(slots, p.groups)
         most_rows, least_budget = max(rows), min(budget)
@@ -64,6 +64,6 @@ class Placement:
         if best is None:
             return None
         _, g, slot = best
-        pages = SequencePages.admit(self.pools[g], req.prompt_token_ids, cap, q.keys)
+        pages = SequencePages.admit(self.pools[g], req.prompt_token_ids, cap, q.keys, req.adapter_key)
         assert pages is not None  # `fits` said so, under the same lock
         return slot, pages

@@ -24,12 +24,14 @@ from raydeploy.serve.generation import Job, new_id
 from raydeploy.serve.limits import Admission
 from raydeploy.serve.protocol import ChatCompletionRequest, CompletionRequest
 from raydeploy.serve.responses import ChatBuilder, CompletionBuilder, Echo
+from raydeploy.serve.routes import lora
 from raydeploy.serve.routes.shared import ServerInfo, ingress, json_body
 from raydeploy.serve.structured import chat_constraint, output_constraint, tool_dicts
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 router = APIRouter()
+router.include_router(lora.router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
 
 @router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
@@ -40,7 +42,7 @@ async def completions(request: Request) -> Response:
     body: CompletionRequest = await ing.read_body(request, CompletionRequest)
     headers = ing.ignored_headers(body, "/v1/completions")
     core = ing.core
-    core.check_model(body.model)
+    adapter = await lora.resolve_model(ing, body.model)
     items = _prompt_items(body.prompt)
     for item in items:
         if not isinstance(item, str):
@@ -52,7 +54,7 @@ async def completions(request: Request) -> Response:
         prompts = await ing.off_loop(_encode_prompts, items, core.codec, body.add_special_tokens)
         jobs = ing.make_jobs(prompts, body.n, max_tokens=body.max_tokens, prompt_param="prompt",
                              max_param="max_tokens", default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
-                             **_job_args(body), request_id=new_id("cmpl"), constraint=constraint)
+                             **_job_args(body), request_id=new_id("cmpl"), constraint=constraint, adapter=adapter)
         top = body.logprobs or 0
         echo = None
         if body.echo:  # each prompt as sent (ids decoded), and its logprobs when logprobs are asked for
@@ -61,7 +63,7 @@ async def completions(request: Request) -> Response:
             echo = Echo(tuple((t, tuple(ids)) for t, ids in zip(texts, prompts, strict=True)), body.n)
         _ask_logprobs(jobs, top, _prompt_alternatives(top if body.echo and body.logprobs is not None else None,
                                                       body.prompt_logprobs), body.logprobs is not None)
-        builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
+        builder = CompletionBuilder(jobs[0].request_id.rsplit("-", 1)[0], adapter or core.limits.model_name, core.codec,
                                     body.logprobs is not None, top_logprobs=top, echo=echo,
                                     prompt_logprobs=body.prompt_logprobs)
         builder.system_fingerprint = ing.info.fingerprint()
@@ -79,7 +81,7 @@ async def chat_completions(request: Request) -> Response:
     body: ChatCompletionRequest = await ing.read_body(request, ChatCompletionRequest)
     headers = ing.ignored_headers(body, "/v1/chat/completions")
     core = ing.core
-    core.check_model(body.model)
+    adapter = await lora.resolve_model(ing, body.model)
     if not body.messages:
         raise InvalidRequest("'messages' must hold at least one message", param="messages", code="empty_prompt")
     if not any(m.text().strip() or m.tool_calls for m in body.messages):
@@ -95,10 +97,10 @@ async def chat_completions(request: Request) -> Response:
                                          body.add_special_tokens)
         jobs = ing.make_jobs([ids], body.n, max_tokens=body.token_limit, prompt_param="messages",
                              max_param=body.token_limit_param, default_max=None, **_job_args(body),
-                             request_id=new_id("chatcmpl"), constraint=constraint)
+                             request_id=new_id("chatcmpl"), constraint=constraint, adapter=adapter)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         _ask_logprobs(jobs, top, body.prompt_logprobs, body.logprobs)
-        builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], core.limits.model_name, core.codec,
+        builder = ChatBuilder(jobs[0].request_id.rsplit("-", 1)[0], adapter or core.limits.model_name, core.codec,
                               body.logprobs, chat=ing.chat, tools=body.tools_on, prompt=prompt, top_logprobs=top,
                               prompt_logprobs=body.prompt_logprobs)
         builder.system_fingerprint = ing.info.fingerprint()
@@ -112,16 +114,20 @@ async def models(request: Request) -> Response:
     ing = ingress(request)
     ing.authorize(request)
     lim = ing.core.limits
-    return JSONResponse({"object": "list", "data": [_model_card(lim.model_name, lim.max_seq_len, ing.info, ing.chat)]})
+    base = _model_card(lim.model_name, lim.max_seq_len, ing.info, ing.chat)
+    return lora.json_models([base, *await lora.adapter_cards(ing, base)])
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> Response:
     ing = ingress(request)
     ing.authorize(request)
-    ing.core.check_model(model_id)
+    adapter = await lora.resolve_model(ing, model_id)
     lim = ing.core.limits
-    return JSONResponse(_model_card(lim.model_name, lim.max_seq_len, ing.info, ing.chat))
+    base = _model_card(lim.model_name, lim.max_seq_len, ing.info, ing.chat)
+    if adapter is not None:
+        return JSONResponse(next(c for c in await lora.adapter_cards(ing, base) if c["id"] == adapter))
+    return JSONResponse(base)
 
 
 def _sampling_args(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:

@@ -176,7 +176,7 @@ class Ingress:
                   max_param: str, default_max: int | None, sampling_args: dict[str, Any], stop: list[str] | None,
                   stop_token_ids: list[int] | None, ignore_eos: bool, timeout_s: float | None,
                   request_id: str, constraint: Constraint | None = None, include_stop_str: bool = False,
-                  skip_special_tokens: bool = True) -> list[Job]:
+                  skip_special_tokens: bool = True, adapter: str | None = None) -> list[Job]:
         """`n` jobs per prompt, each with its sampling (`ServingCore.sampling`: the request's values over
         `engine.sampling`; choice k of a seeded request is seeded seed + k, modulo 2**64) and the request's
         constraint."""
@@ -192,7 +192,7 @@ class Ingress:
                                 stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
                                 timeout_s=core.timeout_for(timeout_s), request_id=f"{request_id}-{p * n + k}",
                                 constraint=constraint, include_stop_str=include_stop_str,
-                                skip_special_tokens=skip_special_tokens))
+                                skip_special_tokens=skip_special_tokens, adapter=adapter))
         return jobs
 
     async def respond(self, ticket: Admission, jobs: list[Job], builder: CompletionBuilder | ChatBuilder,

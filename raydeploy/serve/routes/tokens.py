@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from raydeploy.serve.errors import InvalidRequest
 from raydeploy.serve.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from raydeploy.serve.routes import lora
 from raydeploy.serve.routes.shared import Ingress, ingress, json_body
 from raydeploy.serve.structured import tool_dicts
 
@@ -39,7 +40,7 @@ async def tokenize(request: Request) -> Response:
     model = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
     body: Any = ing.validate_body(data, model)
     headers = ing.ignored_headers(body, "/tokenize")
-    ing.core.check_model(body.model)
+    await lora.resolve_model(ing, body.model)  # an adapter shares the base model's tokenizer
     codec = ing.core.codec
     if isinstance(body, TokenizeChatRequest):
         if not body.messages:
@@ -64,7 +65,7 @@ async def detokenize(request: Request) -> Response:
     ing.authorize(request)
     body: DetokenizeRequest = await ing.read_body(request, DetokenizeRequest)
     headers = ing.ignored_headers(body, "/detokenize")
-    ing.core.check_model(body.model)
+    await lora.resolve_model(ing, body.model)  # an adapter shares the base model's tokenizer
     ing.check_ids(body.tokens, "tokens")
     text = await ing.off_loop(ing.core.codec.decode, body.tokens, False)
     return JSONResponse({"prompt": text}, headers=headers)
