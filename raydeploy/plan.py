@@ -153,6 +153,9 @@ class Plan:
     """Groups the slots divide over (each with its own pages and rows)."""
     kv_bytes_per_token_per_device: float = 0.0
     """KV bytes one cached token of a sequence puts on each device of its group, every layer (scales included)."""
+    lora_bytes_per_device: int = 0
+    """The LoRA adapter slots' A/B stacks and scales on each device (`lora.max_adapters` x `lora.max_rank`;
+    docs/lora.md); every step reads them whole and multiplies each row by every slot (2 flops per element)."""
     slots: SlotSuggestion | None = None
     """The largest max_slots that fits, and the modelled decode figures (`suggest_slots`)."""
 
@@ -427,10 +430,14 @@ def _plan(cfg: Config, model: Any, family: Family) -> Plan:
                                                   pages_per_group * eng.page_size, model.num_layers)
 
     packed_dev = packed_bytes_max(cfg, specs)
+    from raydeploy.lora.layout import LoraLayout  # imports jax: only when planning
+
+    lora = LoraLayout.for_model(family, model, cfg.lora, cfg.model.param_dtype)
+    lora_dev = 0 if lora is None else lora.bytes_per_chip(mesh, rules)
 
     mem, mem_from = device_memory(cfg)
     usable = int(mem * USABLE_FRACTION[c.platform])
-    need = p_dev + kv_dev
+    need = p_dev + kv_dev + lora_dev
     if packed_dev and need <= usable < need + packed_dev:
         warnings.append(f"per device: parameters + KV cache {_gib(need)} fit the usable {_gib(usable)}, but with "
                         f"packed copies of 4-/8-bit-block weights (up to {_gib(packed_dev)}) they would not; "
@@ -487,6 +494,7 @@ def _plan(cfg: Config, model: Any, family: Family) -> Plan:
         window_ring_pages=layout.ring_pages, window_layers=len(layout.window_layers),
         packed_bytes_per_device=packed_dev, quantization=quant, weight_scale_bytes_per_device=scale_dev,
         kv_scale_bytes_per_device=kv_scale_dev, dp_groups=groups, kv_bytes_per_token_per_device=kv_token_dev,
+        lora_bytes_per_device=lora_dev,
     )
 
 
@@ -504,8 +512,10 @@ def decode_model(plan: Plan, chip: Chip, slots: int, context: int = MODEL_CONTEX
     out = []
     for streams in sorted({1, slots}):
         rows = 1 if streams == 1 else -(-streams // groups)
-        bytes_read = plan.param_bytes_per_device + rows * context * plan.kv_bytes_per_token_per_device
-        flops = 2 * plan.active_param_count / chips_per_group * rows
+        bytes_read = (plan.param_bytes_per_device + rows * context * plan.kv_bytes_per_token_per_device
+                      + plan.lora_bytes_per_device)
+        lora_flops = 2 * plan.lora_bytes_per_device / ITEMSIZE[plan.param_dtype]  # per row: every slot's A and B
+        flops = (2 * plan.active_param_count / chips_per_group + lora_flops) * rows
         step = roofline_s(chip, flops, bytes_read)
         bound = "HBM" if bytes_read / (chip.hbm_gbps * 1e9) >= flops / (chip.bf16_tflops * 1e12) else "compute"
         out.append(DecodeModel(streams=streams, step_ms=round(step * 1e3, 3), tok_s=round(streams / step, 1),
@@ -538,7 +548,7 @@ def suggest_slots(cfg: Config, model: Any, family: Family, plan: Plan) -> SlotSu
 
     def fitting(k: int) -> Plan | None:
         p = _plan(with_slots(cfg, k * groups), model, family)
-        fits = (p.param_bytes_per_device + p.kv_bytes_per_device <= p.usable_bytes_per_device
+        fits = (p.param_bytes_per_device + p.kv_bytes_per_device + p.lora_bytes_per_device <= p.usable_bytes_per_device
                 and all(pr in known for pr in p.problems))
         return p if fits else None
 
@@ -575,7 +585,7 @@ def compiled_margin_slots(plan: Plan, programs: Any) -> tuple[int, int]:
     if not plan.slots_per_dp_group or not plan.kv_bytes_per_device:
         return 0, margin
     per_slot = plan.kv_bytes_per_device / plan.slots_per_dp_group  # one more slot in every group
-    room = plan.device_memory_bytes - margin - plan.param_bytes_per_device
+    room = plan.device_memory_bytes - margin - plan.param_bytes_per_device - plan.lora_bytes_per_device
     return max(int(room // per_slot), 0) * max(plan.dp_groups, 1), margin
 
 

@@ -125,6 +125,7 @@ LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "imports flax: the registry stays JAX-free (the planner, config checks and the ingress read families)",
     ("raydeploy.plan", "raydeploy.engine.attention"): _JAX,
     ("raydeploy.plan", "raydeploy.engine.kv_cache"): _JAX,
+    ("raydeploy.plan", "raydeploy.lora.layout"): _JAX,
     ("raydeploy.plan", "raydeploy.model.native.packing"): _JAX,
     ("raydeploy.predict.run", "raydeploy.gang.feed"): _PREDICT,
     ("raydeploy.predict.run", "raydeploy.gang.gang"): _PREDICT,
