@@ -69,7 +69,7 @@ def build_engine(cfg: Config, mesh: Any, checkpoint: str | Path, *, attention: A
     family, params, stats = load_params(reader, family, model, mesh, {**family.rules, **configured}, model_cfg,
                                         model_cfg.load_threads if load_threads is None else load_threads)
     seconds = time.perf_counter() - t0
-    engine = Engine(family, model, params, mesh, configured, model_cfg, engine_cfg, attention)
+    engine = Engine(family, model, params, mesh, configured, model_cfg, engine_cfg, attention, lora_cfg=cfg.lora)
     del params  # the engine may hold its own (re-laid-out) copies: do not keep the loaded ones alive too
     return BuiltEngine(engine, family, model, stats, seconds, reader)
 

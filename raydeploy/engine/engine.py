@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raydeploy.config import Config, EngineConfig, ModelConfig
+from raydeploy.config.schema import LoraConfig
 from raydeploy.engine import compile_cache
 from raydeploy.engine.attention import Attention
 from raydeploy.engine.geometry import EngineGeometry
@@ -47,7 +48,10 @@ from raydeploy.engine.logprobs import MAX_TOP_LOGPROBS, PLACE_COLUMNS, ROW_COLUM
 from raydeploy.engine.programs import MIXED_STEP_CAP_PLATFORMS, ProgramSet, ProgramShape
 from raydeploy.engine.request import RequestFailed
 from raydeploy.engine.sampling import BIAS_PAD, STATE_DTYPE, mask_words
+from raydeploy.engine.speculative import verify
 from raydeploy.engine.step import PromptLogprobs, SeqStep, StepPlan, StepResult
+from raydeploy.lora.commands import AdapterCommand
+from raydeploy.lora.device import AdapterSlots
 from raydeploy.model.registry import Family
 
 AttentionFn = Callable[..., jax.Array]
@@ -114,12 +118,14 @@ class Engine:
 
     def __init__(self, family: Family, cfg: Any, params: Mapping[str, jax.Array], mesh: jax.sharding.Mesh,
                  rules: Mapping[str, Any], model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                 attention: AttentionFn | Attention | None = None) -> None:
+                 attention: AttentionFn | Attention | None = None, lora_cfg: LoraConfig | None = None) -> None:
         """`family` and its parsed `cfg` (`raydeploy.model.registry.from_hf_config`); `params` named as the
-        family's `param_specs` (a checkpoint's per-layer tensors, already placed on `mesh`)."""
+        family's `param_specs` (a checkpoint's per-layer tensors, already placed on `mesh`). `lora_cfg`: the
+        config's `lora` section (None or max_adapters 0: no adapter slots, the programs of an engine without LoRA)."""
         if not compile_cache.configured():  # a gang host configured it for its platform before joining
             compile_cache.enable(engine_cfg.compilation_cache_dir)
-        self.programs_set = ps = ProgramSet(family, cfg, mesh, dict(rules), model_cfg, engine_cfg, attention)
+        self.programs_set = ps = ProgramSet(family, cfg, mesh, dict(rules), model_cfg, engine_cfg, attention,
+                                            lora_cfg)
         self.family = family
         self.cfg = cfg
         self.mesh = mesh
@@ -144,6 +150,9 @@ class Engine:
         self.tables = PageTables(ps.max_slots, ps.groups, ps.max_pages_per_seq, ps.pages_per_group,
                                  ps.layout.ring_pages)
         self._shardings = ps.input_shardings()
+        self.adapters = AdapterSlots(ps.lora, mesh, ps.rules, ps.max_slots) if ps.lora is not None else None
+        """The device-side LoRA slots (`raydeploy.lora.device`), None without LoRA."""
+        self._spec_shardings = ps.spec_shardings() if ps.spec_tokens else {}
         self._executables: dict[ProgramShape, Any] = {}
         self._gathers: dict[tuple[int, int, int], Any] = {}
         self._all_allowed_by_rows: dict[int, jax.Array] = {}
@@ -364,9 +373,60 @@ class Engine:
                                 f"{self.vocab_size} tokens takes {words} (ceil(vocab / 32) uint32 words)",
                                 slots=tuple(s for s, _ in bad))
 
+    def _check_spec(self, plan: StepPlan) -> None:
+        """The plan's speculating rows (`SeqStep.spec`): only in an engine with speculation, in a one-pass plan, as
+        sampling decode rows of the slot's last token and at most k proposals, unconstrained, no more per dp group
+        than a verify program holds (ValueError naming the slot). Checked before any device work."""
+        ps = self.programs_set
+        per_group = np.zeros(ps.groups, np.int64)
+        for q in plan.seqs:
+            if not q.spec:
+                continue
+            where = f"plan {plan.step_id}: slot {q.slot} speculates"
+            if not ps.spec_tokens:
+                raise ValueError(f"{where}, but this engine has no speculation (engine.speculative.method none)")
+            n = int(np.asarray(q.tokens).shape[0])
+            if not (0 < q.spec <= ps.spec_tokens and n == q.spec + 1):
+                raise ValueError(f"{where} with {q.spec} proposals in {n} tokens: a speculating row is its last token "
+                                 f"then 1..{ps.spec_tokens} proposals (engine.speculative.num_tokens)")
+            if plan.decode_steps != 1 or not q.sample or q.allowed is not None or q.sampling is not None:
+                raise ValueError(f"{where} in a plan of decode_steps {plan.decode_steps} (sample {q.sample}, "
+                                 f"constrained {q.allowed is not None}, first chunk {q.sampling is not None}): a "
+                                 f"speculating row is an unconstrained decode row of a one-pass plan")
+            per_group[q.slot // ps.slots_per_group] += 1
+        if per_group.max(initial=0) > ps.spec_rows:
+            raise ValueError(f"plan {plan.step_id}: {int(per_group.max())} speculating rows in one dp group, a verify "
+                             f"program holds {ps.spec_rows} (engine.speculative.max_rows)")
+
+    def _adapter_slots(self) -> AdapterSlots:
+        if self.adapters is None:
+            raise ValueError("this engine has no adapter slots (lora.max_adapters 0)")
+        return self.adapters
+
+    def check_adapter_command(self, cmd: AdapterCommand) -> None:
+        """What an adapter command (`raydeploy.lora.device`) can fail on before any device work: rank 0 runs it
+        before sending the command, so a bad adapter (AdapterError naming its file or tensor) changes nothing."""
+        cmd.check(self._adapter_slots())
+
+    def adapter_command(self, cmd: AdapterCommand) -> dict[str, Any]:
+        """Load or clear an adapter slot, between two steps (the dispatcher runs it on every host in the plans'
+        order)."""
+        return cmd.apply(self._adapter_slots())
+
+    def _check_adapters(self, plan: StepPlan) -> None:
+        """Each first chunk's adapter slot (`SeqStep.adapter`) is one of this engine's (ValueError naming the slot);
+        checked before any device work."""
+        slots = 0 if self.adapters is None else self.adapters.layout.slots
+        for q in plan.seqs:
+            if q.adapter >= 0 and (q.adapter >= slots or q.sampling is None):
+                raise ValueError(f"plan {plan.step_id}: slot {q.slot} names adapter slot {q.adapter}, but this engine "
+                                 f"has {slots} (lora.max_adapters) and the adapter is set on a first chunk only")
+
     def _check(self, plan: StepPlan) -> None:
+        self._check_adapters(plan)
         self._check_tokens(plan, [(q.slot, np.asarray(q.tokens).reshape(-1)) for q in plan.seqs])
         self._check_allowed(plan)
+        self._check_spec(plan)
         ps, t = self.programs_set, self.tables
         per_group = np.zeros(ps.groups, np.int64)
         seen: set[int] = set()
@@ -419,6 +479,8 @@ class Engine:
         for q in seqs:
             if q.sampling is not None:
                 t.start(q, self.vocab_size)
+                if self.adapters is not None:
+                    self.adapters.use(q.slot, q.adapter)
                 prefix = np.asarray(q.prefix_tokens if q.prefix_tokens is not None else (), np.int32).reshape(-1)
                 if prefix.size:
                     row = np.zeros(self.cfg.vocab_size, bool)
@@ -435,19 +497,32 @@ class Engine:
             longest = max(longest, q.start + q.num_tokens + steps - 1)
         tokens = ps.token_buckets[bisect.bisect_left(ps.token_buckets, int(per_group.max()))]
         pages = ps.page_buckets[bisect.bisect_left(ps.page_buckets, -(-longest // ps.page_size))]
-        shape = ps.program_for(tokens, pages, all(q.num_tokens == 1 for q in seqs))
+        speculating = any(q.spec for q in seqs)
+        shape = (ProgramShape("verify", tokens, pages) if speculating
+                 else ps.program_for(tokens, pages, all(q.num_tokens == 1 for q in seqs)))
         exe = self.executable(shape)
-        weights = (self._param_leaves, self._packed)
+        weights: tuple[Any, ...] = (self._param_leaves, self._packed)
+        if self.adapters is not None:
+            weights = (*weights, self.adapters.step_arg())
         params = (weights, self._layer_views) if ps.unrolled(shape) else weights
         outs, alts, rows = [], [], []
         places, host_places = None, []
+        spec_out, spec_host = None, None
         for k in range(steps):  # no host round trip between the steps of a plan
             rows_per_group = ps.rows_for(tokens)
             host = build_inputs(seqs, t, ps.page_size, tokens, rows_per_group, pages, step=k,
                                 reset=reset if k == 0 else (), vocab=self.vocab_size)
-            self.pool, self.presence, self.last_tokens, out, alt, places_k = exe(
-                params, self.pool, self.presence, self.last_tokens,
-                self._device_inputs(host.arrays, ps.groups * rows_per_group))
+            if speculating:
+                spec_host = self._spec_inputs(seqs, host.arrays, host.rows, host.places, tokens)
+                (self.pool, self.presence, self.last_tokens, out, alt, places_k, spec_out) = exe(
+                    params, self.pool, self.presence, self.last_tokens,
+                    self._device_inputs(host.arrays, ps.groups * rows_per_group),
+                    verify.spec_from_flat({n: self._put(a, self._spec_shardings[n])
+                                           for n, a in spec_host.arrays.items()}))
+            else:
+                self.pool, self.presence, self.last_tokens, out, alt, places_k = exe(
+                    params, self.pool, self.presence, self.last_tokens,
+                    self._device_inputs(host.arrays, ps.groups * rows_per_group))
             outs.append(out)
             alts.append(alt)
             places = places if places is not None else places_k  # prompt chunks run in one-pass plans
@@ -459,8 +534,39 @@ class Engine:
         sampled = np.asarray([q.sample for q in seqs])
         result = StepResult(-1, np.where(sampled, toks, 0).astype(np.int32),
                             np.where(sampled, lps, 0.0).astype(np.float32))
+        if spec_out is not None and spec_host is not None:
+            self._spec_results(result, seqs, spec_out, spec_host)
         self._logprob_results(result, seqs, alts, idx, places, host_places)
         return result
+
+    def _spec_inputs(self, seqs: list[SeqStep], arrays: dict[str, np.ndarray], rows: list[int], places: list[int],
+                     tokens: int) -> verify.HostSpec:
+        """The verify pass's `SpecInputs` on the host; the speculating rows' own entries in the step's inputs are
+        taken out of its sampling (their row draws nothing, their places note no token: the verification draws
+        and notes their emitted tokens)."""
+        ps, t = self.programs_set, self.tables
+        for i, q in enumerate(seqs):
+            if q.spec:
+                arrays["sampling.slot"][rows[i]] = ps.max_slots
+                arrays["token_slot"][places[i]:places[i] + q.num_tokens] = ps.max_slots
+        return verify.build_spec_inputs(seqs, places, tokens, ps.groups, ps.slots_per_group, ps.spec_rows,
+                                        ps.spec_tokens, ps.max_slots, t.sampling, t.bias)
+
+    def _spec_results(self, result: StepResult, seqs: list[SeqStep], spec_out: jax.Array,
+                      spec_host: verify.HostSpec) -> None:
+        """The speculating rows' emitted tokens and logprobs into `result` (`spec_tokens`, `spec_logprobs`; their
+        first also in `tokens[0]`)."""
+        k1 = self.programs_set.spec_tokens + 1
+        packed = self._gather([spec_out], pad=False)[0]  # [2, G*S*(k+1)]
+        emitted = packed[0].view(np.int32).reshape(-1, k1)
+        lps = packed[1].reshape(-1, k1)
+        result.spec_tokens = np.full((len(seqs), k1), -1, np.int32)
+        result.spec_logprobs = np.zeros((len(seqs), k1), np.float32)
+        for i, row in spec_host.rows.items():
+            result.spec_tokens[i] = emitted[row]
+            result.spec_logprobs[i] = lps[row]
+            result.tokens[0, i] = emitted[row, 0]
+            result.logprobs[0, i] = lps[row, 0]
 
     def _logprob_results(self, result: StepResult, seqs: list[SeqStep], alts: list[jax.Array], idx: np.ndarray,
                          places: Any, first_places: list[int]) -> None:

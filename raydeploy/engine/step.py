@@ -170,6 +170,13 @@ class SeqStep:
     next_token: int = -1
     stop_ids: np.ndarray | None = None
     stop_until: int = 0
+    spec: int = 0
+    """A speculating decode row (`raydeploy.engine.speculative`): its `tokens` are the slot's last sampled token
+    then `spec` proposed tokens, at positions `start`.., verified in a one-pass plan; it samples at each of its
+    places and emits the accepted proposals and the draw after them (`StepResult.spec_tokens`)."""
+    adapter: int = -1
+    """Set on a request's first chunk: the LoRA adapter slot every token of the request uses (-1: the base
+    model); the engine keeps it for the slot (`raydeploy.lora`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -194,6 +201,10 @@ class SeqStep:
         if self.stop_ids is not None:
             out["stop_ids"] = np.asarray(self.stop_ids, np.int32).tobytes()
             out["stop_until"] = self.stop_until
+        if self.spec:
+            out["spec"] = self.spec
+        if self.adapter >= 0:
+            out["adapter"] = self.adapter
         return out
 
     @classmethod
@@ -206,7 +217,8 @@ class SeqStep:
                    None if allowed is None else np.frombuffer(allowed, np.uint32),
                    bool(v.get("top_logprobs", False)), bool(v.get("prompt_logprobs", False)),
                    int(v.get("next_token", -1)),
-                   None if stop_ids is None else np.frombuffer(stop_ids, np.int32), int(v.get("stop_until", 0)))
+                   None if stop_ids is None else np.frombuffer(stop_ids, np.int32), int(v.get("stop_until", 0)),
+                   int(v.get("spec", 0)), adapter=int(v.get("adapter", -1)))
 
 
 @dataclass(frozen=True)
@@ -273,6 +285,12 @@ class StepResult:
     """Their logprobs, shaped like `top_ids` (descending)."""
     prompt: tuple[PromptLogprobs | None, ...] | None = None
     """Per plan sequence, the prompt logprobs of a chunk that asked (`SeqStep.prompt_logprobs`); None otherwise."""
+    spec_tokens: np.ndarray | None = None
+    """[len(plan.seqs), k + 1] int32 in a plan with speculating rows (`SeqStep.spec`): each such row's emitted
+    tokens (its accepted proposals, then the token drawn after them), -1 after them and on other rows; their
+    first is `tokens[0, i]`. None in a plan without one."""
+    spec_logprobs: np.ndarray | None = None
+    """Their raw logprobs, shaped like `spec_tokens`."""
 
 
 MAX_TOP_LOGPROBS = 20

@@ -26,6 +26,8 @@ from raydeploy.engine.logprobs import (
 from raydeploy.engine.matmul import Matmul, MatmulChoice
 from raydeploy.engine.programs.kernels import KernelChoice
 from raydeploy.engine.sampling import RowSampling, note_generated, note_in_sequence, sample
+from raydeploy.engine.speculative import verify
+from raydeploy.lora.batched import LoraRows, LoraWeights
 from raydeploy.model.llama import ActivationSharding
 from raydeploy.model.scan import unroll_layers
 
@@ -86,6 +88,9 @@ class StepBodies:
                                    out_shardings=outs)
         self.step_unrolled_single = jax.jit(partial(self._step_unrolled_fn, single_token=True),
                                             donate_argnums=(1, 2, 3), out_shardings=outs)
+        self.verify = jax.jit(self._verify_fn, donate_argnums=(1, 2, 3), out_shardings=(*outs, outs[3]))
+        """A step with speculating rows (`raydeploy.engine.speculative.verify`): the step's outputs and the
+        speculating rows' emitted tokens packed [2, G*S*(k+1)]."""
         self.gather_results = jax.jit(lambda *packed: jnp.stack(packed), out_shardings=replicated)
         """The packed results of a plan's passes [steps, 2, G*R], replicated: the one collective between the
         groups per plan (a dp-only mesh's passes have none)."""
@@ -229,6 +234,14 @@ class StepBodies:
         weights, per_layer = params
         return self._step_fn(weights, pool, presence, last_tokens, inp, per_layer, single_token)
 
+    def _verify_fn(self, weights, pool, presence, last_tokens, inp: StepInputs, spec: verify.SpecInputs):
+        """`_step_fn` over the scanned layers with the speculating rows of `spec` verified after the step's own
+        sampling (their rows in `inp` sample nothing and note no token: the engine leaves them out there)."""
+        leaves, packed = weights[:2]
+        matmul = self.matmul.backend(self.mesh, self.dp_axes, packed, self.layer_specs)
+        return self._step_body(leaves, pool, presence, last_tokens, inp, None, self.attention.ragged, matmul, spec,
+                               lora=_lora_arg(weights))
+
     def _step_fn(self, weights, pool, presence, last_tokens, inp: StepInputs, per_layer=None,
                  single_token: bool = False):
         """One ragged step. `weights`: (the model's leaves, the packed copies by path, `use_packed`). Returns the
@@ -236,15 +249,16 @@ class StepBodies:
         logprob) of every row. `per_layer`: each layer's own arrays, run unrolled (`unroll_layers`) instead of
         scanning the stacked ones. `single_token`: every live sequence carries one token (the caller's promise),
         so the attention's single-token path serves the step."""
-        leaves, packed = weights
+        leaves, packed = weights[:2]
         attention = self.attention.single_token if single_token else self.attention.ragged
         if attention is None:
             raise ValueError("a single-token step program needs an attention with a single-token path")
         matmul = self.matmul.backend(self.mesh, self.dp_axes, packed, self.layer_specs)
-        return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer, attention, matmul)
+        return self._step_body(leaves, pool, presence, last_tokens, inp, per_layer, attention, matmul,
+                               lora=_lora_arg(weights))
 
     def _step_body(self, leaves, pool, presence, last_tokens, inp: StepInputs, per_layer, attention: AttentionFn,
-                   matmul: Matmul):
+                   matmul: Matmul, spec: verify.SpecInputs | None = None, lora: Any = None):
         model = self.model(leaves)
         if per_layer is not None:
             unroll_layers(model.layers, per_layer)
@@ -252,8 +266,9 @@ class StepBodies:
         t = inp.tokens.shape[0] // g
         r = inp.kv_lens.shape[0] // g
         tokens = self._per_group(_last_token_inputs, 3)(last_tokens, inp.from_last, inp.tokens)
+        lora_kw = {} if lora is None else {"lora": self._lora_rows(lora, inp.token_slot)}
         h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool,
-                                     static_kinds=self.attention.static_layer_kinds, matmul=matmul)
+                                     static_kinds=self.attention.static_layer_kinds, matmul=matmul, **lora_kw)
         hg = h.reshape(g, t, h.shape[-1])
         last = jnp.take_along_axis(hg, inp.logit_index.reshape(g, r, 1), axis=1).reshape(g * r, h.shape[-1])
         last = self.shard.constrain(last, ("act_batch", "act_embed"))  # rows stay on their group's devices
@@ -263,7 +278,26 @@ class StepBodies:
         presence, last_tokens, tok, lp = self._per_group(tail, 8, replicated=3)(
             logits, presence, last_tokens, inp.reset, tokens, inp.token_slot, inp.sampling, inp.allowed,
             inp.any_sampled, inp.any_filtered, inp.any_adjusted)
-        return pool, presence, last_tokens, pack(tok, lp), alts, places
+        if spec is None:
+            return pool, presence, last_tokens, pack(tok, lp), alts, places
+        # the speculating rows' verification places: logits at each, drawn as plain decode rows would draw there
+        d = h.shape[-1]
+        hs = jnp.take_along_axis(hg, spec.place.reshape(g, -1, 1), axis=1).reshape(-1, d)
+        hs = self.shard.constrain(hs, ("act_batch", "act_embed"))
+        spec_logits = model.logits(hs, self.shard, matmul)
+        tail = partial(verify.verify_tail, max_slots=self.max_slots, vocab_chunks=self.vocab_chunks)
+        presence, last_tokens, emitted, elp = self._per_group(tail, 8, replicated=3)(
+            spec_logits, presence, last_tokens, spec.slot, spec.proposals, spec.position, spec.params, spec.bias,
+            spec.any_sampled, spec.any_filtered, spec.any_adjusted)
+        return pool, presence, last_tokens, pack(tok, lp), alts, places, pack(emitted, elp)
+
+    def _lora_rows(self, lora: tuple[LoraWeights, jax.Array], token_slot: jax.Array) -> LoraRows:
+        """The step's adapters (`raydeploy.lora.batched`): each token place takes its engine slot's adapter slot
+        (`slot_adapter` [max_slots], -1 none; padding places none)."""
+        weights, slot_adapter = lora
+        ms = self.max_slots
+        token_adapter = jnp.where(token_slot < ms, slot_adapter[jnp.minimum(token_slot, ms - 1)], -1)
+        return LoraRows.for_tokens(weights, token_adapter)
 
     def _logprobs(self, model: Any, matmul: Matmul, h_gtd: jax.Array, tokens: jax.Array, logits: jax.Array,
                   inp: StepInputs) -> tuple[jax.Array, jax.Array]:
@@ -296,6 +330,12 @@ class StepBodies:
             places = place_logprobs(h_gtd, targets.reshape(g, t), head, chunks=self.vocab_chunks, block=block,
                                     active=inp.any_prompt_logprobs, rowwise=rowwise)
         return alts, places
+
+
+def _lora_arg(weights: tuple[Any, ...]) -> Any:
+    """The step's adapter argument, (`LoraWeights`, slot_adapter), the third entry of `weights` in an engine with
+    `lora.max_adapters` > 0; None otherwise (its programs take no adapter input)."""
+    return weights[2] if len(weights) > 2 else None
 
 
 def _group_slot(slot: jax.Array, max_slots: int, slots_per_group: int) -> jax.Array:

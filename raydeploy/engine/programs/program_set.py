@@ -4,6 +4,7 @@ the jitted bodies (`raydeploy.engine.programs.bodies`)."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from raydeploy.config import EngineConfig, ModelConfig
+from raydeploy.config.schema import LoraConfig
 from raydeploy.engine.attention import Attention, for_device, work_follows_table
 from raydeploy.engine.geometry import EngineGeometry
 from raydeploy.engine.kv_cache import (
@@ -23,6 +25,7 @@ from raydeploy.engine.kv_cache import (
     PoolLayout,
     StepInputs,
     abstract_inputs,
+    abstract_pools,
     pool_sharding,
     pool_specs,
     resolve_kv_dtype,
@@ -30,6 +33,8 @@ from raydeploy.engine.kv_cache import (
 from raydeploy.engine.programs.bodies import AttentionFn, StepBodies, _axes_entry, default_attention
 from raydeploy.engine.programs.kernels import KernelChoice, choose_kernels, choose_layout
 from raydeploy.engine.sampling import STATE_DTYPE, chunks_for_shards
+from raydeploy.engine.speculative import verify
+from raydeploy.lora.layout import LoraLayout
 from raydeploy.model.llama import DTYPES, ActivationSharding
 from raydeploy.model.registry import Family
 from raydeploy.model.sharding import logical_to_mesh_axes, partition_spec
@@ -61,13 +66,15 @@ def _aliases(view: jax.Array, x: jax.Array, layer: int) -> bool:
 class ProgramShape:
     """One program: `step` with T token places per dp group and P pages per sequence, or `presence`."""
 
-    kind: str  # step | presence
+    kind: str  # step | verify | presence
     tokens: int = 0
     pages: int = 0
     single_token: bool = False  # every live sequence carries one token: the attention's single-token path
 
     @property
     def name(self) -> str:
+        if self.kind == "verify":
+            return f"verify_{self.tokens}x{self.pages}"
         if self.kind != "step":
             return "presence_row"
         return f"step_{self.tokens}x{self.pages}" + ("_single" if self.single_token else "")
@@ -81,7 +88,7 @@ class ProgramSet:
 
     def __init__(self, family: Family, cfg: Any, mesh: jax.sharding.Mesh, rules: dict[str, Any],
                  model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                 attention: AttentionFn | Attention | None = None) -> None:
+                 attention: AttentionFn | Attention | None = None, lora_cfg: LoraConfig | None = None) -> None:
         self.family = family
         self.cfg = cfg
         self.mesh = mesh
@@ -104,7 +111,13 @@ class ProgramSet:
         """The packed copies the step programs take (after `use_packed`), by path in the layer module."""
         self.unrolled_tokens: frozenset[int] = self.kernels.unrolled_tokens
         self._geometry(family, cfg, model_cfg, engine_cfg)
+        spec = engine_cfg.speculative
+        self.spec_tokens = spec.num_tokens if spec.method != "none" else 0
+        """Proposals per speculating row (k); 0 without speculation (no verify program exists then)."""
+        self.spec_rows = min(spec.max_rows, self.slots_per_group) if self.spec_tokens else 0
+        """Speculating rows per dp group a verify program holds (S)."""
         self._shardings(family, cfg, mesh)
+        self._lora(lora_cfg, model_cfg, engine_cfg)
         if attention is None:
             attention = default_attention(self.attention_name, platform)
         self.attention = attention if isinstance(attention, Attention) else Attention(attention)
@@ -148,9 +161,11 @@ class ProgramSet:
         vocab_axes = logical_to_mesh_axes(("vocab",), self.rules, mesh_shape, "LM head")[0] or ()
         self.vocab_chunks = chunks_for_shards(math.prod(mesh_shape[a] for a in vocab_axes))
         self.attention_name = for_device(engine_cfg.attention, self.mesh.devices.flat[0])
-        kv_dtype = resolve_kv_dtype(engine_cfg.kv_dtype, model_cfg.dtype, self.attention_name, platform)
+        device = self.mesh.devices.flat[0]
+        kv_dtype = resolve_kv_dtype(engine_cfg.kv_dtype, model_cfg.dtype, self.attention_name, platform,
+                                    getattr(device, "device_kind", ""), getattr(device, "compute_capability", None))
         self.geometry = g = EngineGeometry.create(engine_cfg, model_cfg, mesh_shape, self.rules, platform, kv_dtype,
-                                                  work_follows_table(self.attention_name, platform))
+                                                  work_follows_table(self.attention_name, platform, kv_dtype))
         problems = g.problems()
         if problems:
             raise ValueError(problems[0])
@@ -166,6 +181,23 @@ class ProgramSet:
         self.kv_dtype = jnp.dtype(g.kv_dtype)
         """The KV pools' dtype (`engine.kv_dtype`)."""
         self.layout = PoolLayout.for_engine(family, cfg, engine_cfg, self.max_seq_len, self.groups)
+
+    def _lora(self, lora_cfg: LoraConfig | None, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
+        """The adapter slots (`lora`; `raydeploy.lora.layout`): with `max_adapters` 0 there are none and the step
+        programs take exactly the arguments they take without LoRA."""
+        self.lora = LoraLayout.for_model(self.family, self.cfg, lora_cfg, model_cfg.param_dtype)
+        """The adapter slots' layout, or None (LoRA off)."""
+        self.lora_abstract: tuple[Any, Any] | None = None
+        """The step programs' adapter argument (`LoraWeights`, slot_adapter [max_slots] int32) as
+        ShapeDtypeStructs, or None."""
+        if self.lora is None:
+            return
+        if engine_cfg.speculative.method != "none":
+            raise ValueError(f"lora.max_adapters {self.lora.slots} with engine.speculative.method "
+                             f"{engine_cfg.speculative.method}: speculative decoding does not run adapters yet; "
+                             f"set one of them off")
+        self.lora_abstract = (self.lora.abstract(self.mesh, self.rules),
+                              jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.replicated))
 
     def _shardings(self, family: Family, cfg: Any, mesh: jax.sharding.Mesh) -> None:
         """The KV pools', the repetition-penalty sets' and the step inputs' shardings."""
@@ -244,7 +276,28 @@ class ProgramSet:
         general = [t for t in self.token_buckets if not (t == 1 and t in single)]
         return ([ProgramShape("step", t, p) for t in general for p in self.page_buckets]
                 + [ProgramShape("step", t, p, True) for t in single for p in self.page_buckets]
+                + [ProgramShape("verify", t, p) for t in self.verify_buckets for p in self.page_buckets]
                 + [ProgramShape("presence")])
+
+    @property
+    def verify_buckets(self) -> list[int]:
+        """Token buckets of the verify programs: from one speculating row's k + 1 places to a group's speculating
+        rows beside a decode row for each of its other slots (a plan with speculating rows holds decode rows
+        only); none without speculation."""
+        if not self.spec_tokens:
+            return []
+        k, s, b = self.spec_tokens, self.spec_rows, self.token_buckets
+        most = min(s * (k + 1) + self.slots_per_group - s, self.max_step_tokens)
+        return b[bisect.bisect_left(b, 2):bisect.bisect_left(b, most) + 1]
+
+    def spec_shardings(self) -> dict[str, Any]:
+        """The verify programs' `SpecInputs` shardings by flat name."""
+        return {n: self.replicated if lay == "replicated" else self.sharded_1d for n, lay in verify.SPEC_LAYOUT.items()}
+
+    def abstract_spec(self) -> verify.SpecInputs:
+        shard = self.spec_shardings()
+        shapes = verify.abstract_spec_inputs(self.groups, self.spec_rows, self.spec_tokens)
+        return verify.spec_from_flat({n: jax.ShapeDtypeStruct(s, d, sharding=shard[n]) for n, (s, d) in shapes.items()})
 
     @property
     def single_token_buckets(self) -> list[int]:
@@ -279,12 +332,14 @@ class ProgramSet:
 
     def abstract_state(self) -> tuple[Any, ...]:
         """((params, packed weights), pools, presence, last tokens) as ShapeDtypeStructs."""
-        pool = tuple(jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=sh)
-                     for shape, sh in zip(self.pool_shapes, self.pool_sharding, strict=True))
+        pool = abstract_pools(self.pool_shapes, self.kv_dtype, self.pool_sharding)
         presence = jax.ShapeDtypeStruct((self.max_slots, self.cfg.vocab_size), STATE_DTYPE,
                                         sharding=self.presence_sharding)
         last = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.sharded_1d)
-        return (self.abstract_params, self.packed), pool, presence, last
+        weights: tuple[Any, ...] = (self.abstract_params, self.packed)
+        if self.lora_abstract is not None:  # the adapters ride with the weights (`StepBodies`: `_lora_arg`)
+            weights = (*weights, self.lora_abstract)
+        return weights, pool, presence, last
 
     def unrolled(self, shape: ProgramShape) -> bool:
         """Whether this step program runs the layers unrolled over per-layer weight arrays (`step_unrolled`)."""
@@ -298,6 +353,8 @@ class ProgramSet:
                                        jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.bool_,
                                                             sharding=self.replicated))
         inputs = self.abstract_inputs(shape.tokens, shape.pages)
+        if shape.kind == "verify":
+            return self.bodies.verify, (params, pool, presence, last, inputs, self.abstract_spec())
         if self.unrolled(shape):
             leaves = params[0]
             per_layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=_layer_sharding(x.sharding))

@@ -27,6 +27,8 @@ from raydeploy.engine.scheduler.logprobs import add_prompt_logprobs, alternative
 from raydeploy.engine.scheduler.pacing import Pacing
 from raydeploy.engine.scheduler.placement import Placement, rows_per_group
 from raydeploy.engine.scheduler.records import Paging, Queued, Running, Sink
+from raydeploy.engine.speculative import ngram
+from raydeploy.engine.speculative.policy import SpecCounters, SpeculationPolicy
 from raydeploy.engine.step import PageUpdate, SeqStep, StepPlan, StepResult
 
 if TYPE_CHECKING:
@@ -39,7 +41,8 @@ class Scheduler(Failures):
     def __init__(self, max_slots: int, max_seq_len: int, eos_ids: Sequence[int], max_queue: int, paging: Paging,
                  clock: Callable[[], float] = time.monotonic, slot_order: Sequence[int] | None = None,
                  decode_steps: int = 1, vocab_size: int | None = None,
-                 wait_clock: Callable[[], float] = time.monotonic, grammar: GrammarEngine | None = None) -> None:
+                 wait_clock: Callable[[], float] = time.monotonic, grammar: GrammarEngine | None = None,
+                 speculation: SpeculationPolicy | None = None) -> None:
         self.max_slots = max_slots
         self.slot_order = list(range(max_slots)) if slot_order is None else [int(s) for s in slot_order]
         if sorted(self.slot_order) != list(range(max_slots)):
@@ -57,6 +60,9 @@ class Scheduler(Failures):
         self.pacing = Pacing(decode_steps, paging.max_decode_slowdown, paging.burst_wait, clock, wait_clock)
         self.constrained = ConstrainedDraws(grammar)
         """Constrained requests' matchers and masks (structured outputs)."""
+        self.speculation = speculation
+        """Speculative decoding's proposals and back-off (`raydeploy.engine.speculative`); None: off."""
+        self.spec = SpecCounters()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: deque[Queued] = deque()
@@ -90,7 +96,7 @@ class Scheduler(Failures):
         paging = Paging.from_geometry(g, prefix, cfg.engine.max_decode_slowdown, cfg.engine.burst_wait)
         return cls(g.max_slots, g.max_seq_len, engine.eos_ids, cfg.serving.max_queue, paging, clock=clock,
                    slot_order=engine.slot_order, decode_steps=cfg.engine.decode_steps, vocab_size=engine.vocab_size,
-                   grammar=grammar)
+                   grammar=grammar, speculation=SpeculationPolicy.from_config(cfg.engine.speculative))
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -147,6 +153,8 @@ class Scheduler(Failures):
         out["prefill_tokens"] = self.prefill_tokens
         out["prefix_hit_tokens"] = self.prefix_hit_tokens
         out.update(self.pacing.stats())  # the step times the chunk hold-back (max_decode_slowdown) works from
+        out["spec_decode_method"] = "none" if self.speculation is None else self.speculation.method
+        out.update(self.spec.stats())
         return out
 
     # -- counters
@@ -287,7 +295,8 @@ class Scheduler(Failures):
                 # n == 0: it holds its slot and pages and starts when its group has budget again
                 if n > 0 and self._chunk(slot, run, n, seqs, entries, updates, events):
                     budget[slot // per_group] -= n
-            steps = 1 if seqs else self._decode_steps([r for _, r in decoding])
+            proposals = {} if seqs else self._proposals(decoding)
+            steps = 1 if seqs or proposals else self._decode_steps([r for _, r in decoding])
             if held and not seqs:  # a decode-only plan ends where the held prompts may go on (`held_floor`)
                 steps = self.pacing.held_steps(steps, wait)
             # (seqs holds the prompt chunks so far) the plan's duration feeds the chunk hold-back
@@ -296,10 +305,16 @@ class Scheduler(Failures):
                 allowed = self._allowed(slot, run, events)
                 if self._slots[slot] is not run:
                     continue  # its grammar allowed no next token
+                entries.append((slot, run))
+                proposed = proposals.get(slot)
+                if proposed:  # a speculating row: its last token, then the proposals, verified as one chunk
+                    self._grow(slot, run, run.computed + 1 + len(proposed), updates)
+                    seqs.append(SeqStep(slot, np.asarray([run.tokens[-1], *proposed], np.int32), run.computed, True,
+                                        spec=len(proposed)))
+                    continue
                 self._grow(slot, run, run.computed + steps, updates)
                 seqs.append(SeqStep(slot, np.zeros(0, np.int32), run.computed, True, allowed=allowed,
                                     top_logprobs=run.req.top_logprobs > 0))
-                entries.append((slot, run))
             release = tuple(self._release)
             self._release = []
             if not seqs and not release:
@@ -369,9 +384,47 @@ class Scheduler(Failures):
                             stop_ids=stop_ids, stop_until=run.prompt_len + min_tokens if stop_ids is not None else 0,
                             top_logprobs=last and run.req.top_logprobs > 0,
                             prompt_logprobs=run.req.prompt_logprobs is not None,
-                            next_token=-1 if last else int(prompt[start + n])))
+                            next_token=-1 if last else int(prompt[start + n]),
+                            adapter=run.req.adapter_slot if first else -1))
         entries.append((slot, run))
         return True
+
+    def _proposals(self, decoding: list[tuple[int, Running]]) -> dict[int, list[int]]:
+        """Under the lock, for a plan of decode rows only: each speculating row's proposed tokens by slot (none
+        when speculation is off, or when a dp group holds more than `max_rows` decode rows: the per-step
+        back-off). A row speculates while its request allows it (`_may_speculate`) and its lookup finds a match;
+        its proposals stay within its reserved positions, max_seq_len, its max_tokens and its group's token
+        budget of a step (`Paging.max_step_tokens`: the largest verify program; a plan of decode rows only)."""
+        policy = self.speculation
+        if policy is None or not decoding:
+            return {}
+        per_group = self.max_slots // self.paging.groups
+        counts = [0] * self.paging.groups
+        for slot, _ in decoding:
+            counts[slot // per_group] += 1
+        if max(counts) > policy.max_rows:
+            self.spec.backoff_steps += 1
+            return {}
+        budget = [self.paging.max_step_tokens - c for c in counts]
+        out: dict[int, list[int]] = {}
+        for slot, run in decoding:
+            if not self._may_speculate(run):
+                continue
+            g = slot // per_group
+            k = min(policy.num_tokens, run.cap - run.computed - 1, self.max_seq_len - 2 - run.computed,
+                    run.req.max_tokens - run.generated - 1, budget[g])
+            proposed = ngram.propose(run.tokens, k, policy.ngram_max, policy.ngram_min) if k > 0 else []
+            if proposed:
+                out[slot] = proposed
+                budget[g] -= len(proposed)
+        return out
+
+    def _may_speculate(self, run: Running) -> bool:
+        """Whether `run` may speculate in the plan being made: not constrained (its mask after a proposal needs
+        its grammar past it), no alternatives asked, past its min_tokens ban, not paused by its back-off, and
+        with its pages (it needs its tokens on rank 0)."""
+        return (run.matcher is None and run.req.top_logprobs == 0 and run.pages is not None
+                and run.generated >= run.req.sampling.min_tokens and run.acceptance.allows(self._step_id))
 
     def _decode_steps(self, runs: list[Running]) -> int:
         """Steps of a decode-only plan: `decode_steps`, but no more than the running requests still want and
@@ -395,6 +448,9 @@ class Scheduler(Failures):
         lps = result.logprobs
         for i, (seq, (slot, run)) in enumerate(zip(plan.seqs, entries, strict=True)):
             n = int(np.asarray(seq.tokens).shape[0])
+            if seq.spec:
+                self._spec_result(plan, result, i, seq, slot, run, events)
+                continue
             if n:  # a prompt chunk
                 if self._slots[slot] is not run:
                     continue  # aborted (or failed) while the step ran
@@ -422,6 +478,34 @@ class Scheduler(Failures):
                             alternatives(run, result, k, i))
             if self._slots[slot] is run:
                 self._commit(run)
+
+    def _spec_result(self, plan: StepPlan, result: StepResult, i: int, seq: SeqStep, slot: int, run: Running,
+                     events: list) -> None:
+        """A speculating row's emitted tokens (its accepted proposals, then the draw after them) as events, one by
+        one, so a stop token, max_tokens or max_seq_len among them ends the request there and drops the rest; the
+        pages that only rejected positions needed go back (`SequencePages.shrink`)."""
+        if result.spec_tokens is None or result.spec_logprobs is None:
+            raise ValueError(f"step {plan.step_id}: the engine returned no speculative tokens for a plan with "
+                             f"speculating rows")
+        emitted = [int(t) for t in result.spec_tokens[i] if t >= 0]
+        if not 1 <= len(emitted) <= seq.spec + 1:
+            raise ValueError(f"step {plan.step_id}: slot {slot} emitted {len(emitted)} tokens for {seq.spec} "
+                             f"proposals (1..{seq.spec + 1} expected)")
+        accepted = len(emitted) - 1
+        self.spec.note(seq.spec, accepted)
+        if self._slots[slot] is not run:
+            return  # aborted while the step ran
+        if self.speculation is not None:
+            run.acceptance.note(seq.spec, accepted, plan.step_id, self.speculation.min_acceptance)
+        for j, token in enumerate(emitted):
+            if self._slots[slot] is not run:
+                break  # ended by an earlier token: the rest are dropped
+            run.computed += 1
+            self._token(slot, token, float(result.spec_logprobs[i, j]), events)
+        if self._slots[slot] is run:
+            assert run.pages is not None
+            run.pages.shrink(run.computed)
+            self._commit(run)
 
     def _commit(self, run: Running) -> None:
         """Cache the request's pages that are now full and computed."""
