@@ -36,7 +36,7 @@ def config_reference_markdown() -> str:
     """The config reference table for docs/config.md, generated from the dataclasses above."""
     lines = ["# Config reference", "", "Generated from `raydeploy/config/` (`raydeploy config-reference`).", ""]
     hints_cfg = typing.get_type_hints(Config)
-    for section in ("cluster", "mesh", "model", "engine", "serving", "replicas"):
+    for section in ("cluster", "mesh", "model", "engine", "serving", "replicas", "lora"):
         cls = hints_cfg[section]
         lines += [f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |",
                   "| --- | --- | --- | --- |"]
