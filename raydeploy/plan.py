@@ -394,9 +394,12 @@ def _plan(cfg: Config, model: Any, family: Family) -> Plan:
         resolve_kv_dtype,
     )
 
-    try:
-        kv_dtype = resolve_kv_dtype(eng.kv_dtype, cfg.model.dtype, eng.attention, c.platform)
-        follows = work_follows_table(eng.attention, c.platform)
+    acc = c.accelerator_type or ""
+    try:  # the chip from the config: a quantized fp8 cache needs fp8 as fp8 weights do
+        kv_dtype = resolve_kv_dtype(eng.kv_dtype, cfg.model.dtype, eng.attention, c.platform,
+                                    f"TPU {acc}" if c.platform == "tpu" and acc else acc,
+                                    GPU_COMPUTE_CAPABILITY.get(acc.lower()))
+        follows = work_follows_table(eng.attention, c.platform, kv_dtype)
     except ValueError as err:
         problems.append(str(err))
         kv_dtype, follows = cfg.model.dtype, False

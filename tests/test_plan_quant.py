@@ -163,6 +163,16 @@ def test_fp8_is_refused_naming_the_chip(platform: str, acc: str, chip: str) -> N
     assert chip in msg and "int8" in msg, msg
 
 
+def test_an_fp8_kv_cache_is_refused_naming_the_chip() -> None:
+    plan = make_plan(load_config(CONFIGS / "tpu-v5e-16.yaml", ["engine.kv_dtype=float8_e4m3fn"]))
+    assert not plan.ok
+    msg = next(p for p in plan.problems if "float8_e4m3fn" in p)
+    assert "TPU v5e" in msg and "set engine.kv_dtype int8" in msg, msg
+    ok = make_plan(load_config(CONFIGS / "tpu-v5e-16.yaml", ["engine.kv_dtype=float8_e4m3fn",
+                                                             "cluster.accelerator_type=v7x"]))
+    assert ok.kv_dtype == "float8_e4m3fn" and not any("fp8" in p for p in ok.problems), ok.problems
+
+
 @pytest.mark.parametrize("platform,acc", [("tpu", "v7x"), ("gpu", "h100"), ("gpu", "l4")])
 def test_fp8_plans_on_chips_with_fp8_matmuls(platform: str, acc: str) -> None:
     name = "tpu-v5e-16.yaml" if platform == "tpu" else "gpu-2x8-h100.yaml"
