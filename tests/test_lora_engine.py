@@ -169,6 +169,7 @@ def check_engine(engine: Any, case: dict[str, Any]) -> None:
         check_row(toks[:, i], ids[:, i], lps[:, i], refs[name])
 
 
+@pytest.mark.slow
 def test_lora_one_device_matches_peft(case):
     engine = lora_engine(case["ckpt"], {"tp": 1})
     check_engine(engine, case)
@@ -181,6 +182,7 @@ def test_lora_one_device_matches_peft(case):
     check_row(toks[:, 0], ids[:, 0], lps[:, 0], case["refs"]["gamma"])
 
 
+@pytest.mark.slow
 def test_lora_tp_mesh_matches_peft(case):
     """tp=2 (MoE: ep=2 x tp=2): B's output split where the base kernel's output is (q/k/v, gate/up), A's input
     where its input is (o, down)."""
@@ -190,3 +192,29 @@ def test_lora_tp_mesh_matches_peft(case):
     assert w.b["q_proj"].sharding.shard_shape(w.b["q_proj"].shape)[3] == w.b["q_proj"].shape[3] // 2
     assert w.a["o_proj"].sharding.shard_shape(w.a["o_proj"].shape)[2] == w.a["o_proj"].shape[2] // 2
     check_engine(engine, case)
+
+
+def test_an_engine_without_adapter_slots_lowers_the_programs_of_before():
+    """lora.max_adapters 0 adds no program input and traces no adapter term: its step programs lower to exactly
+    the text of an engine built without a lora section; with slots they take the stacks and the slot table."""
+    from raydeploy.config import EngineConfig, ModelConfig
+    from raydeploy.config.schema import LoraConfig
+    from raydeploy.engine.programs import ProgramSet
+    from raydeploy.model.registry import from_hf_config
+    from raydeploy.model.sharding import build_mesh, merge_rules
+
+    family, cfg = from_hf_config(CASES["llama"])
+    mesh = build_mesh({"tp": 2}, jax.devices()[:2])
+    engine_cfg = EngineConfig(max_slots=4, page_size=8, prefill_chunk=16, compilation_cache_dir=None, warmup=False)
+
+    def program_set(lora: Any) -> Any:
+        return ProgramSet(family, cfg, mesh, merge_rules(None), ModelConfig(max_seq_len=MAX_SEQ_LEN), engine_cfg,
+                          lora_cfg=lora)
+
+    before, off = program_set(None), program_set(LoraConfig(max_adapters=0))
+    on = program_set(LoraConfig(max_adapters=2, max_rank=4))
+    assert len(off.abstract_state()[0]) == 2 and len(on.abstract_state()[0]) == 3
+    for shape in before.shapes()[:3]:
+        text = before.lower(shape).as_text()
+        assert off.lower(shape).as_text() == text, shape.name
+        assert on.lower(shape).as_text() != text, shape.name

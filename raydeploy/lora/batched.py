@@ -10,7 +10,8 @@ token's slot, so a token without an adapter adds exactly zero) and multiplies by
 ([N, slots, r] . B -> [N, out]). Both products are plain dots XLA partitions like the base kernel: A's input
 axis and B's output axis carry the base kernel's logical axes (`raydeploy.lora.layout`), so under tp a
 column-parallel projection (q/k/v, gate/up) splits B's output and a row-parallel one (o, down) A's input, and
-the [N, slots, r] product is all-reduced where the base output is.
+the [N, slots, r] product is all-reduced where the base output is. A step none of whose tokens has an adapter
+skips the term (`LoraRows.active`, a `lax.cond` per projection): base-model steps read no adapter weight.
 
 `LoraRows` travels through the family's forward as an argument next to the matmul backend (never ambient
 state): `Llama.ragged(..., lora=)` scans the per-layer stacks with the layers (`layer_xs`, `at_layer`) and
@@ -51,13 +52,17 @@ class LoraRows:
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
     weight: jax.Array
+    active: jax.Array
+    """bool[]: some token of the step has an adapter. A step of base-model rows only skips every adapter term
+    (`lax.cond`): it neither reads the stacks nor multiplies by them."""
 
     @classmethod
     def for_tokens(cls, weights: LoraWeights, token_adapter: jax.Array) -> LoraRows:
         """The rows of a step whose tokens use adapter slots `token_adapter` [N] (-1: none)."""
         slots = weights.scale.shape[0]
         onehot = (token_adapter[:, None] == jnp.arange(slots, dtype=token_adapter.dtype)[None, :])
-        return cls(weights.a, weights.b, jnp.where(onehot, weights.scale[None, :], 0.0).astype(jnp.float32))
+        return cls(weights.a, weights.b, jnp.where(onehot, weights.scale[None, :], 0.0).astype(jnp.float32),
+                   jnp.any(token_adapter >= 0))
 
     def layer_xs(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
         """The stacks a layer scan slices per layer (its `xs`)."""
@@ -65,7 +70,7 @@ class LoraRows:
 
     def at_layer(self, ab: tuple[Mapping[str, jax.Array], Mapping[str, jax.Array]]) -> LoraRows:
         """This step's rows with one layer's slices of the stacks (what the scan hands the layer)."""
-        return LoraRows(dict(ab[0]), dict(ab[1]), self.weight)
+        return LoraRows(dict(ab[0]), dict(ab[1]), self.weight, self.active)
 
     def delta(self, name: str, x: jax.Array) -> jax.Array | None:
         """The adapters' term of projection `name` for its input x [N, ...] (flattened to [N, in]): [N, out]
@@ -75,9 +80,16 @@ class LoraRows:
             return None
         b = self.b[name]
         xf = x.reshape(x.shape[0], a.shape[-2])
-        h = jnp.einsum("ni,sir->nsr", xf.astype(a.dtype), a, preferred_element_type=jnp.float32)
-        h = h * self.weight[:, :, None]
-        return jnp.einsum("nsr,sro->no", h.astype(b.dtype), b, preferred_element_type=jnp.float32)
+
+        def term(xf: jax.Array, a: jax.Array, b: jax.Array, weight: jax.Array) -> jax.Array:
+            h = jnp.einsum("ni,sir->nsr", xf.astype(a.dtype), a, preferred_element_type=jnp.float32)
+            h = h * weight[:, :, None]
+            return jnp.einsum("nsr,sro->no", h.astype(b.dtype), b, preferred_element_type=jnp.float32)
+
+        def skip(xf: jax.Array, a: jax.Array, b: jax.Array, weight: jax.Array) -> jax.Array:
+            return jnp.zeros((xf.shape[0], b.shape[-1]), jnp.float32)
+
+        return jax.lax.cond(self.active, term, skip, xf, a, b, self.weight)
 
     def add(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
         """y (projection `name`'s output for input x, any shape with N leading) plus its adapters' term."""
