@@ -190,7 +190,7 @@ def test_lora_tp_mesh_matches_peft(case):
     engine = lora_engine(case["ckpt"], {"ep": 2, "tp": 2} if moe else {"tp": 2})
     w = engine.adapters.weights
     assert w.b["q_proj"].sharding.shard_shape(w.b["q_proj"].shape)[3] == w.b["q_proj"].shape[3] // 2
-    assert w.a["o_proj"].sharding.shard_shape(w.a["o_proj"].shape)[2] == w.a["o_proj"].shape[2] // 2
+    assert w.a["o_proj"].sharding.shard_shape(w.a["o_proj"].shape)[3] == w.a["o_proj"].shape[3] // 2
     check_engine(engine, case)
 
 

@@ -107,14 +107,14 @@ def good_tensors(rank: int = 2) -> dict[str, np.ndarray]:
     return out
 
 
-def test_read_adapter_pads_to_the_slot_rank_and_transposes(tmp_path):
+def test_read_adapter_pads_to_the_slot_rank_and_transposes_b(tmp_path):
     t = good_tensors()
     ad = read_adapter(write_adapter(tmp_path / "a", t), LAYOUT)
     assert ad.rank == 2 and ad.scale == 2.0
-    assert ad.a["q_proj"].shape == (2, 8, 4) and ad.b["down_proj"].shape == (2, 4, 8)
-    np.testing.assert_array_equal(ad.a["q_proj"][1, :, :2], t[KEY.format(1, "self_attn", "q_proj", "A")].T)
+    assert ad.a["q_proj"].shape == (2, 4, 8) and ad.b["down_proj"].shape == (2, 4, 8)
+    np.testing.assert_array_equal(ad.a["q_proj"][1, :2], t[KEY.format(1, "self_attn", "q_proj", "A")])
     np.testing.assert_array_equal(ad.b["down_proj"][1, :2], t[KEY.format(1, "mlp", "down_proj", "B")].T)
-    assert not ad.a["q_proj"][:, :, 2:].any() and not ad.b["down_proj"][0].any()  # padding; layer 0 untouched
+    assert not ad.a["q_proj"][:, 2:].any() and not ad.b["down_proj"][0].any()  # padding; layer 0 untouched
     rs = read_adapter(write_adapter(tmp_path / "rs", t, use_rslora=True), LAYOUT)
     assert rs.scale == pytest.approx(4 / np.sqrt(2))
 

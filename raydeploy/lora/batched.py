@@ -2,27 +2,27 @@
 adds `(x @ A[slot]) @ B[slot] * scale[slot]` to its output, for all tokens in one computation over every slot.
 
 The BGMV/Punica idea written in JAX: the adapters of one size class (every slot holds `lora.max_rank`, a smaller
-adapter zero-padded) are stacked, A [slots, in, r] and B [slots, r, out] per layer and target. Instead of
+adapter zero-padded) are stacked, A [slots, r, in] and B [slots, r, out] per layer and target. Instead of
 gathering each token's A and B (a copy of in x r values per token, per projection), the step multiplies its
-tokens by every slot's A at once (x [N, in] . A -> [N, slots, r], one matmul of width slots x r), keeps each
+tokens by every slot's A at once (x [N, in] . A -> [N, slots x r], one matmul of width slots x r), keeps each
 token's own slot's columns scaled by that slot's alpha / r (`LoraRows.weight`, [N, slots]: zero outside the
 token's slot, so a token without an adapter adds exactly zero) and multiplies by every slot's B
-([N, slots, r] . B -> [N, out]). Both products are plain dots XLA partitions like the base kernel: A's input
+([N, slots x r] . B -> [N, out]). Both products are plain dots XLA partitions like the base kernel: A's input
 axis and B's output axis carry the base kernel's logical axes (`raydeploy.lora.layout`), so under tp a
 column-parallel projection (q/k/v, gate/up) splits B's output and a row-parallel one (o, down) A's input, and
-the [N, slots, r] product is all-reduced where the base output is. A step none of whose tokens has an adapter
-skips the term (`LoraRows.active`, a `lax.cond` per projection): base-model steps read no adapter weight.
+the [N, slots x r] product is all-reduced where the base output is. A step none of whose tokens has an adapter
+skips the term (`LoraRows.active`, one `lax.cond` per group of projections of one input: q/k/v, gate/up, o,
+down): base-model steps read no adapter weight.
 
 `LoraRows` travels through the family's forward as an argument next to the matmul backend (never ambient
-state): `Llama.ragged(..., lora=)` scans the per-layer stacks with the layers (`layer_xs`, `at_layer`) and
-hands each layer's `LoraRows` to the projections (`raydeploy.model.projection.project(..., lora=, names=)`).
+state): `Llama.ragged(..., lora=)` gives each layer of its scan the step's `LoraRows` at that layer (`at_layer`)
+and hands it to the projections (`raydeploy.model.projection.project(..., lora=, names=)`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,20 +34,21 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LoraWeights:
-    """The device-resident adapter slots: per target, A [L, slots, in, r] and B [L, slots, r, out] (model dtype),
-    and each slot's scale [slots] float32 (alpha / r, or alpha / sqrt(r) for rsLoRA; 0 for an empty slot)."""
+    """The device-resident adapter slots: per target, A [L, slots, r, in] (PEFT's lora_A, [r, in] per slot) and B
+    [L, slots, r, out] (lora_B transposed), in the model's dtype, and each slot's scale [slots] float32 (alpha / r,
+    or alpha / sqrt(r) for rsLoRA; 0 for an empty slot). A layer's A and B reshape to [slots * r, in] and
+    [slots * r, out] for free, so each product is one plain dot."""
 
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
     scale: jax.Array
 
 
-@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LoraRows:
-    """One step's adapters as the forward reads them: the slots' A/B stacks (with the layer axis before the
-    scan, one layer's inside it) and `weight` [N, slots] float32, each token's slot scale in its slot's column
-    (zeros for a token without an adapter)."""
+    """One step's adapters as the forward reads them: the slots' A/B stacks (every layer) and `weight`
+    [N, slots * r] float32, each token's slot scale in its slot's r columns (zeros elsewhere, and everywhere for a
+    token without an adapter)."""
 
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
@@ -55,46 +56,68 @@ class LoraRows:
     active: jax.Array
     """bool[]: some token of the step has an adapter. A step of base-model rows only skips every adapter term
     (`lax.cond`): it neither reads the stacks nor multiplies by them."""
+    layer: jax.Array | None = None
+    """The layer the projections are in (`at_layer`); its slices of the stacks are read inside the `lax.cond`, so
+    a step without adapters slices nothing (a scan's per-layer slice of a stack is a copy on XLA CPU)."""
+    skip_inactive: bool = True
+    """Put the adapter terms under `lax.cond` on `active` (CPU: a base-model step then pays nothing). False on
+    accelerators: XLA TPU copies a conditional's large operands (the stacks), so the terms are always computed
+    there (the per-layer slices fuse into the dots)."""
 
     @classmethod
-    def for_tokens(cls, weights: LoraWeights, token_adapter: jax.Array) -> LoraRows:
+    def for_tokens(cls, weights: LoraWeights, token_adapter: jax.Array, skip_inactive: bool = True) -> LoraRows:
         """The rows of a step whose tokens use adapter slots `token_adapter` [N] (-1: none)."""
         slots = weights.scale.shape[0]
+        rank = next(iter(weights.a.values())).shape[2] if weights.a else 1
         onehot = (token_adapter[:, None] == jnp.arange(slots, dtype=token_adapter.dtype)[None, :])
-        return cls(weights.a, weights.b, jnp.where(onehot, weights.scale[None, :], 0.0).astype(jnp.float32),
-                   jnp.any(token_adapter >= 0))
+        weight = jnp.where(onehot, weights.scale[None, :], 0.0).astype(jnp.float32)
+        return cls(weights.a, weights.b, jnp.repeat(weight, rank, axis=1), jnp.any(token_adapter >= 0),
+                   skip_inactive=skip_inactive)
 
-    def layer_xs(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-        """The stacks a layer scan slices per layer (its `xs`)."""
-        return self.a, self.b
+    def at_layer(self, layer: jax.Array) -> LoraRows:
+        """This step's rows at one layer of the stacks (the traced layer index the scan gives its body)."""
+        return LoraRows(self.a, self.b, self.weight, self.active, layer, self.skip_inactive)
 
-    def at_layer(self, ab: tuple[Mapping[str, jax.Array], Mapping[str, jax.Array]]) -> LoraRows:
-        """This step's rows with one layer's slices of the stacks (what the scan hands the layer)."""
-        return LoraRows(dict(ab[0]), dict(ab[1]), self.weight, self.active)
+    def add_all(self, names: Sequence[str], x: jax.Array, ys: Sequence[jax.Array]) -> list[jax.Array]:
+        """Each y of `ys` (projection `names[i]`'s output for the shared input x, any shape with N leading) plus
+        its adapters' term; the targets the engine holds no stack for unchanged. One `lax.cond` for them all."""
+        held = [i for i, n in enumerate(names) if n in self.a]
+        if not held:
+            return list(ys)
+        if self.layer is None:
+            raise ValueError("LoraRows needs the layer: call at_layer first")
+        layer = self.layer
+        a = [self.a[names[i]] for i in held]
+        b = [self.b[names[i]] for i in held]
+        xf = x.reshape(x.shape[0], a[0].shape[-1])
 
-    def delta(self, name: str, x: jax.Array) -> jax.Array | None:
-        """The adapters' term of projection `name` for its input x [N, ...] (flattened to [N, in]): [N, out]
-        float32, or None when no slot targets it (the engine holds no stack for it)."""
-        a = self.a.get(name)
-        if a is None:
-            return None
-        b = self.b[name]
-        xf = x.reshape(x.shape[0], a.shape[-2])
+        def term(xf: jax.Array, a: list[jax.Array], b: list[jax.Array], weight: jax.Array) -> list[jax.Array]:
+            out = []
+            for ai, bi in zip(a, b, strict=True):
+                al = jax.lax.dynamic_index_in_dim(ai, layer, keepdims=False)  # [slots, r, in]
+                bl = jax.lax.dynamic_index_in_dim(bi, layer, keepdims=False)  # [slots, r, out]
+                al = al.reshape(-1, al.shape[-1])
+                bl = bl.reshape(-1, bl.shape[-1])
+                h = jax.lax.dot_general(xf.astype(al.dtype), al, (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32) * weight  # [N, slots * r]
+                out.append(jnp.dot(h.astype(bl.dtype), bl, preferred_element_type=jnp.float32))
+            return out
 
-        def term(xf: jax.Array, a: jax.Array, b: jax.Array, weight: jax.Array) -> jax.Array:
-            h = jnp.einsum("ni,sir->nsr", xf.astype(a.dtype), a, preferred_element_type=jnp.float32)
-            h = h * weight[:, :, None]
-            return jnp.einsum("nsr,sro->no", h.astype(b.dtype), b, preferred_element_type=jnp.float32)
+        def skip(xf: jax.Array, a: list[jax.Array], b: list[jax.Array], weight: jax.Array) -> list[jax.Array]:
+            return [jnp.zeros((xf.shape[0], bi.shape[-1]), jnp.float32) for bi in b]
 
-        def skip(xf: jax.Array, a: jax.Array, b: jax.Array, weight: jax.Array) -> jax.Array:
-            return jnp.zeros((xf.shape[0], b.shape[-1]), jnp.float32)
-
-        return jax.lax.cond(self.active, term, skip, xf, a, b, self.weight)
+        if self.skip_inactive:
+            deltas = jax.lax.cond(self.active, term, skip, xf, a, b, self.weight)
+        else:
+            deltas = term(xf, a, b, self.weight)
+        out = list(ys)
+        for i, d in zip(held, deltas, strict=True):
+            out[i] = out[i] + d.reshape(out[i].shape).astype(out[i].dtype)
+        return out
 
     def add(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
         """y (projection `name`'s output for input x, any shape with N leading) plus its adapters' term."""
-        d = self.delta(name, x)
-        return y if d is None else y + d.reshape(y.shape).astype(y.dtype)
+        return self.add_all((name,), x, (y,))[0]
 
 
 def adapt(lora: LoraRows | None, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -102,15 +125,6 @@ def adapt(lora: LoraRows | None, name: str, x: jax.Array, y: jax.Array) -> jax.A
     return y if lora is None else lora.add(name, x, y)
 
 
-def scan_xs(xs: Any, lora: LoraRows | None) -> Any:
-    """A family's layer-scan xs with the adapters' per-layer stacks beside them (unchanged without adapters, so
-    an engine without LoRA traces exactly its programs of before)."""
-    return xs if lora is None else (xs, lora.layer_xs())
-
-
-def split_xs(xs: Any, lora: LoraRows | None) -> tuple[Any, LoraRows | None]:
-    """Inside the scan body: (the family's own xs, this layer's `LoraRows` or None)."""
-    if lora is None:
-        return xs, None
-    own, ab = xs
-    return own, lora.at_layer(ab)
+def at_layer(lora: LoraRows | None, layer: jax.Array) -> LoraRows | None:
+    """`LoraRows.at_layer` where the forward has adapters, else None."""
+    return None if lora is None else lora.at_layer(layer)

@@ -1,7 +1,7 @@
 """The device-side adapter slots of one engine: which projections they cover, their shapes and logical axes, their
 shardings and bytes per chip, and the programs that allocate them and write an adapter into a slot.
 
-`lora.max_adapters` slots of rank `lora.max_rank` per target projection: A [L, slots, in, r] and B [L, slots, r,
+`lora.max_adapters` slots of rank `lora.max_rank` per target projection: A [L, slots, r, in] and B [L, slots, r,
 out], in the model's dtype (one size class: a smaller adapter is zero-padded, which adds exact zeros). The
 targets are the family's dense projections among `TARGETS` (an MoE family's experts are not adapted: its
 adapters target q/k/v/o). A's input axis carries the logical axis of the base kernel's first input dim, B's
@@ -83,8 +83,8 @@ class LoraLayout:
         """The stacks as TensorSpecs, by name ("a.q_proj", "b.q_proj", ...; "scale")."""
         out: dict[str, TensorSpec] = {}
         for t in self.targets:
-            out[f"a.{t.name}"] = TensorSpec(f"lora.a.{t.name}", (self.layers, self.slots, t.inputs, self.rank),
-                                            (LAYER_AXIS, "lora_slots", t.in_axis, "lora_rank"))
+            out[f"a.{t.name}"] = TensorSpec(f"lora.a.{t.name}", (self.layers, self.slots, self.rank, t.inputs),
+                                            (LAYER_AXIS, "lora_slots", "lora_rank", t.in_axis))
             out[f"b.{t.name}"] = TensorSpec(f"lora.b.{t.name}", (self.layers, self.slots, self.rank, t.outputs),
                                             (LAYER_AXIS, "lora_slots", "lora_rank", t.out_axis))
         out["scale"] = TensorSpec("lora.scale", (self.slots,), ("lora_slots",))
@@ -135,7 +135,7 @@ class LoraLayout:
         return total
 
     def write_program(self, mesh: jax.sharding.Mesh, rules: Mapping[str, Any]) -> Any:
-        """A jitted program (weights, slot, a, b, scale) -> weights with slot `slot` holding `a` [L, in, r] and `b`
+        """A jitted program (weights, slot, a, b, scale) -> weights with slot `slot` holding `a` [L, r, in] and `b`
         [L, r, out] per target and `scale` (weights donated: written in place)."""
         shardings = self.shardings(mesh, rules)
 

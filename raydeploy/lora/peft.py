@@ -2,8 +2,8 @@
 a slot holds, checked against the model's adapted projections (`raydeploy.lora.layout.LoraLayout`).
 
 PEFT stores, per adapted module, `...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in] and `...lora_B.weight`
-[out, r] (torch's out_in). A slot holds A [L, in, max_rank] and B [L, max_rank, out] for every target of the
-layout: the adapter's A and B transposed, zero-padded from its rank r up to `max_rank` (the padded columns and
+[out, r] (torch's out_in). A slot holds A [L, max_rank, in] and B [L, max_rank, out] for every target of the
+layout: the adapter's A as it is and B transposed, zero-padded from its rank r up to `max_rank` (the padded columns and
 rows add exact zeros) and zeros for a layer or target the adapter leaves alone. Its scale is lora_alpha / r
 (lora_alpha / sqrt(r) with `use_rslora`). The HF projection layouts are ours (head-major q/k/v outputs, the same
 rotate_half RoPE), so nothing is permuted. What the engine cannot serve as PEFT computes it is refused with an
@@ -41,7 +41,7 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class HostAdapter:
-    """One adapter ready for a slot: A [L, in, max_rank] and B [L, max_rank, out] float32 per layout target."""
+    """One adapter ready for a slot: A [L, max_rank, in] and B [L, max_rank, out] float32 per layout target."""
 
     rank: int
     alpha: float
@@ -55,8 +55,8 @@ class HostAdapter:
 
 
 def empty_adapter(layout: LoraLayout) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Zero A [L, in, r] and B [L, r, out] for every target of `layout` (what an unloaded slot holds)."""
-    return ({t.name: np.zeros((layout.layers, t.inputs, layout.rank), np.float32) for t in layout.targets},
+    """Zero A [L, r, in] and B [L, r, out] for every target of `layout` (what an unloaded slot holds)."""
+    return ({t.name: np.zeros((layout.layers, layout.rank, t.inputs), np.float32) for t in layout.targets},
             {t.name: np.zeros((layout.layers, layout.rank, t.outputs), np.float32) for t in layout.targets})
 
 
@@ -135,7 +135,7 @@ def read_adapter(path: str | Path, layout: LoraLayout) -> HostAdapter:
         if not np.isfinite(x).all():
             raise AdapterError(f"adapter {path.name}: tensor {name} holds non-finite values")
         if which == "A":
-            a[target][layer, :, :rank] = x.T
+            a[target][layer, :rank, :] = x
         else:
             b[target][layer, :rank, :] = x.T
         seen[(layer, target, which)] = name

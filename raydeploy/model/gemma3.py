@@ -32,7 +32,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from raydeploy.lora.batched import LoraRows, adapt, scan_xs, split_xs
+from raydeploy.lora.batched import LoraRows, adapt, at_layer
 from raydeploy.model.llama import (
     DTYPES,
     GATE_UP,
@@ -333,8 +333,8 @@ class Gemma3(nnx.Module):
         def body(layer: Gemma3Layer, carry: tuple[jax.Array, Any], xs: Any, static_local: bool | None = None
                  ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
             x, c = carry
-            xs, lo = split_xs(xs, lora)
             i, local = xs if static_local is None else (xs, static_local)
+            lo = at_layer(lora, i)
             q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, self._inv_freq(local), self.q_scale, matmul,
                                      lo)
             if mixed and static_local is None:  # the caller chooses the read (its write stays out of any cond)
@@ -350,10 +350,9 @@ class Gemma3(nnx.Module):
         ids, flags = self._layer_xs()
         whole = matmul is not None and matmul.reads_whole
         if mixed and static_kinds:
-            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), scan_xs(ids, lora), kinds=local_layers,
-                                                    whole=whole)
+            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), ids, kinds=local_layers, whole=whole)
         else:
-            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), scan_xs((ids, flags), lora), whole=whole)
+            (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), (ids, flags), whole=whole)
         return x, ks, vs, cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:

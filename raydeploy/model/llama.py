@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raydeploy.config import ConfigError
-from raydeploy.lora.batched import LoraRows, adapt, scan_xs, split_xs
+from raydeploy.lora.batched import LoraRows, adapt, at_layer
 from raydeploy.model.projection import Dense, HeadsProj, Matmul, OutProj, _param, dot, project
 from raydeploy.model.registry import LLAMA
 from raydeploy.model.scan import scan_layers
@@ -326,10 +326,10 @@ class Llama(nnx.Module):
         # Mistral-style configs: every layer attends within the window (static, passed to the backend)
         kw = {"sliding_window": int(self.cfg.sliding_window)} if self.cfg.sliding_window else {}
 
-        def body(layer: DecoderLayer, carry: tuple[jax.Array, Any], xs: Any
+        def body(layer: DecoderLayer, carry: tuple[jax.Array, Any], i: jax.Array
                  ) -> tuple[tuple[jax.Array, Any], tuple[jax.Array, ...]]:
             x, c = carry
-            i, lo = split_xs(xs, lora)
+            lo = at_layer(lora, i)
             q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_n, inv, matmul, lo)
             out, c = attend(i, q, k, v, c, **kw)
             x = x + adapt(lo, "o_proj", out, layer.attn.o_proj(out, matmul))
@@ -339,7 +339,7 @@ class Llama(nnx.Module):
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         whole = matmul is not None and matmul.reads_whole
-        (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), scan_xs(layer_ids, lora), whole=whole)
+        (x, cache), (ks, vs) = self.layers.scan(body, (x, cache), layer_ids, whole=whole)
         return x, ks, vs, cache
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:

@@ -263,4 +263,4 @@ def project(x: jax.Array, projections: Sequence[HeadsProj | Dense], mm: Matmul |
         out = [m(x, mm) for m in projections]
     if lora is None:
         return out
-    return [lora.add(n, x, y) for n, y in zip(names, out, strict=True)]
+    return lora.add_all(names, x, out)

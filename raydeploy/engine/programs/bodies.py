@@ -297,7 +297,7 @@ class StepBodies:
         weights, slot_adapter = lora
         ms = self.max_slots
         token_adapter = jnp.where(token_slot < ms, slot_adapter[jnp.minimum(token_slot, ms - 1)], -1)
-        return LoraRows.for_tokens(weights, token_adapter)
+        return LoraRows.for_tokens(weights, token_adapter, skip_inactive=self.platform == "cpu")
 
     def _logprobs(self, model: Any, matmul: Matmul, h_gtd: jax.Array, tokens: jax.Array, logits: jax.Array,
                   inp: StepInputs) -> tuple[jax.Array, jax.Array]:
