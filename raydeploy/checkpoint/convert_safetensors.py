@@ -4,6 +4,8 @@ The source directory holds config.json, one `model.safetensors` or several shard
 `model.safetensors.index.json`, and tokenizer files (copied along). Tensors are memory-mapped straight
 from the safetensors files (the header is parsed here, so bfloat16 works without torch), renamed and
 re-laid-out with the family's name table (`Family.hf_names`), and streamed into the writer one at a time.
+A compressed-tensors int8 checkpoint (`quantization_config`, `convert_compressed_tensors`) keeps its int8 weights
+and their channel scales: the result is an int8 checkpoint (format version 5, `raydeploy.model.quant`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from raydeploy.checkpoint.convert_compressed_tensors import compressed_config, scale_to_ours
 from raydeploy.checkpoint.format import CONFIG_FILE, CheckpointError, numpy_dtype
 from raydeploy.checkpoint.layout import (
+    COPY,
     NameMap,
     TensorSink,
     cast,
@@ -26,6 +30,7 @@ from raydeploy.checkpoint.layout import (
     to_ours,
 )
 from raydeploy.checkpoint.writer import CheckpointWriter
+from raydeploy.model.quant import quantized_kernel, scale_name
 from raydeploy.model.registry import UnknownModelType, family_for, supported_model_types
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
@@ -88,6 +93,11 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, mm[data_start + a: data_start + b].view(dt).reshape(shape)
 
 
+def _cast(x: np.ndarray, dtype: str, keep: bool) -> np.ndarray:
+    """`cast`, except for what keeps its dtype (`keep`: a quantized checkpoint's int8 weights and float32 scales)."""
+    return x if keep else cast(x, dtype)
+
+
 def read_hf_config(src: Path) -> dict[str, Any]:
     p = src / CONFIG_FILE
     if not p.is_file():
@@ -119,24 +129,47 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
         cfg = family.config_from_hf(hf_cfg)
     except (UnknownModelType, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"config is not usable: {e}", str(src / CONFIG_FILE)) from e
+    compressed = compressed_config(hf_cfg, str(src / CONFIG_FILE))
+    if compressed is not None:  # int8 weights with their scales, kept as they are
+        family = family.with_quantization("int8")
     specs = family.param_specs(cfg)
     name_map = NameMap(family.hf_names, family.hf_ignored, source="safetensors")
     files = safetensors_files(src)
     shapes: dict[str, tuple[int, ...]] = {}
     num_experts = family.num_experts(cfg) if family.num_experts is not None else 0
     experts: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
-    writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes)
+    writer = CheckpointWriter(dst, shard_size_bytes=shard_size_bytes,
+                              quantization="none" if compressed is None else "int8")
     sink = TensorSink(writer, family, cfg, splits, stacked)
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="convert safetensors",
                disable=not progress)
     try:
         for fp in files:
             for name, arr in iter_safetensors(fp):
-                mapped = name_map.lookup(name)
                 bar.update(arr.nbytes)
+                is_scale = False
+                if compressed is not None:
+                    decoded = compressed.decode(name, arr)
+                    if decoded is None:
+                        continue
+                    name, arr, is_scale = decoded
+                mapped = name_map.lookup(name)
                 if mapped is None:
                     continue
                 ours, kind = mapped
+                if compressed is not None:
+                    base = EXPERT_PIECE.sub(r"\1", ours)
+                    if quantized_kernel(base) != (arr.dtype == np.int8 or is_scale):
+                        raise CheckpointError(f"tensor {name}: raydeploy holds {base} "
+                                              f"{'int8' if quantized_kernel(base) else 'in model.param_dtype'}, "
+                                              f"the checkpoint stores it {arr.dtype}", str(fp), tensor=name)
+                if is_scale:
+                    ours = EXPERT_PIECE.sub(lambda m: f"{scale_name(m.group(1))}[{m.group(2)}]", ours)
+                    if EXPERT_PIECE.match(ours) is None:
+                        ours = scale_name(ours)
+                    arr = scale_to_ours(kind, arr, cfg, name)
+                    kind = COPY
+                keep = is_scale or arr.dtype == np.int8  # an int8 weight is laid out like a float one
                 if ours == "lm_head.kernel" and cfg.tie_word_embeddings:
                     continue  # tied: the embedding is the head
                 piece = EXPERT_PIECE.match(ours)
@@ -152,12 +185,12 @@ def convert_safetensors(src: str | Path, dst: str | Path, dtype: str = "keep", s
                     got[expert] = (name, to_ours(kind, arr, cfg, name=name))
                     if len(got) < num_experts:
                         continue
-                    out = cast(np.stack([got[i][1] for i in range(num_experts)]), dtype)
+                    out = _cast(np.stack([got[i][1] for i in range(num_experts)]), dtype, keep)
                     del experts[ours]
                 elif ours in shapes:
                     raise CheckpointError(f"tensor {name} appears twice (as {ours})", str(fp), tensor=name)
                 else:
-                    out = cast(to_ours(kind, arr, cfg, name=name), dtype)
+                    out = _cast(to_ours(kind, arr, cfg, name=name), dtype, keep)
                 shapes[ours] = tuple(out.shape)
                 sink.add(ours, out)
         for ours, got in experts.items():

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from raydeploy.checkpoint.format import CheckpointError, TensorEntry
+from raydeploy.checkpoint.format import DEFAULT_BLOCK_BYTES, CheckpointError, TensorEntry
 from raydeploy.checkpoint.reader import CheckpointReader
 from raydeploy.checkpoint.writer import CheckpointWriter
 from raydeploy.model import quant
@@ -22,8 +22,9 @@ from raydeploy.model.spec import TensorSpec
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, mode: str, shard_size_bytes: int = 1 << 30,
-                        progress: bool = False) -> dict[str, Any]:
-    """Write `src` (a float raydeploy checkpoint) quantized as `mode` into `dst`; {'tensors', 'bytes'}."""
+                        progress: bool = False, block_bytes: int = DEFAULT_BLOCK_BYTES) -> dict[str, Any]:
+    """Write `src` (a float raydeploy checkpoint) quantized as `mode` into `dst` (checksum blocks of `block_bytes`);
+    {'tensors', 'bytes'}."""
     if quant.check_mode(mode) == "none":
         raise CheckpointError("--quantize needs int8 or fp8")
     reader = CheckpointReader(src)
@@ -34,8 +35,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, mode: str, shard_size_
     specs = family.checkpoint_specs(cfg, reader.index.tensors)
     reader.check_specs(specs)
     names = list(reader.index.tensors)
-    with CheckpointWriter(dst, shard_size_bytes=shard_size_bytes, checksum=reader.index.checksum,
-                          quantization=mode) as w:
+    with CheckpointWriter(dst, shard_size_bytes=shard_size_bytes, block_bytes=block_bytes,
+                          checksum=reader.index.checksum, quantization=mode) as w:
         for i, name in enumerate(names):
             e = reader.index.tensors[name]
             x = reader.read_tensor(name)

@@ -125,7 +125,8 @@ def quantize_np(w: np.ndarray, mode: str, axes: Sequence[int]) -> tuple[np.ndarr
 
     w32 = np.asarray(w, np.float32)
     amax = np.max(np.abs(w32), axis=tuple(axes), keepdims=True)
-    scale = np.where(amax > 0, amax / QMAX[mode], 1.0).astype(np.float32)
+    # times the reciprocal, as XLA computes a division by a constant: numpy and jax give the same bits
+    scale = np.where(amax > 0, amax * np.float32(1.0 / QMAX[mode]), 1.0).astype(np.float32)
     if mode == "int8":
         q = np.clip(np.rint(w32 / scale), -127, 127).astype(np.int8)
     else:
@@ -145,7 +146,7 @@ def quantize_jax(w: Any, mode: str, axes: Sequence[int]) -> tuple[Any, Any]:
 
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=tuple(axes), keepdims=True)
-    scale = jnp.where(amax > 0, amax / QMAX[mode], 1.0)
+    scale = jnp.where(amax > 0, amax * jnp.float32(1.0 / QMAX[mode]), 1.0)
     if mode == "int8":
         q = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
     else:
