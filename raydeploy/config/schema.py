@@ -264,7 +264,7 @@ class SpeculativeConfig(_Section):
     """Speculative decoding: proposals verified in the ragged step, outputs exactly those of the model alone."""
 
     method: Literal["none", "ngram", "draft"] = "none"
-    """none; ngram = rank 0 proposes the continuation of the latest earlier match of the sequence's last tokens in its own prompt and output (prompt lookup, no model); draft = a small model of the same tokenizer (`draft_checkpoint`) proposes, on the same gang."""
+    """none; ngram = rank 0 proposes the continuation of the latest earlier match of the sequence's last tokens in its own prompt and output that has k tokens after it, else of the earliest (prompt lookup, no model); draft = a small model of the same tokenizer (`draft_checkpoint`) proposes, on the same gang: not available yet (refused at start-up, naming the setting)."""
     num_tokens: int = 4
     """Tokens proposed per speculating row and step (k); each such row is verified as a chunk of k + 1 queries."""
     ngram_max: int = 4
@@ -276,7 +276,7 @@ class SpeculativeConfig(_Section):
     max_rows: int = 4
     """Back-off under load: a step with more decode rows than this per dp group speculates for none of them."""
     min_acceptance: float = 0.3
-    """Back-off per request: a request whose recent proposals were accepted at a lower rate stops speculating for a while."""
+    """Back-off per request: a request whose recent proposals (its last 8 verified rows, from 4 on) were accepted at a lower rate stops speculating for 32 plans, then tries again."""
 
 
 @dataclass(frozen=True)
