@@ -329,6 +329,33 @@ class _VllmGangGauges:
                                   labels=["model_name"])
             g.add_metric([self.model_name], used / total)
             yield g
+        yield from self._spec_decode()
+
+    def _spec_decode(self) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (`raydeploy.engine.speculative.policy.SpecCounters`), where the gangs
+        report them: drafts (a row's proposals in one step), proposed and accepted tokens, accepted per position."""
+        for key, help_text in SPEC_COUNTERS.items():
+            v = _number(self.stats.get(f"spec_decode_{key}"))
+            if v is None:
+                continue
+            c = CounterMetricFamily(f"vllm:spec_decode_{key}", help_text, labels=["model_name"])
+            c.add_metric([self.model_name], v)
+            yield c
+        per_pos = self.stats.get("spec_decode_accepted_per_pos")
+        if isinstance(per_pos, list) and per_pos:
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for pos, v in enumerate(per_pos):
+                if _number(v) is not None:
+                    c.add_metric([self.model_name, str(pos)], float(v))
+            yield c
+
+
+SPEC_COUNTERS = {"num_drafts": "Number of spec decoding drafts.",
+                 "num_draft_tokens": "Number of draft tokens.",
+                 "num_accepted_tokens": "Number of accepted tokens."}
+"""vLLM's speculative-decoding counters (their help texts), from the gangs' `spec_decode_*` figures; the acceptance
+rate and the mean accepted length follow from them (and are among the raydeploy_engine_* gauges)."""
 
 
 def _number(v: Any) -> float | None:
