@@ -562,11 +562,13 @@ class Engine:
         lps = packed[1].reshape(-1, k1)
         result.spec_tokens = np.full((len(seqs), k1), -1, np.int32)
         result.spec_logprobs = np.zeros((len(seqs), k1), np.float32)
+        tokens, logprobs = result.tokens, result.logprobs
+        assert tokens is not None and logprobs is not None
         for i, row in spec_host.rows.items():
             result.spec_tokens[i] = emitted[row]
             result.spec_logprobs[i] = lps[row]
-            result.tokens[0, i] = emitted[row, 0]
-            result.logprobs[0, i] = lps[row, 0]
+            tokens[0, i] = emitted[row, 0]
+            logprobs[0, i] = lps[row, 0]
 
     def _logprob_results(self, result: StepResult, seqs: list[SeqStep], alts: list[jax.Array], idx: np.ndarray,
                          places: Any, first_places: list[int]) -> None:
