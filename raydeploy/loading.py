@@ -110,7 +110,7 @@ def load_params(reader: CheckpointReader, family: Family, model: Any, mesh: Any,
     kernels = [n for n in float_specs if quant.quantized_kernel(n)]
     rest = {n: s for n, s in float_specs.items() if n not in kernels}
     params, first = reader.load(rest, mesh, rules, subset=True, **load)
-    stats = [first]
+    reads = [first]
     batch: list[str] = []
     for i, name in enumerate(kernels):
         batch.append(name)
@@ -120,12 +120,12 @@ def load_params(reader: CheckpointReader, family: Family, model: Any, mesh: Any,
         # each kernel read in its stored float dtype: quantized from the checkpoint's own values
         specs = {n: dataclasses.replace(float_specs[n], dtype=names[n].dtype) for n in batch}
         floats, st = reader.load(specs, mesh, rules, subset=True, **load)
-        stats.append(st)
+        reads.append(st)
         for n in batch:
             params[n], params[quant.scale_name(n)] = _quantize(floats.pop(n), targets[quant.scale_name(n)], mode,
                                                                mesh, rules)
         batch = []
-    return family, params, _sum_stats(stats)
+    return family, params, _sum_stats(reads)
 
 
 def _quantize(w: jax.Array, scale_spec: Any, mode: str, mesh: Any, rules: Mapping[str, Any]) -> tuple[Any, Any]:

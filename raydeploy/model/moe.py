@@ -294,7 +294,7 @@ class MoEBlock(nnx.Module):
                    self.experts.down_proj.kernel[...])
         held = [getattr(m, QUANT_SCALE, None) for m in (self.experts.gate_proj, self.experts.up_proj,
                                                        self.experts.down_proj)]
-        scales = None if held[0] is None else tuple(sc[...] for sc in held)  # quantized experts (model.quant)
+        scales = None if held[0] is None else tuple(sc[...] for sc in held if sc is not None)  # quantized experts
         layer = getattr(self, SCAN_LAYER, None)  # set by MoEDecoderLayer.scan: the weights hold every layer
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and dict(mesh.shape).get("ep", 1) > 1:
