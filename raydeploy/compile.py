@@ -167,6 +167,9 @@ class ProgramReport:
     roofline_s: float | None
     collectives: dict[str, dict[str, Any]] = field(default_factory=dict)
     largest_collective_bytes: int = 0
+    weight_reads: dict[str, Any] = field(default_factory=dict)
+    """`weight_reads` of the compiled HLO: parameter bytes per element type and where conversions of quantized
+    arrays (s8, f8e4m3fn) to float land (fused / on_chip / hbm)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -217,6 +220,59 @@ def collectives(hlo: str, loop_trips: int = 1) -> tuple[dict[str, Collective], i
     return out, largest
 
 
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?\s+([\w\-]+)\((.*)$")
+_FLOATS = ("bf16", "f16", "f32")
+QUANTIZED_TYPES = ("s8", "f8e4m3fn")
+"""HLO element types of quantized weights (int8, float8 e4m3)."""
+
+
+def weight_reads(hlo: str, min_bytes: int = 1 << 20) -> dict[str, Any]:
+    """How an optimised HLO module reads its quantized arrays: the entry parameters' bytes per element type, and
+    every conversion of a quantized array (s8 / f8e4m3fn) to a float type of at least `min_bytes`, by where its
+    result lives: `fused` (consumed inside the fusion that converts it: never written anywhere), `on_chip` (a
+    fusion's output in the TPU's on-chip memory, memory space S(1)) or `hbm` (written to HBM: a materialized
+    float copy); and `dots`: the dots / convolutions that take a quantized operand as it is (the MXU reads the
+    int8 tile and widens it itself). A quantized weight is read from HBM as stored when its parameter is s8 and no
+    conversion of it lands in `hbm`."""
+    params: dict[str, int] = {}
+    fused_comps = set(re.findall(r"\bfusion\(.*?calls=%?([\w.\-]+)", hlo))
+    out: dict[str, list[str]] = {"fused": [], "on_chip": [], "hbm": [], "dots": []}
+    comp, types = "", {}
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", line)
+            comp, types = (head.group(2) if head else ""), {}
+            if line.startswith("ENTRY"):
+                for dtype, dims in re.findall(r":\s*([a-z]+\d*)\[([\d,]*)\]", line.split("->")[0]):
+                    if dtype in _ITEMSIZE:
+                        params[dtype] = params.get(dtype, 0) + _shape_bytes(f"{dtype}[{dims}]")
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        root, name, dtype, dims, layout, op, rest = m.groups()
+        types[name] = dtype
+        if op in ("dot", "convolution") and dtype in _FLOATS:
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+            if any(types.get(o) in QUANTIZED_TYPES for o in operands):
+                out["dots"].append(f"{dtype}[{dims}]")
+            continue
+        if op != "convert" or dtype not in _FLOATS:
+            continue
+        operand = re.match(r"\s*%([\w.\-]+)", rest)
+        if operand is None or types.get(operand.group(1)) not in QUANTIZED_TYPES:
+            continue
+        size = _shape_bytes(f"{dtype}[{dims}]")
+        if size < min_bytes:
+            continue
+        shape = f"{dtype}[{dims}]"
+        if comp in fused_comps and not root:
+            out["fused"].append(shape)
+        else:
+            out["on_chip" if layout and "S(1)" in layout else "hbm"].append(shape)
+    return {"parameter_bytes": params, **{k: sorted(v) for k, v in out.items()}}
+
+
 def _report(name: str, compiled: Any, seconds: float, chip: Chip | None, loop_trips: int = 1) -> ProgramReport:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -225,7 +281,8 @@ def _report(name: str, compiled: Any, seconds: float, chip: Chip | None, loop_tr
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
     roofline = roofline_s(chip, flops, accessed) if chip is not None else None
-    colls, largest = collectives(compiled.as_text() or "", loop_trips)
+    hlo = compiled.as_text() or ""
+    colls, largest = collectives(hlo, loop_trips)
     return ProgramReport(
         name=name, compile_s=round(seconds, 3),
         argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
@@ -233,7 +290,7 @@ def _report(name: str, compiled: Any, seconds: float, chip: Chip | None, loop_tr
         code_bytes=int(mem.generated_code_size_in_bytes), flops=flops, bytes_accessed=accessed,
         roofline_s=roofline, collectives={k: {"count": v.count, "bytes": v.bytes, "largest": v.largest, "shapes": sorted(v.shapes)}
                      for k, v in colls.items()},
-        largest_collective_bytes=largest)
+        largest_collective_bytes=largest, weight_reads=weight_reads(hlo))
 
 
 @dataclass
@@ -247,6 +304,8 @@ class CompileReport:
     weight_bytes_per_chip: int
     kv_cache_bytes_per_chip: int
     problems: list[str]
+    lora_bytes_per_chip: int = 0
+    """The LoRA adapter slots on each chip (`raydeploy.plan.Plan.lora_bytes_per_device`)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -278,7 +337,8 @@ def compile_config(cfg: Config, plan: Any, family: Any, model: Any, out_dir: str
     mesh = build_mesh(plan.mesh, devices)
     # the weights as the engine holds them: quantized projection kernels (int8 / fp8) with their float32 scales
     family = family.with_quantization(cfg.model.quantization)
-    ps = ProgramSet(family, model, mesh, merge_rules(cfg.mesh.rules), cfg.model, cfg.engine)
+    # with lora.max_adapters > 0 the step programs take the adapter slots (docs/lora.md)
+    ps = ProgramSet(family, model, mesh, merge_rules(cfg.mesh.rules), cfg.model, cfg.engine, lora_cfg=cfg.lora)
     # a CPU engine over weights that pack takes the packed copies: the programs bring-up runs (reads the weights)
     ps.use_packed(checkpoint_packing(cfg, ps))
     chip = chip_for(cfg)
@@ -315,13 +375,13 @@ def compile_config(cfg: Config, plan: Any, family: Any, model: Any, out_dir: str
         chip=chip.name if chip else devices[0].device_kind, chip_memory_bytes=memory, programs=reports,
         total_compile_s=round(time.perf_counter() - t_all, 2),
         weight_bytes_per_chip=plan.param_bytes_per_device, kv_cache_bytes_per_chip=plan.kv_bytes_per_device,
-        problems=problems)
+        problems=problems, lora_bytes_per_chip=getattr(plan, "lora_bytes_per_device", 0))
 
 
 def format_report(r: CompileReport) -> str:
     lines = [f"{r.config}: {r.target}, chip {r.chip} with {r.chip_memory_bytes / GIB:.1f} GiB",
              f"weights {r.weight_bytes_per_chip / GIB:.2f} GiB + KV cache {r.kv_cache_bytes_per_chip / GIB:.2f} GiB "
-             f"per chip",
+             + (f"+ LoRA slots {r.lora_bytes_per_chip / GIB:.3f} GiB " if r.lora_bytes_per_chip else "") + "per chip",
              f"{'program':<22}{'compile s':>10}{'peak GiB':>10}{'args':>8}{'out':>8}{'temp':>8}{'GFLOP':>9}"
              f"{'GB acc':>9}{'roofline ms':>12}  collectives (count, MB per call)"]
     for p in r.programs:
@@ -330,6 +390,15 @@ def format_report(r: CompileReport) -> str:
         lines.append(f"{p.name:<22}{p.compile_s:>10.2f}{p.peak_bytes / GIB:>10.2f}{p.argument_bytes / GIB:>8.2f}"
                      f"{(p.output_bytes - p.alias_bytes) / GIB:>8.2f}{p.temp_bytes / GIB:>8.2f}"
                      f"{p.flops / 1e9:>9.1f}{p.bytes_accessed / 1e9:>9.2f}{roof:>12}  {colls or 'none'}")
+    quantized = [p for p in r.programs if any(t in p.weight_reads.get("parameter_bytes", {}) for t in QUANTIZED_TYPES)]
+    if quantized:
+        q = max(quantized, key=lambda p: len(p.weight_reads["hbm"]))
+        stored = sum(q.weight_reads["parameter_bytes"].get(t, 0) for t in QUANTIZED_TYPES)
+        lines.append(f"quantized arrays read as stored ({stored / GIB:.2f} GiB of s8/f8 arguments per chip); their "
+                     f"conversions to float of >= 1 MiB: fused {len(q.weight_reads['fused'])}, on chip "
+                     f"{len(q.weight_reads['on_chip'])}, written to HBM {len(q.weight_reads['hbm'])}; dots reading them "
+                     f"as stored {len(q.weight_reads.get('dots', []))} ({q.name}"
+                     + (f": {', '.join(q.weight_reads['hbm'][:4])}" if q.weight_reads["hbm"] else "") + ")")
     lines.append(f"{len(r.programs)} programs compiled in {r.total_compile_s:.1f} s")
     lines += [f"DOES NOT FIT: {p}" for p in r.problems]
     return "\n".join(lines)
