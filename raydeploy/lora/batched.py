@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from raydeploy.model.projection import LayerSlice
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may target, by their module name (PEFT's `target_modules` and ours)."""
@@ -59,24 +62,30 @@ class LoraRows:
     layer: jax.Array | None = None
     """The layer the projections are in (`at_layer`); its slices of the stacks are read inside the `lax.cond`, so
     a step without adapters slices nothing (a scan's per-layer slice of a stack is a copy on XLA CPU)."""
+    matmul: Any = None
+    """The step's matmul backend (`raydeploy.model.projection.Matmul`). One that reads stacked weights whole
+    (`reads_whole`: the native CPU kernels) multiplies by each layer's A and B in place (a `LayerSlice`), so no
+    per-layer copy of the stacks is made; otherwise the layer's slices are taken and multiplied by XLA's dot."""
     skip_inactive: bool = True
     """Put the adapter terms under `lax.cond` on `active` (CPU: a base-model step then pays nothing). False on
     accelerators: XLA TPU copies a conditional's large operands (the stacks), so the terms are always computed
     there (the per-layer slices fuse into the dots)."""
 
     @classmethod
-    def for_tokens(cls, weights: LoraWeights, token_adapter: jax.Array, skip_inactive: bool = True) -> LoraRows:
-        """The rows of a step whose tokens use adapter slots `token_adapter` [N] (-1: none)."""
+    def for_tokens(cls, weights: LoraWeights, token_adapter: jax.Array, skip_inactive: bool = True,
+                   matmul: Any = None) -> LoraRows:
+        """The rows of a step whose tokens use adapter slots `token_adapter` [N] (-1: none), multiplied with
+        `matmul` (None: XLA's dot)."""
         slots = weights.scale.shape[0]
         rank = next(iter(weights.a.values())).shape[2] if weights.a else 1
         onehot = (token_adapter[:, None] == jnp.arange(slots, dtype=token_adapter.dtype)[None, :])
         weight = jnp.where(onehot, weights.scale[None, :], 0.0).astype(jnp.float32)
         return cls(weights.a, weights.b, jnp.repeat(weight, rank, axis=1), jnp.any(token_adapter >= 0),
-                   skip_inactive=skip_inactive)
+                   matmul=matmul, skip_inactive=skip_inactive)
 
     def at_layer(self, layer: jax.Array) -> LoraRows:
         """This step's rows at one layer of the stacks (the traced layer index the scan gives its body)."""
-        return LoraRows(self.a, self.b, self.weight, self.active, layer, self.skip_inactive)
+        return LoraRows(self.a, self.b, self.weight, self.active, layer, self.matmul, self.skip_inactive)
 
     def add_all(self, names: Sequence[str], x: jax.Array, ys: Sequence[jax.Array]) -> list[jax.Array]:
         """Each y of `ys` (projection `names[i]`'s output for the shared input x, any shape with N leading) plus
@@ -91,9 +100,17 @@ class LoraRows:
         b = [self.b[names[i]] for i in held]
         xf = x.reshape(x.shape[0], a[0].shape[-1])
 
+        mm = self.matmul if self.matmul is not None and getattr(self.matmul, "reads_whole", False) else None
+
         def term(xf: jax.Array, a: list[jax.Array], b: list[jax.Array], weight: jax.Array) -> list[jax.Array]:
             out = []
             for ai, bi in zip(a, b, strict=True):
+                if mm is not None:  # the kernels read the layer's [slots x r, in] and [slots x r, out] in place
+                    sr = ai.shape[1] * ai.shape[2]
+                    h = mm.matmul(xf.astype(jnp.float32), LayerSlice(ai, layer, (sr, ai.shape[3])), out_first=True)
+                    h = h.astype(jnp.float32) * weight
+                    out.append(mm.matmul(h, LayerSlice(bi, layer, (sr, bi.shape[3]))).astype(jnp.float32))
+                    continue
                 al = jax.lax.dynamic_index_in_dim(ai, layer, keepdims=False)  # [slots, r, in]
                 bl = jax.lax.dynamic_index_in_dim(bi, layer, keepdims=False)  # [slots, r, out]
                 al = al.reshape(-1, al.shape[-1])

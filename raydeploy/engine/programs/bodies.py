@@ -266,7 +266,7 @@ class StepBodies:
         t = inp.tokens.shape[0] // g
         r = inp.kv_lens.shape[0] // g
         tokens = self._per_group(_last_token_inputs, 3)(last_tokens, inp.from_last, inp.tokens)
-        lora_kw = {} if lora is None else {"lora": self._lora_rows(lora, inp.token_slot)}
+        lora_kw = {} if lora is None else {"lora": self._lora_rows(lora, inp.token_slot, matmul)}
         h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool,
                                      static_kinds=self.attention.static_layer_kinds, matmul=matmul, **lora_kw)
         hg = h.reshape(g, t, h.shape[-1])
@@ -291,13 +291,13 @@ class StepBodies:
             spec.any_sampled, spec.any_filtered, spec.any_adjusted)
         return pool, presence, last_tokens, pack(tok, lp), alts, places, pack(emitted, elp)
 
-    def _lora_rows(self, lora: tuple[LoraWeights, jax.Array], token_slot: jax.Array) -> LoraRows:
+    def _lora_rows(self, lora: tuple[LoraWeights, jax.Array], token_slot: jax.Array, matmul: Matmul) -> LoraRows:
         """The step's adapters (`raydeploy.lora.batched`): each token place takes its engine slot's adapter slot
         (`slot_adapter` [max_slots], -1 none; padding places none)."""
         weights, slot_adapter = lora
         ms = self.max_slots
         token_adapter = jnp.where(token_slot < ms, slot_adapter[jnp.minimum(token_slot, ms - 1)], -1)
-        return LoraRows.for_tokens(weights, token_adapter, skip_inactive=self.platform == "cpu")
+        return LoraRows.for_tokens(weights, token_adapter, skip_inactive=self.platform == "cpu", matmul=matmul)
 
     def _logprobs(self, model: Any, matmul: Matmul, h_gtd: jax.Array, tokens: jax.Array, logits: jax.Array,
                   inp: StepInputs) -> tuple[jax.Array, jax.Array]:
