@@ -12,7 +12,9 @@ shapes alone; here the Triton kernel is really compiled and run:
   a GPU would otherwise use TF32);
 - the matmul of few rows by one layer of a stacked weight (`stacked_matmul`, compiled Triton) equals XLA's dot at
   Llama-3.2-1B's MLP shapes, and an engine with it (`engine.gpu_matmul: auto`, bfloat16 weights) gives the
-  greedy tokens and logprobs of one with XLA's gemm (`xla`), the kernel in its step programs.
+  greedy tokens and logprobs of one with XLA's gemm (`xla`), the kernel in its step programs; the same for
+  int8 and float8_e4m3fn stacks with their scales (`model.quantization`), against XLA's dot of the dequantized
+  weight and an engine with XLA's dot over the same quantized weights.
 
     JAX_PLATFORMS=cuda python -m pytest tests/test_gpu.py
 """
@@ -29,6 +31,7 @@ if os.environ.get("JAX_PLATFORMS", "cpu") not in ("cuda", "gpu", ""):
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 if jax.devices()[0].platform != "gpu":
     pytest.skip(f"no GPU: JAX's devices are {jax.devices()}", allow_module_level=True)
@@ -117,6 +120,45 @@ def test_compiled_stacked_matmul_matches_xla(rows, k, n):
     want = jnp.dot(x.astype(jnp.float32), w[2].astype(jnp.float32))
     scale = float(jnp.max(jnp.abs(want)))
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-2 * scale
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("k,n", [(2048, 8192), (8192, 2048), (2048, 512)])
+def test_compiled_quantized_stacked_matmul_matches_xla(dtype, rows, k, n):
+    """The compiled kernel reading an int8 / float8_e4m3fn stack with the layer's scales (converted in the
+    kernel; Triton's float8 conversion needs compute capability 8.9) against XLA's float32 dot by that layer
+    dequantized."""
+    from tests.test_stacked_matmul import _quantize
+
+    w = np.random.default_rng(0).normal(size=(4, k, n)).astype(np.float32)
+    data, scale = _quantize(w, dtype)
+    x = jax.random.normal(jax.random.key(2), (rows, k)).astype(jnp.bfloat16)
+    fn = jax.jit(stacked_matmul.stacked_matmul)
+    assert "triton" in fn.lower(x, data, jnp.int32(2), scale[2]).as_text()
+    got = fn(x, data, jnp.int32(2), scale[2]).astype(jnp.float32)
+    want = jnp.dot(x.astype(jnp.float32), data[2].astype(jnp.float32) * scale[2])
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-2 * float(jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_engine_on_gpu_with_quantized_stacked_matmul_matches_xla(quantization, tmp_path_factory):
+    """An engine quantizing a bfloat16 checkpoint while loading, its projections in the kernel
+    (`engine.gpu_matmul: auto`), gives the greedy tokens and logprobs of the same engine with XLA's dot."""
+    from tests.test_stacked_matmul import _quantized_engine
+
+    case = _convert("llama", tmp_path_factory.mktemp(f"gpu-llama-{quantization}"), LLAMA)
+    ours = _quantized_engine(case["ckpt"], {"tp": 1}, quantization, "auto")
+    peer = _quantized_engine(case["ckpt"], {"tp": 1}, quantization, "xla")
+    assert ours.programs_set.stacked_matmul is None and ours.matmul == "pallas"
+    tokens, logprobs = _engine_greedy(ours)
+    want_tokens, want_logprobs = _engine_greedy(peer)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= 2e-3
+    stored = {"int8": "int8", "fp8": "float8_e4m3fn"}[quantization]
+    calls = [e for e, _ in walk(_step_jaxpr(ours, True)) if e.primitive.name == "pallas_call"
+             and str(e.params.get("name", "")).startswith(f"stacked_matmul_{stored}")]
+    assert len(calls) == 7
 
 
 def test_engine_on_gpu_with_stacked_matmul_matches_xla_gemm(tmp_path_factory):

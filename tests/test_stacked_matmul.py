@@ -1,8 +1,13 @@
 """The GPU's matmul of few rows by one layer of a stacked weight (`raydeploy.engine.matmul.pallas_gpu`), in Pallas
-interpret mode: against numpy, with the layer index traced inside a scan as the engine's layer loop has it.
-The compiled kernel runs in tests/test_gpu.py; the engine with it in tests/test_engine_families.py."""
+interpret mode: against numpy, with the layer index traced inside a scan as the engine's layer loop has it;
+bfloat16 stacks, and int8 / float8_e4m3fn stacks with their per-column scales (`raydeploy.model.quant`) against
+XLA's dot of the dequantized weight, alone, through the backend (`Quantized` layer slices, split over a mesh)
+and in an engine that quantizes while loading. The compiled kernel runs in tests/test_gpu.py; the bfloat16
+engine with it in tests/test_engine_families.py."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +15,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from raydeploy.config import EngineConfig, ModelConfig, load_config
+from raydeploy.engine.attention import Attention, xla
 from raydeploy.engine.matmul import pallas_gpu as stacked_matmul
 from raydeploy.engine.matmul.pallas_gpu import PallasGpu, blocks_for, merged_spec
+from raydeploy.loading import build_engine
 from raydeploy.model.projection import LayerSlice, dot
+from raydeploy.model.quant import Quantized
+from raydeploy.model.sharding import build_mesh, merge_rules
+from tests.jaxpr_walk import walk
+from tests.test_engine_families import MAX_SEQ_LEN, _convert, _engine_greedy, _step_jaxpr
+from tests.test_families import TINY
 
 
 def _bf16(shape: tuple[int, ...], seed: int) -> jax.Array:
@@ -77,8 +90,8 @@ def test_quantized_stack_equals_dot_on_the_dequantized_weight(dtype, rows, k, n)
     raw = np.asarray(x, np.float32) @ np.asarray(data[1].astype(jnp.float32))
     assert not np.allclose(np.asarray(got[1]), raw, rtol=1e-2)
     assert not np.allclose(np.asarray(got[0]), want[1], rtol=1e-2)
-    # bfloat16 out as the model's projections give it
-    y = stacked_matmul.stacked_matmul(x, data, jnp.int32(2), scale, interpret=True)
+    # the layer's own scales [N], as a layer scan slices them, and bfloat16 out as the model's projections give it
+    y = stacked_matmul.stacked_matmul(x, data, jnp.int32(2), scale[2], interpret=True)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32), want[2], rtol=1e-2, atol=1e-2 * np.abs(want).max())
 
@@ -90,8 +103,9 @@ def test_quantized_stack_needs_its_scales():
         stacked_matmul.stacked_matmul(x, q, jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match="a bfloat16 weight takes no scales"):
         stacked_matmul.stacked_matmul(x, q.astype(jnp.bfloat16), jnp.int32(0), jnp.ones((3, 128)), interpret=True)
-    with pytest.raises(ValueError, match=r"scales \(128,\) for a stacked weight \(3, 64, 128\) \(expected \(3, 128\)"):
-        stacked_matmul.stacked_matmul(x, q, jnp.int32(0), jnp.ones((128,)), interpret=True)
+    with pytest.raises(ValueError, match=r"scales \(64,\) for a stacked weight \(3, 64, 128\) \(expected the "
+                                         r"layer's \(128,\) or every layer's \(3, 128\)\)"):
+        stacked_matmul.stacked_matmul(x, q, jnp.int32(0), jnp.ones((64,)), interpret=True)
 
 
 def test_blocks_and_their_limits():
@@ -162,6 +176,133 @@ def test_each_device_multiplies_its_shard(split):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("split", ["columns", "rows", "replicated", "one device"])
+def test_backend_multiplies_a_quantized_layer_slice(dtype, split):
+    """The backend takes a layer's `Quantized` kernel as the model hands it (the stacked int8 / float8 kernel as a
+    `LayerSlice` of [embed, heads, head_dim] reshaped to [embed, heads * head_dim], the layer's scales [heads,
+    head_dim] reshaped with it), on one device or over dp=2 x tp=2 with the kernel split by columns (its scales
+    split with them) or by rows (partial sums over tp), and equals XLA's `dot` of the same `Quantized` and
+    numpy's product by the dequantized weight."""
+    layers, d, heads, hd = 2, 128, 4, 64
+    w = np.random.default_rng(7).normal(size=(layers, d, heads * hd)).astype(np.float32)
+    data, scale = _quantize(w, dtype)
+    data, scale = data.reshape(layers, d, heads, hd), scale.reshape(layers, heads, hd)
+    x = _bf16((8, d), 8)
+    if split == "one device":
+        mesh, specs = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",)), None
+        entry: tuple = (None, None, None, None)
+    else:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+        entry = {"columns": (None, None, "tp", None), "rows": (None, "tp", None, None),
+                 "replicated": (None, None, None, None)}[split]
+        specs = None if split == "replicated" else {"attn.q_proj.kernel": PartitionSpec(*entry)}
+        data = jax.device_put(data, NamedSharding(mesh, PartitionSpec(*entry)))
+        scale = jax.device_put(scale, NamedSharding(mesh, PartitionSpec(entry[0], *entry[2:])))
+
+    def weight(data: jax.Array, scale: jax.Array, layer: jax.Array) -> Quantized:
+        stacked = LayerSlice(data, layer, name="attn.q_proj.kernel")
+        return Quantized(stacked, scale[layer], 1).reshape((d, heads * hd))
+
+    @jax.jit
+    def run(x: jax.Array, data: jax.Array, scale: jax.Array) -> tuple[jax.Array | None, jax.Array]:
+        mm = PallasGpu(mesh, ("dp",), interpret=True, specs=specs)
+        q = weight(data, scale, jnp.int32(1))
+        return mm.kernel(x, q), dot(x, q)
+
+    got, xla = run(x, data, scale)
+    assert got is not None and got.shape == (8, heads * hd) and got.dtype == jnp.bfloat16
+    deq = np.asarray(data[1].astype(jnp.float32)).reshape(d, -1) * np.asarray(scale[1]).reshape(-1)
+    want = np.asarray(x, np.float32) @ deq
+    tol = 1e-2 * np.abs(want).max()  # bfloat16 outputs
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2, atol=tol)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla, np.float32), rtol=1e-2, atol=tol)
+
+
+def test_quantized_weights_the_kernel_leaves_to_xla():
+    """float32 rows by a quantized weight (XLA multiplies them in float32), a plain quantized array (not a layer
+    slice), a 3-D view, and more rows than `MAX_ROWS`: XLA's dot, through `matmul` too."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    mm = PallasGpu(mesh, ("dp",), interpret=True)
+    data, scale = _quantize(np.random.default_rng(1).normal(size=(2, 64, 128)).astype(np.float32), "int8")
+    q = Quantized(LayerSlice(data, jnp.int32(0)), scale[0], 1)
+    x = _bf16((4, 64), 9)
+    assert mm.applies(x, q)
+    assert not mm.applies(x.astype(jnp.float32), q)
+    assert not mm.applies(x, Quantized(data[0], scale[0], 1))
+    assert not mm.applies(x, Quantized(LayerSlice(data, jnp.int32(0)), scale[0], 1).reshape((64, 2, 64)))
+    assert not mm.applies(jnp.zeros((stacked_matmul.MAX_ROWS + 1, 64), jnp.bfloat16), q)
+    y = mm.matmul(x.astype(jnp.float32), q)
+    want = np.asarray(x, np.float32) @ (np.asarray(data[0], np.float32) * np.asarray(scale[0]))
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+             tie_word_embeddings=False, initializer_range=0.2)
+
+
+def _quantized_engine(ckpt: Any, mesh_shape: dict[str, int], quantization: str, gpu_matmul: str) -> Any:
+    """An engine over a float checkpoint that quantizes it while loading (`model.quantization`), built as a host
+    builds it (`build_engine`), bfloat16 activations, XLA attention; `gpu_matmul` pallas runs the kernel in
+    interpret mode here."""
+    n = int(np.prod(list(mesh_shape.values())))
+    mesh = build_mesh(mesh_shape, jax.devices()[:n])
+    engine_cfg = EngineConfig(max_slots=2, page_size=8, prefill_chunk=16, decode_steps=4, compilation_cache_dir=None,
+                              warmup=False, gpu_matmul=gpu_matmul, kernel_layout="in_out", cpu_matmul="xla",
+                              unroll_layers="off")
+    model_cfg = ModelConfig(max_seq_len=MAX_SEQ_LEN, dtype="bfloat16", param_dtype="bfloat16",
+                            quantization=quantization)
+    cfg = load_config(None, ["mesh.axes.dp=1", "cluster.num_hosts=1"])
+    return build_engine(cfg, mesh, ckpt, engine_cfg=engine_cfg, model_cfg=model_cfg, rules=merge_rules(None),
+                        attention=Attention(xla.ragged_paged_attention)).engine
+
+
+@pytest.mark.parametrize("kind,mesh_shape,quantization", [("llama", {"tp": 1}, "int8"), ("qwen3", {"tp": 2}, "int8"),
+                                                          ("qwen3", {"tp": 1}, "fp8")])
+def test_engine_reads_quantized_layers_in_place(kind, mesh_shape, quantization, tmp_path):
+    """An engine with int8 / fp8 weights and `engine.gpu_matmul: pallas` (what auto is on a GPU; interpret mode
+    here) multiplies every projection of its step programs in the kernel (`stacked_matmul_int8_...`: q, k, v, o,
+    gate, up, down), reading each layer of the quantized stack in place, and gives the greedy tokens and logprobs
+    of the same engine with XLA's dot over the same quantized weights; over tp=2 too (the scales split with the
+    columns, row-split kernels summed over tp)."""
+    case = _convert(kind, tmp_path, LLAMA if kind == "llama" else None)
+    ours = _quantized_engine(case["ckpt"], mesh_shape, quantization, "pallas")
+    peer = _quantized_engine(case["ckpt"], mesh_shape, quantization, "xla")
+    assert ours.programs_set.stacked_matmul is None and ours.matmul == "pallas"
+    tokens, logprobs = _engine_greedy(ours)
+    want_tokens, want_logprobs = _engine_greedy(peer)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(logprobs, want_logprobs, atol=2e-3, rtol=0)
+    names = [str(e.params.get("name", "")) for e, _ in walk(_step_jaxpr(ours, False))
+             if e.primitive.name == "pallas_call"]
+    stored = {"int8": "int8", "fp8": "float8_e4m3fn"}[quantization]
+    assert len(names) == 7 and all(n.startswith(f"stacked_matmul_{stored}_") for n in names), names
+    assert not any(e.primitive.name == "pallas_call" for e, _ in walk(_step_jaxpr(peer, False)))
+
+
+def test_quantized_choice_says_why_not():
+    """Quantized weights take the kernel with bfloat16 activations; float32 activations keep XLA's dot (which
+    multiplies them in float32), and the engine says so."""
+    from raydeploy.engine.programs import ProgramSet
+    from raydeploy.model.registry import from_hf_config
+
+    family, cfg = from_hf_config(TINY["qwen3"])
+
+    def why(quantization: str, dtype: str, **kw: Any) -> str | None:
+        engine_cfg = EngineConfig(max_slots=2, page_size=8, prefill_chunk=16, compilation_cache_dir=None,
+                                  warmup=False, **{"gpu_matmul": "pallas", "kernel_layout": "in_out", **kw})
+        model_cfg = ModelConfig(max_seq_len=MAX_SEQ_LEN, dtype=dtype, param_dtype="bfloat16",
+                                quantization=quantization)
+        return ProgramSet(family.with_quantization(quantization), cfg, build_mesh({"tp": 1}, jax.devices()[:1]),
+                          merge_rules(None), model_cfg, engine_cfg).stacked_matmul
+
+    assert why("int8", "bfloat16") is None and why("fp8", "bfloat16") is None
+    assert why("int8", "float32") == ("dtype float32 with weights quantized int8 (the kernel multiplies them by "
+                                      "bfloat16 activations)")
+    assert why("int8", "bfloat16", gpu_matmul="xla") == "engine.gpu_matmul is xla on cpu"
+
+
 def test_unknown_weight_stays_with_xla():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
     w = LayerSlice(jnp.zeros((2, 64, 128), jnp.bfloat16), jnp.int32(0), name="attn.q_proj.kernel")
@@ -197,22 +338,6 @@ def test_quantized_lowers_for_cuda_without_a_gpu(dtype, k, n):
     assert f"tensor<16x{k}x{n}x{wt}>" in text
     # the weight reaches the custom call in its own dtype: no float copy of it anywhere in the program
     assert f"tensor<16x{k}x{n}xbf16>" not in text and f"tensor<16x{k}x{n}xf32>" not in text
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="compiles the Triton kernel: needs an NVIDIA GPU")
-@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
-@pytest.mark.parametrize("rows,k,n", [(1, 2048, 8192), (8, 8192, 2048), (64, 2048, 512)])
-def test_compiled_quantized_kernel_equals_dot(dtype, rows, k, n):
-    """On a GPU: the compiled kernel at Llama-3.2-1B's shapes against XLA's dot by the dequantized weight."""
-    w = np.random.default_rng(0).normal(size=(2, k, n)).astype(np.float32)
-    data, scale = _quantize(w, dtype)
-    x = _bf16((rows, k), 6)
-    got = stacked_matmul.stacked_matmul(x, data, jnp.int32(1), scale, out_dtype=jnp.float32)
-    deq = data[1].astype(jnp.float32) * scale[1]
-    with jax.default_matmul_precision("highest"):
-        want = np.asarray(dot(x.astype(jnp.float32), deq))
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_older_gpus_keep_xla():

@@ -12,6 +12,13 @@ a GPU (`engine.gpu_matmul: auto`) chooses this backend once and hands a `PallasG
 its step programs: it takes a `LayerSlice` of bfloat16 weights and at most `MAX_ROWS` rows per dp group, each
 device multiplying its rows by its shard of the weight (summed over the axes that split K), and leaves anything
 else to XLA's dot.
+
+Quantized weights (`model.quantization` int8 / fp8, `raydeploy.model.quant.Quantized`: an int8 or float8_e4m3fn
+stack and the layer's float32 scale per output column) go through the same kernel: it reads the one-byte values
+where they lie, converts each [block_k, block_n] tile to bfloat16 in registers (exact: every int8 and e4m3 value
+is a bfloat16 value) and multiplies its float32 sums by the scales of its columns, so HBM reads one byte a weight
+and no dequantized copy exists. Triton converts float8_e4m3fn on compute capability 8.9 and newer (H100/H200),
+the chips the engine runs fp8 on at all (`raydeploy.model.quant.fp8_support`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
 from raydeploy.model.projection import LayerSlice, dot
+from raydeploy.model.quant import Quantized
 
 MIN_ROWS = 16
 MAX_ROWS = 64
@@ -95,8 +103,9 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, block_k: int, steps: int) -> None:
         return acc + plgpu.dot(xs, ws.astype(xs.dtype))
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
-    if s_ref is not None:  # the columns' scales; linear, so each split's partial sum takes them
-        acc = acc * s_ref[layer, :][None, :]
+    if s_ref is not None:  # the columns' scales (the layer's row of a stack of them); linear, so each split's
+        # partial sum takes them
+        acc = acc * s_ref[layer if s_ref.shape[0] > 1 else 0, :][None, :]
     o_ref[...] = acc
 
 
@@ -113,9 +122,10 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, scale: jax.Arra
     """x [M, K] @ w[layer] for w [L, K, N] -> [M, N] in `out_dtype` (default x's; float32 accumulation); `layer`
     an int32 scalar, traced or not. x is multiplied in w's dtype, as XLA's dot of the model does.
 
-    A quantized w (int8 or float8_e4m3fn, `QUANTIZED_DTYPES`) comes with `scale` [L, N] (float32, one per output
-    column of each layer): the kernel reads w's bytes as they lie, converts each tile to bfloat16 and multiplies
-    the accumulator by the layer's scales, so the product is x @ (w[layer] * scale[layer]) with x in bfloat16."""
+    A quantized w (int8 or float8_e4m3fn, `QUANTIZED_DTYPES`) comes with `scale`, float32, one per output column:
+    that layer's [N] (as a layer scan slices it) or every layer's [L, N]. The kernel reads w's bytes as they lie,
+    converts each tile to bfloat16 and multiplies the accumulator by the layer's scales, so the product is
+    x @ (w[layer] * scale) with x in bfloat16."""
     m, k = x.shape
     n_layers, kw, n = w.shape
     if kw != k:
@@ -123,9 +133,9 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, scale: jax.Arra
     quantized = any(w.dtype == d for d in QUANTIZED_DTYPES)
     if quantized != (scale is not None):
         raise ValueError(f"stacked_matmul: a {w.dtype} weight {'needs' if quantized else 'takes no'} scales")
-    if scale is not None and tuple(scale.shape) != (n_layers, n):
+    if scale is not None and tuple(scale.shape) not in ((n,), (n_layers, n)):
         raise ValueError(f"stacked_matmul: scales {tuple(scale.shape)} for a stacked weight {tuple(w.shape)} "
-                         f"(expected {(n_layers, n)}: one per layer and output column)")
+                         f"(expected the layer's {(n,)} or every layer's {(n_layers, n)})")
     rows = max(MIN_ROWS, _pow2_at_least(m))
     block_n, block_k, splits = blocks_for(k, n)
     steps = k // block_k // splits
@@ -135,8 +145,9 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, scale: jax.Arra
                 pl.BlockSpec((n_layers, k, block_n), lambda i, s: (0, 0, i))]
     operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), xp, w]
     if scale is not None:
-        in_specs.append(pl.BlockSpec((n_layers, block_n), lambda i, s: (0, i)))
-        operands.append(scale.astype(jnp.float32))
+        scale = scale.astype(jnp.float32).reshape(-1, n)
+        in_specs.append(pl.BlockSpec((scale.shape[0], block_n), lambda i, s: (0, i)))
+        operands.append(scale)
     kind = f"_{jnp.dtype(w.dtype).name}" if quantized else ""
     parts = pl.pallas_call(
         partial(_kernel, block_k=block_k, steps=steps),
@@ -197,13 +208,20 @@ class PallasGpu:
         self.specs = specs
 
     def applies(self, x: jax.Array, w: Any, out_first: bool = False) -> bool:
-        """Whether the kernel may take x @ w: x 2-D, w a `LayerSlice` of a bfloat16 in_out weight (2-D as the
-        layer sees it), at most `MAX_ROWS` rows per group. A plain array stays with XLA, which reads it in place;
-        float32 weights too, whose dot would round through TF32 in the kernel. (`kernel` also needs power-of-two
-        blocks of each device's shard.)"""
-        return not (out_first or not isinstance(w, LayerSlice) or x.ndim != 2 or len(w.shape) != 2
-                    or w.dtype != jnp.bfloat16 or x.shape[0] % self.groups
-                    or x.shape[0] // self.groups > MAX_ROWS)
+        """Whether the kernel may take x @ w: x 2-D, at most `MAX_ROWS` rows per group, and w a `LayerSlice` of a
+        bfloat16 in_out weight (2-D as the layer sees it), or a `Quantized` one (`raydeploy.model.quant`: an int8
+        or float8 `LayerSlice` [K, N] with the layer's float32 scales [N]) multiplied by bfloat16 rows. A plain
+        array stays with XLA, which reads it in place; float32 weights too, whose dot would round through TF32 in
+        the kernel, and quantized weights by float32 rows, which XLA multiplies in float32. (`kernel` also needs
+        power-of-two blocks of each device's shard.)"""
+        if out_first or x.ndim != 2 or x.shape[0] % self.groups or x.shape[0] // self.groups > MAX_ROWS:
+            return False
+        if isinstance(w, Quantized):
+            data = w.data
+            return (isinstance(data, LayerSlice) and len(data.shape) == 2 and w.inputs == 1
+                    and any(data.dtype == d for d in QUANTIZED_DTYPES) and x.dtype == jnp.bfloat16
+                    and tuple(w.scale.shape) == (data.shape[1],))
+        return isinstance(w, LayerSlice) and len(w.shape) == 2 and w.dtype == jnp.bfloat16
 
     def _weight_split(self, w: LayerSlice) -> tuple[Any, Any] | None:
         """The mesh axes entries of w's (K, N) dims, (None, None) when replicated; None when the kernel cannot
@@ -222,41 +240,44 @@ class PallasGpu:
         return merged[0], merged[1]
 
     def kernel(self, x: jax.Array, w: Any, out_first: bool = False) -> jax.Array | None:
-        """x [M, K] @ w (a `LayerSlice` [K, N]) through the kernel on each device's rows and weight shard, or
-        None where it does not apply (`applies`, `_weight_split`, blocks of the shard)."""
+        """x [M, K] @ w (a `LayerSlice` [K, N], or a `Quantized` one with its scales [N]) through the kernel on
+        each device's rows and weight shard, or None where it does not apply (`applies`, `_weight_split`, blocks
+        of the shard). A quantized weight's scales are split like its columns."""
         if not self.applies(x, w, out_first):
             return None
-        split = self._weight_split(w)
+        data, scale = (w.data, w.scale) if isinstance(w, Quantized) else (w, None)
+        split = self._weight_split(data)
         if split is None:
             return None
         k_axes, n_axes = _axes(split[0]), _axes(split[1])
         shards = [math.prod(int(self.mesh.shape[a]) for a in axes) for axes in (k_axes, n_axes)]
-        k, n = w.shape
+        k, n = data.shape
         if k % shards[0] or n % shards[1]:
             return None
         try:
             blocks_for(k // shards[0], n // shards[1])
         except ValueError:
             return None
-        stack = w.stack.reshape(w.stack.shape[0], *w.shape)
-        layer = jnp.asarray(w.layer, jnp.int32)
+        stack = data.stack.reshape(data.stack.shape[0], *data.shape)
+        layer = jnp.asarray(data.layer, jnp.int32)
+        scales = () if scale is None else (jnp.asarray(scale, jnp.float32),)
         interpret = self.interpret
 
-        def per_device(xs: jax.Array, st: jax.Array, lay: jax.Array) -> jax.Array:
+        def per_device(xs: jax.Array, st: jax.Array, lay: jax.Array, *sc: jax.Array) -> jax.Array:
             if not k_axes:
-                return stacked_matmul(xs, st, lay, interpret=interpret)  # type: ignore[no-any-return]
-            y = stacked_matmul(xs, st, lay, interpret=interpret, out_dtype=jnp.float32)
+                return stacked_matmul(xs, st, lay, *sc, interpret=interpret)  # type: ignore[no-any-return]
+            y = stacked_matmul(xs, st, lay, *sc, interpret=interpret, out_dtype=jnp.float32)
             return jax.lax.psum(y, k_axes).astype(xs.dtype)
 
         if self.mesh.size == 1:
-            return per_device(x, stack, layer)
+            return per_device(x, stack, layer, *scales)
         rows = self.row_axes
         row = None if not rows else (rows[0] if len(rows) == 1 else rows)
+        in_specs = (PartitionSpec(row, split[0]), PartitionSpec(None, split[0], split[1]), PartitionSpec())
         return jax.shard_map(per_device, mesh=self.mesh,  # type: ignore[no-any-return]
-                             in_specs=(PartitionSpec(row, split[0]), PartitionSpec(None, split[0], split[1]),
-                                       PartitionSpec()),
+                             in_specs=in_specs + (PartitionSpec(split[1]),) * len(scales),
                              out_specs=PartitionSpec(row, split[1]), axis_names=frozenset(self.mesh.axis_names),
-                             check_vma=False)(x, stack, layer)
+                             check_vma=False)(x, stack, layer, *scales)
 
     def matmul(self, x: jax.Array, w: Any, out_first: bool = False) -> jax.Array:
         y = self.kernel(x, w, out_first)

@@ -31,10 +31,11 @@ def resolve_kernel_layout(kernel_layout: str, param_dtype: str, platform: str, n
     return "out_in" if xla_bf16 else "in_out"
 
 
-PALLAS_QUANTIZED: frozenset[str] = frozenset()
+PALLAS_QUANTIZED: frozenset[str] = frozenset({"int8", "fp8"})
 """The weight quantizations (`model.quantization`) the GPU Pallas few-rows kernel reads (`stacked_matmul`): it takes
-the `raydeploy.model.quant.Quantized` pair, int8 [K, N] and float32 [N] per layer. Empty until the kernel reads
-them: quantized weights then keep XLA's dot, which converts them inside its fusion."""
+the `raydeploy.model.quant.Quantized` pair, int8 / float8_e4m3fn [K, N] read in place and float32 [N] per layer,
+converting the weight to bfloat16 inside the kernel (bfloat16 rows: a float32 model's quantized projections keep
+XLA's dot, which multiplies them in float32)."""
 NATIVE_QUANTIZED: frozenset[str] = frozenset()
 """The same for the native CPU kernels (`raydeploy.model.native`): none (they read float weights)."""
 
@@ -122,22 +123,24 @@ def choose_kernels(native_matmul: str | None, kernel_layout: str, abstract_model
         unrolled = frozenset({UNROLL_MAX_TOKENS})
     stacked = _stacked_matmul(engine_cfg.gpu_matmul, model_cfg, layers, kernel_layout, mesh)
     if stacked is None:
-        stacked = _stacked_quantized(abstract_model)
+        stacked = _stacked_quantized(abstract_model, model_cfg.dtype)
     return KernelChoice(kernel_layout=kernel_layout, native_matmul=native_matmul, pack_weights=pack,
                         packable=packable, stacked_matmul=stacked, unrolled_tokens=unrolled)
 
 
-def _stacked_quantized(abstract_model: Any) -> str | None:
-    """Why the Pallas kernel does not read the model's weights for their quantization (`PALLAS_QUANTIZED`), or
-    None: the seam where the kernel that reads `Quantized` weights is switched on."""
+def _stacked_quantized(abstract_model: Any, dtype: str) -> str | None:
+    """Why the Pallas kernel does not read the model's weights for their quantization (`PALLAS_QUANTIZED`) or
+    multiply them by activations of `dtype` (bfloat16 only), or None."""
     scale = next((n for n in in_out_kernels(abstract_model.layers) if _has_scale(abstract_model.layers, n)), None)
     if scale is None:
         return None
-    dtype = str(_kernel(abstract_model.layers, scale).dtype)
-    q = quant.mode_of_dtype(dtype) or dtype
-    if q in PALLAS_QUANTIZED:
-        return None
-    return f"weights quantized {q} (the Pallas kernel reads {', '.join(sorted(PALLAS_QUANTIZED)) or 'float'} weights)"
+    stored = str(_kernel(abstract_model.layers, scale).dtype)
+    q = quant.mode_of_dtype(stored) or stored
+    if q not in PALLAS_QUANTIZED:
+        return f"weights quantized {q} (the Pallas kernel reads {', '.join(sorted(PALLAS_QUANTIZED)) or 'float'} weights)"
+    if dtype != "bfloat16":
+        return f"dtype {dtype} with weights quantized {q} (the kernel multiplies them by bfloat16 activations)"
+    return None
 
 
 def _owner(layers: Any, path: str) -> Any:
