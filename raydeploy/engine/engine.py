@@ -279,6 +279,8 @@ class Engine:
             self._all_allowed(rows)
         for t in ps.token_buckets:
             self._gather_exe(1, ps.groups * t, PLACE_COLUMNS)
+        if ps.spec_tokens:  # the speculating rows' emitted tokens of a verify step
+            self._gather_exe(1, ps.groups * ps.spec_rows * (ps.spec_tokens + 1))
         return dict(self.compile_s)
 
     @contextmanager
