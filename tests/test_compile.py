@@ -8,6 +8,7 @@ shared by the checks below.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -56,9 +57,9 @@ def test_tpu_configs_compile_deviceless_and_every_program_fits(tpu_reports, name
     names = [p["name"] for p in rep["programs"]]
     assert {n.split("_")[0] for n in names} == {"step", "presence"}
     # a few token buckets, one page-table width: the decode rows of a dp group in powers of four up to its
-    # slots (v5e: 64 slots / dp 4 = 16; v6e: 32 slots, dp 1), a 256-token chunk and its quarter; the TPU
+    # slots (v5e: 168 slots / dp 4 = 42; v6e: 65 slots, dp 1), a 256-token chunk and its quarter; the TPU
     # kernel reads only live pages, so every program takes the table of 8192 tokens (512 pages of 16)
-    tokens = (1, 4, 16, 64, 256) if name == "tpu-v5e-16" else (1, 4, 16, 32, 64, 256)
+    tokens = (1, 4, 16, 42, 64, 256) if name == "tpu-v5e-16" else (1, 4, 16, 64, 65, 256)
     assert sorted(n for n in names if n.startswith("step_")) == sorted(f"step_{t}x512" for t in tokens)
     assert rep["problems"] == []
     for p in rep["programs"]:
@@ -139,8 +140,8 @@ def test_moe_config_compiles_deviceless_with_experts_over_ep():
     assert rep["target"] == "tpu 16 devices (TPU v5 lite)" and rep["problems"] == []
     assert rep["weight_bytes_per_chip"] == plan.param_bytes_per_device
     names = sorted(p["name"] for p in rep["programs"])
-    # 16 slots (no dp): decode rows 1, 4, 16; the 256-token chunk and its quarter; 8192 tokens in pages of 16
-    assert names == sorted(["presence_row", *(f"step_{t}x512" for t in (1, 4, 16, 64, 256))])
+    # 54 slots (no dp): decode rows 1, 4, 16, 54; the 256-token chunk and its quarter; 8192 tokens in pages of 16
+    assert names == sorted(["presence_row", *(f"step_{t}x512" for t in (1, 4, 16, 54, 64, 256))])
     for p in rep["programs"]:
         assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
         if not p["name"].startswith("step_"):
@@ -156,11 +157,11 @@ def test_moe_config_compiles_deviceless_with_experts_over_ep():
 
 
 def test_gemma3_long_context_config_compiles_deviceless_with_window_rings():
-    """Gemma 3 27B (62 layers, 52 local with a 1024-token window, bfloat16) with 16 slots of 32768 tokens on
+    """Gemma 3 27B (62 layers, 52 local with a 1024-token window, bfloat16) with 59 slots of 32768 tokens on
     v5e-16, tp=16: every step program, with the Pallas ragged paged attention kernel reading the main pool on
     the global layers and the rings of the window pool on the local ones, compiles through libtpu and fits the
-    chip; the KV bytes per chip are the plan's (main pool + rings, 3.0 GiB; without rings 15.5 GiB, which does
-    not fit: test_plan); only activations and logits move between chips."""
+    chip; the KV bytes per chip are the plan's (main pool + rings, 11.1 GiB; at 16 slots without rings 15.5 GiB,
+    which does not fit: test_plan); only activations and logits move between chips."""
     pytest.importorskip("libtpu")
     rep, plan = _report_and_plan("tpu-v5e-16-gemma3-27b")
     assert plan.window_ring_pages == 81 and plan.window_layers == 52
@@ -168,7 +169,7 @@ def test_gemma3_long_context_config_compiles_deviceless_with_window_rings():
     assert rep["weight_bytes_per_chip"] == plan.param_bytes_per_device
     assert rep["kv_cache_bytes_per_chip"] == plan.kv_bytes_per_device
     steps = [p for p in rep["programs"] if p["name"].startswith("step_")]
-    assert sorted(p["name"] for p in steps) == sorted(f"step_{t}x2048" for t in (1, 4, 16, 64, 256))
+    assert sorted(p["name"] for p in steps) == sorted(f"step_{t}x2048" for t in (1, 4, 16, 59, 64, 256))
     vocab_shard = 262208 // 16
     for p in steps:
         assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
@@ -340,3 +341,90 @@ def test_bring_up_loads_the_programs_that_compile_wrote(tmp_path: Path, demo_che
     out = json.loads(b.stdout.strip().splitlines()[-1])
     assert set(out["programs"]) == compiled  # one list of programs for compile and bring-up
     assert out["counts"] == {"loaded": len(compiled), "compiled": 0}, out["programs"]
+
+
+# -- quantized weights (model.quantization int8) and an int8 KV cache ------------------------------------------------
+
+QUANT_CASES = {  # name -> (config, extra --set overrides)
+    "v5e-8-70b-int8": ("configs/tpu-v5e-8-llama3-70b-int8.yaml", []),
+    "v5e-16-int8": ("configs/tpu-v5e-16.yaml", ["model.quantization=int8"]),
+}
+
+
+class _QuantReports(dict):
+    """Each quantized case compiled once, when a test first asks for it (every program, --json), with its plan and
+    its model's config."""
+
+    def __missing__(self, name: str) -> tuple[dict, Any, Any]:
+        from raydeploy.config import load_config
+        from raydeploy.plan import make_plan, model_family
+
+        config, sets = QUANT_CASES[name]
+        r = _run(config, "--json", *(a for s in sets for a in ("--set", s)))
+        assert r.returncode == 0, f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        cfg = load_config(REPO / config, sets)
+        family, model, _ = model_family(cfg)
+        self[name] = (json.loads(r.stdout), make_plan(cfg), (cfg, family, model))
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def quant_reports() -> _QuantReports:
+    pytest.importorskip("libtpu")
+    return _QuantReports()
+
+
+def _kernel_shards(cfg: Any, family: Any, model: Any) -> tuple[int, set[int]]:
+    """(int8 bytes of the quantized kernels on one chip, the element counts of one kernel's shard: per layer and
+    stacked over the layers), from the family's specs and the config's sharding rules."""
+    from raydeploy.model.quant import quantized_kernel
+    from raydeploy.model.sharding import merge_rules
+    from raydeploy.plan import _shard_numel
+
+    rules = {**family.rules, **merge_rules(cfg.mesh.rules)}
+    shards = {n: _shard_numel(s, rules, cfg.mesh_shape) for n, s in family.param_specs(model).items()
+              if quantized_kernel(n)}
+    per_layer = set(shards.values())
+    return sum(shards.values()), per_layer | {n * model.num_layers for n in per_layer}
+
+
+@pytest.mark.parametrize("name", list(QUANT_CASES))
+def test_quantized_configs_compile_deviceless_and_every_program_fits(quant_reports, name):
+    """Llama-3-70B int8 weights + int8 KV on v5e-8 (tp=8 over 2 hosts x 4 chips, 36 slots of 8192 tokens) and
+    Llama-3-8B int8 on v5e-16 (dp=4 x tp=4, 168 slots): every program compiles through libtpu and fits the chip;
+    the weight and KV bytes per chip are the plan's (int8 + float32 scales)."""
+    rep, plan, _ = quant_reports[name]
+    assert "TPU v5 lite" in rep["target"] and rep["problems"] == [], rep["problems"]
+    assert rep["weight_bytes_per_chip"] == plan.param_bytes_per_device
+    assert rep["kv_cache_bytes_per_chip"] == plan.kv_bytes_per_device
+    steps = [p for p in rep["programs"] if p["name"].startswith("step_")]
+    assert steps and {p["name"].split("_")[0] for p in rep["programs"]} >= {"step", "presence"}
+    for p in rep["programs"]:
+        assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
+    for p in steps:  # the quantized weights (and pool) are really the programs' arguments, scales included
+        assert p["argument_bytes"] >= rep["weight_bytes_per_chip"] + rep["kv_cache_bytes_per_chip"], p["name"]
+
+
+@pytest.mark.parametrize("name", list(QUANT_CASES))
+def test_decode_reads_the_int8_weights_as_stored(quant_reports, name):
+    """The step programs take every quantized kernel as an s8 argument (the int8 bytes per chip, plus the int8 KV
+    values where the cache is int8), and no conversion of a weight to float is written to HBM: XLA fuses each
+    layer's dynamic-slice + convert of the int8 kernel into the dot's fusion, or into a loop fusion whose float
+    output stays in the chip's on-chip memory (S(1)) for the next fusion; none lands in HBM, so HBM reads 1
+    byte a weight and the temporaries hold no float copy of a weight. From 4 rows up XLA's convolution takes the
+    s8 kernel as its operand (`dots`) and widens it in the MXU."""
+    rep, plan, (cfg, family, model) = quant_reports[name]
+    int8_bytes, kernel_shards = _kernel_shards(cfg, family, model)
+    kv_values = plan.kv_bytes_per_device - plan.kv_scale_bytes_per_device if plan.kv_dtype == "int8" else 0
+    for p in rep["programs"]:
+        if not p["name"].startswith("step_"):
+            continue
+        reads = p["weight_reads"]
+        assert reads["parameter_bytes"].get("s8", 0) == int8_bytes + kv_values, (p["name"], reads["parameter_bytes"])
+        # the weights are widened somewhere, never in HBM: in a fusion, on chip, or by the dot itself
+        assert reads["fused"] or reads["on_chip"] or reads["dots"], (p["name"], reads)
+        for shape in reads["hbm"]:
+            dims = [int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d]
+            assert math.prod(dims) not in kernel_shards, f"{p['name']}: a float copy of a weight in HBM: {shape}"
+        # the temporaries are smaller than the largest (stacked) kernel in bfloat16: no whole weight converted
+        assert p["temp_bytes"] < 2 * max(kernel_shards), p["name"]
