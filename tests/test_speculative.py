@@ -145,7 +145,7 @@ def _run(ckpt: Path, method: str, requests: list[GenerationRequest], mesh: dict[
     """The requests through the real scheduler and an in-process step loop (all submitted at once)."""
     from raydeploy.config.schema import SpeculativeConfig
 
-    sets = [f"engine.max_slots={max_slots}", f"engine.speculative.method={method}",
+    sets = [f"engine.max_slots={max_slots}", f"engine.speculative.method={method}", "serving.max_queue=1024",
             *(f"engine.speculative.{k}={v}" for k, v in spec.items())]
     if engine is None:
         engine = _engine(ckpt, mesh or {"dp": 1}, speculative=SpeculativeConfig(method=method, **spec),
@@ -190,7 +190,7 @@ def qwen3(tmp_path_factory) -> Path:
 
 
 def test_dp2_with_chunked_prefill_and_prefix_hits_equals_no_speculation(qwen3):
-    """dp=2 (two groups, each verifying its own rows), prompts longer than a chunk (16 tokens), and a prompt that
+    """dp=2 (two groups, each verifying its own rows), prompts longer than a chunk (32 tokens), and a prompt that
     shares whole pages with an earlier one (prefix-cache hits): the same tokens."""
     long = [int(t) for t in np.random.default_rng(0).integers(0, 128, 40)]
     prompts = [long + [5, 6, 5, 6, 5], long + [7, 8, 7, 8], *PROMPTS]
@@ -229,7 +229,7 @@ def test_rejected_proposals_roll_back_their_pages(qwen3, monkeypatch):
     assert _pool_state(sched) == _pool_state(base_sched)
 
 
-SMALL_VOCAB = dict(model_type="qwen3", vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+SMALL_VOCAB = dict(model_type="qwen3", vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
                    rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.5)
 
