@@ -117,7 +117,8 @@ def reference(demo_checkpoint) -> Score:
     return score(demo_checkpoint, ())
 
 
-CASES = {"int8 weights": ("model.quantization=int8",)}
+CASES = {"int8 weights": ("model.quantization=int8",), "int8 KV": ("engine.kv_dtype=int8",),
+         "int8 weights + int8 KV": ("model.quantization=int8", "engine.kv_dtype=int8")}
 """Each case's config overrides (on top of `REFERENCE`)."""
 
 
