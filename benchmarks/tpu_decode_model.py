@@ -1,16 +1,20 @@
 """Modelled decode throughput of TPU configs, bfloat16 against int8 weights and an int8 KV cache: a MODEL, not a
 measurement (no TPU here).
 
-Two models of one decode step, side by side:
+The figures are `plan`'s; `--compiled` adds the second, which does not hold up (below):
 
-- `compiled`: the compiler's own cost analysis of the real decode programs, compiled deviceless through libtpu for
+- `compiled` (only with `--compiled`): the compiler's own cost analysis of the real decode programs, compiled deviceless through libtpu for
   the target chip (`raydeploy compile`'s path). XLA's cost analysis counts a while loop's body once whatever its
   trips, so the layer scan of a full model is counted as one layer; a 1-layer model's program has no loop and is
   counted whole. So the program is compiled for the model with `num_hidden_layers: 1`; its bytes and flops less
   the LM head's (its weight shard read once, 2 x rows x its elements) are one layer's, and the model's are
   layers x that + the LM head's. The programs are compiled with a short `max_seq_len` so the KV pool they take is
   small (the Pallas attention kernel has no cost estimate: XLA counts the whole pool operand it is given, not the
-  pages a row reads); the KV a row reads at `--context` tokens is added from the plan's bytes per token. Step time = `raydeploy.compile.roofline_s` (the larger of
+  pages a row reads); the KV a row reads at `--context` tokens is added from the plan's bytes per token.
+  It overcounts by 5-30x: XLA's "bytes accessed" sums every fusion's operands and outputs, on-chip (VMEM)
+  traffic included, and the per-step sampling and state arrays of the 1-layer program get multiplied by the
+  layers with the layer (2026-11-28, v5e-16 Llama-3-8B bf16 at batch 1: 26.3 ms against 4.9 ms by the weight
+  bytes alone, which the roofline cannot undercut). Kept to show why the plan's bytes are the model's. Step time = `raydeploy.compile.roofline_s` (the larger of
   bytes / HBM bandwidth and flops / bf16 peak, published chip figures).
 - `plan`: `raydeploy plan`'s model (`raydeploy.plan.decode_model`): the weight shard's bytes and 2 x active
   parameters per row, from the plan's byte counts.
@@ -98,7 +102,7 @@ def compiled_layer_costs(config: str, overrides: list[str], rows: list[int]) -> 
     return out
 
 
-def model_case(label: str, config: str, overrides: list[str], context: int) -> dict:
+def model_case(label: str, config: str, overrides: list[str], context: int, compiled: bool = False) -> dict:
     from raydeploy.compile import roofline_s
     from raydeploy.config import load_config
     from raydeploy.plan import chip_figures, decode_model, make_plan, with_slots
@@ -110,7 +114,7 @@ def model_case(label: str, config: str, overrides: list[str], context: int) -> d
     groups = plan.dp_groups
     sizes = sorted({cfg.engine.max_slots, plan.slots.max_slots})
     rows = sorted({1, *(n // groups for n in sizes)})
-    costs = compiled_layer_costs(config, overrides, rows)
+    costs = compiled_layer_costs(config, overrides, rows) if compiled else {}
     res: dict = {
         "case": label, "config": config, "overrides": overrides, "chip": chip.name, "hbm_gbps": chip.hbm_gbps,
         "bf16_tflops": chip.bf16_tflops, "devices": plan.total_devices, "dp_groups": groups,
@@ -120,19 +124,20 @@ def model_case(label: str, config: str, overrides: list[str], context: int) -> d
         "kv_kib_per_token_per_chip": round(plan.kv_bytes_per_token_per_device / 1024, 3),
         "max_slots": cfg.engine.max_slots, "suggested_max_slots": plan.slots.max_slots,
         "suggested_kv_gib_per_chip": round(plan.slots.kv_bytes_per_device / 2**30, 3),
-        "context": context, "compiled_layer_mb": round(costs[1]["layer_bytes"] / 1e6, 2), "rows": {},
+        "context": context, "rows": {},
     }
     for streams in sorted({1, *sizes}):
         r = 1 if streams == 1 else streams // groups
-        c = costs[r]
-        kv_read = r * context * plan.kv_bytes_per_token_per_device
-        step = roofline_s(chip, c["flops"], c["bytes"] + kv_read)
         analytic = decode_model(make_plan(with_slots(cfg, max(streams, groups))), chip, streams, context)[-1]
-        res["rows"][f"{streams} streams"] = {
-            "rows_per_group": r, "compiled_gb_per_step": round((c["bytes"] + kv_read) / 1e9, 3),
-            "compiled_gflop_per_step": round(c["flops"] / 1e9, 2), "compiled_step_ms": round(step * 1e3, 3),
-            "compiled_tok_s": round(streams / step), "plan_step_ms": analytic.step_ms, "plan_tok_s": round(analytic.tok_s),
-        }
+        row = {"rows_per_group": r, "step_ms": analytic.step_ms, "tok_s": round(analytic.tok_s),
+               "per_stream_tok_s": round(analytic.per_stream_tok_s), "bound": analytic.bound}
+        if compiled:
+            c = costs[r]
+            kv_read = r * context * plan.kv_bytes_per_token_per_device
+            step = roofline_s(chip, c["flops"], c["bytes"] + kv_read)
+            row.update(compiled_gb_per_step=round((c["bytes"] + kv_read) / 1e9, 3),
+                       compiled_step_ms=round(step * 1e3, 3), compiled_tok_s=round(streams / step))
+        res["rows"][f"{streams} streams"] = row
     return res
 
 
@@ -141,10 +146,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="attended tokens per row (prompt + generated)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also the compiled cost analysis' figures (minutes: deviceless compiles; they overcount)")
     args = ap.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    results = {"what": "MODEL, not a measurement: roofline of compiled cost analysis (deviceless libtpu compile)",
-               "anchor": ANCHOR, "cases": [model_case(lb, c, o, args.context) for lb, c, o in CASES]}
+    results = {"what": "MODEL, not a measurement: roofline of the plan's bytes per chip (raydeploy.plan.decode_model)",
+               "anchor": ANCHOR, "cases": [model_case(lb, c, o, args.context, args.compiled) for lb, c, o in CASES]}
     import jax
 
     results["jax"] = jax.__version__
@@ -159,8 +166,9 @@ def main() -> None:
               f"(scales {c['weight_scale_mib_per_chip']} MiB), KV {c['kv_gib_per_chip']} GiB/chip at "
               f"{c['max_slots']} slots, largest max_slots that fits {c['suggested_max_slots']}")
         for k, v in c["rows"].items():
-            print(f"  {k}: compiled {v['compiled_step_ms']} ms/step, {v['compiled_tok_s']} tok/s; "
-                  f"plan model {v['plan_step_ms']} ms/step, {v['plan_tok_s']} tok/s")
+            print(f"  {k}: {v['step_ms']} ms/step, {v['tok_s']} tok/s ({v['per_stream_tok_s']} per stream, "
+                  f"{v['bound']}-bound)" + (f"; compiled cost analysis {v['compiled_step_ms']} ms/step"
+                                            if "compiled_step_ms" in v else ""))
     print(f"anchor: {ANCHOR['what']}: {ANCHOR['int8_tok_s']} tok/s int8, {ANCHOR['bf16_tok_s']} bf16")
 
 
