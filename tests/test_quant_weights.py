@@ -403,3 +403,19 @@ def test_the_engine_refuses_fp8_on_a_chip_without_it():
     with pytest.raises(ValueError, match="TPU v5 lite.*TPU v7x"):
         check_fp8(fam, v5e)  # type: ignore[arg-type]
     check_fp8(fam, build_mesh({"dp": 1}, jax.devices()[:1]))  # CPU runs it (the reference)
+
+
+def test_an_int8_engine_holds_int8_weights_and_multiplies_them_in_xla(int8_ckpt):
+    """Built from a quantized checkpoint with `model.quantization: none` (read as stored): the step programs take
+    the kernels as s8 parameters, and the engine says why XLA multiplies them (the native CPU kernels read float
+    weights)."""
+    from raydeploy.config import load_config
+    from raydeploy.loading import build_engine
+
+    cfg = load_config(None, ["engine.max_slots=2", "model.max_seq_len=64", "engine.prefill_chunk=16"])
+    built = build_engine(cfg, build_mesh({"dp": 1}, jax.devices()[:1]), int8_ckpt)
+    assert built.family.quantization == "int8"
+    assert built.engine.matmul.startswith("xla") and "weights quantized int8" in built.engine.matmul
+    hlo = built.engine.step_hlo(16, built.engine.max_pages_per_seq)
+    entry = hlo[hlo.index("ENTRY"):].split("\n", 1)[0]
+    assert "s8[2,128,4,32]" in entry and "s8[2,256,128]" in entry  # q_proj, down_proj held int8
