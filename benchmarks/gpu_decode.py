@@ -1,4 +1,4 @@
-"""Decode speed on one NVIDIA GPU: our engine against transformers `generate`, the same model, the same run.
+r"""Decode speed on one NVIDIA GPU: our engine against transformers `generate`, the same model, the same run.
 
 No weights can be downloaded, so the model is a Llama of a real shape (default: Llama-3.2-1B's, 1.24B
 parameters, 128k vocabulary, tied embeddings) with seeded random weights, made by transformers itself
@@ -15,7 +15,19 @@ that decode while the last row still waits, but not that time). Backends:
 - `pallas`: our engine with `engine.attention: pallas` (jax's Pallas GPU paged attention for decode steps);
 - `xla`: our engine with `engine.attention: xla`.
 Each of ours runs once per `--gpu-matmul` value (`engine.gpu_matmul`: auto = the Pallas kernel that reads a
-layer's weight inside the stacked one for few rows, xla = XLA's gemm after its copy of the layer's weight).
+layer's weight inside the stacked one for few rows, xla = XLA's gemm after its copy of the layer's weight), and
+once per `--quantization` value (`model.quantization`: none = bfloat16 weights; int8 / fp8 = the engine quantizes
+the same bfloat16 checkpoint while loading, per output channel, and the Pallas kernel reads the int8 / float8
+bytes in place, converting them in the kernel). A quantized result carries its tokens/s over the bfloat16
+engine's of the same settings (`ratio_vs_bf16`) and the greedy prefix it shares with it; transformers stays in
+bfloat16 (its peer figure for every row).
+
+Beside each result, the HBM-bandwidth bound (`hbm_limit`): a decode pass reads the weights once
+(`weight_bytes_read_per_pass`: every parameter as the engine holds it, int8 / fp8 kernels with their float32
+scales, less a separate embedding table, of which a pass reads one row per token; Llama-3.2-1B's tied table is
+its LM head and stays bfloat16), so a token takes at least weight bytes / bandwidth, and b rows reach at most
+b x bandwidth / weight bytes tokens/s. The bandwidth is the published figure for the device (H200 4.8 TB/s,
+H100 SXM 3.35 TB/s; `HBM_BYTES_S`) or `--hbm-tbps`. KV reads are left out (small at these contexts).
 `pass_ms`: the wall time of one decode pass inside a plan (plans of 4 and 36 passes after the same prefill, the
 difference over 32), so a per-token time well above it is the scheduler's and the plans' round trips, and one
 near it is the step program itself. Quality beside speed: the greedy tokens of row 0 at batch 1 from each of ours against transformers', as the
@@ -23,11 +35,21 @@ length of their common prefix (bfloat16 on both sides, so a near-tie may flip la
 is tests/test_gpu.py's job).
 
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --out gpu_decode.json
+    JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends hf,pallas --prefill-chunks 2048 \
+        --quantization none,int8,fp8 --out benchmarks/results/gpu_decode_quant.json     # quantized weights
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends hf,pallas --prefill-chunks 256,2048
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends pallas --batches 1,8 --profile /tmp/prof
     JAX_PLATFORMS=cuda python benchmarks/gpu_decode.py --backends hf,pallas --batches 1,8 --gpu-matmul auto,xla
     python benchmarks/gpu_decode.py --summarize /tmp/prof/pallas-256/plugins/profile/*/perfetto_trace.json.gz
     JAX_PLATFORMS=cpu python benchmarks/gpu_decode.py --shape tiny --batches 1,4 --new-tokens 16   # a dry run
+    JAX_PLATFORMS=cpu python benchmarks/gpu_decode.py --shape tiny --batches 1,4 --new-tokens 16 \
+        --backends hf,xla --gpu-matmul pallas --quantization none,int8 --hbm-tbps 0.03   # dry run, kernel interpreted
+
+The quantized-weights run (the second command) is the whole GPU measurement of quantized weights: the 1B shape
+in bfloat16, int8 and fp8 at batch 1 / 8 / 64 beside transformers, one process, about 4-5 minutes on one H200
+(three engines of ~40 s compile each, transformers ~40 s, the model made and converted ~25 s). Drop fp8
+(`--quantization none,int8`) to save a minute. It exits 1 if any engine failed (the others still run; the
+error is in the results file).
 
 `--profile` traces one batch-1 plan (a prefill and 36 decode passes) and records, per pass, the device's busy
 time, its device-to-host copies (each a point where the host waits for the device) and the ops with the most
@@ -42,6 +64,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU in this process
@@ -62,6 +85,42 @@ SHAPES = {
                  tie_word_embeddings=False),
 }
 MAX_SEQ_LEN = 512
+
+
+HBM_BYTES_S = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
+               "A100": 1.56e12}
+"""Published HBM bandwidth by GPU name (a substring of jax's `device_kind`, first match): H200 4.8 TB/s, H100 SXM
+3.35 TB/s (PCIe 2.0, NVL 3.9), A100 80 GB SXM 2.04 TB/s (40 GB 1.56). `--hbm-tbps` overrides it."""
+
+
+def hbm_bytes_s(device_kind: str) -> float | None:
+    return next((v for k, v in HBM_BYTES_S.items() if k in device_kind), None)
+
+
+def read_bytes(family, cfg, quantization: str) -> int:
+    """Bytes of weights one decode pass reads, as the engine holds them (`Family.weight_bytes`: int8 / fp8
+    kernels with their float32 scales, the rest bfloat16): every parameter but a separate embedding table, of
+    which a pass reads one row per token (a tied table is the LM head, read whole)."""
+    from raydeploy.model.llama import EMBEDDING
+
+    fam = family.with_quantization(quantization)
+    total = fam.weight_bytes(cfg, "bfloat16")
+    if not getattr(cfg, "tie_word_embeddings", False):
+        spec = fam.param_specs(cfg).get(EMBEDDING)
+        total -= 0 if spec is None else spec.numel * 2
+    return total
+
+
+def hbm_limit(weight_bytes: int, batches: list[int], bytes_s: float | None) -> dict | None:
+    """The HBM-bandwidth bound of decode from the weights alone: a pass reads `weight_bytes` once and gives one
+    token per row, so a token takes at least weight_bytes / bandwidth and `b` rows reach at most b x bandwidth /
+    weight_bytes tokens/s (the KV cache's reads, small at these contexts, are left out: the bound is loose by
+    them at batch 64)."""
+    if bytes_s is None:
+        return None
+    ms = 1e3 * weight_bytes / bytes_s
+    return {"hbm_bytes_s": bytes_s, "ms_per_pass": ms,
+            "tok_s": {str(b): b * 1e3 / ms for b in batches}}
 
 
 def _prompts(n: int, vocab: int) -> list[list[int]]:
@@ -152,32 +211,37 @@ def bench_hf(model, prompts: list[list[int]], batches: list[int], new_tokens: in
 
 
 def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]], batches: list[int],
-               new_tokens: int, profile: Path | None = None, gpu_matmul: str = "auto") -> dict:
+               new_tokens: int, profile: Path | None = None, gpu_matmul: str = "auto",
+               quantization: str = "none", hbm_bytes_s: float | None = None) -> dict:
+    """Our engine over the converted checkpoint, built as a host builds it (`raydeploy.loading.build_engine`):
+    with `quantization` int8 / fp8 the engine quantizes the bfloat16 checkpoint while loading
+    (`model.quantization`)."""
     import jax
 
-    from raydeploy.checkpoint.reader import CheckpointReader
-    from raydeploy.config import EngineConfig, ModelConfig
-    from raydeploy.engine.engine import Engine
+    from raydeploy.config import EngineConfig, ModelConfig, load_config
     from raydeploy.engine.local import LocalRunner
     from raydeploy.engine.request import GenerationRequest
     from raydeploy.engine.scheduler import Paging, Scheduler
-    from raydeploy.model.registry import from_hf_config
+    from raydeploy.loading import build_engine
     from raydeploy.model.sharding import build_mesh, merge_rules
 
     slots = max(batches)
     mesh = build_mesh({"dp": 1}, jax.devices()[:1])
-    rules = merge_rules({})
-    reader = CheckpointReader(ckpt)
-    family, cfg = from_hf_config(reader.hf_config)
-    t0 = time.perf_counter()
-    params, _ = reader.load(reader.param_specs(), mesh, {**family.rules, **rules}, "bfloat16", 8, progress=False)
-    model_cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", max_seq_len=MAX_SEQ_LEN)
+    model_cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", max_seq_len=MAX_SEQ_LEN,
+                            quantization=quantization)
+    # in_out and XLA's CPU dot: what a GPU resolves anyway; on a CPU dry run they let `gpu_matmul pallas` run the
+    # Pallas kernel (interpret mode) instead of the CPU's own layout and kernels
     engine_cfg = EngineConfig(max_slots=slots, max_new_tokens=new_tokens,
                               attention=attention, compilation_cache_dir=None, prefill_chunk=chunk,
-                              gpu_matmul=gpu_matmul)
-    engine = Engine(family, cfg, params, mesh, rules, model_cfg, engine_cfg)
+                              gpu_matmul=gpu_matmul, kernel_layout="in_out", cpu_matmul="xla")
+    cfg = load_config(None, ["mesh.axes.dp=1", "cluster.num_hosts=1"])
+    t0 = time.perf_counter()
+    built = build_engine(cfg, mesh, ckpt, engine_cfg=engine_cfg, model_cfg=model_cfg, load_threads=8,
+                         rules=merge_rules({}))
+    engine = built.engine
     load_s = time.perf_counter() - t0
     compile_s = engine.warmup()
+    weights = read_bytes(built.family, built.model, quantization)
 
     def run(batch: int) -> tuple[list, float, float, float]:
         paging = Paging(engine.page_size, engine.pages_per_group, engine.groups, engine.max_step_tokens,
@@ -211,11 +275,16 @@ def bench_ours(ckpt: Path, attention: str, chunk: int, prompts: list[list[int]],
             engine.step(StepPlan(2000 + n, release=tuple(range(batch))))
         return 1e3 * (walls[3] - walls[2]) / 32  # the second pair: the first compiles nothing new, but warms
 
-    out: dict = {"backend": f"raydeploy engine (JAX {jax.__version__}, attention {attention}, bfloat16, "
+    weights_label = "bfloat16" if quantization == "none" else f"{quantization} weights"
+    out: dict = {"backend": f"raydeploy engine (JAX {jax.__version__}, attention {attention}, {weights_label}, "
                             f"max_slots {slots}, decode_steps {engine.decode_steps}, prefill_chunk {chunk}, "
                             f"gpu_matmul {gpu_matmul})",
+                 "quantization": quantization, "attention": attention, "prefill_chunk": chunk,
+                 "gpu_matmul": gpu_matmul,
                  "stacked_matmul": engine.programs_set.stacked_matmul or "in use",
-                 "load_s": load_s, "compile_s": sum(compile_s.values()), "programs": len(compile_s), "batches": {}}
+                 "load_s": load_s, "compile_s": sum(compile_s.values()), "programs": len(compile_s),
+                 "weight_bytes_read_per_pass": weights,
+                 "hbm_limit": hbm_limit(weights, batches, hbm_bytes_s), "batches": {}}
     out["pass_ms"] = {str(b): pass_ms(b) for b in batches if b <= 8}
     if profile is not None:  # one batch-1 plan of 36 passes under the profiler: per-kernel device times
         from raydeploy.engine.step import SamplingParams, StepPlan
@@ -246,6 +315,11 @@ def main() -> int:
     ap.add_argument("--gpu-matmul", default="auto", help="comma-separated engine.gpu_matmul values (auto: the Pallas "
                     "kernel for few rows by a layer's stacked weight; xla: XLA's gemm); each of our backends runs "
                     "once per value")
+    ap.add_argument("--quantization", default="none", help="comma-separated model.quantization values (none: "
+                    "bfloat16 weights; int8 / fp8: the engine quantizes the bfloat16 checkpoint while loading); each "
+                    "of our backends runs once per value")
+    ap.add_argument("--hbm-tbps", type=float, default=None, help="the GPU's HBM bandwidth in TB/s for the bound "
+                    "printed beside each result (default: the published figure for the device's name, H200 4.8)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_decode.json")
     ap.add_argument("--profile", type=Path, default=None, help="a folder: trace one batch-1 plan (a prefill and "
                     "36 decode passes) per engine backend there (jax.profiler, with a Perfetto trace), and record "
@@ -261,16 +335,22 @@ def main() -> int:
     unknown = set(backends) - {"hf", "pallas", "xla"}
     if unknown:
         ap.error(f"--backends: unknown {sorted(unknown)}; valid: hf, pallas, xla")
+    quantizations = args.quantization.split(",")
+    unknown = set(quantizations) - {"none", "int8", "fp8"}
+    if unknown:
+        ap.error(f"--quantization: unknown {sorted(unknown)}; valid: none, int8, fp8")
 
     import jax
     import torch
 
-    from benchmarks.engine_decode import _matching_prefix
     from raydeploy.checkpoint.convert import convert
 
+    device = str(jax.devices()[0].device_kind)
+    bandwidth = args.hbm_tbps * 1e12 if args.hbm_tbps else hbm_bytes_s(device)
     result: dict = {"shape": args.shape, "config": SHAPES[args.shape], "new_tokens": args.new_tokens,
-                    "jax": jax.__version__, "torch": torch.__version__, "device": str(jax.devices()[0].device_kind),
-                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": []}
+                    "jax": jax.__version__, "torch": torch.__version__, "device": device,
+                    "hbm_bytes_s": bandwidth, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                    "argv": sys.argv[1:], "results": []}
     print(f"jax {jax.__version__} on {jax.devices()}, torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
@@ -285,27 +365,85 @@ def main() -> int:
         t = time.perf_counter()
         convert(Path(tmp) / "hf", Path(tmp) / "ckpt", progress=False)
         result["convert_s"] = time.perf_counter() - t
+        failed = 0
         for attention in [b for b in backends if b != "hf"]:
             for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
                 for gpu_matmul in args.gpu_matmul.split(","):
-                    result["results"].append(bench_ours(Path(tmp) / "ckpt", attention, chunk, prompts, batches,
-                                                        args.new_tokens, args.profile, gpu_matmul))
-                    print(json.dumps({k: v for k, v in result["results"][-1].items() if k != "greedy_tokens"}),
-                          flush=True)
-    ref = next((r for r in result["results"] if r["backend"].startswith("transformers")), None)
-    for r in result["results"]:
-        if ref is not None and r is not ref:
+                    for quantization in quantizations:
+                        try:
+                            r = bench_ours(Path(tmp) / "ckpt", attention, chunk, prompts, batches, args.new_tokens,
+                                           args.profile, gpu_matmul, quantization, bandwidth)
+                        except Exception as e:  # one setting's failure is recorded; the run goes on to the next
+                            failed += 1
+                            r = {"backend": f"raydeploy engine (attention {attention}, prefill_chunk {chunk}, "
+                                            f"gpu_matmul {gpu_matmul}, quantization {quantization})",
+                                 "quantization": quantization, "attention": attention, "prefill_chunk": chunk,
+                                 "gpu_matmul": gpu_matmul, "error": f"{type(e).__name__}: {e}"}
+                            traceback.print_exc()
+                        result["results"].append(r)
+                        print(json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}), flush=True)
+    compare(result["results"])
+    print_table(result, batches)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results in {args.out}")
+    return 1 if failed else 0
+
+
+def compare(results: list[dict]) -> None:
+    """Each of our results against transformers' (tokens/s, greedy prefix) and, for a quantized engine, against
+    the bfloat16 engine of the same settings in the same run (`ratio_vs_bf16`, `greedy_common_prefix_with_bf16`)."""
+    from benchmarks.engine_decode import _matching_prefix
+
+    ok = [r for r in results if "error" not in r]
+    ref = next((r for r in ok if r["backend"].startswith("transformers")), None)
+    for r in ok:
+        if r is ref:
+            continue
+        if ref is not None:
             r["greedy_common_prefix_with_hf"] = _matching_prefix(r["greedy_tokens"], ref["greedy_tokens"])
             r["ratio_vs_hf"] = {b: r["batches"][b]["run_tok_s"] / ref["batches"][b]["run_tok_s"]
                                 for b in r["batches"]}
+        bf16 = next((o for o in ok if o.get("quantization") == "none" and r.get("quantization") not in (None, "none")
+                     and all(o.get(k) == r.get(k) for k in ("attention", "prefill_chunk", "gpu_matmul"))), None)
+        if bf16 is not None:
+            r["greedy_common_prefix_with_bf16"] = _matching_prefix(r["greedy_tokens"], bf16["greedy_tokens"])
+            r["ratio_vs_bf16"] = {b: r["batches"][b]["run_tok_s"] / bf16["batches"][b]["run_tok_s"]
+                                  for b in r["batches"]}
+            if "pass_ms" in r and "pass_ms" in bf16:
+                r["pass_ms_vs_bf16"] = {b: r["pass_ms"][b] / bf16["pass_ms"][b] for b in r["pass_ms"]}
+
+
+def _label(r: dict) -> str:
+    if "quantization" not in r:
+        return r["backend"][:60]
+    weights = "bf16" if r["quantization"] == "none" else r["quantization"]
+    return f"ours: {weights}, attention {r['attention']}, chunk {r['prefill_chunk']}, gpu_matmul {r['gpu_matmul']}"
+
+
+def print_table(result: dict, batches: list[int]) -> None:
+    """Tokens/s per batch size, the ratios to transformers and to the bfloat16 engine, the greedy prefix shared
+    with the bfloat16 engine (of `new_tokens`), and under each result the HBM-bandwidth bound."""
+    bw = result.get("hbm_bytes_s")
     print("\n" + "backend".ljust(60) + "".join(f"b{b} tok/s".rjust(14) for b in batches)
-          + f"  b{batches[-1]} TTFT s  vs hf")
+          + f"  b{batches[-1]} TTFT s  vs hf / vs bf16 (greedy prefix)")
     for r in result["results"]:
+        if "error" in r:
+            print(_label(r).ljust(60) + "  FAILED: " + r["error"][:300])
+            continue
         cells = "".join(f"{r['batches'][str(b)]['run_tok_s']:14.1f}" for b in batches)
         ratios = " ".join(f"{x:.2f}x" for x in r.get("ratio_vs_hf", {}).values())
-        print(r["backend"][-60:].ljust(60) + cells + f"{r['batches'][str(batches[-1])]['ttft_s']:11.3f}  " + ratios)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+        if "ratio_vs_bf16" in r:
+            ratios += " / " + " ".join(f"{x:.2f}x" for x in r["ratio_vs_bf16"].values())
+            ratios += f" ({r['greedy_common_prefix_with_bf16']}/{len(r['greedy_tokens'])})"
+        print(_label(r).ljust(60) + cells + f"{r['batches'][str(batches[-1])]['ttft_s']:11.3f}  " + ratios)
+        limit = r.get("hbm_limit")
+        if limit is not None:
+            print(f"  HBM limit ({r['weight_bytes_read_per_pass'] / 1e9:.3f} GB of weights a pass / "
+                  f"{bw / 1e12:.2f} TB/s = {limit['ms_per_pass']:.3f} ms a token)".ljust(60)
+                  + "".join(f"{limit['tok_s'][str(b)]:14.1f}" for b in batches))
+        elif "weight_bytes_read_per_pass" in r:
+            print(f"  {r['weight_bytes_read_per_pass'] / 1e9:.4f} GB of weights a pass (no HBM bandwidth known for "
+                  f"{result['device']}: --hbm-tbps)")
 
 
 if __name__ == "__main__":
