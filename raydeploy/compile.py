@@ -237,11 +237,11 @@ def weight_reads(hlo: str, min_bytes: int = 1 << 20) -> dict[str, Any]:
     params: dict[str, int] = {}
     fused_comps = set(re.findall(r"\bfusion\(.*?calls=%?([\w.\-]+)", hlo))
     out: dict[str, list[str]] = {"fused": [], "on_chip": [], "hbm": [], "dots": []}
-    comp, types = "", {}
+    comp, types = "", dict[str, str]()
     for line in hlo.splitlines():
         if line and not line.startswith(" ") and line.rstrip().endswith("{"):
             head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", line)
-            comp, types = (head.group(2) if head else ""), {}
+            comp, types = (head.group(2) if head else ""), dict[str, str]()
             if line.startswith("ENTRY"):
                 for dtype, dims in re.findall(r":\s*([a-z]+\d*)\[([\d,]*)\]", line.split("->")[0]):
                     if dtype in _ITEMSIZE:
