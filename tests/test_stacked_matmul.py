@@ -324,11 +324,14 @@ def test_lowers_for_cuda_without_a_gpu(k, n, rows):
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("k,n", [(2048, 8192), (8192, 2048)])
-def test_quantized_lowers_for_cuda_without_a_gpu(dtype, k, n):
-    """Llama-3.2-1B's gate/up and down projections, 16 layers of int8 or float8_e4m3fn with their scales: one
-    Triton call, the stack passed as it lies (no convert of the whole weight outside the kernel)."""
+@pytest.mark.parametrize("scales", ["layer", "stacked"])
+def test_quantized_lowers_for_cuda_without_a_gpu(dtype, k, n, scales):
+    """Llama-3.2-1B's gate/up and down projections, 16 layers of int8 or float8_e4m3fn with the layer's scales
+    [N] (as the engine passes them) or every layer's [16, N]: one Triton call, the stack passed as it lies (no
+    convert of the whole weight outside the kernel)."""
     spec = jax.ShapeDtypeStruct
-    args = (spec((8, k), jnp.bfloat16), spec((16, k, n), dtype), spec((), jnp.int32), spec((16, n), jnp.float32))
+    scale = spec((n,) if scales == "layer" else (16, n), jnp.float32)
+    args = (spec((8, k), jnp.bfloat16), spec((16, k, n), dtype), spec((), jnp.int32), scale)
     lowered = jax.jit(stacked_matmul.stacked_matmul).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
