@@ -28,17 +28,17 @@ def test_the_config_knows_the_slot_axis_default() -> None:
 
 
 def test_v5e_geometry() -> None:
-    """tpu-v5e-16: 64 slots over dp=4, 8192 tokens in pages of 16, every slot's pages (auto)."""
+    """tpu-v5e-16: 168 slots over dp=4, 8192 tokens in pages of 16, every slot's pages (auto)."""
     cfg = load_config(CONFIGS / "tpu-v5e-16.yaml")
     g = EngineGeometry.create(cfg.engine, cfg.model, cfg.mesh_shape, merge_rules(cfg.mesh.rules), "tpu", "bfloat16",
                               False)
     assert g.problems() == []
-    assert (g.groups, g.slots_per_group, g.slot_axes) == (4, 16, ("dp",))
-    assert (g.page_size, g.max_pages_per_seq, g.pages_per_group, g.total_pages) == (16, 512, 16 * 512, 4 * 16 * 512)
-    assert g.max_step_tokens == max(cfg.engine.prefill_chunk, 16)
+    assert (g.groups, g.slots_per_group, g.slot_axes) == (4, 42, ("dp",))
+    assert (g.page_size, g.max_pages_per_seq, g.pages_per_group, g.total_pages) == (16, 512, 42 * 512, 4 * 42 * 512)
+    assert g.max_step_tokens == max(cfg.engine.prefill_chunk, 42)
     assert g.page_buckets == (512,) and g.token_buckets[0] == 1 and g.token_buckets[-1] == g.max_step_tokens
     assert g.mixed_step_tokens is None  # only CPU caps the step beside running streams
-    assert g.admission.max_slots == 64 and g.admission.max_seq_len == 8192
+    assert g.admission.max_slots == 168 and g.admission.max_seq_len == 8192
     assert g.to_dict()["slot_mesh"] == (("dp", 4),)
 
 

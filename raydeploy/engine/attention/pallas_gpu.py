@@ -110,7 +110,7 @@ def decode_attention(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens:
     return jnp.zeros_like(q).at[dest].set(o.astype(q.dtype), mode="drop")
 
 
-def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            interpret: bool = False) -> jax.Array:
@@ -135,7 +135,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     return jax.lax.cond(longest <= 1, decode, mixed, *args)
 
 
-def single_token_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+def single_token_attention(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            interpret: bool = False) -> jax.Array:
@@ -151,7 +151,7 @@ def single_token_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
                             soft_cap=soft_cap, interpret=interpret)
 
 
-def kernel_applies(kv_pages: jax.Array, page_indices: jax.Array, sliding_window: int | None) -> bool:
+def kernel_applies(kv_pages: jax.Array | QuantizedPool, page_indices: jax.Array, sliding_window: int | None) -> bool:
     """Whether the kernel can serve these static shapes: no sliding window, and a table wide enough for one
     compute block (`split_sizes`)."""
     return sliding_window is None and split_sizes(page_indices.shape[1], kv_pages.shape[1]) is not None

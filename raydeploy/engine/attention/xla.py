@@ -137,7 +137,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv
     return jnp.where((tid < total)[:, None, None], out, 0.0).astype(q.dtype)
 
 
-def _single_tokens(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array,
+def _single_tokens(q: jax.Array, kv_pages: jax.Array | QuantizedPool, lens: jax.Array, page_indices: jax.Array,
                    starts: jax.Array, single: jax.Array, block_pages: int, sm_scale: float,
                    sliding_window: int | None, soft_cap: float | None) -> jax.Array:
     """Every sequence row as one decode token (its first token; meaningful where `single`), all rows at once
@@ -188,7 +188,7 @@ def _single_tokens(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indi
     return (acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]).reshape(s, hq, d)
 
 
-def _chunked_sequences(q: jax.Array, kv_pages: jax.Array, lens: jax.Array, page_indices: jax.Array,
+def _chunked_sequences(q: jax.Array, kv_pages: jax.Array | QuantizedPool, lens: jax.Array, page_indices: jax.Array,
                        starts: jax.Array, q_lens: jax.Array, block_q: int, block_pages: int, sm_scale: float,
                        sliding_window: int | None, soft_cap: float | None) -> jax.Array:
     """The sequences with two or more tokens (prefill chunks) -> [T, Hq, D] float32 (other rows zero).
