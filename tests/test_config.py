@@ -112,6 +112,24 @@ def test_burst_wait_is_a_fraction_of_a_pass(tmp_path: Path, value: str) -> None:
     assert load_config(_write(tmp_path, "engine: {burst_wait: 0}\n")).engine.burst_wait == 0
 
 
+@pytest.mark.parametrize(("text", "key", "message"), [
+    ("engine: {speculative: {method: draft}}", "engine.speculative.method", "draft is not available"),
+    ("engine: {speculative: {num_tokens: 0}}", "engine.speculative.num_tokens", "must be >= 1, found 0"),
+    ("engine: {speculative: {ngram_min: 5}}", "engine.speculative.ngram_min", "ngram_min 5 and ngram_max 4"),
+    ("engine: {speculative: {min_acceptance: 1.5}}", "engine.speculative.min_acceptance", "in [0, 1], found 1.5"),
+    ("lora: {max_rank: 0, max_adapters: 2}", "lora.max_rank", "must be >= 1, found 0"),
+    ("lora: {adapters: {a: /x}}", "lora.adapters", "1 adapters to preload but lora.max_adapters is 0"),
+    ("lora: {max_adapters: 2}\nengine: {speculative: {method: ngram}}", "engine.speculative.method",
+     "does not run LoRA adapters yet"),
+])
+def test_speculative_and_lora_settings_are_checked_before_anything_starts(tmp_path: Path, text: str, key: str,
+                                                                         message: str) -> None:
+    path = _write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(path)
+    assert f"key '{key}'" in str(ei.value) and message in str(ei.value) and str(path) in str(ei.value)
+
+
 def test_a_removed_key_is_refused_naming_it_and_why(tmp_path: Path) -> None:
     path = _write(tmp_path, "engine: {prefill_buckets: [128, 512]}\n")
     with pytest.raises(ConfigError) as info:

@@ -97,6 +97,37 @@ def validate(cfg: Config) -> None:
     if s.api_keys_env and s.api_keys_file:
         raise ConfigError("set api_keys_env or api_keys_file, not both", file=src, key="serving.api_keys_file")
     _validate_replicas(cfg.replicas, src)
+    _validate_speculative_and_lora(cfg, src)
+
+
+def _validate_speculative_and_lora(cfg: Config, src: str) -> None:
+    """engine.speculative and lora: the numbers, the methods this version runs, and the pair it cannot run
+    together yet (checked again where the engine is built)."""
+    sp, lo = cfg.engine.speculative, cfg.lora
+    key = "engine.speculative"
+    if sp.method == "draft":
+        raise ConfigError("draft is not available in this version: use ngram (prompt lookup) or none",
+                          file=src, key=f"{key}.method")
+    if sp.num_tokens < 1:
+        raise ConfigError(f"must be >= 1, found {sp.num_tokens}", file=src, key=f"{key}.num_tokens")
+    if not 1 <= sp.ngram_min <= sp.ngram_max:
+        raise ConfigError(f"ngram_min {sp.ngram_min} and ngram_max {sp.ngram_max} need 1 <= ngram_min <= ngram_max",
+                          file=src, key=f"{key}.ngram_min")
+    if sp.max_rows < 0:
+        raise ConfigError(f"must be >= 0, found {sp.max_rows}", file=src, key=f"{key}.max_rows")
+    if not 0.0 <= sp.min_acceptance <= 1.0:
+        raise ConfigError(f"must be in [0, 1], found {sp.min_acceptance}", file=src, key=f"{key}.min_acceptance")
+    if lo.max_adapters < 0:
+        raise ConfigError(f"must be >= 0 (0: no LoRA), found {lo.max_adapters}", file=src, key="lora.max_adapters")
+    if lo.max_rank < 1:
+        raise ConfigError(f"must be >= 1, found {lo.max_rank}", file=src, key="lora.max_rank")
+    if lo.adapters and len(lo.adapters) > lo.max_adapters:
+        raise ConfigError(f"{len(lo.adapters)} adapters to preload but lora.max_adapters is {lo.max_adapters} "
+                          f"(slots on the devices; 0 turns LoRA off)", file=src, key="lora.adapters")
+    if lo.max_adapters > 0 and sp.method != "none":
+        raise ConfigError(f"speculative decoding does not run LoRA adapters yet: set engine.speculative.method "
+                          f"none or lora.max_adapters 0 (found {sp.method} and {lo.max_adapters})", file=src,
+                          key="engine.speculative.method")
 
 
 def _validate_replicas(r: ReplicasConfig, src: str) -> None:
