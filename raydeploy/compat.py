@@ -275,3 +275,12 @@ def disable_ray_auto_init() -> None:
                        "ray._private.auto_init_hook", "no such attribute")
     setattr(hook, "enable_auto_connect", False)  # noqa: B010 - a module attribute the type checker cannot see
 
+
+
+def jax_backends_started() -> bool:
+    """Whether jax has created its backends in this process (XLA_FLAGS are read then, not when jax is imported):
+    read from `jax._src.xla_bridge._backends` without importing it; False where a jax without it is loaded."""
+    import sys
+
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))

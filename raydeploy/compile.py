@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from raydeploy.compat import jax_backends_started
 from raydeploy.config import Config, ConfigError
 from raydeploy.model.sharding import build_mesh, merge_rules
 
@@ -103,18 +104,12 @@ def prepare_environment(cfg: Config) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if cfg.cluster.platform == "cpu" and not _backends_started():
+    # the planner's modules import jax; the flags still apply until jax creates its backends
+    if cfg.cluster.platform == "cpu" and not jax_backends_started():
         n = cfg.cluster.num_hosts * cfg.cluster.devices_per_host
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
-def _backends_started() -> bool:
-    """Whether jax has created its backends in this process (XLA_FLAGS are read then, not when jax is imported:
-    the planner's modules import jax, and the flags still apply until a device is asked for)."""
-    bridge = sys.modules.get("jax._src.xla_bridge")
-    return bool(getattr(bridge, "_backends", None))
 
 
 def target_devices(cfg: Config) -> list[Any]:
