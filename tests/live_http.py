@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -26,3 +30,24 @@ def wait_http_ready(url: str, timeout_s: float) -> None:
             pass
         assert time.monotonic() < deadline, "the HTTP ingress did not become ready"
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def live_serving(cfg: Any, checkpoint: str, ray_temp_prefix: str, ready_timeout_s: float) -> Iterator[Any]:
+    """The real gang behind Ray Serve HTTP for `cfg`: a local Ray of 2 CPUs (its temp dir named by the prefix and
+    this process), `start_serving`, both readiness waits; shut down and Ray stopped on the way out."""
+    import ray
+
+    from raydeploy.serve.run import connect_ray, start_serving
+
+    assert connect_ray(None, temp_dir=f"/tmp/{ray_temp_prefix}-{os.getpid()}", num_cpus=2)
+    serving = None
+    try:
+        serving = start_serving(cfg, checkpoint_path=checkpoint)
+        serving.wait_ready(ready_timeout_s)
+        wait_http_ready(serving.url, ready_timeout_s)
+        yield serving
+    finally:
+        if serving is not None:
+            serving.shutdown()
+        ray.shutdown()

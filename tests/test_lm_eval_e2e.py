@@ -25,7 +25,7 @@ import httpx
 import pytest
 import torch
 from hf_reference import hf_greedy, trusted_steps
-from live_http import free_port, wait_http_ready
+from live_http import free_port, live_serving
 
 from raydeploy.config import load_config
 
@@ -51,26 +51,13 @@ GREEDY_MIN_GAP = 0.05
 
 @pytest.fixture(scope="module")
 def server(demo_checkpoint):
-    import ray
-
-    from raydeploy.serve.run import connect_ray, start_serving
-
     os.environ[KEYS_ENV] = KEY  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [
         f"model.max_seq_len={MAX_SEQ_LEN}", "engine.max_new_tokens=64", "engine.max_slots=8", "serving.max_queue=16",
         *EVAL_PRECISION, f"serving.port={free_port()}", f"serving.api_keys_env={KEYS_ENV}",
         "serving.request_timeout_s=600"])
-    assert connect_ray(None, temp_dir=f"/tmp/rdl-{os.getpid()}", num_cpus=2)
-    serving = None
-    try:
-        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint))
-        serving.wait_ready(READY_TIMEOUT_S)
-        wait_http_ready(serving.url, READY_TIMEOUT_S)
+    with live_serving(cfg, str(demo_checkpoint), "rdl", READY_TIMEOUT_S) as serving:
         yield serving
-    finally:
-        if serving is not None:
-            serving.shutdown()
-        ray.shutdown()
 
 
 def _tokenizer_dir(server) -> str:

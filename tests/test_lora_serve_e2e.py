@@ -23,10 +23,9 @@ import threading
 
 import httpx
 import pytest
-from live_http import free_port, wait_http_ready
+from live_http import free_port, live_serving
 
 from raydeploy.config import load_config
-from raydeploy.serve.run import connect_ray, start_serving
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -91,8 +90,6 @@ def adapters(demo_hf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(demo_checkpoint, adapters):
-    import ray
-
     os.environ[KEYS_ENV] = KEY  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [*PRECISION, "model.max_seq_len=512", "engine.max_new_tokens=200", "engine.max_slots=4",
                              "lora.max_adapters=2", "lora.max_rank=8",
@@ -100,17 +97,8 @@ def live(demo_checkpoint, adapters):
                              f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=600",
                              "cluster.heartbeat_timeout_s=5", "cluster.restart_backoff_s=0.5",
                              "cluster.max_restarts=2"])
-    assert connect_ray(None, temp_dir=f"/tmp/rdl-{os.getpid()}", num_cpus=2)
-    serving = None
-    try:
-        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint))
-        serving.wait_ready(READY_TIMEOUT_S)
-        wait_http_ready(serving.url, READY_TIMEOUT_S)
+    with live_serving(cfg, str(demo_checkpoint), "rdl", READY_TIMEOUT_S) as serving:
         yield serving
-    finally:
-        if serving is not None:
-            serving.shutdown()
-        ray.shutdown()
 
 
 def complete(live, model: str, ids: list[int], max_tokens: int = STEPS, **extra) -> dict:

@@ -23,7 +23,7 @@ import httpx
 import jax
 import jsonschema
 import pytest
-from live_http import free_port, wait_http_ready
+from live_http import free_port, live_serving
 from pydantic import BaseModel, Field
 
 from raydeploy.config import load_config
@@ -34,7 +34,6 @@ from raydeploy.engine.step import SamplingParams
 from raydeploy.gang.gang import resolve_checkpoint_path
 from raydeploy.gang.runtime import load_checkpoint_engine
 from raydeploy.model.sharding import build_mesh
-from raydeploy.serve.run import connect_ray, start_serving
 from raydeploy.serve.text import TextCodec
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
@@ -100,24 +99,13 @@ class GetWeather(BaseModel):
 
 @pytest.fixture(scope="module")
 def live(demo_checkpoint):
-    import ray
-
     os.environ[KEYS_ENV] = KEY  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [*ENGINE_OVERRIDES, "serving.max_queue=16", f"serving.port={free_port()}",
                              f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=600",
                              "cluster.heartbeat_timeout_s=5", "cluster.restart_backoff_s=0.5",
                              "cluster.max_restarts=2"])
-    assert connect_ray(None, temp_dir=f"/tmp/rds-{os.getpid()}", num_cpus=2)
-    serving = None
-    try:
-        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint))
-        serving.wait_ready(READY_TIMEOUT_S)
-        wait_http_ready(serving.url, READY_TIMEOUT_S)
+    with live_serving(cfg, str(demo_checkpoint), "rds", READY_TIMEOUT_S) as serving:
         yield serving
-    finally:
-        if serving is not None:
-            serving.shutdown()
-        ray.shutdown()
 
 
 def _client(live):
