@@ -92,7 +92,7 @@ def adapters(demo_hf, tmp_path_factory):
 def live(demo_checkpoint, adapters):
     os.environ[KEYS_ENV] = KEY  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [*PRECISION, "model.max_seq_len=512", "engine.max_new_tokens=200", "engine.max_slots=4",
-                             "lora.max_adapters=2", "lora.max_rank=8",
+                             "lora.max_adapters=2", "lora.max_rank=8", "lora.allow_runtime_loading=true",
                              f"lora.adapters={{alpha: {adapters['dirs']['alpha']}}}", f"serving.port={free_port()}",
                              f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=600",
                              "cluster.heartbeat_timeout_s=5", "cluster.restart_backoff_s=0.5",

@@ -289,8 +289,8 @@ class LoraConfig(_Section):
     """Largest adapter rank a slot holds; a larger adapter is refused when loaded, naming its rank."""
     adapters: dict[str, str] = field(default_factory=dict)
     """Adapters loaded at start-up: name -> PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
-    allow_runtime_loading: bool = True
-    """Whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter may load and unload adapters while serving (with the API key, where one is set)."""
+    allow_runtime_loading: bool = False
+    """Whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter may load and unload adapters while serving (with the API key, where one is set). Off by default, as in vLLM: a caller names a path the server then reads."""
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ def _runtime_loading(ing: Any) -> None:
     lora = ing.info.config.get("lora") or {}
     if not ing.core.limits.lora:
         raise InvalidRequest("this server serves no LoRA adapters (lora.max_adapters is 0)", code="invalid_value")
-    if not lora.get("allow_runtime_loading", True):
+    if not lora.get("allow_runtime_loading", False):
         raise InvalidRequest("loading and unloading LoRA adapters at runtime is off on this server "
                              "(lora.allow_runtime_loading: false)", code="invalid_value")
 
