@@ -58,6 +58,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens per stream (eos ignored)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for both arms (for example model.param_dtype=bfloat16 on a GPU)")
+    ap.add_argument("--tolerate-divergence", action="store_true",
+                    help="record where a speculative output first differs from the plain one instead of stopping "
+                         "(accelerators: the verify chunk's kernels may round a near tie the other way)")
     args = ap.parse_args()
     _env()
 
@@ -73,7 +78,7 @@ def main() -> int:
     from raydeploy.loading import build_engine
     from raydeploy.model.sharding import build_mesh
 
-    base = ["engine.max_slots=16", "model.max_seq_len=1024", "mesh.axes.dp=1", "cluster.num_hosts=1"]
+    base = ["engine.max_slots=16", "model.max_seq_len=1024", "mesh.axes.dp=1", "cluster.num_hosts=1", *args.overrides]
     cfg = load_config(None, [*base, "engine.speculative.method=ngram"])
     plain_cfg = load_config(None, base)
     path = resolve_checkpoint(cfg.model.checkpoint)
@@ -113,6 +118,20 @@ def main() -> int:
         stats = {k: v for k, v in sched.stats().items() if k.startswith("spec_decode")}
         return (inside / (t1 - t0) if t1 > t0 else float("nan")), tpots, out, stats
 
+    divergence: dict[str, list[int]] = {}
+
+    def check(name: str, got: list[list[int]], want: list[list[int]]) -> None:
+        """Speculative tokens must equal the plain ones; with --tolerate-divergence, the first differing index of
+        each differing stream is recorded instead."""
+        if got == want:
+            return
+        if not args.tolerate_divergence:
+            raise RuntimeError(f"{name}: speculative tokens differ from the plain ones")
+        for g, w in zip(got, want, strict=True):
+            if g != w:
+                divergence.setdefault(name, []).append(
+                    next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w))))
+
     many = [("story", "rewrite")[i % 2] for i in range(16)]
     for name in WORKLOADS:  # untimed: first calls of each program after warmup
         run([name], True)
@@ -122,15 +141,13 @@ def main() -> int:
         for name in WORKLOADS:
             _, (plain,), want, _ = run([name], False)
             _, (fast,), got, stats = run([name], True)
-            if got != want:
-                raise RuntimeError(f"{name}: speculative tokens differ from the plain ones")
+            check(name, got, want)
             rows.setdefault(f"tpot_{name}_plain_s", []).append(plain)
             rows.setdefault(f"tpot_{name}_ngram_s", []).append(fast)
             figures[name] = stats
         plain, _, want, _ = run(many, False)
         fast, _, got, stats = run(many, True)
-        if got != want:
-            raise RuntimeError("16 streams: speculative tokens differ from the plain ones")
+        check("16_streams", got, want)
         rows.setdefault("tok_s_16_plain", []).append(plain)
         rows.setdefault("tok_s_16_ngram", []).append(fast)
         figures["16_streams"] = stats
@@ -142,6 +159,7 @@ def main() -> int:
                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind)},
         "config": {"max_slots": 16, "decode_steps": cfg.engine.decode_steps, "sampling": "greedy",
                    "new_tokens": args.new_tokens, "speculative": "ngram, num_tokens 4, ngram 2..4, max_rows 4"},
+        "overrides": args.overrides, "divergence_first_index": divergence,
         "rounds": args.rounds, "median": med, "ratios": ratios, "all": rows, "spec_figures_last_round": figures,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
