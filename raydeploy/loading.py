@@ -24,10 +24,12 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from raydeploy.checkpoint.demo import resolve_checkpoint
 from raydeploy.checkpoint.format import CheckpointError, numpy_dtype
 from raydeploy.checkpoint.reader import CheckpointReader, LoadStats
 from raydeploy.config import Config
 from raydeploy.engine.engine import Engine
+from raydeploy.engine.speculative.draft import Drafter, check_vocab, draft_engine_config
 from raydeploy.model import quant
 from raydeploy.model.registry import Family, from_hf_config
 from raydeploy.model.sharding import merge_rules, partition_spec
@@ -71,7 +73,28 @@ def build_engine(cfg: Config, mesh: Any, checkpoint: str | Path, *, attention: A
     seconds = time.perf_counter() - t0
     engine = Engine(family, model, params, mesh, configured, model_cfg, engine_cfg, attention, lora_cfg=cfg.lora)
     del params  # the engine may hold its own (re-laid-out) copies: do not keep the loaded ones alive too
+    if engine_cfg.speculative.method == "draft":
+        engine.attach_draft(build_drafter(engine, mesh, configured, model_cfg, engine_cfg, attention))
     return BuiltEngine(engine, family, model, stats, seconds, reader)
+
+
+def build_drafter(engine: Engine, mesh: Any, rules: Mapping[str, Any], model_cfg: Any, engine_cfg: Any,
+                  attention: Any = None) -> Drafter:
+    """The draft model of `engine_cfg.speculative` (`draft_checkpoint`) for `engine`: its vocabulary checked
+    against the target's before any weight is read (an error naming both sizes), its weights read with the same
+    rules, dtypes and quantization over the same mesh, and a paged engine over them sharing the target's page
+    table (`raydeploy.engine.speculative.draft`)."""
+    ref = engine_cfg.speculative.draft_checkpoint
+    if not ref:
+        raise ValueError("engine.speculative.method draft needs engine.speculative.draft_checkpoint")
+    reader = CheckpointReader(resolve_checkpoint(ref))
+    family, model = from_hf_config(reader.hf_config, source=f"{ref}/config.json")
+    check_vocab(engine.vocab_size, model.vocab_size, ref)
+    family.check_mesh(model, dict(mesh.shape))
+    family, params, _ = load_params(reader, family, model, mesh, {**family.rules, **rules}, model_cfg,
+                                    model_cfg.load_threads)
+    draft = Engine(family, model, params, mesh, rules, model_cfg, draft_engine_config(engine_cfg), attention)
+    return Drafter(draft, engine.tables.table, engine_cfg.speculative.num_tokens, engine.vocab_size, ref)
 
 
 def weights_quantization(reader: CheckpointReader, wanted: str, where: str = "") -> str:

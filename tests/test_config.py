@@ -113,7 +113,7 @@ def test_burst_wait_is_a_fraction_of_a_pass(tmp_path: Path, value: str) -> None:
 
 
 @pytest.mark.parametrize(("text", "key", "message"), [
-    ("engine: {speculative: {method: draft}}", "engine.speculative.method", "draft is not available"),
+    ("engine: {speculative: {method: draft}}", "engine.speculative.draft_checkpoint", "method draft needs"),
     ("engine: {speculative: {num_tokens: 0}}", "engine.speculative.num_tokens", "must be >= 1, found 0"),
     ("engine: {speculative: {ngram_min: 5}}", "engine.speculative.ngram_min", "ngram_min 5 and ngram_max 4"),
     ("engine: {speculative: {min_acceptance: 1.5}}", "engine.speculative.min_acceptance", "in [0, 1], found 1.5"),

@@ -264,7 +264,7 @@ class SpeculativeConfig(_Section):
     """Speculative decoding: proposals verified in the ragged step, outputs exactly those of the model alone."""
 
     method: Literal["none", "ngram", "draft"] = "none"
-    """none; ngram = rank 0 proposes the continuation of the latest earlier match of the sequence's last tokens in its own prompt and output that has k tokens after it, else of the earliest (prompt lookup, no model); draft = a small model of the same tokenizer (`draft_checkpoint`) proposes, on the same gang: not available yet (refused at start-up, naming the setting)."""
+    """none; ngram = rank 0 proposes the continuation of the latest earlier match of the sequence's last tokens in its own prompt and output that has k tokens after it, else of the earliest (prompt lookup, no model); draft = a small model of the same tokenizer and vocabulary (`draft_checkpoint`) proposes k greedy tokens, run on the same mesh by every host's engine, with its own KV pool under the target's page table (docs/speculative.md)."""
     num_tokens: int = 4
     """Tokens proposed per speculating row and step (k); each such row is verified as a chunk of k + 1 queries."""
     ngram_max: int = 4

@@ -105,9 +105,9 @@ def _validate_speculative_and_lora(cfg: Config, src: str) -> None:
     together yet (checked again where the engine is built)."""
     sp, lo = cfg.engine.speculative, cfg.lora
     key = "engine.speculative"
-    if sp.method == "draft":
-        raise ConfigError("draft is not available in this version: use ngram (prompt lookup) or none",
-                          file=src, key=f"{key}.method")
+    if sp.method == "draft" and not sp.draft_checkpoint:
+        raise ConfigError("method draft needs a draft model's checkpoint (a checkpoint directory or a demo: name of "
+                          "the target's tokenizer)", file=src, key=f"{key}.draft_checkpoint")
     if sp.num_tokens < 1:
         raise ConfigError(f"must be >= 1, found {sp.num_tokens}", file=src, key=f"{key}.num_tokens")
     if not 1 <= sp.ngram_min <= sp.ngram_max:

@@ -49,6 +49,7 @@ from raydeploy.engine.programs import MIXED_STEP_CAP_PLATFORMS, ProgramSet, Prog
 from raydeploy.engine.request import RequestFailed
 from raydeploy.engine.sampling import BIAS_PAD, STATE_DTYPE, mask_words
 from raydeploy.engine.speculative import verify
+from raydeploy.engine.speculative.draft import Drafter
 from raydeploy.engine.step import PromptLogprobs, SeqStep, StepPlan, StepResult
 from raydeploy.lora.commands import AdapterCommand
 from raydeploy.lora.device import AdapterSlots
@@ -153,6 +154,8 @@ class Engine:
         self.adapters = AdapterSlots(ps.lora, mesh, ps.rules, ps.max_slots) if ps.lora is not None else None
         """The device-side LoRA slots (`raydeploy.lora.device`), None without LoRA."""
         self._spec_shardings = ps.spec_shardings() if ps.spec_tokens else {}
+        self.draft: Drafter | None = None
+        """The draft model of `engine.speculative.method: draft` (`attach_draft`), None otherwise."""
         self._executables: dict[ProgramShape, Any] = {}
         self._gathers: dict[tuple[int, int, int], Any] = {}
         self._all_allowed_by_rows: dict[int, jax.Array] = {}
@@ -281,6 +284,9 @@ class Engine:
             self._gather_exe(1, ps.groups * t, PLACE_COLUMNS)
         if ps.spec_tokens:  # the speculating rows' emitted tokens of a verify step
             self._gather_exe(1, ps.groups * ps.spec_rows * (ps.spec_tokens + 1))
+        if self.draft is not None:  # the draft's programs, named apart from the target's
+            for name, seconds in self.draft.engine.warmup(threads).items():
+                self.compile_s[f"draft_{name}"] = seconds
         return dict(self.compile_s)
 
     @contextmanager
@@ -400,6 +406,13 @@ class Engine:
             raise ValueError(f"plan {plan.step_id}: {int(per_group.max())} speculating rows in one dp group, a verify "
                              f"program holds {ps.spec_rows} (engine.speculative.max_rows)")
 
+    def attach_draft(self, draft: Drafter) -> None:
+        """Propose with `draft` (`engine.speculative.method: draft`): its engine shares this engine's page table
+        from now on (`raydeploy.engine.speculative.draft`)."""
+        if not self.programs_set.spec_tokens:
+            raise ValueError("a draft model needs an engine with speculation (engine.speculative.method draft)")
+        self.draft = draft
+
     def _adapter_slots(self) -> AdapterSlots:
         if self.adapters is None:
             raise ValueError("this engine has no adapter slots (lora.max_adapters 0)")
@@ -466,7 +479,12 @@ class Engine:
         t.release(plan.release)
         t.apply(plan.pages)
         self._check(plan)
-        result = self._run(list(plan.seqs), plan.decode_steps)
+        seqs = list(plan.seqs)
+        if self.draft is not None:  # the draft's proposals in place of the plan's placeholders, on every host
+            seqs = self.draft.propose(seqs, plan.step_id)
+        result = self._run(seqs, plan.decode_steps)
+        if self.draft is not None:
+            self.draft.observe(seqs, result, plan.decode_steps)
         result.step_id = plan.step_id
         return result
 

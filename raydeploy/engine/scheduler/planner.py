@@ -28,6 +28,7 @@ from raydeploy.engine.scheduler.pacing import Pacing
 from raydeploy.engine.scheduler.placement import Placement, rows_per_group
 from raydeploy.engine.scheduler.records import Paging, Queued, Running, Sink
 from raydeploy.engine.speculative import ngram
+from raydeploy.engine.speculative.draft import DRAFT_PLACEHOLDER
 from raydeploy.engine.speculative.policy import SpecCounters, SpeculationPolicy
 from raydeploy.engine.step import PageUpdate, SeqStep, StepPlan, StepResult
 
@@ -413,11 +414,19 @@ class Scheduler(Failures):
             g = slot // per_group
             k = min(policy.num_tokens, run.cap - run.computed - 1, self.max_seq_len - 2 - run.computed,
                     run.req.max_tokens - run.generated - 1, budget[g])
-            proposed = ngram.propose(run.tokens, k, policy.ngram_max, policy.ngram_min) if k > 0 else []
+            proposed = self._propose(run, k, policy) if k > 0 else []
             if proposed:
                 out[slot] = proposed
                 budget[g] -= len(proposed)
         return out
+
+    @staticmethod
+    def _propose(run: Running, k: int, policy: SpeculationPolicy) -> list[int]:
+        """`run`'s proposals: the prompt lookup's (ngram), or k placeholders that every host's engine replaces with
+        its draft model's proposals (draft: `raydeploy.engine.speculative.draft`)."""
+        if policy.method == "draft":
+            return [DRAFT_PLACEHOLDER] * k
+        return ngram.propose(run.tokens, k, policy.ngram_max, policy.ngram_min)
 
     def _may_speculate(self, run: Running) -> bool:
         """Whether `run` may speculate in the plan being made: not constrained (its mask after a proposal needs

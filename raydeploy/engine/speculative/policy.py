@@ -43,9 +43,12 @@ class SpeculationPolicy:
         field for a value out of range."""
         if spec.method == "none":
             return None
-        if spec.method != "ngram":
-            raise ValueError(f"engine.speculative.method {spec.method} is not available in this version: use ngram "
-                             f"(prompt lookup) or none")
+        if spec.method not in ("ngram", "draft"):
+            raise ValueError(f"engine.speculative.method {spec.method} is unknown: use ngram (prompt lookup), draft "
+                             f"(a draft model) or none")
+        if spec.method == "draft" and not spec.draft_checkpoint:
+            raise ValueError("engine.speculative.method draft needs engine.speculative.draft_checkpoint (the draft "
+                             "model's checkpoint)")
         if spec.num_tokens < 1:
             raise ValueError(f"engine.speculative.num_tokens {spec.num_tokens} must be >= 1")
         if not 1 <= spec.ngram_min <= spec.ngram_max:
