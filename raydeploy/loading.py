@@ -67,34 +67,44 @@ def build_engine(cfg: Config, mesh: Any, checkpoint: str | Path, *, attention: A
     reader = CheckpointReader(checkpoint)
     family, model = from_hf_config(reader.hf_config, source=f"{checkpoint}/config.json")
     family.check_mesh(model, dict(mesh.shape))  # before any weight is read
+    spec = engine_cfg.speculative
+    draft = read_draft(spec.draft_checkpoint, model.vocab_size, mesh) if spec.method == "draft" else None
     t0 = time.perf_counter()
     family, params, stats = load_params(reader, family, model, mesh, {**family.rules, **configured}, model_cfg,
                                         model_cfg.load_threads if load_threads is None else load_threads)
     seconds = time.perf_counter() - t0
     engine = Engine(family, model, params, mesh, configured, model_cfg, engine_cfg, attention, lora_cfg=cfg.lora)
     del params  # the engine may hold its own (re-laid-out) copies: do not keep the loaded ones alive too
-    if engine_cfg.speculative.method == "draft":
-        engine.attach_draft(build_drafter(engine, mesh, configured, model_cfg, engine_cfg, attention))
+    if draft is not None:
+        engine.attach_draft(build_drafter(engine, mesh, configured, model_cfg, engine_cfg, attention, draft))
     return BuiltEngine(engine, family, model, stats, seconds, reader)
 
 
-def build_drafter(engine: Engine, mesh: Any, rules: Mapping[str, Any], model_cfg: Any, engine_cfg: Any,
-                  attention: Any = None) -> Drafter:
-    """The draft model of `engine_cfg.speculative` (`draft_checkpoint`) for `engine`: its vocabulary checked
-    against the target's before any weight is read (an error naming both sizes), its weights read with the same
-    rules, dtypes and quantization over the same mesh, and a paged engine over them sharing the target's page
-    table (`raydeploy.engine.speculative.draft`)."""
-    ref = engine_cfg.speculative.draft_checkpoint
+def read_draft(ref: str | None, target_vocab: int, mesh: Any) -> tuple[CheckpointReader, Family, Any]:
+    """The draft checkpoint of `engine.speculative.draft_checkpoint` (`ref`, a directory or a `demo:` name) as
+    (reader, family, parsed config), checked before any weight of either model is read: its vocabulary is the
+    target's (`target_vocab`; ValueError naming both sizes) and its family runs on `mesh`."""
     if not ref:
         raise ValueError("engine.speculative.method draft needs engine.speculative.draft_checkpoint")
     reader = CheckpointReader(resolve_checkpoint(ref))
     family, model = from_hf_config(reader.hf_config, source=f"{ref}/config.json")
-    check_vocab(engine.vocab_size, model.vocab_size, ref)
+    check_vocab(target_vocab, model.vocab_size, ref)
     family.check_mesh(model, dict(mesh.shape))
+    return reader, family, model
+
+
+def build_drafter(engine: Engine, mesh: Any, rules: Mapping[str, Any], model_cfg: Any, engine_cfg: Any,
+                  attention: Any = None, draft: tuple[CheckpointReader, Family, Any] | None = None) -> Drafter:
+    """The draft model of `engine_cfg.speculative` for `engine` (`draft`: `read_draft`'s, read here when not
+    given): its weights read with the same rules, dtypes and quantization over the same mesh, and a paged engine
+    over them sharing the target's page table (`raydeploy.engine.speculative.draft`)."""
+    ref = engine_cfg.speculative.draft_checkpoint
+    reader, family, model = draft or read_draft(ref, engine.vocab_size, mesh)
     family, params, _ = load_params(reader, family, model, mesh, {**family.rules, **rules}, model_cfg,
                                     model_cfg.load_threads)
-    draft = Engine(family, model, params, mesh, rules, model_cfg, draft_engine_config(engine_cfg), attention)
-    return Drafter(draft, engine.tables.table, engine_cfg.speculative.num_tokens, engine.vocab_size, ref)
+    draft_engine = Engine(family, model, params, mesh, rules, model_cfg, draft_engine_config(engine_cfg), attention)
+    del params
+    return Drafter(draft_engine, engine.tables.table, engine_cfg.speculative.num_tokens, engine.vocab_size, str(ref))
 
 
 def weights_quantization(reader: CheckpointReader, wanted: str, where: str = "") -> str:

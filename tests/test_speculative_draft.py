@@ -76,11 +76,22 @@ def _run_draft(ckpt: Path, draft: Path, requests: list[GenerationRequest], mesh:
 
 # -- host parts -------------------------------------------------------------------------------------------------
 
-def test_a_draft_of_another_vocabulary_is_refused_naming_both_sizes():
+def test_a_draft_of_another_vocabulary_is_refused_naming_both_sizes(tmp_path):
+    """A converted draft checkpoint of 96 tokens for a target of 128: refused from its config alone, before a
+    weight of either model is read (`build_engine` checks it before reading the target's), naming both sizes."""
+    import jax
+
+    from raydeploy.loading import read_draft
+    from raydeploy.model.sharding import build_mesh
+
     check_vocab(128, 128, "d")
-    with pytest.raises(ValueError, match=r"draft model's vocab_size 96 differs from the target model's vocab_size "
-                                         r"128"):
-        check_vocab(128, 96, "/ckpt/draft")
+    other = _checkpoint("qwen3", tmp_path, {**DRAFT, "vocab_size": 96})
+    mesh = build_mesh({"dp": 1}, jax.devices()[:1])
+    with pytest.raises(ValueError, match=r"draft_checkpoint .*: the draft model's vocab_size 96 differs from the "
+                                         r"target model's vocab_size 128"):
+        read_draft(str(other), 128, mesh)
+    reader, _, model = read_draft(str(other), 96, mesh)
+    assert model.vocab_size == 96 and reader.path == other
 
 
 def test_the_scheduler_plans_placeholders_for_the_draft():
