@@ -1,4 +1,5 @@
-"""Speculative decoding (prompt lookup, `engine.speculative.method: ngram`) against plain decoding, same run.
+"""Speculative decoding (prompt lookup, `engine.speculative.method: ngram`, or a draft model, `draft`) against plain
+decoding, same run.
 
 One process, one CPU device (a gang host's share of the embedded default), the real demo model, the serving
 scheduler (`decode_steps` 4), as rank 0 runs it; greedy requests. One engine with the verify programs serves
@@ -11,11 +12,16 @@ programs), measured in interleaved rounds (medians reported):
 - 16 streams (the story and the rewrite, alternating): aggregate decode tok/s with ngram against without while
   all 16 decode; goal >= 0.95x (the per-step back-off, `max_rows`, keeps their multi-pass plans).
 
+`--method draft` measures the draft-model method the same way (`--draft-checkpoint`, by default the served model
+itself: a draft that proposes exactly the target's greedy tokens, the upper bound of acceptance, at the cost of a
+draft as large as the target); its results go to benchmarks/results/speculative_draft.json.
+
 Every speculative output is checked token for token against the plain one, so a faster run cannot hide a wrong
 token. Not over HTTP: the ingress adds the same per-token cost to both arms.
 
     .venv/bin/python benchmarks/speculative.py        # writes benchmarks/results/speculative.json
     .venv/bin/python benchmarks/speculative.py --rounds 1 --new-tokens 64
+    .venv/bin/python benchmarks/speculative.py --method draft --no-16-streams
 """
 
 from __future__ import annotations
@@ -57,7 +63,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens per stream (eos ignored)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results file (default benchmarks/results/speculative.json, speculative_draft.json for draft)")
+    ap.add_argument("--method", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument("--draft-checkpoint", default=None,
+                    help="the draft model of --method draft (default: the served model drafts for itself)")
+    ap.add_argument("--no-16-streams", dest="many", action="store_false", help="measure one stream only")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for both arms (for example model.param_dtype=bfloat16 on a GPU)")
     ap.add_argument("--tolerate-divergence", action="store_true",
@@ -79,8 +90,13 @@ def main() -> int:
     from raydeploy.model.sharding import build_mesh
 
     base = ["engine.max_slots=16", "model.max_seq_len=1024", "mesh.axes.dp=1", "cluster.num_hosts=1", *args.overrides]
-    cfg = load_config(None, [*base, "engine.speculative.method=ngram"])
+    method = args.method
     plain_cfg = load_config(None, base)
+    spec_sets = [f"engine.speculative.method={method}"]
+    if method == "draft":
+        spec_sets.append(f"engine.speculative.draft_checkpoint={args.draft_checkpoint or plain_cfg.model.checkpoint}")
+    cfg = load_config(None, [*base, *spec_sets])
+    out_path = args.out or (RESULTS if method == "ngram" else RESULTS.with_name(f"speculative_{method}.json"))
     path = resolve_checkpoint(cfg.model.checkpoint)
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     mesh = build_mesh({"dp": 1}, jax.devices()[:1])
@@ -143,27 +159,34 @@ def main() -> int:
             _, (fast,), got, stats = run([name], True)
             check(name, got, want)
             rows.setdefault(f"tpot_{name}_plain_s", []).append(plain)
-            rows.setdefault(f"tpot_{name}_ngram_s", []).append(fast)
+            rows.setdefault(f"tpot_{name}_{method}_s", []).append(fast)
             figures[name] = stats
+        if not args.many:
+            continue
         plain, _, want, _ = run(many, False)
         fast, _, got, stats = run(many, True)
         check("16_streams", got, want)
         rows.setdefault("tok_s_16_plain", []).append(plain)
-        rows.setdefault("tok_s_16_ngram", []).append(fast)
+        rows.setdefault(f"tok_s_16_{method}", []).append(fast)
         figures["16_streams"] = stats
     med = {k: statistics.median(v) for k, v in rows.items()}
-    ratios = {f"tpot_{n}_speedup": med[f"tpot_{n}_plain_s"] / med[f"tpot_{n}_ngram_s"] for n in WORKLOADS}
-    ratios["tok_s_16_ngram_over_plain"] = med["tok_s_16_ngram"] / med["tok_s_16_plain"]
+    ratios = {f"tpot_{n}_speedup": med[f"tpot_{n}_plain_s"] / med[f"tpot_{n}_{method}_s"] for n in WORKLOADS}
+    if args.many:
+        ratios[f"tok_s_16_{method}_over_plain"] = med[f"tok_s_16_{method}"] / med["tok_s_16_plain"]
+    spec = cfg.engine.speculative
+    described = (f"ngram, num_tokens {spec.num_tokens}, ngram {spec.ngram_min}..{spec.ngram_max}, max_rows "
+                 f"{spec.max_rows}" if method == "ngram" else
+                 f"draft {spec.draft_checkpoint}, num_tokens {spec.num_tokens}, max_rows {spec.max_rows}")
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "flags": cpu_flags(),
                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind)},
         "config": {"max_slots": 16, "decode_steps": cfg.engine.decode_steps, "sampling": "greedy",
-                   "new_tokens": args.new_tokens, "speculative": "ngram, num_tokens 4, ngram 2..4, max_rows 4"},
+                   "new_tokens": args.new_tokens, "speculative": described},
         "overrides": args.overrides, "divergence_first_index": divergence,
         "rounds": args.rounds, "median": med, "ratios": ratios, "all": rows, "spec_figures_last_round": figures,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(med | ratios, indent=2))
     return 0
 
