@@ -64,8 +64,9 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 
              "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
-PROGRAM_KINDS = ("step", "presence")
-"""Program kinds of the engine (`raydeploy.engine.programs.ProgramShape.kind`), for --only."""
+PROGRAM_KINDS = ("step", "presence", "verify")
+"""Program kinds of the engine (`raydeploy.engine.programs.ProgramShape.kind`), for --only. `verify` programs (the
+ragged step that checks speculative proposals) exist only where `engine.speculative.method` is not none."""
 
 
 class CompileError(RuntimeError):

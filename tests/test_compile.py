@@ -222,7 +222,7 @@ def test_two_deviceless_compiles_at_once():
 def test_unknown_program_kind_is_named():
     r = _run("configs/tpu-v5e-16.yaml", "--only", "decode")
     assert r.returncode == 1
-    assert "unknown program kind(s) decode (kinds: step, presence)" in r.stderr
+    assert "unknown program kind(s) decode (kinds: step, presence, verify)" in r.stderr
 
 
 def test_gpu_configs_say_there_is_no_deviceless_gpu_target():
@@ -435,3 +435,28 @@ def test_decode_reads_the_int8_weights_as_stored(quant_reports, name):
             assert math.prod(dims) not in kernel_shards, f"{p['name']}: a float copy of a weight in HBM: {shape}"
         # the temporaries are smaller than the largest (stacked) kernel in bfloat16: no whole weight converted
         assert p["temp_bytes"] < 2 * max(kernel_shards), p["name"]
+
+
+# -- speculative decoding: the verify programs ------------------------------------------------------------------------
+
+def test_speculation_adds_verify_programs_that_compile_and_fit():
+    """tpu-v5e-16 with `--set engine.speculative.method=ngram`: `raydeploy compile` lists and compiles the verify
+    programs (`verify_{T}x{P}`: a dp group's 4 speculating rows of k + 1 = 5 places beside a decode row for each
+    of its other 38 slots, in the step's token buckets from 2 to 4 x 5 + 38 = 58), each fits the chip and takes
+    the weights and the KV pool as arguments (and updates the pool in place: no cache-sized temporaries); without
+    speculation the config has none. Only the verify programs are compiled here (`--only verify`): the step
+    programs are those of the base config (`tpu_reports`). Their peak bytes per chip are printed for the record."""
+    pytest.importorskip("libtpu")
+    plain = _run("configs/tpu-v5e-16.yaml", "--json", "--only", "verify")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert json.loads(plain.stdout)["programs"] == []
+    r = _run("configs/tpu-v5e-16.yaml", "--json", "--only", "verify", "--set", "engine.speculative.method=ngram")
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    rep = json.loads(r.stdout)
+    assert "TPU v5 lite" in rep["target"] and rep["problems"] == [], rep["problems"]
+    assert sorted(p["name"] for p in rep["programs"]) == sorted(f"verify_{t}x512" for t in (4, 16, 42, 64))
+    print("verify programs, peak GiB per chip:", {p["name"]: round(p["peak_bytes"] / GIB, 3) for p in rep["programs"]})
+    for p in rep["programs"]:
+        assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
+        assert p["argument_bytes"] >= rep["weight_bytes_per_chip"] + rep["kv_cache_bytes_per_chip"], p["name"]
+        assert p["temp_bytes"] < rep["kv_cache_bytes_per_chip"] / llama_layers("tpu-v5e-16"), p["name"]
