@@ -167,6 +167,7 @@ def test_the_target_as_its_own_draft_accepts_every_greedy_proposal(target, plain
     assert stats["spec_decode_num_draft_tokens"] > 40
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
     assert stats["spec_decode_acceptance_rate"] == 1.0
+    assert with_itself.draft.unknown == 0  # every speculating row was drafted
 
 
 def test_seeded_sampled_outputs_equal_those_without(target, small_draft, plain, with_small):

@@ -88,7 +88,9 @@ class Drafter:
         self._written = np.zeros(slots, np.int64)
         """Per slot, proposals whose K/V the last proposal wrote past the row's last token (valid if accepted)."""
         self.draft_steps = 0
-        """Draft engine steps run (catch-up chunks and proposal passes), for status."""
+        """Draft engine steps run (catch-up chunks and proposal passes)."""
+        self.unknown = 0
+        """Speculating rows left with their placeholders because the draft did not know their tokens."""
 
     # -- what the target engine did
     def observe(self, seqs: Sequence[SeqStep], result: StepResult, steps: int) -> None:
@@ -125,16 +127,16 @@ class Drafter:
     # -- the proposals
     def propose(self, seqs: Sequence[SeqStep], step_id: int) -> list[SeqStep]:
         """`seqs` with each speculating row's placeholders replaced by the draft's greedy proposals (the same on
-        every host: the same draft programs over the same state). Rows that do not speculate are unchanged."""
-        rows = [q for q in seqs if q.spec]
+        every host: the same draft programs over the same state). Rows that do not speculate are unchanged, and so
+        is a row whose tokens the draft was not told (`unknown`; it cannot happen through `observe`): its
+        placeholders are verified as they are, which changes no output token."""
+        rows = [q for q in seqs if q.spec and len(self.history[q.slot]) >= q.start]
+        self.unknown += sum(1 for q in seqs if q.spec) - len(rows)
         if not rows:
             return list(seqs)
         ends: dict[int, int] = {}
         for q in rows:
             h = self.history[q.slot]
-            if len(h) < q.start:
-                raise ValueError(f"plan {step_id}: slot {q.slot} speculates at position {q.start}, but the draft "
-                                 f"knows its tokens only up to position {len(h)}")
             del h[q.start:]
             h.append(int(np.asarray(q.tokens).reshape(-1)[0]))
             ends[q.slot] = q.start + 1
@@ -153,7 +155,7 @@ class Drafter:
                 proposals[q.slot].extend(int(t) for t in result.tokens[: n - 1, j])
         out = []
         for q in seqs:
-            if not q.spec:
+            if q.slot not in proposals:
                 out.append(q)
                 continue
             props = proposals[q.slot][: q.spec]
