@@ -357,8 +357,8 @@ class Engine:
         return ones
 
     def _check_allowed(self, plan: StepPlan) -> None:
-        """The plan's allowed-token masks: each on a sampling row of a one-pass plan (the next mask needs this
-        token: ValueError naming the slot), each of ceil(vocab / 32) words (`RequestFailed` naming the rows
+        """The plan's allowed-token masks: each on a sampling row (ValueError naming the slot; in a plan of several
+        passes the row draws in the first only: `SeqStep.first_pass_only`), each of ceil(vocab / 32) words (`RequestFailed` naming the rows
         whose mask has another length). Checked before any device work, so every host raises alike."""
         words = mask_words(self.vocab_size)
         bad = []
@@ -368,10 +368,6 @@ class Engine:
             if not q.sample:
                 raise ValueError(f"plan {plan.step_id}: slot {q.slot} carries an allowed-token mask but does not "
                                  f"sample")
-            if plan.decode_steps > 1:
-                raise ValueError(f"plan {plan.step_id}: slot {q.slot} carries an allowed-token mask in a plan of "
-                                 f"decode_steps {plan.decode_steps}; a constrained row needs each token before its "
-                                 f"next mask, so its plan runs one pass")
             n = int(np.asarray(q.allowed).size)
             if n != words:
                 bad.append((q.slot, n))
@@ -525,12 +521,17 @@ class Engine:
         if self.adapters is not None:
             weights = (*weights, self.adapters.step_arg())
         params = (weights, self._layer_views) if ps.unrolled(shape) else weights
-        outs, alts, rows = [], [], []
+        outs, alts = [], []
         places, host_places = None, []
         spec_out, spec_host = None, None
-        for k in range(steps):  # no host round trip between the steps of a plan
+        # a constrained row draws in the first pass only (`SeqStep.first_pass_only`): later passes leave it out
+        later = [i for i, q in enumerate(seqs) if not q.first_pass_only]
+        passes = steps if later else 1
+        at = np.full((steps, len(seqs)), -1, np.int64)  # each sequence's row in each pass (-1: not in it)
+        for k in range(passes):  # no host round trip between the steps of a plan
             rows_per_group = ps.rows_for(tokens)
-            host = build_inputs(seqs, t, ps.page_size, tokens, rows_per_group, pages, step=k,
+            cols = list(range(len(seqs))) if k == 0 else later
+            host = build_inputs([seqs[i] for i in cols], t, ps.page_size, tokens, rows_per_group, pages, step=k,
                                 reset=reset if k == 0 else (), vocab=self.vocab_size)
             if speculating:
                 spec_host = self._spec_inputs(seqs, host.arrays, host.rows, host.places, tokens)
@@ -546,14 +547,20 @@ class Engine:
             outs.append(out)
             alts.append(alt)
             places = places if places is not None else places_k  # prompt chunks run in one-pass plans
-            rows, host_places = host.rows, host.places
-        packed = self._gather(outs)  # [steps, 2, G*R]
-        idx = np.asarray(rows)
-        toks = packed[:, 0, :].view(np.int32)[:, idx]
-        lps = packed[:, 1, :][:, idx]
-        sampled = np.asarray([q.sample for q in seqs])
-        result = StepResult(-1, np.where(sampled, toks, 0).astype(np.int32),
-                            np.where(sampled, lps, 0.0).astype(np.float32))
+            at[k, cols] = host.rows
+            if k == 0:
+                host_places = host.places
+        packed = self._gather(outs)  # [passes, 2, G*R]
+        kept = at[:passes] >= 0
+        idx = np.where(kept, at[:passes], 0)
+        pass_ix = np.arange(passes)[:, None]
+        toks = packed[:, 0, :].view(np.int32)[pass_ix, idx]
+        lps = packed[:, 1, :][pass_ix, idx]
+        sampled = kept & np.asarray([q.sample for q in seqs])
+        result = StepResult(-1, np.zeros((steps, len(seqs)), np.int32), np.zeros((steps, len(seqs)), np.float32))
+        assert result.tokens is not None and result.logprobs is not None
+        result.tokens[:passes] = np.where(sampled, toks, 0)
+        result.logprobs[:passes] = np.where(sampled, lps, 0.0)
         if spec_out is not None and spec_host is not None:
             self._spec_results(result, seqs, spec_out, spec_host)
         self._logprob_results(result, seqs, alts, idx, places, host_places)
@@ -593,13 +600,16 @@ class Engine:
     def _logprob_results(self, result: StepResult, seqs: list[SeqStep], alts: list[jax.Array], idx: np.ndarray,
                          places: Any, first_places: list[int]) -> None:
         """Read the alternatives and prompt logprobs back only when some sequence asked for them (so a step without
-        moves nothing more than its tokens) into `result`: [steps, seqs, K] ids and logprobs, and per sequence
+        moves nothing more than its tokens) into `result`: [steps, seqs, K] ids and logprobs (`idx`: each
+        sequence's row in each pass that ran, [passes, seqs]; zeros where it was not in one), and per sequence
         its chunk's `PromptLogprobs`."""
         k = MAX_TOP_LOGPROBS
         if any(q.top_logprobs and q.sample for q in seqs):
-            both = self._gather(alts)[:, :, idx]  # [steps, 2K, seqs]
-            result.top_ids = np.ascontiguousarray(both[:, :k].view(np.int32).transpose(0, 2, 1))
-            result.top_logprobs = np.ascontiguousarray(both[:, k:].transpose(0, 2, 1))
+            assert result.tokens is not None
+            both = np.zeros((result.tokens.shape[0], len(seqs), 2 * k), np.float32)  # [steps, seqs, 2K]
+            both[:idx.shape[0]] = self._gather(alts)[np.arange(idx.shape[0])[:, None], :, idx]
+            result.top_ids = np.ascontiguousarray(both[:, :, :k].view(np.int32))
+            result.top_logprobs = np.ascontiguousarray(both[:, :, k:])
         if places is None or not any(q.prompt_logprobs for q in seqs):
             return
         table = self._gather([places], pad=False)[0]  # [2 + 2K, G*T]

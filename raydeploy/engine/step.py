@@ -149,8 +149,8 @@ class SeqStep:
     `allowed`: set on a sampling row of a constrained request (structured outputs, `raydeploy.constraints`):
     the tokens its next draw may take, as packed bits (uint32 words [ceil(vocab / 32)], token i allowed when bit
     i % 32 of word i // 32 is set; the model's vocabulary, tokens past the grammar's vocabulary cleared). Rank 0
-    computes it from the request's matcher, every host applies the same bits in the jitted sampler. A plan with
-    such a row runs one pass (`decode_steps` 1): the next mask needs this token.
+    computes it from the request's matcher, every host applies the same bits in the jitted sampler. Such a row
+    draws in its plan's first pass only (`first_pass_only`): the next mask needs this token.
 
     `stop_ids`, `stop_until`: set on the first chunk of a request with `min_tokens`: the ids that would end it
     (the model's eos unless ignored, and its stop ids) and the position before which its draws may not take them
@@ -177,6 +177,13 @@ class SeqStep:
     adapter: int = -1
     """Set on a request's first chunk: the LoRA adapter slot every token of the request uses (-1: the base
     model); the engine keeps it for the slot (`raydeploy.lora`)."""
+
+    @property
+    def first_pass_only(self) -> bool:
+        """Whether this row draws in its plan's first pass only: a constrained row (`allowed`), whose next mask
+        needs this token on rank 0. The engine leaves it out of the plan's later passes (it writes no K/V, token
+        state or last token there) and its plan's later token rows hold 0 for it."""
+        return self.allowed is not None
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,13 @@ class ConstrainedDraws:
         self.mask_s = 0.0
         """Seconds spent computing them (at submit in callers' threads, then before each plan in the step loop's,
         never under the scheduler's lock)."""
+        self.shared_passes = False
+        """Whether a decode plan that mixes constrained and unconstrained rows runs `decode_steps` passes, its
+        constrained rows drawing in the first pass only (`SeqStep.first_pass_only`), instead of one pass for all.
+        Off: measured on CPU, a pass costs what its rows cost, so the later passes (of the same program, the
+        constrained rows' places padding) cost as much as full ones while the constrained rows wait a whole plan
+        for each token (docs/structured-outputs.md, benchmarks/structured_decode.py). A deployment whose
+        per-plan costs (the plan's broadcast, the tokens' readback) outweigh a pass gains from it."""
         self._counts = threading.Lock()
 
     def compile(self, req: GenerationRequest) -> tuple[Matcher, np.ndarray]:

@@ -436,14 +436,17 @@ class Scheduler(Failures):
                 and run.generated >= run.req.sampling.min_tokens and run.acceptance.allows(self._step_id))
 
     def _decode_steps(self, runs: list[Running]) -> int:
-        """Steps of a decode-only plan: `decode_steps`, but no more than the running requests still want and
-        never past a request's reserved positions (which include max_seq_len's bound); one with a constrained
-        row runs one pass (its next mask needs this token). Unconstrained rows beside it then pay the per-plan
-        costs for each token: measured in benchmarks/results (grammar_mask)."""
-        if not runs or any(r.matcher is not None for r in runs):
+        """Steps of a decode-only plan: `decode_steps`, but no more than the unconstrained running requests still
+        want and never past a request's reserved positions (which include max_seq_len's bound). A plan of
+        constrained rows only runs one pass (each next mask needs this token). One that mixes both kinds runs one
+        pass too, unless `ConstrainedDraws.shared_passes`: then its constrained rows draw in its first pass only
+        (`SeqStep.first_pass_only`) and the others take every pass (the trade is measured in
+        benchmarks/results/structured_decode.json: docs/structured-outputs.md)."""
+        free = [r for r in runs if r.matcher is None]
+        if not free or (len(free) < len(runs) and not self.constrained.shared_passes):
             return 1
         room = min(r.cap - r.computed for r in runs)
-        wanted = max(r.req.max_tokens - r.generated for r in runs)
+        wanted = max(r.req.max_tokens - r.generated for r in free)
         return max(1, min(self.decode_steps, room, wanted))
 
     def _on_result(self, plan: StepPlan, result: StepResult, events: list, now: float) -> None:
@@ -479,7 +482,8 @@ class Scheduler(Failures):
                 if self._slots[slot] is run:
                     self._commit(run)
                 continue
-            for k in range(plan.decode_steps):  # tokens after a request finished are dropped
+            # tokens after a request finished are dropped; a constrained row drew in the first pass only
+            for k in range(1 if seq.first_pass_only else plan.decode_steps):
                 if self._slots[slot] is not run:
                     break
                 run.computed += 1
