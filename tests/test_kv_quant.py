@@ -72,11 +72,13 @@ def test_round_trip_error_within_its_bound(dtype):
     assert rel < (0.01 if dtype == "int8" else 0.05), rel
 
 
+@pytest.mark.parametrize("layout", ["rows", "tpu"])
 @pytest.mark.parametrize("dtype", QUANTIZED)
-def test_packed_kv_unpacks_exactly_and_the_engines_scatter_writes_it(dtype):
+def test_packed_kv_unpacks_exactly_and_the_engines_scatter_writes_it(dtype, layout):
     """`to_pool_dtype` into a quantized pool gives the packed form [T, 2*Hkv, D + 4]; a pool's `.at[...].set`, as
     the step programs' write calls it (pages flattened with the layers, a dropped out-of-range index), stores the
-    values and scales `quantize` gives, and a padding place writes nothing."""
+    values and scales `quantize` gives, and a padding place writes nothing. In both layouts: the rows one, and
+    the TPU one (values [pages, 1, 2*Hkv, page_size, D], scales 128 lanes a row: 32 pages of 4 tokens)."""
     rng = np.random.default_rng(1)
     kv = jnp.asarray(rng.standard_normal((3, 4, 32)) * 5, jnp.float32)
     packed = to_pool_dtype(kv, jnp.dtype(dtype))
@@ -85,13 +87,18 @@ def test_packed_kv_unpacks_exactly_and_the_engines_scatter_writes_it(dtype):
     got_v, got_s = kv_quant.unpack(packed, dtype)
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(values, np.float32))
     np.testing.assert_array_equal(np.asarray(got_s), np.asarray(scales))
-    layers, pages, page_size = 2, 5, 4
+    layers, pages, page_size = 2, 32, 4
     pool = kv_quant.zeros_pool((layers, pages, page_size, 4, 32), dtype)
+    if layout == "tpu":
+        pool = pool.in_layout(kv_quant.tpu_pages_per_row(page_size, pages))
+        assert pool.pages_per_row == 32 and pool.stored_values.shape == (layers, pages, 1, 4, page_size, 32)
+        assert pool.stored_scales.shape == (layers, 1, 1, 4, 1, 128) and pool.shape == (layers, pages, page_size, 4, 32)
     flat = pool.reshape(layers * pages, page_size, 4, 32)
     dest = jnp.asarray([1 * pages + 3, 0 * pages + 2, layers * pages])  # layer 1 page 3, layer 0 page 2, dropped
     offset = jnp.asarray([1, 3, 0])
     out = flat.at[dest, offset].set(packed, mode="drop").reshape(pool.shape)
     assert isinstance(out, QuantizedPool) and out.shape == pool.shape and out.scales.shape == (*pool.shape[:-1], 1)
+    assert out.pages_per_row == pool.pages_per_row
     deq = np.asarray(out.dequantized())
     want = np.asarray(kv_quant.dequantize(values, scales))
     np.testing.assert_array_equal(deq[1, 3, 1], want[0])
@@ -153,14 +160,31 @@ def test_int8_pool_reads_close_to_the_float_pool():
     assert err.max() < 0.05 and err.mean() < 0.01, (err.max(), err.mean())
 
 
+@pytest.mark.parametrize("layout", ["rows", "tpu"])
 @pytest.mark.parametrize("dtype", QUANTIZED)
-def test_pallas_tpu_interpret_reads_the_quantized_pool_as_xla(tpu_interpreter, dtype):  # noqa: F811
+def test_pallas_tpu_interpret_reads_the_quantized_pool_as_xla(tpu_interpreter, dtype, layout):  # noqa: F811
+    """The TPU wrapper's dequantized copy of the table's pages, from a pool in either layout, read by jax's kernel
+    (interpret mode), equals the XLA path over the rows layout; the XLA path reads the TPU layout alike."""
     args = quantized_step(dtype, **MIXED, q_heads=8, head_dim=128, seed=1)
     ref = xla.ragged_paged_attention(*args, sm_scale=SCALE, soft_cap=2.0)
+    if layout == "tpu":
+        pool = args[1].in_layout(kv_quant.tpu_pages_per_row(args[1].shape[1], args[1].shape[0]))
+        assert pool.pages_per_row == 32  # 32 pages of 4 tokens: one 128-lane row of scales per head
+        args = (args[0], pool, *args[2:])
+        assert_matches(xla.ragged_paged_attention(*args, sm_scale=SCALE, soft_cap=2.0), ref, args)
     out = pallas_tpu.ragged_paged_attention(*args, sm_scale=SCALE, soft_cap=2.0, num_queries_per_block=4,
                                             num_kv_pages_per_block=2, interpret=True)
     assert_matches(out, ref, args)
     assert not np.asarray(out[live_rows(args):]).any()
+
+
+def test_the_tpu_layout_is_chosen_on_tpu_only_and_where_pages_fill_its_rows():
+    assert kv_quant.tpu_pages_per_row(16, 18432) == 8 and kv_quant.tpu_pages_per_row(256, 10) == 1
+    assert kv_quant.tpu_pages_per_row(16, 18436) == 0 and kv_quant.tpu_pages_per_row(48, 64) == 0
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    assert kv_quant.layout_for((2, 64, 16, 4, 128), cpu) == 0
+    pool = kv_quant.abstract_pool((2, 64, 16, 4, 128), "int8", cpu)
+    assert pool.pages_per_row == 0 and pool.stored_values.shape == (2, 64, 16, 4, 128)
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
@@ -246,3 +270,30 @@ def test_int8_kv_prefix_reuse_and_chunked_prefill_give_the_tokens_of_a_request_a
     chunked = PlanDriver(int8_engine, chunk=16).run(
         [("a", prompt_ids[0], NEW_TOKENS, None), ("b", prompt_ids[1], NEW_TOKENS, None)], stagger=[0, 5])
     assert chunked["a"]["out"] == by_itself[0]["out"] and chunked["b"]["out"] == by_itself[1]["out"]
+
+
+@pytest.mark.model
+def test_the_tpu_layout_through_the_engines_programs_gives_the_rows_layouts_tokens(demo_checkpoint, int8_engine,
+                                                                                     prompt_ids, monkeypatch):
+    """The engine's own write (pages flattened with the layers, one-token steps, chunks) and reads over a pool in
+    the TPU layout (`kv_quant.stored_shapes`), here forced on CPU where the XLA path reads it through its views:
+    the greedy tokens of the rows layout's engine, alone and in chunks beside decode rows."""
+    want = _alone(int8_engine, prompt_ids)  # before the patch: that engine's programs keep the rows layout
+    chosen = []
+
+    def tpu_everywhere(shape, sharding):
+        r = kv_quant.tpu_pages_per_row(shape[-3], shape[-4]) if len(shape) >= 4 else 0
+        chosen.append(r)
+        return r
+
+    monkeypatch.setattr(kv_quant, "layout_for", tpu_everywhere)
+    engine = _build_engine(demo_checkpoint, {"dp": 1}, kv_dtype="int8")
+    pool = engine.pool[0]
+    assert pool.pages_per_row > 0 and pool.stored_values.shape[2:4] == (1, pool.shape[3])
+    assert pool.shape == int8_engine.pool[0].shape
+    got = _alone(engine, prompt_ids)
+    assert [g["out"] for g in got] == [w["out"] for w in want]
+    chunked = PlanDriver(engine, chunk=16).run(
+        [("a", prompt_ids[0], NEW_TOKENS, None), ("b", prompt_ids[1], NEW_TOKENS, None)], stagger=[0, 5])
+    assert chunked["a"]["out"] == want[0]["out"] and chunked["b"]["out"] == want[1]["out"]
+    assert all(r == pool.pages_per_row for r in chosen if r)

@@ -182,8 +182,9 @@ def allocate_pool(family: Family, cfg: Any, layout: PoolLayout, total_pages: int
 
     shardings = pool_sharding(family, cfg, layout, total_pages, page_size, max_slots, mesh, rules)
     shapes = tuple(s.shape for s in pool_specs(family, cfg, layout, total_pages, page_size, max_slots))
-    if is_quantized(dtype):  # values and scales: each pool's sharding applies to both
-        return jax.jit(lambda: tuple(zeros_pool(sh, dtype) for sh in shapes), out_shardings=shardings)()
+    if is_quantized(dtype):  # values and scales, in the layout of the sharding's platform: its spec places both
+        return jax.jit(lambda: tuple(zeros_pool(sh, dtype, s) for sh, s in zip(shapes, shardings, strict=True)),
+                       out_shardings=shardings)()
     return jax.jit(lambda: tuple(jnp.zeros(sh, dtype) for sh in shapes), out_shardings=shardings)()
 
 

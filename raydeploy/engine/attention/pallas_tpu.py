@@ -92,11 +92,22 @@ def block_sizes(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: 
 def dequantized_table(pool: QuantizedPool, page_indices: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """The pages `page_indices` names, dequantized to `dtype` as a compact pool [S * pages_per_seq, page_size,
     2*Hkv, D], and the table that reads it (row s: pages s * pages_per_seq ...). jax's kernel takes one scale per
-    K and V tensor, not one per token; this copy is how it reads a cache with per-token scales."""
+    K and V tensor, not one per token; this copy is how it reads a cache with per-token scales. From a pool in
+    the TPU layout (`kv_quant.stored_shapes`) the pages are gathered as stored and turned into the kernel's
+    [page_size, 2*Hkv, D] only in the copy, so the pool itself keeps its layout."""
     s, pps = page_indices.shape
     ids = jnp.clip(page_indices, 0, pool.shape[0] - 1).reshape(-1)
-    compact = dequantize(jnp.take(pool.values, ids, axis=0), jnp.take(pool.scales, ids, axis=0), dtype)
-    return compact, jnp.arange(s * pps, dtype=jnp.int32).reshape(s, pps)
+    table = jnp.arange(s * pps, dtype=jnp.int32).reshape(s, pps)
+    r = pool.pages_per_row
+    if not r:
+        return dequantize(jnp.take(pool.values, ids, axis=0), jnp.take(pool.scales, ids, axis=0), dtype), table
+    _, page_size, h2, _ = pool.shape
+    values = jnp.take(pool.stored_values, ids, axis=0)[:, 0]  # [n, 2*Hkv, page_size, D]
+    # whole 128-lane rows of scales, as stored, then each page's lanes of its row
+    rows = jnp.take(pool.stored_scales, ids // r, axis=0)[:, 0, :, 0, :].reshape(-1, h2, r, page_size)
+    scales = jnp.take_along_axis(rows, (ids % r)[:, None, None, None], axis=2)[:, :, 0]  # [n, 2*Hkv, page_size]
+    compact = dequantize(values, scales[..., None], dtype)  # [n, 2*Hkv, page_size, D]
+    return jnp.swapaxes(compact, 1, 2), table
 
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array | QuantizedPool, kv_lens: jax.Array, page_indices: jax.Array,
