@@ -19,7 +19,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -202,3 +204,33 @@ def test_prefix_cache_keeps_adapters_apart(live, adapters):
     r = admin(live, "load_lora_adapter", {"lora_name": "gamma", "lora_path": str(adapters["dirs"]["beta"])})
     assert r.status_code == 200, r.text
     assert cached("gamma") == 0
+
+
+def test_a_restarted_gang_loads_again_the_adapters_loaded_at_runtime(live, adapters):
+    """Last in the module (it restarts the gang): an adapter loaded over HTTP outlives a host's death. The gang's
+    supervisor remembers it, the restarted gang lists it and answers with it exactly as before, with no second
+    load; one unloaded before the death stays unknown."""
+    ids = adapters["ids"]
+    for name in ("delta", "epsilon"):
+        r = admin(live, "load_lora_adapter", {"lora_name": name, "lora_path": str(adapters["dirs"]["beta"])})
+        assert r.status_code == 200, r.text
+    before = text(complete(live, "delta", ids))
+    assert admin(live, "unload_lora_adapter", {"lora_name": "epsilon"}).status_code == 200
+    restarts = live.gangs.state()["restarts"]
+    (gang,) = live.gangs.state()["gangs"]
+    pids = [h["pid"] for h in gang["hosts"]]
+    assert len(pids) == 2 and all(pids), gang["hosts"]
+    os.kill(int(pids[1]), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while live.gangs.state()["restarts"] == restarts:
+        assert time.monotonic() < deadline, "the gang did not notice its dead host"
+        time.sleep(0.5)
+    live.wait_ready(READY_TIMEOUT_S)
+    deadline = time.monotonic() + 60  # rank 0 loads the adapters as its loop starts, just after "ready"
+    while True:
+        models = [m["id"] for m in httpx.get(f"{live.url}/v1/models", headers=AUTH, timeout=60).json()["data"]]
+        if "alpha" in models or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert "delta" in models and "alpha" in models and "epsilon" not in models, models
+    assert text(complete(live, "delta", ids)) == before

@@ -187,13 +187,18 @@ class Coordinator:
         QueueFullError when the queue is full, GangUnavailableError when the gang cannot take requests."""
         if self.error is not None:
             raise GangUnavailableError(f"gang is unavailable: {self.error}")
+        # the adapter first: loading it on demand waits, and the caller may open feed `feed` meanwhile, so the
+        # feed is looked up only after that wait (a feed made before it would replace the caller's unread)
+        res = None if req.adapter is None else await self._pin_adapter(req)
         f = self._feeds.get(feed) or _Feed(asyncio.get_running_loop())
         sink = f.put
-        if req.adapter is not None:
-            res = await self._pin_adapter(req, f)
-            if res is None:  # ended with an error event naming the adapter
-                self._feeds[feed] = f
-                return
+        if isinstance(res, str):  # an error event naming the adapter ends the request
+            self._feeds[feed] = f
+            f.requests.add(req.request_id)
+            self.open_streams += 1
+            f.put(TokenEvent(req.request_id, None, finish_reason="error", invalid=True, error=res))
+            return
+        if res is not None:
             req = dataclasses.replace(req, adapter_slot=res.slot, adapter_key=res.key)
             sink = self._unpinning(f.put, res)
         try:
@@ -219,9 +224,9 @@ class Coordinator:
             self._adapter_lock = asyncio.Lock()
         return self._adapter_lock
 
-    async def _pin_adapter(self, req: GenerationRequest, f: _Feed) -> Residence | None:
-        """The residence of the request's adapter, pinned (loaded first if it is known but not resident); None
-        after an error event naming the adapter went to the feed (unknown adapter, LoRA off)."""
+    async def _pin_adapter(self, req: GenerationRequest) -> Residence | str:
+        """The residence of the request's adapter, pinned (loaded first if it is known but not resident), or the
+        error that ends the request (unknown adapter, LoRA off)."""
         name = str(req.adapter)
         try:
             table = self._table()
@@ -236,11 +241,7 @@ class Coordinator:
                 raise UnknownAdapter(name)
             return res
         except (UnknownAdapter, AdapterConflict) as e:
-            f.requests.add(req.request_id)
-            self.open_streams += 1
-            f.put(TokenEvent(req.request_id, None, finish_reason="error", invalid=True,
-                             error=f"{ADAPTER_UNKNOWN}: {e}"))
-            return None
+            return f"{ADAPTER_UNKNOWN}: {e}"
 
     def _unpinning(self, put: Any, res: Residence) -> Any:
         """The request's sink, unpinning its adapter with its last event."""
@@ -289,6 +290,24 @@ class Coordinator:
                 table.forget(name)
                 raise
         return {"name": name, "slot": res.slot}
+
+    async def restore_adapters(self, adapters: dict[str, str]) -> dict[str, str]:
+        """Know `adapters` (name -> path: those loaded over HTTP before this gang restarted) at once, so requests
+        naming them find them, then load each while slots are free (the others load on demand). Returns the ones
+        that could not be loaded again, with why; they are forgotten (a bad or vanished file fails no gang)."""
+        table = self._table()
+        for name, path in adapters.items():
+            table.register(name, path)
+        failed: dict[str, str] = {}
+        for name in adapters:
+            async with self._lock_adapters():
+                try:
+                    if len(table.resident) < table.slots:
+                        await self._make_resident(name)
+                except Exception as e:  # noqa: BLE001 - reported and forgotten; the gang serves on
+                    failed[name] = str(e)
+                    table.forget(name)
+        return failed
 
     async def unload_adapter(self, name: str) -> None:
         """Forget adapter `name` and clear its slot on every host (`POST /v1/unload_lora_adapter`);

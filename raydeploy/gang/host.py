@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -224,8 +225,11 @@ class HostActor:
         return {**(out or {}), "phase_s": self.phase_times_s[name], "rank": self.rank}
 
     # -- the long-lived call ------------------------------------------------------------------------------
-    async def serve(self) -> dict[str, Any]:
-        """Run this host's loop until shutdown; raises if the loop fails (the supervisor watches this call)."""
+    async def serve(self, runtime_adapters: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run this host's loop until shutdown; raises if the loop fails (the supervisor watches this call). Rank 0
+        knows `runtime_adapters` first (those loaded over HTTP before this gang restarted; loaded while slots are
+        free, the rest on demand), then loads `lora.adapters`: one that cannot be loaded again (its files gone) is
+        left out with a line on stderr, not a failed gang."""
         from raydeploy.gang.dispatch import Dispatcher, FollowerLoop, StepClock, jax_kv_client
 
         self.clock = StepClock()
@@ -239,6 +243,11 @@ class HostActor:
             self.loop = Coordinator(self._make_scheduler(), Dispatcher(engine, client, self.generation,
                                                                       self.cfg.cluster.num_hosts - 1, self.clock),
                                     adapters=AdapterTable(lora.max_adapters) if lora.max_adapters > 0 else None)
+            restore = {n: p for n, p in (runtime_adapters or {}).items() if n not in lora.adapters}
+            if restore and self.loop.adapters is not None:  # known first, then `lora.adapters` as always
+                for name, why in (await self.loop.restore_adapters(restore)).items():
+                    print(f"raydeploy host 0: LoRA adapter {name!r} (loaded at runtime from {restore[name]}) was "
+                          f"not loaded again after the restart: {why}", file=sys.stderr, flush=True)
             for name, path in lora.adapters.items():  # `lora.adapters`: preloaded before any request
                 await self.loop.load_adapter(name, adapter_path(self.cfg, path))
             self.loop.start()

@@ -82,6 +82,9 @@ class GangSupervisor:
         self.phase_s: dict[str, float] = {}
         self.bringup_info: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
+        self.runtime_adapters: dict[str, str] = {}
+        """LoRA adapters loaded over HTTP into this gang (name -> path, as the caller gave it): a restarted gang loads
+        them again after `lora.adapters` (`HostActor.serve`)."""
         self._main: asyncio.Task | None = None
         self._stopping = False
 
@@ -100,6 +103,13 @@ class GangSupervisor:
 
     def get_coordinator(self) -> Any:
         return self.hosts[0] if self.state == "ready" and self.hosts else None
+
+    def remember_adapter(self, name: str, path: str | None) -> None:
+        """A LoRA adapter loaded (`path`) or unloaded (None) at runtime: see `runtime_adapters`."""
+        if path is None:
+            self.runtime_adapters.pop(name, None)
+        else:
+            self.runtime_adapters[name] = path
 
     async def get_status(self) -> dict[str, Any]:
         c = self.cfg.cluster
@@ -216,7 +226,7 @@ class GangSupervisor:
         await self._record_procs()
         self.phase_s["actors_s"] = time.perf_counter() - t0
         self.bringup_info = await bring_up(self.cfg, self.hosts, self.phase_s, on_phase=self._on_phase)
-        self.serve_refs = [h.serve.remote() for h in self.hosts]
+        self.serve_refs = [h.serve.remote(dict(self.runtime_adapters)) for h in self.hosts]
 
     async def _record_procs(self) -> None:
         """Every host's pid and node (kept even if some hosts failed to start, for the teardown's wait)."""

@@ -5,7 +5,8 @@
 
 The adapters live in the gangs (`raydeploy.lora`; each gang's rank 0 owns its table): a load or unload goes to
 the coordinator of every gang there is now, each of which sends it through its dispatcher to every host of its
-gang between two steps. A gang that starts later (a restart, a new replica) loads only `lora.adapters`. The
+gang between two steps, and to every gang's supervisor, so that a gang that restarts loads them again after
+`lora.adapters` (a new replica, a new gang, loads only `lora.adapters`). The
 ingress keeps the names the gangs know (`AdapterNames`) for model-name resolution and /v1/models: read again at
 most every `NAMES_TTL_S`, and at once for a name it does not know, so an adapter loaded through another ingress
 replica is found; a name no gang knows is a 404 naming it. A bad adapter file is a 400 naming the tensor or file
@@ -86,6 +87,16 @@ class AdapterNames:
         return list(results)
 
 
+    async def remember(self, name: str, path: str | None) -> None:
+        """Tell every gang's supervisor that `name` was loaded from `path` (None: unloaded), so that a gang that
+        restarts loads it again; a supervisor that does not answer in time is skipped (its gang then restarts
+        with what it knew)."""
+        directory = self._directory()
+        sups = list((await directory.handles()).values())
+        await asyncio.gather(*[asyncio.wait_for(_await(s.remember_adapter.remote(name, path)), directory.rpc_timeout_s)
+                               for s in sups], return_exceptions=True)
+
+
 async def _await(ref: Any) -> Any:
     return await ref
 
@@ -155,7 +166,9 @@ async def load_lora_adapter(request: Request) -> Response:
     name, path = _name(body, "lora_name"), _name(body, "lora_path")
     if name == ing.core.limits.model_name:
         raise InvalidRequest(f"'{name}' is the base model's name", param="lora_name", code="invalid_value")
-    await adapter_names(ing).each("load_adapter", name, path)
+    names = adapter_names(ing)
+    await names.each("load_adapter", name, path)
+    await names.remember(name, path)
     return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
 
@@ -166,7 +179,9 @@ async def unload_lora_adapter(request: Request) -> Response:
     body = await ing.read_json(request)
     _runtime_loading(ing)
     name = _name(body, "lora_name")
-    await adapter_names(ing).each("unload_adapter", name)
+    names = adapter_names(ing)
+    await names.each("unload_adapter", name)
+    await names.remember(name, None)
     return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
 
