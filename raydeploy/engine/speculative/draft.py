@@ -121,7 +121,7 @@ class Drafter:
                     h.append(int(tokens[0, i]))
             elif tokens is not None:  # a decode row: its draws take positions start + 1 ..
                 del h[q.start + 1:]
-                h.extend(int(t) for t in tokens[:steps, i])
+                h.extend(int(t) for t in tokens[:1 if q.first_pass_only else steps, i])
             self.seen[slot] = min(self.seen[slot], len(h))
 
     # -- the proposals
