@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, positional=True)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--only", default=None, metavar="KINDS",
-                   help="comma-separated program kinds to compile: step, presence (default all)")
+                   help="comma-separated program kinds to compile: step, presence, verify (default all)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the compiled programs into DIR as a persistent compilation cache; point "
                         "engine.compilation_cache_dir at it and bring-up loads them instead of compiling")
