@@ -1,8 +1,8 @@
 """What a JSON-schema constraint costs the engine: constrained streams against unconstrained ones, same run.
 
 One process, one CPU device (a gang host's share of the embedded default), the real demo model, the serving
-scheduler (`decode_steps` 4) with the grammar engine on it, as rank 0 runs it. Two figures, each against its peer
-measured in the same run, in interleaved rounds (medians reported):
+scheduler (`decode_steps` 4) with the grammar engine on it, as rank 0 runs it. Three figures, each against its peer
+measured in the same run, in interleaved rounds (each ratio taken within its round, then the median over rounds):
 
 - TPOT (decode seconds per token after the first) of one constrained stream against one unconstrained stream of
   the same prompt. A constrained row needs each token before its next mask, so its plans run one pass; the
@@ -10,8 +10,15 @@ measured in the same run, in interleaved rounds (medians reported):
 - 16 streams, 8 of them constrained, against 16 unconstrained streams: aggregate decode tok/s while all 16
   decode (the window between the last first token and the first last token: constrained outputs end where their
   grammar ends, so a whole-run average would time the longest output's tail alone), and the unconstrained rows'
-  TPOT beside constrained ones against their TPOT among unconstrained ones. The unconstrained rows that share a
-  batch with constrained ones run one pass per plan too, so this is what sharing costs them.
+  TPOT beside constrained ones against their TPOT among unconstrained ones. By default a plan that holds a
+  constrained row runs one pass, so the unconstrained rows beside it do too.
+- The same 16 half-constrained streams with `ConstrainedDraws.shared_passes` on: plans that mix both kinds run
+  `decode_steps` passes, the constrained rows drawing in the first only (docs/structured-outputs.md): its tok/s
+  and both kinds' TPOT, against the default's in the same rounds. This is the measurement behind the default.
+
+The 16-stream runs are warmed once each (untimed) before the rounds. Each half-constrained run also records the
+masks' fill time per token and per plan (`ConstrainedDraws.mask_s`), and the result the machine's load average
+(other work on the machine spreads single rounds).
 
 Every constrained output is checked against the schema (`jsonschema`), so a faster run cannot hide a broken mask.
 
@@ -48,6 +55,20 @@ SCHEMA = {
     "required": ["title", "genre", "year", "tags", "chapters"],
     "additionalProperties": False,
 }
+RATIOS = {  # name: (numerator, denominator) among the measured rows
+    "tpot_constrained_over_unconstrained": ("tpot_constrained_s", "tpot_unconstrained_s"),
+    "tok_s_16_half_constrained_over_unconstrained": ("tok_s_16_half_constrained", "tok_s_16_unconstrained"),
+    "tpot_unconstrained_rows_beside_constrained_over_alone": ("tpot_16_half_unconstrained_rows_s",
+                                                              "tpot_16_unconstrained_s"),
+    "shared_passes_tok_s_16_half_constrained_over_unconstrained": ("tok_s_16_half_constrained_shared_passes",
+                                                                   "tok_s_16_unconstrained"),
+    "shared_passes_over_one_pass_tok_s_16_half": ("tok_s_16_half_constrained_shared_passes",
+                                                  "tok_s_16_half_constrained"),
+    "shared_passes_tpot_unconstrained_rows_over_alone": ("tpot_16_half_unconstrained_rows_shared_passes_s",
+                                                         "tpot_16_unconstrained_s"),
+    "shared_passes_tpot_constrained_rows_over_one_pass": ("tpot_16_half_constrained_rows_shared_passes_s",
+                                                          "tpot_16_half_constrained_rows_s"),
+}
 PROMPT = "Describe a book as a JSON object with its title, genre, year, tags and chapters."
 
 
@@ -61,7 +82,7 @@ def _env() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=96, help="tokens per unconstrained stream (eos ignored)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -101,12 +122,14 @@ def main() -> int:
             return GenerationRequest(f"c{i}", prompt, 400, sp, constraint=constraint)
         return GenerationRequest(f"u{i}", prompt, args.new_tokens, sp, ignore_eos=True)
 
-    def run(kinds: list[bool]) -> tuple[float, list[float]]:
+    def run(kinds: list[bool], shared: bool = False) -> tuple[float, list[float], Scheduler]:
         """For streams of these kinds (True: constrained), run together from one submit: the aggregate decode tok/s
         while every stream decodes (tokens stamped between the last stream's first token and the first stream's
-        last token: streams of unequal lengths would otherwise measure the longest one's tail alone), and each
-        stream's TPOT."""
+        last token: streams of unequal lengths would otherwise measure the longest one's tail alone), each
+        stream's TPOT, and the scheduler (its mask counters). `shared`: mixed plans run every pass
+        (`ConstrainedDraws.shared_passes`)."""
         sched = Scheduler.for_engine(engine, cfg, grammar=grammar)
+        sched.constrained.shared_passes = shared
         runner = LocalRunner(engine, sched)
         stamps: list[list[float]] = [[] for _ in kinds]
         ids: list[list[int]] = [[] for _ in kinds]
@@ -135,39 +158,52 @@ def main() -> int:
         t0 = max(s[0] for s in stamps)
         t1 = min(s[-1] for s in stamps)
         inside = sum(1 for s in stamps for t in s if t0 < t <= t1)
-        return inside / (t1 - t0), tpots
+        return inside / (t1 - t0), tpots, sched
 
-    run([True])  # untimed: first calls after warmup, and the grammar's first compile
-    rows: dict[str, list[float]] = {"tpot_constrained_s": [], "tpot_unconstrained_s": [], "tok_s_16_unconstrained": [], "tpot_16_unconstrained_s": [],
-                                    "tok_s_16_half_constrained": [], "tpot_16_half_unconstrained_rows_s": [],
-                                    "tpot_16_half_constrained_rows_s": []}
+    half = [i % 2 == 0 for i in range(16)]
+    # untimed: first calls after warmup, the grammar's first compile, and the first uses of each 16-stream mix
+    for kinds, shared in (([True], False), ([False] * 16, False), (half, False), (half, True)):
+        run(kinds, shared)
+    load_before = os.getloadavg()[0]
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "tpot_constrained_s", "tpot_unconstrained_s", "tok_s_16_unconstrained", "tpot_16_unconstrained_s",
+        "tok_s_16_half_constrained", "tpot_16_half_unconstrained_rows_s", "tpot_16_half_constrained_rows_s",
+        "mask_ms_per_token_16_half", "mask_ms_per_plan_16_half", "tok_s_16_half_constrained_shared_passes",
+        "tpot_16_half_unconstrained_rows_shared_passes_s", "tpot_16_half_constrained_rows_shared_passes_s")}
     for _ in range(args.rounds):
         rows["tpot_unconstrained_s"].append(run([False])[1][0])
         rows["tpot_constrained_s"].append(run([True])[1][0])
-        tok_s, tpots = run([False] * 16)
+        tok_s, tpots, _ = run([False] * 16)
         rows["tok_s_16_unconstrained"].append(tok_s)
         rows["tpot_16_unconstrained_s"].append(statistics.median(tpots))
-        tok_s, tpots = run([i % 2 == 0 for i in range(16)])
+        tok_s, tpots, sched = run(half)
         rows["tok_s_16_half_constrained"].append(tok_s)
         rows["tpot_16_half_constrained_rows_s"].append(statistics.median(tpots[0::2]))
         rows["tpot_16_half_unconstrained_rows_s"].append(statistics.median(tpots[1::2]))
+        rows["mask_ms_per_token_16_half"].append(1e3 * sched.constrained.mask_s / sched.constrained.masks)
+        rows["mask_ms_per_plan_16_half"].append(1e3 * sched.constrained.mask_s / sched.steps)
+        tok_s, tpots, _ = run(half, shared=True)
+        rows["tok_s_16_half_constrained_shared_passes"].append(tok_s)
+        rows["tpot_16_half_constrained_rows_shared_passes_s"].append(statistics.median(tpots[0::2]))
+        rows["tpot_16_half_unconstrained_rows_shared_passes_s"].append(statistics.median(tpots[1::2]))
     med = {k: statistics.median(v) for k, v in rows.items()}
+    # each ratio within its round, then their median: the rounds pair runs made minutes apart, so outside load
+    # that comes or goes between rounds (the machine is shared) moves both sides of a ratio alike
+    per_round = {name: [a / b for a, b in zip(rows[num], rows[den], strict=True)]
+                 for name, (num, den) in RATIOS.items()}
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "flags": cpu_flags(),
-                    "jax": jax.__version__, "device": str(jax.devices()[0].device_kind)},
+                    "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+                    "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
         "config": {"max_slots": 16, "decode_steps": cfg.engine.decode_steps, "sampling": "temperature 0.7, top_p 0.95",
                    "schema": "enum, integer bounds, arrays with min/max items, nested objects"},
         "rounds": args.rounds, "median": med, "all": rows,
-        "ratios": {
-            "tpot_constrained_over_unconstrained": med["tpot_constrained_s"] / med["tpot_unconstrained_s"],
-            "tok_s_16_half_constrained_over_unconstrained": med["tok_s_16_half_constrained"]
-            / med["tok_s_16_unconstrained"],
-            "tpot_unconstrained_rows_beside_constrained_over_alone": med["tpot_16_half_unconstrained_rows_s"]
-            / med["tpot_16_unconstrained_s"]},
+        "ratios": {name: statistics.median(per_round[name]) for name in RATIOS},
+        "ratios_per_round": per_round,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["median"] | result["ratios"], indent=2))
+    print(json.dumps(result["median"] | result["ratios"] | {"machine": result["machine"]}, indent=2))
     return 0
 
 
