@@ -20,7 +20,10 @@ that (`dequantized_table`), as the GPU wrapper compacts its pages. The engine th
 by the live pages (`work_follows_table`). Per cached element the step reads 1 byte (+ 4 bytes of scale per
 head_dim elements) and writes and reads back 2 bytes of bfloat16: ~5 bytes of HBM traffic against a bfloat16
 pool's 2. The int8 cache halves the pool's memory (twice the slots or the context), not the decode pass's
-attention reads: that needs a kernel that multiplies the scales where it loads each page (left to do).
+attention reads: that needs a kernel that multiplies the scales where it loads each page (left to do). On TPU the
+pool is stored in its TPU layout (`kv_quant.stored_shapes`: a head's tokens of a page form one tile); the copy
+gathers the pages as stored and puts them in the kernel's [page_size, 2*Hkv, D] form itself, one layer's pages
+at a time inside the layer loop, so the pool keeps its layout and is never copied whole.
 """
 
 from __future__ import annotations
