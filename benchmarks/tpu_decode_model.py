@@ -17,7 +17,9 @@ The figures are `plan`'s; `--compiled` adds the second, which does not hold up (
   bytes alone, which the roofline cannot undercut). Kept to show why the plan's bytes are the model's. Step time = `raydeploy.compile.roofline_s` (the larger of
   bytes / HBM bandwidth and flops / bf16 peak, published chip figures).
 - `plan`: `raydeploy plan`'s model (`raydeploy.plan.decode_model`): the weight shard's bytes and 2 x active
-  parameters per row, from the plan's byte counts.
+  parameters per row, from the plan's byte counts. With an int8 KV cache the KV is read at 1 byte an element
+  (plus scales); `dequant_copy_*` beside it models the TPU path as it is today, whose wrapper writes and reads
+  back a bfloat16 copy of the attended pages (+ 4 bytes an element: `dequant_copy_row`).
 
 Each at batch 1 and with every slot decoding, at the config's max_slots and at the largest max_slots that fits
 (`raydeploy plan`'s suggestion, 10% of HBM left). Beside them the published anchor: JetStream serving Llama-3-8B
@@ -102,6 +104,19 @@ def compiled_layer_costs(config: str, overrides: list[str], rows: list[int]) -> 
     return out
 
 
+def dequant_copy_row(plan, chip, streams: int, rows: int, context: int) -> dict:
+    """The same step with the KV traffic of the TPU attention path as it is: jax 0.10.2's kernel takes one scalar
+    scale, so every attended int8 element is read (with its scale), written to a bfloat16 copy and read back from
+    it (docs/quantization.md): + 4 bytes an element over the plan's int8 bytes."""
+    from raydeploy.compile import roofline_s
+
+    elements = plan.kv_bytes_per_token_per_device * (1 - plan.kv_scale_bytes_per_device / plan.kv_bytes_per_device)
+    kv = rows * context * (plan.kv_bytes_per_token_per_device + 4 * elements)
+    flops = 2 * plan.active_param_count / (plan.total_devices // max(plan.dp_groups, 1)) * rows
+    step = roofline_s(chip, flops, plan.param_bytes_per_device + kv)
+    return {"dequant_copy_step_ms": round(step * 1e3, 3), "dequant_copy_tok_s": round(streams / step)}
+
+
 def model_case(label: str, config: str, overrides: list[str], context: int, compiled: bool = False) -> dict:
     from raydeploy.compile import roofline_s
     from raydeploy.config import load_config
@@ -131,6 +146,8 @@ def model_case(label: str, config: str, overrides: list[str], context: int, comp
         analytic = decode_model(make_plan(with_slots(cfg, max(streams, groups))), chip, streams, context)[-1]
         row = {"rows_per_group": r, "step_ms": analytic.step_ms, "tok_s": round(analytic.tok_s),
                "per_stream_tok_s": round(analytic.per_stream_tok_s), "bound": analytic.bound}
+        if plan.kv_dtype == "int8" and cfg.cluster.platform == "tpu":
+            row.update(dequant_copy_row(plan, chip, streams, r, context))
         if compiled:
             c = costs[r]
             kv_read = r * context * plan.kv_bytes_per_token_per_device
@@ -168,7 +185,9 @@ def main() -> None:
         for k, v in c["rows"].items():
             print(f"  {k}: {v['step_ms']} ms/step, {v['tok_s']} tok/s ({v['per_stream_tok_s']} per stream, "
                   f"{v['bound']}-bound)" + (f"; compiled cost analysis {v['compiled_step_ms']} ms/step"
-                                            if "compiled_step_ms" in v else ""))
+                                            if "compiled_step_ms" in v else "")
+                  + (f"; with the TPU path's bfloat16 copy of the KV {v['dequant_copy_tok_s']} tok/s"
+                     if "dequant_copy_tok_s" in v else ""))
     print(f"anchor: {ANCHOR['what']}: {ANCHOR['int8_tok_s']} tok/s int8, {ANCHOR['bf16_tok_s']} bf16")
 
 
