@@ -12,11 +12,11 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
 import pytest
+from live_http import free_port, live_serving, wait_http_ready
 
 from raydeploy.config import load_config
 from raydeploy.engine.request import GenerationRequest
@@ -31,47 +31,16 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 READY_TIMEOUT_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live(demo_checkpoint):
-    import ray
-
-    from raydeploy.serve.run import connect_ray, start_serving
-
     os.environ[KEYS_ENV] = f"sk-other,{KEY}"  # before Ray starts: the ingress replica reads it
     cfg = load_config(None, [
         "model.max_seq_len=256", "engine.max_new_tokens=128",
-        "engine.max_slots=8", "serving.max_queue=8", "serving.max_waiting=0", f"serving.port={_free_port()}",
+        "engine.max_slots=8", "serving.max_queue=8", "serving.max_waiting=0", f"serving.port={free_port()}",
         f"serving.api_keys_env={KEYS_ENV}", "serving.request_timeout_s=600", "serving.max_body_bytes=65536",
         "cluster.heartbeat_timeout_s=5", "cluster.restart_backoff_s=0.5", "cluster.max_restarts=2"])
-    assert connect_ray(None, temp_dir=f"/tmp/rds-{os.getpid()}", num_cpus=2)
-    serving = None
-    try:
-        serving = start_serving(cfg, checkpoint_path=str(demo_checkpoint))
-        serving.wait_ready(READY_TIMEOUT_S)
-        _wait_http_ready(serving.url, READY_TIMEOUT_S)
+    with live_serving(cfg, str(demo_checkpoint), "rds", READY_TIMEOUT_S) as serving:
         yield serving
-    finally:
-        if serving is not None:
-            serving.shutdown()
-        ray.shutdown()
-
-
-def _wait_http_ready(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=10).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the HTTP ingress did not become ready"
-        time.sleep(0.5)
 
 
 def _stats(live) -> dict:
@@ -451,7 +420,7 @@ def test_host_kill_flips_readiness_and_service_resumes(live):
     if r.status_code != 200:  # the gang may already be back; while it is not, the answer is a retriable 503
         assert _err(r, 503, None, "retry")["code"] == "service_unavailable" and "Retry-After" in r.headers
 
-    _wait_http_ready(live.url, READY_TIMEOUT_S)
+    wait_http_ready(live.url, READY_TIMEOUT_S)
     r = _post(live, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip(), r.text
     assert live.gangs.state()["restarts"] >= 1
