@@ -119,8 +119,8 @@ def test_burst_wait_is_a_fraction_of_a_pass(tmp_path: Path, value: str) -> None:
     ("engine: {speculative: {min_acceptance: 1.5}}", "engine.speculative.min_acceptance", "in [0, 1], found 1.5"),
     ("lora: {max_rank: 0, max_adapters: 2}", "lora.max_rank", "must be >= 1, found 0"),
     ("lora: {adapters: {a: /x}}", "lora.adapters", "1 adapters to preload but lora.max_adapters is 0"),
-    ("lora: {max_adapters: 2}\nengine: {speculative: {method: ngram}}", "engine.speculative.method",
-     "does not run LoRA adapters yet"),
+    ("lora: {max_adapters: 2}\nengine: {speculative: {method: draft, draft_checkpoint: /x}}",
+     "engine.speculative.method", "the draft method does not run LoRA adapters yet"),
 ])
 def test_speculative_and_lora_settings_are_checked_before_anything_starts(tmp_path: Path, text: str, key: str,
                                                                          message: str) -> None:

@@ -218,3 +218,25 @@ def test_an_engine_without_adapter_slots_lowers_the_programs_of_before():
         text = before.lower(shape).as_text()
         assert off.lower(shape).as_text() == text, shape.name
         assert on.lower(shape).as_text() != text, shape.name
+
+
+def test_speculating_rows_verify_with_their_adapter(tmp_path):
+    """A speculating row of an adapter's request is verified by the adapted model: proposing the adapter's own
+    next greedy tokens (PEFT's), every proposal is accepted and the draw after them is PEFT's too. (Its places'
+    token slots are taken out of the step's own sampling; the adapter must still find them.)"""
+    from raydeploy.config.schema import SpeculativeConfig
+    from raydeploy.engine.step import PageUpdate, SamplingParams, SeqStep, StepPlan
+
+    case = build_case("llama", tmp_path)
+    engine = lora_engine(case["ckpt"], {"tp": 1}, speculative=SpeculativeConfig(method="ngram", num_tokens=3))
+    load_all(engine, case)
+    want = case["refs"]["alpha"]["greedy"]
+    assert want[:5] != case["refs"]["base"]["greedy"][:5]  # the base model would reject them
+    per_slot = engine.max_pages_per_seq
+    prompt = np.asarray(PROMPT, np.int32)
+    first = engine.step(StepPlan(0, pages=(PageUpdate(0, 0, np.arange(per_slot, dtype=np.int32)),), seqs=(
+        SeqStep(0, prompt, 0, True, SamplingParams(), adapter=SLOTS["alpha"]),)))
+    assert int(first.tokens[0, 0]) == want[0]
+    verified = engine.step(StepPlan(1, seqs=(
+        SeqStep(0, np.asarray(want[:4], np.int32), len(PROMPT), True, spec=3),)))
+    assert verified.spec_tokens[0].tolist() == want[1:5]

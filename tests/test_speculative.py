@@ -26,12 +26,19 @@ pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
 
 from raydeploy.config import load_config  # noqa: E402
+from raydeploy.config.schema import SpeculativeConfig  # noqa: E402
 from raydeploy.engine.local import LocalRunner  # noqa: E402
 from raydeploy.engine.pages import PagePool, SequencePages  # noqa: E402
 from raydeploy.engine.request import GenerationRequest  # noqa: E402
 from raydeploy.engine.scheduler import Scheduler  # noqa: E402
 from raydeploy.engine.speculative import ngram, verify  # noqa: E402
-from raydeploy.engine.speculative.policy import PAUSE_PLANS, Acceptance, SpecCounters  # noqa: E402
+from raydeploy.engine.speculative.policy import (  # noqa: E402
+    PAUSE_PLANS,
+    RETRY_PLANS,
+    WARM_ACCEPTED,
+    Acceptance,
+    SpecCounters,
+)
 from raydeploy.engine.step import SamplingParams, SeqStep, StepPlan  # noqa: E402
 from tests.test_engine_families import CASES, MAX_SEQ_LEN  # noqa: E402
 
@@ -74,6 +81,23 @@ def test_a_low_acceptance_rate_pauses_a_request_then_lets_it_try_again():
     assert stats["spec_decode_num_draft_tokens"] == 6 and stats["spec_decode_num_accepted_tokens"] == 2
     assert stats["spec_decode_accepted_per_pos"] == [1, 1, 0, 0]
     assert stats["spec_decode_mean_accepted_length"] == 2.0
+
+
+def test_a_request_that_was_copying_retries_its_lookup_after_one_token():
+    a = Acceptance()
+    assert not a.retry()  # never verified: cold
+    a.note(4, WARM_ACCEPTED, 0, 0.3)
+    assert [a.retry() for _ in range(RETRY_PLANS + 1)] == [True] * RETRY_PLANS + [False]
+    a.note(4, WARM_ACCEPTED - 1, 1, 0.3)  # one accepted proposal (a common pair of words) warms nothing
+    assert not a.retry()
+
+
+def test_verify_rows_split_a_speculating_row_into_one_token_rows():
+    rows, first = verify.as_single_rows([SeqStep(0, np.zeros(0, np.int32), 7, True),
+                                         SeqStep(1, np.asarray([5, 6, 7], np.int32), 10, True, spec=2)])
+    assert first == [0, 1]
+    assert [(q.slot, q.tokens.tolist(), q.start, q.sample, q.spec) for q in rows[1:]] == [
+        (1, [5], 10, False, 0), (1, [6], 11, False, 0), (1, [7], 12, False, 0)]
 
 
 def test_shrink_gives_back_the_pages_of_rejected_positions_and_keeps_the_reservation():
@@ -316,3 +340,39 @@ def test_metrics_carry_vllms_spec_decode_counters():
     reg = CollectorRegistry()
     reg.register(_VllmGangGauges("m", {}, None))
     assert "spec_decode" not in generate_latest(reg).decode()
+
+
+@pytest.mark.parametrize("accepted", [4, 1])
+def test_plans_after_a_copy_run_one_pass_while_the_lookup_finds_nothing(qwen3, monkeypatch, accepted):
+    """A request whose verified row had `accepted` proposals accepted, whose lookup then finds nothing: warm
+    (4 accepted), its next `RETRY_PLANS` plans run one pass each (the lookup asks again after every token), then
+    `decode_steps`; cold (1 accepted), its plans take `decode_steps` at once. Its tokens are those without
+    speculation either way."""
+    req = [GenerationRequest("r", tuple(PROMPTS[0]), 30, ignore_eos=True)]
+    want = _run(qwen3, "none", req)[0][0].token_ids
+    calls = []
+
+    def propose(tokens, k, ngram_max, ngram_min):  # the true continuation once (`accepted` right), then nothing
+        calls.append(len(tokens))
+        if len(calls) > 1:
+            return []
+        done = len(tokens) - len(PROMPTS[0])
+        right = want[done:done + accepted]
+        return right + [(t + 1) % 100 for t in want[done + accepted:done + 4]]
+
+    monkeypatch.setattr(ngram, "propose", propose)
+    engine = _engine(qwen3, {"dp": 1}, speculative=SpeculativeConfig(method="ngram"))
+    steps: list[int] = []
+    step = engine.step
+
+    def record(plan: StepPlan) -> Any:
+        if plan.seqs and all(q.sampling is None for q in plan.seqs):
+            steps.append(-1 if any(q.spec for q in plan.seqs) else plan.decode_steps)
+        return step(plan)
+
+    engine.step = record
+    got = _run(qwen3, "ngram", req, engine=engine)[0][0]
+    assert got.token_ids == want
+    assert steps[0] == -1  # the verified row
+    retries = RETRY_PLANS if accepted >= WARM_ACCEPTED else 0
+    assert steps[1:1 + retries] == [1] * retries and steps[1 + retries] == 4

@@ -154,6 +154,9 @@ def test_greedy_outputs_with_a_small_draft_equal_those_without(target, small_dra
     drafter: Drafter = results["draft"][2].draft
     # the draft model ran: a catch-up step at least for every plan with speculating rows (2 slots: 2 rows at most)
     assert drafter.draft_steps - steps_before >= stats["spec_decode_num_drafts"] // 2 > 0
+    reported = results["draft"][2].status()["draft"]  # what the host's /status shows
+    assert reported["steps"] == drafter.draft_steps and reported["unknown_rows"] == 0
+    assert "draft" not in results["none"][2].status()
 
 
 def test_the_target_as_its_own_draft_accepts_every_greedy_proposal(target, plain, with_itself):

@@ -124,9 +124,9 @@ def _validate_speculative_and_lora(cfg: Config, src: str) -> None:
     if lo.adapters and len(lo.adapters) > lo.max_adapters:
         raise ConfigError(f"{len(lo.adapters)} adapters to preload but lora.max_adapters is {lo.max_adapters} "
                           f"(slots on the devices; 0 turns LoRA off)", file=src, key="lora.adapters")
-    if lo.max_adapters > 0 and sp.method != "none":
-        raise ConfigError(f"speculative decoding does not run LoRA adapters yet: set engine.speculative.method "
-                          f"none or lora.max_adapters 0 (found {sp.method} and {lo.max_adapters})", file=src,
+    if lo.max_adapters > 0 and sp.method == "draft":
+        raise ConfigError(f"the draft method does not run LoRA adapters yet: set engine.speculative.method ngram "
+                          f"or none, or lora.max_adapters 0 (found draft and {lo.max_adapters})", file=src,
                           key="engine.speculative.method")
 
 

@@ -275,15 +275,16 @@ class Engine:
             for shape in shapes:
                 self.executable(shape)
         ps = self.programs_set
-        for rows in sorted({ps.groups * ps.rows_for(t) for t in ps.token_buckets}):
+        verify_rows = [ps.rows_of(ProgramShape("verify", t)) for t in ps.verify_buckets]
+        for rows in sorted({ps.groups * r for r in [*map(ps.rows_for, ps.token_buckets), *verify_rows]}):
             self._gather_exe(self.decode_steps, rows)
             self._gather_exe(self.decode_steps, rows, ROW_COLUMNS)
             self._neutral_bias(rows)
             self._all_allowed(rows)
         for t in ps.token_buckets:
             self._gather_exe(1, ps.groups * t, PLACE_COLUMNS)
-        if ps.spec_tokens:  # the speculating rows' emitted tokens of a verify step
-            self._gather_exe(1, ps.groups * ps.spec_rows * (ps.spec_tokens + 1))
+        for t in ps.verify_buckets:  # the speculating rows' emitted tokens of a verify step
+            self._gather_exe(1, ps.groups * ps.spec_rows_for(t) * (ps.spec_tokens + 1))
         if self.draft is not None:  # the draft's programs, named apart from the target's
             for name, seconds in self.draft.engine.warmup(threads).items():
                 self.compile_s[f"draft_{name}"] = seconds
@@ -307,10 +308,16 @@ class Engine:
         return self.programs_set.geometry
 
     def status(self) -> dict[str, Any]:
-        """What a host reports of its engine: the matmul choice, the KV dtype, and the step programs compiled so far
-        by source (`programs`: loaded from the cache or compiled; `program_sources`: name -> seconds, source)."""
-        return {"matmul": self.matmul, "kv_dtype": self.kv_dtype, "programs": self.program_counts(),
-                "program_sources": dict(self.programs)}
+        """What a host reports of its engine: the matmul choice, the KV dtype, the step programs compiled so far
+        by source (`programs`: loaded from the cache or compiled; `program_sources`: name -> seconds, source) and,
+        under the draft method, its draft model's steps (`draft`: catch-up chunks and proposal passes run, and
+        speculating rows left unproposed because the draft was not told their tokens, which should stay 0)."""
+        out = {"matmul": self.matmul, "kv_dtype": self.kv_dtype, "programs": self.program_counts(),
+               "program_sources": dict(self.programs)}
+        if self.draft is not None:  # this host's draft model (every host runs the same draft steps)
+            out["draft"] = {"checkpoint": self.draft.source, "steps": self.draft.draft_steps,
+                            "unknown_rows": self.draft.unknown}
+        return out
 
     # -- host side
     def _put(self, x: np.ndarray, sharding: Any) -> jax.Array:
@@ -511,9 +518,13 @@ class Engine:
         for q in seqs:
             per_group[q.slot // ps.slots_per_group] += q.num_tokens
             longest = max(longest, q.start + q.num_tokens + steps - 1)
-        tokens = ps.token_buckets[bisect.bisect_left(ps.token_buckets, int(per_group.max()))]
         pages = ps.page_buckets[bisect.bisect_left(ps.page_buckets, -(-longest // ps.page_size))]
         speculating = any(q.spec for q in seqs)
+        if speculating:
+            spec_rows = np.bincount([q.slot // ps.slots_per_group for q in seqs if q.spec], minlength=ps.groups)
+            tokens = ps.verify_bucket(int(per_group.max()), int(spec_rows.max()))
+        else:
+            tokens = ps.token_buckets[bisect.bisect_left(ps.token_buckets, int(per_group.max()))]
         shape = (ProgramShape("verify", tokens, pages) if speculating
                  else ps.program_for(tokens, pages, all(q.num_tokens == 1 for q in seqs)))
         exe = self.executable(shape)
@@ -528,13 +539,17 @@ class Engine:
         later = [i for i, q in enumerate(seqs) if not q.first_pass_only]
         passes = steps if later else 1
         at = np.full((steps, len(seqs)), -1, np.int64)  # each sequence's row in each pass (-1: not in it)
+        rows_per_group = ps.rows_of(shape)
         for k in range(passes):  # no host round trip between the steps of a plan
-            rows_per_group = ps.rows_for(tokens)
             cols = list(range(len(seqs))) if k == 0 else later
-            host = build_inputs([seqs[i] for i in cols], t, ps.page_size, tokens, rows_per_group, pages, step=k,
+            work, first = [seqs[i] for i in cols], list(range(len(cols)))
+            if speculating and ps.verify_rows:  # (a speculating plan has one pass)
+                work, first = verify.as_single_rows(work)
+            host = build_inputs(work, t, ps.page_size, tokens, rows_per_group, pages, step=k,
                                 reset=reset if k == 0 else (), vocab=self.vocab_size)
+            host_rows, first_places = [host.rows[j] for j in first], [host.places[j] for j in first]
             if speculating:
-                spec_host = self._spec_inputs(seqs, host.arrays, host.rows, host.places, tokens)
+                spec_host = self._spec_inputs(seqs, host.arrays, host_rows, first_places, tokens)
                 (self.pool, self.presence, self.last_tokens, out, alt, places_k, spec_out) = exe(
                     params, self.pool, self.presence, self.last_tokens,
                     self._device_inputs(host.arrays, ps.groups * rows_per_group),
@@ -547,9 +562,9 @@ class Engine:
             outs.append(out)
             alts.append(alt)
             places = places if places is not None else places_k  # prompt chunks run in one-pass plans
-            at[k, cols] = host.rows
+            at[k, cols] = host_rows
             if k == 0:
-                host_places = host.places
+                host_places = first_places
         packed = self._gather(outs)  # [passes, 2, G*R]
         kept = at[:passes] >= 0
         idx = np.where(kept, at[:passes], 0)
@@ -576,8 +591,8 @@ class Engine:
             if q.spec:
                 arrays["sampling.slot"][rows[i]] = ps.max_slots
                 arrays["token_slot"][places[i]:places[i] + q.num_tokens] = ps.max_slots
-        return verify.build_spec_inputs(seqs, places, tokens, ps.groups, ps.slots_per_group, ps.spec_rows,
-                                        ps.spec_tokens, ps.max_slots, t.sampling, t.bias)
+        return verify.build_spec_inputs(seqs, places, tokens, ps.groups, ps.slots_per_group,
+                                        ps.spec_rows_for(tokens), ps.spec_tokens, ps.max_slots, t.sampling, t.bias)
 
     def _spec_results(self, result: StepResult, seqs: list[SeqStep], spec_out: jax.Array,
                       spec_host: verify.HostSpec) -> None:

@@ -289,7 +289,8 @@ class HostActor:
                                "init": self.init_info, "load": self.load_stats,
                                "preflight": self.preflight_info}
         engine = self.engine.status() if self.engine is not None else {}
-        for key in ("matmul", "kv_dtype"):  # the real engine: "native" or "xla (why)"; the KV pools' dtype
+        for key in ("matmul", "kv_dtype", "draft"):  # the real engine: "native" or "xla (why)"; the KV pools'
+            # dtype; its draft model's steps (engine.speculative.method draft)
             if key in engine:
                 out[key] = engine[key]
         if self.programs is not None:

@@ -107,6 +107,11 @@ class Attention:
     single_token: AttentionBackend | None = None
     static_layer_kinds: bool = False
 
+    @property
+    def decode_rows(self) -> bool:
+        """Whether `ragged` asks a decode-row kernel first for its one-token rows (`with_decode_rows`)."""
+        return isinstance(self.ragged, partial) and self.ragged.keywords.get("decode_rows") is not None
+
     def with_decode_rows(self, kernel: Callable[..., jax.Array | None] | None) -> Attention:
         """This attention with `kernel` for its decode rows where `ragged` is the XLA backend (its `decode_rows`:
         the native CPU kernel of an engine whose matmul backend is `cpu_native`); else unchanged."""

@@ -266,7 +266,8 @@ class StepBodies:
         t = inp.tokens.shape[0] // g
         r = inp.kv_lens.shape[0] // g
         tokens = self._per_group(_last_token_inputs, 3)(last_tokens, inp.from_last, inp.tokens)
-        lora_kw = {} if lora is None else {"lora": self._lora_rows(lora, inp.token_slot, matmul)}
+        lora_kw = {} if lora is None else {"lora": self._lora_rows(
+            lora, _adapter_slots(inp, spec, g, t, self.max_slots), matmul)}
         h, _, _, pool = model.ragged(tokens, inp.positions, self._attend(inp, attention), self.shard, cache=pool,
                                      static_kinds=self.attention.static_layer_kinds, matmul=matmul, **lora_kw)
         hg = h.reshape(g, t, h.shape[-1])
@@ -336,6 +337,20 @@ def _lora_arg(weights: tuple[Any, ...]) -> Any:
     """The step's adapter argument, (`LoraWeights`, slot_adapter), the third entry of `weights` in an engine with
     `lora.max_adapters` > 0; None otherwise (its programs take no adapter input)."""
     return weights[2] if len(weights) > 2 else None
+
+
+def _adapter_slots(inp: StepInputs, spec: verify.SpecInputs | None, groups: int, tokens: int,
+                   max_slots: int) -> jax.Array:
+    """Each token place's slot for its adapter (`StepInputs.token_slot`): a speculating row's places are taken out
+    of the step's own token notes (`Engine._spec_inputs`), but their tokens are the row's and take its adapter."""
+    if spec is None:
+        return inp.token_slot
+    rows = spec.slot.shape[0]
+    k1 = spec.place.shape[0] // rows
+    slot = jnp.repeat(spec.slot, k1)
+    group = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), rows // groups * k1)
+    at = jnp.where(slot < max_slots, group * tokens + spec.place, groups * tokens)  # padding rows: dropped
+    return inp.token_slot.at[at].set(slot, mode="drop")
 
 
 def _group_slot(slot: jax.Array, max_slots: int, slots_per_group: int) -> jax.Array:

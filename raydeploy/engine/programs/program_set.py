@@ -133,6 +133,12 @@ class ProgramSet:
                                  head_axes=self.head_axes, vocab_chunks=self.vocab_chunks, sm_scale=self.sm_scale,
                                  out_shardings=outs, replicated=self.replicated,
                                  presence_sharding=self.presence_sharding)
+        self.verify_rows = bool(self.spec_tokens) and self.bodies.attention.decode_rows
+        """Whether a speculating row's k + 1 places are verified as k + 1 one-token rows (`verify.as_single_rows`):
+        where the attention has a kernel of its own for decode rows (the native CPU kernels), so that each place
+        is computed by exactly the arithmetic of a plain decode row there (greedy tokens equal plain decoding's
+        bit for bit) and the smallest verify program holds exactly k + 1 places. Elsewhere the row is one chunk
+        of k + 1 queries (the attention reads its keys once)."""
 
     def _abstract_model(self, kernel_layout: str, model_cfg: ModelConfig) -> None:
         """The model's graph, abstract parameters and their shardings, in `kernel_layout`."""
@@ -192,10 +198,9 @@ class ProgramSet:
         ShapeDtypeStructs, or None."""
         if self.lora is None:
             return
-        if engine_cfg.speculative.method != "none":
-            raise ValueError(f"lora.max_adapters {self.lora.slots} with engine.speculative.method "
-                             f"{engine_cfg.speculative.method}: speculative decoding does not run adapters yet; "
-                             f"set one of them off")
+        if engine_cfg.speculative.method == "draft":
+            raise ValueError(f"lora.max_adapters {self.lora.slots} with engine.speculative.method draft: the draft "
+                             f"method does not run adapters yet; use ngram, or set one of them off")
         self.lora_abstract = (self.lora.abstract(self.mesh, self.rules),
                               jax.ShapeDtypeStruct((self.max_slots,), jnp.int32, sharding=self.replicated))
 
@@ -281,22 +286,46 @@ class ProgramSet:
 
     @property
     def verify_buckets(self) -> list[int]:
-        """Token buckets of the verify programs: from one speculating row's k + 1 places to a group's speculating
-        rows beside a decode row for each of its other slots (a plan with speculating rows holds decode rows
-        only); none without speculation."""
+        """Token buckets of the verify programs: the step buckets from one speculating row's places to a group's
+        speculating rows beside a decode row for each of its other slots (a plan with speculating rows holds decode
+        rows only); with `verify_rows`, the first is exactly one row's k + 1 places (a lone stream's verification
+        computes no padding place). None without speculation."""
         if not self.spec_tokens:
             return []
         k, s, b = self.spec_tokens, self.spec_rows, self.token_buckets
         most = min(s * (k + 1) + self.slots_per_group - s, self.max_step_tokens)
-        return b[bisect.bisect_left(b, 2):bisect.bisect_left(b, most) + 1]
+        if not self.verify_rows:
+            return b[bisect.bisect_left(b, 2):bisect.bisect_left(b, most) + 1]
+        first = min(k + 1, most)
+        return [first, *b[bisect.bisect_right(b, first):bisect.bisect_left(b, most) + 1]]
+
+    def spec_rows_for(self, tokens: int) -> int:
+        """Speculating rows per group the verify program of `tokens` places holds (its `SpecInputs` rows, each of
+        k + 1 verification places whose logits it computes): as many as its places fit at k + 1 each (at least
+        one), every row (`spec_rows`) in the largest."""
+        buckets = self.verify_buckets
+        if buckets and tokens >= buckets[-1]:
+            return self.spec_rows
+        return min(self.spec_rows, max(1, tokens // (self.spec_tokens + 1)))
+
+    def verify_bucket(self, tokens: int, rows: int) -> int:
+        """The verify program for a pass of `tokens` places per group (the most of any group) of which `rows`
+        rows per group (the most) speculate: the smallest that holds both."""
+        for t in self.verify_buckets:
+            if t >= tokens and self.spec_rows_for(t) >= rows:
+                return t
+        raise ValueError(f"a verify pass of {tokens} token places and {rows} speculating rows per dp group exceeds "
+                         f"the largest verify program ({self.verify_buckets[-1] if self.verify_buckets else 0} "
+                         f"places, {self.spec_rows} rows)")
 
     def spec_shardings(self) -> dict[str, Any]:
         """The verify programs' `SpecInputs` shardings by flat name."""
         return {n: self.replicated if lay == "replicated" else self.sharded_1d for n, lay in verify.SPEC_LAYOUT.items()}
 
-    def abstract_spec(self) -> verify.SpecInputs:
+    def abstract_spec(self, tokens: int) -> verify.SpecInputs:
+        """The `SpecInputs` of the verify program of `tokens` places."""
         shard = self.spec_shardings()
-        shapes = verify.abstract_spec_inputs(self.groups, self.spec_rows, self.spec_tokens)
+        shapes = verify.abstract_spec_inputs(self.groups, self.spec_rows_for(tokens), self.spec_tokens)
         return verify.spec_from_flat({n: jax.ShapeDtypeStruct(s, d, sharding=shard[n]) for n, (s, d) in shapes.items()})
 
     @property
@@ -313,8 +342,15 @@ class ProgramSet:
         return ProgramShape("step", tokens, pages, single_token and tokens in self.single_token_buckets)
 
     def rows_for(self, tokens: int) -> int:
-        """Sequence rows per group of a program with `tokens` places: no more rows than tokens or slots."""
+        """Sequence rows per group of a step program with `tokens` places: no more rows than tokens or slots."""
         return min(tokens, self.slots_per_group)
+
+    def rows_of(self, shape: ProgramShape) -> int:
+        """Sequence rows per group of a program: `rows_for`, but a row per place in a verify program whose
+        speculating rows are verified as one-token rows (`verify_rows`)."""
+        if shape.kind == "verify" and self.verify_rows:
+            return shape.tokens
+        return self.rows_for(shape.tokens)
 
     def input_shardings(self) -> dict[str, Any]:
         out = {}
@@ -323,9 +359,10 @@ class ProgramSet:
                          else self.sharded_2d if name in ("page_indices", "ring_page_indices", "allowed") else self.sharded_1d)
         return out
 
-    def abstract_inputs(self, tokens: int, pages: int) -> StepInputs:
+    def abstract_inputs(self, tokens: int, pages: int, rows: int | None = None) -> StepInputs:
         shard = self.input_shardings()
-        shapes = abstract_inputs(self.groups, tokens, self.rows_for(tokens), pages, self.max_slots,
+        rows = self.rows_for(tokens) if rows is None else rows
+        shapes = abstract_inputs(self.groups, tokens, rows, pages, self.max_slots,
                                  self.cfg.vocab_size)
         fields: dict[str, Any] = {n: jax.ShapeDtypeStruct(s, d, sharding=shard[n]) for n, (s, d) in shapes.items()}
         return StepInputs.from_flat(fields)
@@ -352,9 +389,9 @@ class ProgramSet:
             return self.bodies.presence_row, (presence, jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated),
                                        jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.bool_,
                                                             sharding=self.replicated))
-        inputs = self.abstract_inputs(shape.tokens, shape.pages)
+        inputs = self.abstract_inputs(shape.tokens, shape.pages, self.rows_of(shape))
         if shape.kind == "verify":
-            return self.bodies.verify, (params, pool, presence, last, inputs, self.abstract_spec())
+            return self.bodies.verify, (params, pool, presence, last, inputs, self.abstract_spec(shape.tokens))
         if self.unrolled(shape):
             leaves = params[0]
             per_layer = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=_layer_sharding(x.sharding))

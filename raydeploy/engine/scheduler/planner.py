@@ -296,8 +296,8 @@ class Scheduler(Failures):
                 # n == 0: it holds its slot and pages and starts when its group has budget again
                 if n > 0 and self._chunk(slot, run, n, seqs, entries, updates, events):
                     budget[slot // per_group] -= n
-            proposals = {} if seqs else self._proposals(decoding)
-            steps = 1 if seqs or proposals else self._decode_steps([r for _, r in decoding])
+            proposals, retry = ({}, False) if seqs else self._proposals(decoding)
+            steps = 1 if seqs or proposals or retry else self._decode_steps([r for _, r in decoding])
             if held and not seqs:  # a decode-only plan ends where the held prompts may go on (`held_floor`)
                 steps = self.pacing.held_steps(steps, wait)
             # (seqs holds the prompt chunks so far) the plan's duration feeds the chunk hold-back
@@ -390,24 +390,26 @@ class Scheduler(Failures):
         entries.append((slot, run))
         return True
 
-    def _proposals(self, decoding: list[tuple[int, Running]]) -> dict[int, list[int]]:
+    def _proposals(self, decoding: list[tuple[int, Running]]) -> tuple[dict[int, list[int]], bool]:
         """Under the lock, for a plan of decode rows only: each speculating row's proposed tokens by slot (none
         when speculation is off, or when a dp group holds more than `max_rows` decode rows: the per-step
-        back-off). A row speculates while its request allows it (`_may_speculate`) and its lookup finds a match;
-        its proposals stay within its reserved positions, max_seq_len, its max_tokens and its group's token
-        budget of a step (`Paging.max_step_tokens`: the largest verify program; a plan of decode rows only)."""
+        back-off), and whether a warm request found none (`Acceptance.retry`: the plan then runs one pass). A
+        row speculates while its request allows it (`_may_speculate`) and its lookup finds a match; its
+        proposals stay within its reserved positions, max_seq_len, its max_tokens and its group's token budget
+        of a step (`Paging.max_step_tokens`: the largest verify program; a plan of decode rows only)."""
         policy = self.speculation
         if policy is None or not decoding:
-            return {}
+            return {}, False
         per_group = self.max_slots // self.paging.groups
         counts = [0] * self.paging.groups
         for slot, _ in decoding:
             counts[slot // per_group] += 1
         if max(counts) > policy.max_rows:
             self.spec.backoff_steps += 1
-            return {}
+            return {}, False
         budget = [self.paging.max_step_tokens - c for c in counts]
         out: dict[int, list[int]] = {}
+        retry = False
         for slot, run in decoding:
             if not self._may_speculate(run):
                 continue
@@ -418,7 +420,9 @@ class Scheduler(Failures):
             if proposed:
                 out[slot] = proposed
                 budget[g] -= len(proposed)
-        return out
+            elif k > 0 and run.acceptance.retry():
+                retry = True
+        return out, retry
 
     @staticmethod
     def _propose(run: Running, k: int, policy: SpeculationPolicy) -> list[int]:

@@ -8,6 +8,12 @@ where it pays:
   the step is bound by its batch, not by reading the weights, and the multi-pass plans keep their speed);
 - per request: a request whose recent proposals were accepted at a rate below `min_acceptance` stops proposing
   for `PAUSE_PLANS` plans, then tries again with a fresh record.
+And one that keeps the rows that pay speculating: a request whose last verified row had at least
+`WARM_ACCEPTED` proposals accepted (it is copying) is *warm* for `RETRY_PLANS` plans in which its lookup finds
+nothing; such a plan runs one pass instead of
+`decode_steps`, so the lookup tries again after one token instead of several (a copy that resumes after a changed
+word is caught at once). A warm row costs the per-plan cost of a one-pass plan, nothing when its plan had one
+pass anyway.
 Rows that cannot speculate exactly in this engine never do: constrained rows (their mask after a proposal needs
 the grammar advanced past it), rows that report alternatives (`top_logprobs`), and rows still under their
 min_tokens ban."""
@@ -24,6 +30,12 @@ MIN_RECORDED = 4
 """Verified rows a request needs before its rate can pause it."""
 PAUSE_PLANS = 32
 """Plans a request with a low acceptance rate proposes nothing for."""
+RETRY_PLANS = 4
+"""One-pass plans a warm request may ask for while its lookup finds nothing, before its plans take `decode_steps`
+passes again."""
+WARM_ACCEPTED = 2
+"""Accepted proposals of a verified row that make its request warm. One is what a common pair of words gives in
+free text (the open-ended story of benchmarks/speculative.py), where one-pass plans cost without paying."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +79,24 @@ class Acceptance:
 
     recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=ACCEPTANCE_WINDOW))
     paused_until: int = 0
+    warm: int = 0
+    """One-pass plans left to this request while its lookup finds nothing (`RETRY_PLANS` after a row with
+    `WARM_ACCEPTED` accepted proposals)."""
 
     def allows(self, step_id: int) -> bool:
         return step_id >= self.paused_until
 
+    def retry(self) -> bool:
+        """Whether a plan in which this request found no proposal should run one pass (and use one of them)."""
+        if self.warm <= 0:
+            return False
+        self.warm -= 1
+        return True
+
     def note(self, proposed: int, accepted: int, step_id: int, min_acceptance: float) -> None:
         """Record a verified row; a low recent rate pauses the request for `PAUSE_PLANS` plans."""
         self.recent.append((proposed, accepted))
+        self.warm = RETRY_PLANS if accepted >= WARM_ACCEPTED else 0
         if len(self.recent) < MIN_RECORDED:
             return
         total = sum(p for p, _ in self.recent)

@@ -147,6 +147,22 @@ def build_spec_inputs(seqs: Sequence[SeqStep], places: Sequence[int], tokens: in
     return HostSpec(a, out)
 
 
+def as_single_rows(seqs: Sequence[SeqStep]) -> tuple[list[SeqStep], list[int]]:
+    """`seqs` with each speculating row split into one-token rows, one per place (its last token, then each
+    proposal, at positions start, start + 1, ..; sampling nothing: the verification draws), so each place attends
+    as a plain decode row there does (`ProgramSet.verify_rows`); and each plan sequence's first row among them."""
+    out: list[SeqStep] = []
+    first: list[int] = []
+    for q in seqs:
+        first.append(len(out))
+        if not q.spec:
+            out.append(q)
+            continue
+        toks = np.asarray(q.tokens, np.int32).reshape(-1)
+        out.extend(SeqStep(q.slot, toks[j:j + 1], q.start + j, False) for j in range(toks.size))
+    return out, first
+
+
 def accept_lengths(drawn_sk: jax.Array, proposals_sk: jax.Array) -> jax.Array:
     """Accepted proposals per row [S]: the longest prefix where each proposal equals the draw at the place before
     it (`drawn_sk[:, j]` is the token drawn after the row's place j, i.e. in proposal j's position)."""
