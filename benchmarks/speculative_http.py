@@ -16,8 +16,11 @@ piece of code, where lookup helps; an open-ended story, where it does not):
   end): aggregate tok/s over the window in which all 16 stream (from the last stream's first token to the first
   stream's last), after one untimed warm round. Goal >= 0.95x.
 
-Tokens are counted per SSE chunk: the server writes one chunk per token (a plan's tokens in one message), checked
-against each answer's usage.completion_tokens. Every ngram answer's text must equal the plain answer's of the same
+Arrivals are taken per SSE chunk: the server writes one chunk per piece (a plan's pieces in one message), a piece
+per token, and one more piece without a token where the finish comes apart from the last token
+(`one_chunk_per_token` in the results says whether every answer had exactly as many chunks as tokens). TPOT divides
+by usage.completion_tokens; the 16-stream window counts chunks (a token-less finish chunk lands at its stream's end,
+so at most the first stream to end adds one to the window's count). Every ngram answer's text must equal the plain answer's of the same
 round (greedy decoding; verification draws each token as plain decoding would): a mismatch is recorded in the
 results file and stops the run. After the runs the ngram server's /metrics (`vllm:spec_decode_*`) gives the
 acceptance figures. Writes benchmarks/results/speculative_http.json.
