@@ -2,7 +2,10 @@
 
 These run the real CLI in a fresh process (it must set the JAX environment before jax starts), with the real
 libtpu from the test extra and no TPU. Each TPU config is compiled once per session and its JSON report is
-shared by the checks below.
+shared by the checks below. A deviceless compile of a large model takes minutes on a small machine, so no config
+is compiled twice: tpu-v5e-16 is compiled with speculation on (its step programs are the same programs as without
+it, and the verify programs come with them), and the 70B int8 config compiles the widest page table of each token
+bucket unless RAYDEPLOY_FULL_COMPILE=1 (`test_quantized_configs_compile_deviceless_and_every_program_fits`).
 """
 
 from __future__ import annotations
@@ -22,21 +25,49 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 GIB = 1024**3
+FULL_COMPILE = os.environ.get("RAYDEPLOY_FULL_COMPILE") == "1"
+"""Compile every program of the 70B int8 config (19; about 7 minutes here) instead of the widest page table of
+each token bucket (7 programs)."""
+
+_WIDEST_TABLES = """
+import sys
+from raydeploy.platform_env import keep_jax_off_missing_tpu
+keep_jax_off_missing_tpu()  # as `raydeploy` does, before jax is imported
+from raydeploy.cli import main
+from raydeploy.engine.programs import ProgramSet
+every = ProgramSet.shapes
+ProgramSet.shapes = lambda self: [s for s in every(self) if s.kind == "presence" or s.pages == self.page_buckets[-1]]
+sys.exit(main(sys.argv[1:]))
+"""
+"""`raydeploy ARGS` with the programs of the widest page table only (and presence_row): the same programs, a
+subset of them (`raydeploy compile --only` selects kinds, not tables)."""
 
 
-def _run(*args: str, env: dict[str, str] | None = None, timeout_s: int = 1500) -> subprocess.CompletedProcess:
+def _run(*args: str, env: dict[str, str] | None = None, timeout_s: int = 1500,
+         widest_tables: bool = False) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items()
             if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "TPU_SKIP_MDS_QUERY", "PJRT_NPROC")}
-    return subprocess.run([sys.executable, "-m", "raydeploy", "compile", *args], cwd=REPO, capture_output=True,
+    cmd = ["-c", _WIDEST_TABLES] if widest_tables else ["-m", "raydeploy"]
+    return subprocess.run([sys.executable, *cmd, "compile", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout_s, env={**base, **(env or {})})
+
+
+TPU_CONFIGS = {  # name -> --set overrides: tpu-v5e-16 with speculation, so its verify programs come in one compile
+    "tpu-v5e-16": ["engine.speculative.method=ngram"],
+    "tpu-v6e-16": [],
+}
 
 
 @pytest.fixture(scope="session")
 def tpu_reports() -> dict[str, dict]:
+    """Every program of each TPU config, compiled once. tpu-v5e-16 speculates (ngram): its step programs are the
+    programs of the config as it is (an n-gram proposer adds no weights, and the step programs take no speculation
+    inputs: the verify programs do), and its verify programs are compiled beside them instead of in a second
+    compile of the same config; tpu-v6e-16 does not, so it has no verify programs."""
     pytest.importorskip("libtpu")
     out = {}
-    for name in ("tpu-v5e-16", "tpu-v6e-16"):
-        r = _run(f"configs/{name}.yaml", "--json")
+    for name, sets in TPU_CONFIGS.items():
+        r = _run(f"configs/{name}.yaml", "--json", *(a for s in sets for a in ("--set", s)))
         assert r.returncode == 0, f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         out[name] = json.loads(r.stdout)
     return out
@@ -55,7 +86,8 @@ def test_tpu_configs_compile_deviceless_and_every_program_fits(tpu_reports, name
     rep = tpu_reports[name]
     assert "TPU v5 lite" in rep["target"] if name == "tpu-v5e-16" else "TPU v6" in rep["target"]
     names = [p["name"] for p in rep["programs"]]
-    assert {n.split("_")[0] for n in names} == {"step", "presence"}
+    # verify programs only where the config speculates (test_speculation_adds_verify_programs_that_compile_and_fit)
+    assert {n.split("_")[0] for n in names} == {"step", "presence"} | ({"verify"} if TPU_CONFIGS[name] else set())
     # a few token buckets, one page-table width: the decode rows of a dp group in powers of four up to its
     # slots (v5e: 168 slots / dp 4 = 42; v6e: 65 slots, dp 1), a 256-token chunk and its quarter; the TPU
     # kernel reads only live pages, so every program takes the table of 8192 tokens (512 pages of 16)
@@ -345,22 +377,27 @@ def test_bring_up_loads_the_programs_that_compile_wrote(tmp_path: Path, demo_che
 
 # -- quantized weights (model.quantization int8) and an int8 KV cache ------------------------------------------------
 
-QUANT_CASES = {  # name -> (config, extra --set overrides)
-    "v5e-8-70b-int8": ("configs/tpu-v5e-8-llama3-70b-int8.yaml", []),
-    "v5e-16-int8": ("configs/tpu-v5e-16.yaml", ["model.quantization=int8"]),
+QUANT_CASES = {  # name -> (config, extra --set overrides, the widest page table only unless FULL_COMPILE)
+    "v5e-8-70b-int8": ("configs/tpu-v5e-8-llama3-70b-int8.yaml", [], True),
+    "v5e-16-int8": ("configs/tpu-v5e-16.yaml", ["model.quantization=int8"], False),
 }
+V5E_8_70B_TOKENS, V5E_8_70B_TABLES = (1, 4, 16, 36, 64, 256), (16, 128, 512)
+"""The 70B int8 config's step buckets: token places (decode rows in powers of four up to its 36 slots, a 256-token
+chunk and its quarter) by page-table width (with the int8 KV cache the attention's work follows the table, so the
+table is bucketed: 256 tokens, then 8x, up to 8192 tokens in pages of 16)."""
 
 
 class _QuantReports(dict):
-    """Each quantized case compiled once, when a test first asks for it (every program, --json), with its plan and
-    its model's config."""
+    """Each quantized case compiled once, when a test first asks for it (--json; every program, or those of the
+    widest page table where QUANT_CASES says so and RAYDEPLOY_FULL_COMPILE is not 1), with its plan and its model's
+    config."""
 
     def __missing__(self, name: str) -> tuple[dict, Any, Any]:
         from raydeploy.config import load_config
         from raydeploy.plan import make_plan, model_family
 
-        config, sets = QUANT_CASES[name]
-        r = _run(config, "--json", *(a for s in sets for a in ("--set", s)))
+        config, sets, widest = QUANT_CASES[name]
+        r = _run(config, "--json", *(a for s in sets for a in ("--set", s)), widest_tables=widest and not FULL_COMPILE)
         assert r.returncode == 0, f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         cfg = load_config(REPO / config, sets)
         family, model, _ = model_family(cfg)
@@ -400,13 +437,32 @@ def test_quantized_configs_compile_deviceless_and_every_program_fits(quant_repor
     With the int8 KV cache the pool is held once: in its TPU layout (`kv_quant.stored_shapes`) XLA keeps it as
     it is through the layer loop, so the temporaries are one layer's work, at most the dequantized copy of the
     pages a step's table names in one layer (0.29 GiB at 36 rows x 512 pages), never the pool (5.8 GiB a chip).
-    In the rows layout XLA relaid the pool out, padded, around and inside the loop: 25.7 GiB a step program."""
+    In the rows layout XLA relaid the pool out, padded, around and inside the loop: 25.7 GiB a step program.
+
+    The 70B config has 19 programs: 6 token buckets x 3 page-table widths (16, 128, 512 pages) and presence_row.
+    All 19 compiled take about 7 minutes here (peak 14.29-14.60 GiB, docs/quantization.md), so by default only
+    the 512-page table of each token bucket is compiled, with presence_row (7 programs). A narrower table's step
+    program is the same program over fewer pages per row: the same weights and pool, a smaller table, and smaller
+    temporaries (the dequantized copy of the pages the table names is rows x pages a layer), so each token
+    bucket's peak is at its widest table. Every token bucket is kept: the peak grows with the tokens (14.29 GiB
+    at 1 to 14.60 at 256, at 512 pages), and the weights are read differently at one row (converts fused) and
+    from 4 rows up (the dot takes the s8 kernel), which `test_decode_reads_the_int8_weights_as_stored` checks
+    per program. RAYDEPLOY_FULL_COMPILE=1 compiles all 19 and checks that bound: no program's peak is above its
+    token bucket's at 512 pages."""
     rep, plan, _ = quant_reports[name]
     assert "TPU v5 lite" in rep["target"] and rep["problems"] == [], rep["problems"]
     assert rep["weight_bytes_per_chip"] == plan.param_bytes_per_device
     assert rep["kv_cache_bytes_per_chip"] == plan.kv_bytes_per_device
     steps = [p for p in rep["programs"] if p["name"].startswith("step_")]
     assert steps and {p["name"].split("_")[0] for p in rep["programs"]} >= {"step", "presence"}
+    if name == "v5e-8-70b-int8":
+        tables = V5E_8_70B_TABLES if FULL_COMPILE else V5E_8_70B_TABLES[-1:]
+        assert sorted(p["name"] for p in steps) == sorted(f"step_{t}x{n}" for t in V5E_8_70B_TOKENS for n in tables)
+        peak = {p["name"]: p["peak_bytes"] for p in steps}
+        print("70B int8 step programs, peak GiB per chip:", {n: round(b / GIB, 3) for n, b in peak.items()})
+        widest = V5E_8_70B_TABLES[-1]
+        for n, b in peak.items():  # the bound the default subset rests on (checked where all are compiled)
+            assert b <= peak[f"{n.rsplit('x', 1)[0]}x{widest}"], n
     for p in rep["programs"]:
         assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
     for p in steps:  # the quantized weights (and pool) are really the programs' arguments, scales included
@@ -442,24 +498,25 @@ def test_decode_reads_the_int8_weights_as_stored(quant_reports, name):
 
 # -- speculative decoding: the verify programs ------------------------------------------------------------------------
 
-def test_speculation_adds_verify_programs_that_compile_and_fit():
+def test_speculation_adds_verify_programs_that_compile_and_fit(tpu_reports):
     """tpu-v5e-16 with `--set engine.speculative.method=ngram`: `raydeploy compile` lists and compiles the verify
     programs (`verify_{T}x{P}`: a dp group's 4 speculating rows of k + 1 = 5 places beside a decode row for each
     of its other 38 slots, in the step's token buckets from 2 to 4 x 5 + 38 = 58), each fits the chip and takes
     the weights and the KV pool as arguments (and updates the pool in place: no cache-sized temporaries); without
-    speculation the config has none. Only the verify programs are compiled here (`--only verify`): the step
-    programs are those of the base config (`tpu_reports`). Their peak bytes per chip are printed for the record."""
+    speculation the config has none (`--only verify` of it compiles nothing). The verify programs are those of
+    the session's compile of the speculating config (`tpu_reports`: its step programs beside them are the plain
+    config's). Their peak bytes per chip are printed for the record."""
     pytest.importorskip("libtpu")
     plain = _run("configs/tpu-v5e-16.yaml", "--json", "--only", "verify")
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert json.loads(plain.stdout)["programs"] == []
-    r = _run("configs/tpu-v5e-16.yaml", "--json", "--only", "verify", "--set", "engine.speculative.method=ngram")
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    rep = json.loads(r.stdout)
+    assert TPU_CONFIGS["tpu-v5e-16"] == ["engine.speculative.method=ngram"]
+    rep = tpu_reports["tpu-v5e-16"]
     assert "TPU v5 lite" in rep["target"] and rep["problems"] == [], rep["problems"]
-    assert sorted(p["name"] for p in rep["programs"]) == sorted(f"verify_{t}x512" for t in (4, 16, 42, 64))
-    print("verify programs, peak GiB per chip:", {p["name"]: round(p["peak_bytes"] / GIB, 3) for p in rep["programs"]})
-    for p in rep["programs"]:
+    verifies = [p for p in rep["programs"] if p["name"].startswith("verify_")]
+    assert sorted(p["name"] for p in verifies) == sorted(f"verify_{t}x512" for t in (4, 16, 42, 64))
+    print("verify programs, peak GiB per chip:", {p["name"]: round(p["peak_bytes"] / GIB, 3) for p in verifies})
+    for p in verifies:
         assert 0 < p["peak_bytes"] <= rep["chip_memory_bytes"], p["name"]
         assert p["argument_bytes"] >= rep["weight_bytes_per_chip"] + rep["kv_cache_bytes_per_chip"], p["name"]
         assert p["temp_bytes"] < rep["kv_cache_bytes_per_chip"] / llama_layers("tpu-v5e-16"), p["name"]
