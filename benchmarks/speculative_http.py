@@ -25,8 +25,8 @@ round (greedy decoding; verification draws each token as plain decoding would): 
 results file and stops the run. After the runs the ngram server's /metrics (`vllm:spec_decode_*`) gives the
 acceptance figures. Writes benchmarks/results/speculative_http.json.
 
-    flock /tmp/raydeploy-heavy.lock .venv/bin/python benchmarks/speculative_http.py
-    flock /tmp/raydeploy-heavy.lock .venv/bin/python benchmarks/speculative_http.py --rounds 1
+    .venv/bin/python benchmarks/speculative_http.py
+    .venv/bin/python benchmarks/speculative_http.py --rounds 1
 """
 
 from __future__ import annotations
